@@ -1,0 +1,18 @@
+"""Shared pytest setup: GPU/NVSHMEM tests are skipped cleanly (with a reason) where there is no GPU."""
+import importlib.util
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_NVSHMEM = HAS_CUDA and importlib.util.find_spec("nvshmem") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_nvshmem = pytest.mark.skip(reason="needs a CUDA GPU and nvshmem4py")
+    for item in items:
+        if "nvshmem" in item.keywords and not HAS_NVSHMEM:
+            item.add_marker(skip_nvshmem)
+        elif "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
