@@ -92,7 +92,7 @@ def grouped_m_rows(m: int, groups: int) -> int:
     return round_up(m + groups * (TILE_ROWS - 1), TILE_ROWS) if groups else round_up(m, TILE_ROWS)
 
 
-def _check_offs(offs: torch.Tensor, total: int) -> None:
+def _check_offs(offs: torch.Tensor) -> None:
     if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"group offsets must be a 1D int32 tensor of end offsets, got {offs.dtype} {tuple(offs.shape)}")
 
@@ -102,7 +102,7 @@ def grouped_m_row_map(offs: torch.Tensor, m: int) -> torch.Tensor:
 
     Rows at or past ``offs[-1]`` (not in any group) map to -1.
     """
-    _check_offs(offs, m)
+    _check_offs(offs)
     offs = offs.to(torch.int64)
     dev = offs.device
     rows = torch.arange(m, device=dev, dtype=torch.int64)
@@ -146,7 +146,7 @@ def grouped_k_cols(k_blocks: int, groups: int) -> int:
 
 def grouped_k_col_map(offs: torch.Tensor, k: int) -> torch.Tensor:
     """For each of the ``k // 32`` K-blocks, its column in the grouped-along-K scale matrix (-1 past the groups)."""
-    _check_offs(offs, k)
+    _check_offs(offs)
     if k % 32:
         raise ValueError(f"grouped-along-K needs K a multiple of 32, got {k}")
     nb = k // 32

@@ -1,0 +1,207 @@
+"""The plain-torch reference quantizer against the spec: worked examples, exhaustive scale-rule sweeps,
+an independent float64 oracle for payloads, special values, and bad input."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mxcomm.mx import dequantize, quantize, scale_bytes_from_amax, scale_value
+from mxcomm.mx.scales import E4M3_MAX
+
+FMAX32 = torch.finfo(torch.float32).max
+
+
+def _block(fill, first=None):
+    x = torch.full((1, 32), fill, dtype=torch.float32)
+    if first is not None:
+        x[0, 0] = first
+    return x
+
+
+# (block, floor (scale, first payload byte), rceil (scale, first payload byte)) — MXFP8.md worked examples.
+WORKED = [
+    ("all 0.0", _block(0.0), (0, 0x00), (0, 0x00)),
+    ("all 448", _block(448.0), (127, 0x7E), (127, 0x7E)),
+    ("all 480", _block(480.0), (127, 0x7E), (128, 0x77)),
+    ("all 1.0", _block(1.0), (119, 0x78), (119, 0x78)),
+    ("3.75 then small", _block(0.01, 3.75), (120, 0x7E), (121, 0x77)),
+    ("one NaN, rest 1.0", _block(1.0, float("nan")), (255, 0x7F), (255, 0x7F)),
+    ("all fp32 max", _block(FMAX32), (246, 0x7E), (247, 0x78)),
+    ("all 2^-126", _block(2.0**-126), (0, 0x40), (0, 0x40)),
+    ("1e-40 then 0", _block(0.0, 1e-40), (0, 0x09), (0, 0x09)),
+]
+
+
+@pytest.mark.parametrize("name,x,floor,rceil", WORKED, ids=[w[0] for w in WORKED])
+def test_worked_examples(name, x, floor, rceil):
+    for mode, (sb, pb) in (("floor", floor), ("rceil", rceil)):
+        mx = quantize(x, mode=mode)
+        assert int(mx.scales[0, 0]) == sb, (name, mode)
+        assert int(mx.qdata.view(torch.uint8)[0, 0]) == pb, (name, mode)
+
+
+def test_tie_rounds_to_even():
+    # 1.0625 at scale 2^-8 (the block max 2^-8*448/2 keeps scale 2^-8... choose amax so scale = 2^-8):
+    # payload 1.0625 lies halfway between e4m3 1.0 (0x38) and 1.125 (0x39): ties to even -> 0x38.
+    x = torch.full((1, 32), 1.0625 * 2.0**-8, dtype=torch.float32)
+    x[0, 1] = 448.0 * 2.0**-8  # amax = 448 * 2^-8 -> scale 2^-8 in both modes
+    for mode in ("floor", "rceil"):
+        mx = quantize(x, mode=mode)
+        assert int(mx.scales[0, 0]) == 127 - 8
+        assert int(mx.qdata.view(torch.uint8)[0, 0]) == 0x38
+
+
+# ---------------------------------------------------------------- independent oracle (float64 / Python ints)
+
+def _oracle_scale(amax32: float, mode: str) -> int:
+    if not math.isfinite(amax32):
+        return 255
+    if mode == "floor":
+        if amax32 == 0.0:
+            return 0
+        _, ex = math.frexp(amax32)
+        return min(max(ex - 1 - 8 + 127, 0), 254)
+    p = float(np.float32(amax32) * np.float32(1.0 / 448.0))  # the fp32 product, as hardware computes it
+    if p == 0.0:
+        return 0
+    m, ex = math.frexp(p)
+    c = ex - 1 if m == 0.5 else ex  # ceil(log2 p), exact
+    return min(max(c, -127), 127) + 127
+
+
+def _e4m3_table():
+    allb = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+    pos = [(v, b) for b, v in enumerate(allb) if np.isfinite(v) and v >= 0 and b < 0x80]
+    pos.sort()
+    return np.array([v for v, _ in pos]), np.array([b for _, b in pos])
+
+
+E4M3_VALS, E4M3_BYTES = _e4m3_table()
+
+
+def _oracle_e4m3(v: np.ndarray) -> np.ndarray:
+    """RNE satfinite float64 -> e4m3 byte, by nearest table entry (ties -> even mantissa bit)."""
+    a = np.minimum(np.abs(v), E4M3_MAX)
+    hi = np.clip(np.searchsorted(E4M3_VALS, a, side="left"), 0, len(E4M3_VALS) - 1)
+    lo = np.clip(hi - 1, 0, None)
+    dlo, dhi = a - E4M3_VALS[lo], E4M3_VALS[hi] - a
+    pick_hi = (dhi < dlo) | ((dhi == dlo) & (E4M3_BYTES[hi] % 2 == 0))
+    byte = np.where(pick_hi, E4M3_BYTES[hi], E4M3_BYTES[lo])
+    return (byte | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_scale_rule_exhaustive_over_bf16_magnitudes(mode):
+    bits = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16)  # every finite non-negative bf16
+    amax = bits.view(torch.bfloat16).to(torch.float32)
+    got = scale_bytes_from_amax(amax, mode).tolist()
+    want = [_oracle_scale(a, mode) for a in amax.tolist()]
+    assert got == want
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_scale_rule_fp32_edges(mode):
+    vals = [0.0, 1e-45, 1e-40, 2.0**-127, 2.0**-126, 448.0 * 2.0**-127, 448.0 * 2.0**-126, 1.75, 1.7500001, 1.9999999,
+            448.0, 480.0, 512.0, FMAX32, float("inf"), float("nan")]
+    x = torch.tensor(vals, dtype=torch.float32)
+    x = torch.cat([x, torch.rand(4000) * 2.0 ** torch.randint(-140, 127, (4000,)).float()])
+    got = scale_bytes_from_amax(x, mode).tolist()
+    assert got == [_oracle_scale(a, mode) for a in x.tolist()]
+
+
+def test_rceil_never_saturates_floor_may():
+    amax = (torch.rand(20000) * 2.0 ** torch.randint(-100, 100, (20000,)).float()).clamp_min(1e-30)
+    for mode in ("rceil", "floor"):
+        scaled = amax / scale_value(scale_bytes_from_amax(amax, mode)).double().float()
+        if mode == "rceil":
+            assert bool((scaled <= E4M3_MAX).all())
+        else:
+            assert bool((scaled < 512).all()) and bool((scaled > E4M3_MAX).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_random_blocks_against_float64_oracle(dtype, mode):
+    g = torch.Generator().manual_seed(1234 + hash((str(dtype), mode)) % 1000)
+    rows, k = 64, 256
+    expo = torch.randint(-20 if dtype == torch.float16 else -60, 15 if dtype == torch.float16 else 60, (rows, k // 32, 1), generator=g)
+    x = (torch.randn(rows, k // 32, 32, generator=g) * 2.0 ** expo.float()).reshape(rows, k).to(dtype)
+    x[3, :32] = 0.0
+    x[5, 40] = -0.0
+    mx = quantize(x, mode=mode)
+    xf = x.to(torch.float64).reshape(rows, k // 32, 32)
+    amax = x.to(torch.float32).abs().reshape(rows, k // 32, 32).amax(-1)
+    sb = np.array([[_oracle_scale(a, mode) for a in r] for r in amax.tolist()], dtype=np.int64)
+    assert mx.scales.tolist() == sb.tolist()
+    scale = np.ldexp(1.0, sb - 127)[..., None]
+    want = _oracle_e4m3(xf.numpy() / scale).reshape(rows, k)
+    assert np.array_equal(mx.qdata.view(torch.uint8).numpy(), want)
+
+
+def test_nan_and_inf_poison_only_their_block():
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    x[0, 5] = float("nan")
+    x[1, 64] = float("inf")
+    x[2, 127] = float("-inf")
+    for mode in ("rceil", "floor"):
+        mx = quantize(x, mode=mode)
+        ref_clean = quantize(torch.where(torch.isfinite(x), x, torch.zeros_like(x)), mode=mode)
+        bad = torch.zeros(4, 4, dtype=torch.bool)
+        bad[0, 0] = bad[1, 2] = bad[2, 3] = True
+        assert bool((mx.scales[bad] == 255).all())
+        assert bool((mx.scales[~bad] == ref_clean.scales[~bad]).all())
+        q = mx.qdata.view(torch.uint8).reshape(4, 4, 32)
+        assert bool((q[bad] == 0x7F).all())
+        assert torch.equal(q[~bad], ref_clean.qdata.view(torch.uint8).reshape(4, 4, 32)[~bad])
+        d = mx.dequantize(torch.float32).reshape(4, 4, 32)
+        assert bool(torch.isnan(d[bad]).all()) and bool(torch.isfinite(d[~bad]).all())
+
+
+def test_dequantize_roundtrip_exact_for_representable_values():
+    # values that are e4m3 numbers times a power of two per block survive exactly
+    q = torch.randint(0, 0x7F, (8, 64), dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    q[:, ::32] = 448.0  # make every block's max 448 so the scale is exactly the chosen power of two
+    x = q * 2.0 ** torch.randint(-20, 20, (8, 2, 1)).float().repeat_interleave(32, 1).reshape(8, 64)
+    x = x * torch.where(torch.rand(8, 64) < 0.5, -1.0, 1.0)
+    mx = quantize(x, mode="rceil")
+    assert torch.equal(dequantize(mx, torch.float32), x)
+
+
+def test_dequantize_error_bound():
+    x = torch.randn(16, 512, dtype=torch.float32) * 3
+    for mode in ("rceil", "floor"):
+        d = dequantize(quantize(x, mode=mode), torch.float32)
+        rel = ((d - x).norm() / x.norm()).item()
+        assert rel < 0.04
+
+
+def test_column_wise_is_row_wise_of_transpose():
+    x = torch.randn(64, 96, dtype=torch.bfloat16)
+    col = quantize(x, axis=0)
+    row_t = quantize(x.t().contiguous(), axis=-1)
+    assert col.axis == 0 and tuple(col.scales.shape) == (2, 96)
+    assert torch.equal(col.qdata.view(torch.uint8), row_t.qdata.view(torch.uint8).t())
+    assert torch.equal(col.scales, row_t.scales.t())
+    assert torch.equal(col.dequantize(torch.float32), row_t.dequantize(torch.float32).t())
+
+
+def test_higher_rank_and_empty():
+    x = torch.randn(2, 3, 64)
+    mx = quantize(x)
+    assert tuple(mx.scales.shape) == (2, 3, 2)
+    e = quantize(torch.zeros(0, 64, dtype=torch.bfloat16))
+    assert tuple(e.qdata.shape) == (0, 64) and tuple(e.scales.shape) == (0, 2)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="100"):
+        quantize(torch.randn(4, 100))
+    with pytest.raises(TypeError, match="int32"):
+        quantize(torch.zeros(4, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="scale mode"):
+        quantize(torch.randn(4, 64), mode="nearest")
+    with pytest.raises(ValueError, match="axis"):
+        quantize(torch.randn(4, 64), axis=2)
+    with pytest.raises(ValueError, match="group_offs"):
+        quantize(torch.randn(4, 64), layout="grouped_m")
