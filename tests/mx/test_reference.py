@@ -123,7 +123,7 @@ def test_rceil_never_saturates_floor_may():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 def test_random_blocks_against_float64_oracle(dtype, mode):
-    g = torch.Generator().manual_seed(1234 + hash((str(dtype), mode)) % 1000)
+    g = torch.Generator().manual_seed(1234)
     rows, k = 64, 256
     expo = torch.randint(-20 if dtype == torch.float16 else -60, 15 if dtype == torch.float16 else 60, (rows, k // 32, 1), generator=g)
     x = (torch.randn(rows, k // 32, 32, generator=g) * 2.0 ** expo.float()).reshape(rows, k).to(dtype)
@@ -135,7 +135,8 @@ def test_random_blocks_against_float64_oracle(dtype, mode):
     sb = np.array([[_oracle_scale(a, mode) for a in r] for r in amax.tolist()], dtype=np.int64)
     assert mx.scales.tolist() == sb.tolist()
     scale = np.ldexp(1.0, sb - 127)[..., None]
-    want = _oracle_e4m3(xf.numpy() / scale).reshape(rows, k)
+    want = _oracle_e4m3(xf.numpy() / scale)
+    want = np.where((sb == 255)[..., None], 0x7F, want).reshape(rows, k)  # fp16 overflow -> Inf -> NaN block
     assert np.array_equal(mx.qdata.view(torch.uint8).numpy(), want)
 
 
