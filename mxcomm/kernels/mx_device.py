@@ -1,0 +1,218 @@
+"""Reusable Triton device functions for MXFP8 (E4M3 payload, E8M0 scale per 32 values).
+
+Every function here is ``@triton.jit`` and meant to be called from other kernels (quantize,
+EP dispatch/combine, fused activations) so that values are quantized in registers, with the
+exact rules of :mod:`mxcomm.mx.scales` (the plain-torch reference):
+
+* scale byte (``MODE`` constexpr, see :data:`SCALE_MODE_IDS`):
+  rceil (0): exponent field of ``fp32(amax) * fp32(1/448)`` plus one if its mantissa is
+  non-zero (fp32 subnormal: if the mantissa exceeds 0x400000), clamped to 254;
+  floor (1): ``clamp(exponent_field(amax) - 8, 0, 254)``; NaN/Inf amax -> 255.
+* payload: ``e4m3_rne_satfinite(x * 2**(127 - b))``; a block holding NaN or +-Inf gets scale 255
+  and payload bytes 0x7F; other blocks are unaffected.
+* E4M3 rounding: ``INT_ROUND=True`` rounds with integer arithmetic (bit-exact everywhere, also
+  under ``TRITON_INTERPRET=1`` whose float8 cast is not RNE); ``INT_ROUND=False`` uses the
+  hardware ``cvt.rn.satfinite`` cast (GPU only; faster).
+
+Payload bytes are handled as integers (int32 in registers, stored as uint8): store them into a
+``float8_e4m3fn`` tensor viewed as ``torch.uint8``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..mx.scales import _INV_E4M3_MAX_F32
+
+#: Scale rule name -> ``MODE`` constexpr id used by the device functions.
+SCALE_MODE_RCEIL = 0
+SCALE_MODE_FLOOR = 1
+SCALE_MODE_IDS = {"rceil": SCALE_MODE_RCEIL, "floor": SCALE_MODE_FLOOR}
+
+#: fp32(1/448), exactly as the reference computes it (a Python float that is an exact fp32).
+INV_E4M3_MAX: tl.constexpr = tl.constexpr(_INV_E4M3_MAX_F32)
+
+
+@triton.jit
+def mx_scale_bytes(amax, MODE: tl.constexpr):
+    """E8M0 scale bytes from block maxima.
+
+    Args:
+        amax: fp32 tensor (any shape) of ``max |x|`` per block; NaN or +Inf marks a bad block.
+        MODE: 0 = rceil, 1 = floor (:data:`SCALE_MODE_IDS`).
+    Returns:
+        int32 tensor of the same shape with values 0..255 (255 for NaN/Inf amax).
+    """
+    abits = amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bad = abits >= 0x7F800000
+    safe = tl.where(bad, 0.0, amax)
+    if MODE == 0:
+        v = safe * INV_E4M3_MAX
+        bits = v.to(tl.int32, bitcast=True)
+        exp = (bits >> 23) & 0xFF
+        man = bits & 0x7FFFFF
+        up = tl.where(exp == 0, man > 0x400000, man != 0)
+        b = tl.minimum(exp + up.to(tl.int32), 254)
+    else:
+        bits = safe.to(tl.int32, bitcast=True)
+        exp = (bits >> 23) & 0xFF
+        b = tl.minimum(tl.maximum(exp - 8, 0), 254)
+    return tl.where(bad, 255, b)
+
+
+@triton.jit
+def mx_reciprocal(b):
+    """fp32 ``2**(127 - b)`` for int32 E8M0 bytes ``b`` (bit-built, exact).
+
+    b == 254 gives the fp32 subnormal 2**-127 (bits 0x00400000), b == 255 gives NaN.
+    """
+    bits = (254 - b) << 23
+    bits = tl.where(b == 254, 0x00400000, bits)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx_scale_value(b):
+    """fp32 ``2**(b - 127)`` for int32 E8M0 bytes (exact); byte 0 -> 2**-127, byte 255 -> NaN."""
+    bits = b << 23
+    bits = tl.where(b == 0, 0x00400000, bits)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_rne_satfinite_int(v):
+    """fp32 -> E4M3 byte by integer arithmetic: round-to-nearest-even, saturate to +-448.
+
+    Handles normals, E4M3 subnormals (down to 2**-9, ties to even), signed zero, +-Inf
+    (saturates to 0x7E/0xFE) and NaN (0x7F, sign kept). Bit-identical to
+    ``torch.clamp(v, -448, 448).to(torch.float8_e4m3fn)``.
+
+    Args:
+        v: fp32 tensor, any shape.
+    Returns:
+        int32 tensor of bytes 0..255.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    is_nan = a > 0x7F800000
+    a = tl.minimum(a, 0x43E00000)  # 448.0: saturate (Inf included)
+    # normal E4M3 (|v| >= 2**-6): drop 20 mantissa bits with RNE, rebias exponent 127 -> 7
+    norm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal E4M3: value in units of 2**-9 is M * 2**(E - 141), E the fp32 exponent field
+    e = a >> 23
+    m = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
+    s = tl.maximum(tl.minimum(141 - e, 25), 21)  # shifts >= 25 round to 0 like 25 does
+    q = m >> s
+    rem = m & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + up.to(tl.int32)
+    res = tl.where(a >= 0x3C800000, norm, sub)
+    res = tl.where(is_nan, 0x7F, res)
+    return res | sign
+
+
+@triton.jit
+def e4m3_byte(v, INT_ROUND: tl.constexpr):
+    """fp32 -> E4M3 byte (int32 0..255), RNE satfinite; integer path or hardware cast."""
+    if INT_ROUND:
+        q = e4m3_rne_satfinite_int(v)
+    else:
+        c = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        q = c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+    return q
+
+
+@triton.jit
+def e4m3_decode(q, INT_ROUND: tl.constexpr):
+    """E4M3 bytes (any integer tensor, values 0..255) -> fp32 (exact; 0x7F/0xFF -> NaN)."""
+    if INT_ROUND:
+        u = q.to(tl.int32) & 0xFF
+        e = (u >> 3) & 0xF
+        m = u & 7
+        mag = tl.where(e == 0, (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True),
+                       ((e + 120) << 23) | (m << 20))
+        mag = tl.where((u & 0x7F) == 0x7F, 0x7FC00000, mag)
+        out = (mag | ((u & 0x80) << 24)).to(tl.float32, bitcast=True)
+    else:
+        out = q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return out
+
+
+@triton.jit
+def bf16_rne_int(v):
+    """fp32 -> bfloat16 by integer RNE (NaN -> canonical quiet NaN with sign); for the interpreter,
+    whose bf16 cast truncates."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 16) & 0x8000
+    a = bits & 0x7FFFFFFF
+    is_nan = a > 0x7F800000
+    a = tl.minimum(a, 0x7F800000)
+    r = (a + 0x7FFF + ((a >> 16) & 1)) >> 16
+    r = tl.where(is_nan, 0x7FC0, r) | sign
+    return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr):
+    """Quantize a register tile whose ``AXIS`` dimension is one 32-value block.
+
+    Args:
+        x: tile of any float dtype, e.g. ``[BM, NB, 32]`` with ``AXIS=2`` (row-wise 1x32 blocks)
+           or ``[BR, 32, BK]`` with ``AXIS=1`` (column-wise 32x1 blocks). Masked-out lanes must
+           be loaded as 0 (an all-zero block gets scale 0, payload 0).
+        MODE: 0 rceil, 1 floor.
+        INT_ROUND: True = integer RNE (bit-exact everywhere), False = hardware cast (GPU).
+        AXIS: the block axis (size 32).
+    Returns:
+        ``(payload, scales)``: payload uint8 E4M3 bytes of ``x``'s shape; scales uint8 E8M0 bytes of
+        ``x``'s shape without ``AXIS``. NaN/Inf blocks: scale 255, payload 0x7F.
+    """
+    xf = x.to(tl.float32)
+    ax = tl.abs(xf)
+    ax = tl.where(xf != xf, float("inf"), ax)  # NaN poisons the block (max may drop NaN)
+    amax = tl.max(ax, axis=AXIS)
+    b = mx_scale_bytes(amax, MODE)
+    y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)
+    q = e4m3_byte(y, INT_ROUND)
+    q = tl.where(tl.expand_dims(b == 255, AXIS), 0x7F, q)
+    return q.to(tl.uint8), b.to(tl.uint8)
+
+
+@triton.jit
+def blocked_scale_offset(r, c, n_col_tiles):
+    """Flat byte offset of scale (row ``r``, block column ``c``) in a 128x4-blocked scale matrix
+    (cuBLAS/CUTLASS SWIZZLE_32_4_4) with ``n_col_tiles`` 4-wide tiles per 128-row tile-row."""
+    return ((r // 128) * n_col_tiles + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+@triton.jit
+def grouped_padded_index(idx, ends_ptr, n_groups, ENDS_DIV: tl.constexpr, ALIGN: tl.constexpr,
+                         G_POW2: tl.constexpr):
+    """Index of ``idx`` in a concatenation of groups each padded to a multiple of ``ALIGN``.
+
+    Groups are given by int32 end offsets ``ends_ptr[0:n_groups]`` (non-decreasing), divided by
+    ``ENDS_DIV`` to get the units of ``idx`` (e.g. 32 for K-blocks from element offsets).
+    Group g occupies ``[end[g-1], end[g])``; its padded start is ``sum_{h<g} round_up(n_h, ALIGN)``.
+    Computed on device without a scan: ``idx + sum_{h: end[h] <= idx} pad_h``.
+
+    Args:
+        idx: 1D int tensor (int32/int64).
+        G_POW2: power of two >= n_groups.
+    Returns:
+        same shape, int64; -1 where ``idx`` is past the last group.
+    """
+    g = tl.arange(0, G_POW2)
+    gm = g < n_groups
+    end = tl.load(ends_ptr + g, mask=gm, other=0) // ENDS_DIV
+    start = tl.load(ends_ptr + g - 1, mask=gm & (g > 0), other=0) // ENDS_DIV
+    size = end - start
+    pad = tl.where(gm, (size + ALIGN - 1) // ALIGN * ALIGN - size, 0).to(tl.int64)
+    i64 = idx.to(tl.int64)
+    before = (end[None, :].to(tl.int64) <= i64[:, None]) & gm[None, :]
+    shift = tl.sum(tl.where(before, pad[None, :], 0), axis=1)
+    last = tl.load(ends_ptr + tl.maximum(n_groups - 1, 0), mask=n_groups > 0, other=0) // ENDS_DIV
+    return tl.where(i64 < last, i64 + shift, -1)
