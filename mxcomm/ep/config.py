@@ -1,0 +1,129 @@
+"""EPConfig: the static description of one expert-parallel group (sizes, layout, precision, backend).
+
+Every rank of a group must hold an identical config (``EPGroup`` checks it at construction);
+buffers of the GPU backend are sized from it once (see :func:`mxcomm.ep.plan.buffer_sizes`).
+"""
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass, fields
+from typing import Optional
+
+PRECISIONS = ("mxfp8", "bf16")
+SCALE_MODES = ("rceil", "floor")
+BACKENDS = ("torch", "nvshmem")
+ALIGNS = (32, 128)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    """Configuration of an expert-parallel dispatch/combine group.
+
+    Attributes:
+        num_experts: E, global number of experts; expert ``e`` lives on rank ``e // (E / world)``.
+        hidden: H, row width (elements); a multiple of 32 (one MX block = 32 values).
+        topk: k, routed experts per token (columns of ``topk_idx``).
+        max_tokens_per_rank: capacity: the most tokens ``T`` one rank may pass to ``dispatch``.
+        align: 32 or 128: each local expert's group of rows is padded to a multiple of this with
+            zero rows (and zero scale bytes).
+        precision: dispatch payload: ``"mxfp8"`` (E4M3 + E8M0 scales) or ``"bf16"``.
+        scale_mode: MX scale rule, ``"rceil"`` (default) or ``"floor"``; used for the dispatch
+            payload and for the quantized combine transport.
+        backend: ``"torch"`` (reference, torch.distributed all-to-all; CPU/gloo and GPU/NCCL) or
+            ``"nvshmem"`` (GPU kernels over NVSHMEM symmetric buffers).
+        num_sms: SMs the GPU backend's kernels may use (None = backend default). Unused by ``torch``.
+        timeout_s: bound on every wait of the GPU backend (seconds). Unused by ``torch``.
+        exact_sizes: True: outputs sized exactly (needs a device-to-host sync). False: outputs sized
+            to the worst case (:func:`mxcomm.ep.plan.max_recv_rows`); real sizes only in the
+            device tensors ``offs`` / ``counts`` (the GPU backend then does no host sync; the
+            reference backend still syncs internally because all-to-all split sizes live on the host).
+    """
+
+    num_experts: int
+    hidden: int
+    topk: int
+    max_tokens_per_rank: int
+    align: int = 32
+    precision: str = "mxfp8"
+    scale_mode: str = "rceil"
+    backend: str = "torch"
+    num_sms: Optional[int] = None
+    timeout_s: float = 30.0
+    exact_sizes: bool = True
+
+    def num_local_experts(self, world_size: int) -> int:
+        """Experts per rank, ``E / world`` (call :meth:`validate` first)."""
+        return self.num_experts // world_size
+
+    def validate(self, world_size: int) -> None:
+        """Raise ValueError listing every problem of this config for a group of ``world_size`` ranks."""
+        errs = []
+        if not _is_int(world_size) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        for name in ("num_experts", "hidden", "topk", "max_tokens_per_rank", "align"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                errs.append(f"{name} must be a positive int, got {v!r}")
+        if not errs:
+            if self.num_experts % world_size:
+                errs.append(
+                    f"num_experts ({self.num_experts}) must be a multiple of the world size ({world_size})"
+                )
+            if self.hidden % 32:
+                errs.append(f"hidden ({self.hidden}) must be a multiple of 32 (the MX block size)")
+            if self.topk > self.num_experts:
+                errs.append(f"topk ({self.topk}) must not exceed num_experts ({self.num_experts})")
+            if self.align not in ALIGNS:
+                errs.append(f"align must be one of {ALIGNS}, got {self.align}")
+        if self.precision not in PRECISIONS:
+            errs.append(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.scale_mode not in SCALE_MODES:
+            errs.append(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        if self.backend not in BACKENDS:
+            errs.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.num_sms is not None and (not _is_int(self.num_sms) or self.num_sms < 1):
+            errs.append(f"num_sms must be None or a positive int, got {self.num_sms!r}")
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, (int, float))
+            or not math.isfinite(self.timeout_s)
+            or self.timeout_s <= 0
+        ):
+            errs.append(f"timeout_s must be a positive finite number, got {self.timeout_s!r}")
+        if not isinstance(self.exact_sizes, bool):
+            errs.append(f"exact_sizes must be a bool, got {self.exact_sizes!r}")
+        if errs:
+            raise ValueError("invalid EPConfig: " + "; ".join(errs))
+
+    def fingerprint(self) -> tuple:
+        """``((field_name, value), ...)`` over all fields, in declaration order; equal on all ranks of a group."""
+        return tuple((f.name, getattr(self, f.name)) for f in fields(self))
+
+    def fingerprint_codes(self) -> list[int]:
+        """The fingerprint encoded as one int64 per field (for an all_gather of a plain tensor).
+
+        Ints map to themselves, floats to their IEEE-754 double bits, strings to a CRC32 tagged
+        so that it cannot collide with small ints, None to a fixed sentinel.
+        """
+        out = []
+        for _, v in self.fingerprint():
+            if v is None:
+                out.append(-(2**62))
+            elif isinstance(v, bool):
+                out.append(int(v))
+            elif isinstance(v, int):
+                out.append(v)
+            elif isinstance(v, float):
+                out.append(struct.unpack("<q", struct.pack("<d", v))[0])
+            else:
+                out.append((1 << 40) | zlib.crc32(repr(v).encode()))
+        return out
+
+
+__all__ = ["EPConfig", "PRECISIONS", "SCALE_MODES", "BACKENDS", "ALIGNS"]

@@ -1,0 +1,241 @@
+"""EPGroup: the user-facing expert-parallel dispatch/combine object.
+
+It checks the config (identical on every rank), validates every call's inputs before anything
+is written or sent, and delegates to a backend:
+
+* ``"torch"``: :class:`mxcomm.ep.reference.TorchBackend` (torch.distributed all-to-all).
+* ``"nvshmem"``: ``mxcomm.ep.nvshmem_backend.NvshmemBackend`` (loaded lazily).
+
+A backend is an object built as ``Backend(config, group, rank, world_size)`` with
+``dispatch(x, topk_idx, topk_weights) -> (DispatchResult, EPHandle)``,
+``combine(expert_out, handle, quantize: bool) -> Tensor`` and a bool attribute
+``device_side_checks`` (True: the backend checks expert-id values on the device itself, so the
+group skips its host-synchronising value checks).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import EPConfig
+from .handle import DispatchResult, EPHandle
+from .plan import buffer_sizes
+
+
+def collective_device(group, data_device: Optional[torch.device] = None) -> torch.device:
+    """Device on which small tensors for a collective on ``group`` must live.
+
+    NCCL-only groups need the current CUDA device; anything else (gloo, mixed) uses the CPU unless
+    ``data_device`` is a CUDA device and the group has a CUDA-capable backend.
+    """
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        if data_device is not None and data_device.type == "cuda":
+            return data_device
+        if "gloo" not in backend and "cpu" not in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_config_agreement(config: EPConfig, group=None) -> None:
+    """All-gather ``config``'s fingerprint; raise ValueError naming differing fields and ranks.
+
+    Collective: every rank of ``group`` must call it (every rank raises on a mismatch).
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    dev = collective_device(group)
+    mine = torch.tensor(config.fingerprint_codes(), dtype=torch.int64, device=dev)
+    bufs = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(bufs, mine, group=group)
+    allc = torch.stack(bufs).cpu()
+    if bool((allc == allc[0:1]).all()):
+        return
+    # Mismatch (seen identically by every rank): gather readable values for the message.
+    objs = [None] * world
+    dist.all_gather_object(objs, config.fingerprint(), group=group)
+    names = [n for n, _ in config.fingerprint()]
+    parts = []
+    for i, name in enumerate(names):
+        col = allc[:, i]
+        if bool((col == col[0]).all()):
+            continue
+        vals = ", ".join(f"rank {r}: {dict(objs[r])[name]!r}" for r in range(world))
+        parts.append(f"{name!r} ({vals})")
+    raise ValueError("EPConfig differs across ranks in " + "; ".join(parts))
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}; all inputs must be on one device")
+
+
+def validate_dispatch_inputs(
+    config: EPConfig, x, topk_idx, topk_weights, *, check_values: bool = True
+) -> None:
+    """Raise TypeError/ValueError for bad dispatch inputs (before anything is written or sent).
+
+    Shapes/dtypes/devices are checked without a sync. ``check_values`` also checks expert ids
+    (in ``[-1, E)``, no duplicate expert in one token's row), which needs a device-to-host sync.
+    """
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2D [T, hidden], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if H != config.hidden:
+        raise ValueError(f"x has hidden size {H}, config.hidden is {config.hidden}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x must be bfloat16 (dispatch quantizes BF16 activations), got {x.dtype}")
+    if T > config.max_tokens_per_rank:
+        raise ValueError(
+            f"x has {T} tokens, more than config.max_tokens_per_rank={config.max_tokens_per_rank} "
+            "(buffer capacity)"
+        )
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+    if tuple(topk_idx.shape) != (T, config.topk):
+        raise ValueError(f"topk_idx must have shape [T, topk] = {(T, config.topk)}, got {tuple(topk_idx.shape)}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be a floating tensor, got {topk_weights.dtype}")
+    if tuple(topk_weights.shape) != (T, config.topk):
+        raise ValueError(
+            f"topk_weights must have shape [T, topk] = {(T, config.topk)}, got {tuple(topk_weights.shape)}"
+        )
+    _check_device("topk_idx", topk_idx, x.device)
+    _check_device("topk_weights", topk_weights, x.device)
+    if check_values and topk_idx.numel():
+        check_expert_ids(topk_idx, config.num_experts)
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """ValueError if an id is outside ``[-1, num_experts)`` or a token lists one expert twice (host sync)."""
+    idx = topk_idx.to(torch.int64)
+    bad = (idx < -1) | (idx >= num_experts)
+    if bool(bad.any()):
+        pos = torch.nonzero(bad)[0].tolist()
+        v = int(idx[pos[0], pos[1]])
+        raise ValueError(
+            f"topk_idx[{pos[0]}, {pos[1]}] = {v} is not a valid expert id (must be in [-1, {num_experts}), "
+            "-1 = dropped)"
+        )
+    if idx.shape[1] > 1:
+        s = torch.sort(idx, dim=1).values
+        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+        if bool(dup.any()):
+            t, j = torch.nonzero(dup)[0].tolist()
+            raise ValueError(f"token {t} lists expert {int(s[t, j + 1])} more than once in topk_idx")
+
+
+def validate_combine_inputs(config: EPConfig, expert_out, handle) -> None:
+    """Raise TypeError/ValueError for bad combine inputs (before anything is sent)."""
+    if not isinstance(handle, EPHandle):
+        raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
+    if handle.config != config:
+        raise ValueError("handle was made by an EPGroup with a different config")
+    if not isinstance(expert_out, torch.Tensor):
+        raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+    want = (handle.num_rows, config.hidden)
+    if tuple(expert_out.shape) != want:
+        raise ValueError(
+            f"expert_out must have the dispatch output's shape [R, hidden] = {want}, got {tuple(expert_out.shape)}"
+        )
+    if expert_out.dtype != torch.bfloat16:
+        raise TypeError(f"expert_out must be bfloat16, got {expert_out.dtype}")
+    if expert_out.device != handle.device:
+        raise ValueError(f"expert_out is on {expert_out.device} but dispatch ran on {handle.device}")
+
+
+def _make_backend(config: EPConfig, group, rank: int, world: int):
+    if config.backend == "torch":
+        from .reference import TorchBackend
+
+        return TorchBackend(config, group, rank, world)
+    if config.backend == "nvshmem":
+        try:
+            from .nvshmem_backend import NvshmemBackend  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise ImportError(f"the 'nvshmem' EP backend is not available: {e}") from e
+        return NvshmemBackend(config, group, rank, world)
+    raise ValueError(f"unknown backend {config.backend!r}")  # validate() already rejects it
+
+
+class EPGroup:
+    """Expert-parallel dispatch/combine over a torch.distributed process group.
+
+    Args:
+        config: :class:`EPConfig`; must be identical on every rank (checked, collective).
+        group: process group (None = WORLD). ``torch.distributed`` must be initialised.
+
+    Attributes:
+        config, group, rank, world_size, num_local_experts, local_experts (range of global ids),
+        memory_bytes: symmetric-buffer bytes a GPU backend allocates for this config
+        (:meth:`buffer_bytes`; the torch backend allocates about as much per call).
+    """
+
+    def __init__(self, config: EPConfig, group=None):
+        if not isinstance(config, EPConfig):
+            raise TypeError(f"config must be an EPConfig, got {type(config).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("EPGroup needs torch.distributed initialised (init_process_group) first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        config.validate(self.world_size)
+        check_config_agreement(config, group)
+        self.config = config
+        self.num_local_experts = config.num_local_experts(self.world_size)
+        self.local_experts = range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
+        self.memory_bytes = EPGroup.buffer_bytes(config, self.world_size)
+        self._backend = _make_backend(config, group, self.rank, self.world_size)
+
+    @staticmethod
+    def buffer_bytes(config: EPConfig, world_size: int) -> int:
+        """Symmetric-buffer bytes per rank a GPU backend needs (:func:`mxcomm.ep.plan.buffer_sizes`)."""
+        return buffer_sizes(config, world_size).total
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """Send each token's row to the ranks of its top-k experts.
+
+        Args:
+            x: bfloat16 ``[T, H]``, ``T <= max_tokens_per_rank`` (T may be 0).
+            topk_idx: int32/int64 ``[T, k]`` global expert ids, -1 = dropped slot.
+            topk_weights: float ``[T, k]`` route weights (kept in the handle for combine).
+        Returns:
+            ``(DispatchResult, EPHandle)``; see :class:`mxcomm.ep.handle.DispatchResult` for the
+            expert-major layout of the received rows.
+        Collective: every rank of the group must call it.
+        """
+        validate_dispatch_inputs(
+            self.config, x, topk_idx, topk_weights,
+            check_values=not getattr(self._backend, "device_side_checks", False),
+        )
+        return self._backend.dispatch(x, topk_idx, topk_weights)
+
+    def combine(self, expert_out: torch.Tensor, handle: EPHandle, *, quantize: Optional[bool] = None) -> torch.Tensor:
+        """Return expert rows to their origin and reduce: ``y[t] = sum_k w[t,k] * out[row(t,k)]``.
+
+        Args:
+            expert_out: bfloat16 ``[R, H]`` in the dispatch output's expert-major layout
+                (padding rows are ignored).
+            handle: the :class:`EPHandle` from the matching dispatch.
+            quantize: transport the rows as MXFP8 (row-wise, the config's scale mode) and
+                dequantize at the origin; default True when ``precision == "mxfp8"``.
+        Returns:
+            bfloat16 ``[T, H]``; reduced in fp32 with k ascending; dropped slots contribute 0.
+        Collective: every rank of the group must call it.
+        """
+        validate_combine_inputs(self.config, expert_out, handle)
+        if quantize is None:
+            quantize = self.config.precision == "mxfp8"
+        return self._backend.combine(expert_out, handle, bool(quantize))
+
+
+__all__ = [
+    "EPGroup", "DispatchResult", "EPHandle", "check_config_agreement", "validate_dispatch_inputs",
+    "validate_combine_inputs", "check_expert_ids", "collective_device",
+]

@@ -1,0 +1,271 @@
+"""The routing plan shared by every EP backend: who sends which (token, k) row where.
+
+Pure, device-agnostic torch (CPU and CUDA), no device-to-host sync: every function here
+takes and returns tensors on the input's device. All plan tensors are int32 and contiguous
+so GPU kernels can read them directly.
+
+Terms (``W`` ranks, ``E`` experts, ``El = E / W`` local experts, ``T`` tokens, ``k`` = topk):
+
+* ``counts [W, E]`` int32: ``counts[s, e]`` = rows source rank ``s`` sends to global expert
+  ``e`` = number of valid slots ``(t, j)`` of rank ``s`` with ``topk_idx[t, j] == e``. Every rank
+  holds the whole matrix (all_gather in the reference backend; peer buffers in the GPU backend).
+* Expert-major layout on receiving rank ``r``: local expert 0's group, then 1, ...; inside
+  global expert ``e``'s group the rows of source rank 0 (in its ``(t, j)`` order, token
+  ascending then ``j``), then source 1, ...; then zero rows up to a multiple of ``align``.
+  Group ``e`` has ``n_e = sum_s counts[s, e]`` real rows and ``round_up(n_e, align)`` rows.
+* Send order on origin rank ``s``: its valid slots sorted by (global expert, t, j) - which is
+  the order (destination rank, destination row), since experts are contiguous per rank.
+  The reference backend's all-to-all send buffer is exactly this order, and the combine
+  answer comes back in it.
+* Receive order on rank ``r`` (what an all-to-all delivers): for each source ``s``, for each
+  local expert, that source's block of rows - see :func:`recv_rows`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..mx.layouts import grouped_m_rows, round_up
+from .config import EPConfig
+
+_BUF_ALIGN = 512  # bytes; each region of the symmetric buffer starts at a multiple of this
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Routing of one dispatch/combine, seen from one rank (all tensors int32, contiguous, one device).
+
+    Scalars:
+        rank, world_size, num_experts, num_local_experts, align, topk, num_tokens (T).
+    Whole group:
+        counts: ``[W, E]`` rows each source rank sends to each global expert.
+    Send side (this rank as the origin of tokens):
+        dest_rank: ``[T, k]`` destination rank of slot ``(t, j)``, -1 if dropped.
+        dest_row: ``[T, k]`` row of that slot in the destination's expert-major buffer, -1 if dropped.
+        send_pos: ``[T, k]`` position of the slot in this rank's send order, -1 if dropped.
+        send_order: ``[T*k]`` flat slot index ``t*k + j`` at each send position; the first
+            ``num_send`` entries are the valid slots, the rest are the dropped slots.
+        send_splits: ``[W]`` rows sent to each destination rank.
+        num_send: ``[1]`` total rows sent (``send_splits.sum()``).
+    Receive side (this rank as the owner of local experts ``rank*El .. rank*El+El-1``):
+        recv_splits: ``[W]`` rows received from each source rank.
+        expert_counts: ``[El]`` real rows per local expert.
+        offs: ``[El]`` END offsets of each local expert's padded group (multiples of ``align``).
+        src_row_start: ``[W, El]`` row where source ``s``'s block of local expert ``e`` starts.
+        src_send_pos: ``[W, El]`` position of that block's first row in source ``s``'s send order
+            (where a combine that pushes rows back writes them on the origin).
+        num_rows: ``[1]`` rows of the expert-major buffer, ``offs[-1]``.
+        num_recv: ``[1]`` real rows received (``recv_splits.sum()``).
+    """
+
+    rank: int
+    world_size: int
+    num_experts: int
+    num_local_experts: int
+    align: int
+    topk: int
+    num_tokens: int
+    counts: torch.Tensor
+    dest_rank: torch.Tensor
+    dest_row: torch.Tensor
+    send_pos: torch.Tensor
+    send_order: torch.Tensor
+    send_splits: torch.Tensor
+    num_send: torch.Tensor
+    recv_splits: torch.Tensor
+    expert_counts: torch.Tensor
+    offs: torch.Tensor
+    src_row_start: torch.Tensor
+    src_send_pos: torch.Tensor
+    num_rows: torch.Tensor
+    num_recv: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.counts.device
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+def local_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows this rank sends to each global expert: int32 ``[E]`` (no host sync).
+
+    Args:
+        topk_idx: int32/int64 ``[T, k]``, values in ``[-1, E)`` (-1 = dropped slot; not checked here).
+        num_experts: E.
+    """
+    idx = topk_idx.reshape(-1).to(torch.int64)
+    key = torch.where(idx >= 0, idx, torch.full_like(idx, num_experts))
+    c = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
+    c.scatter_add_(0, key, torch.ones_like(key))
+    return _i32(c[:num_experts])
+
+
+def build_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int) -> RoutingPlan:
+    """Build this rank's :class:`RoutingPlan` (no host sync).
+
+    Args:
+        counts: int ``[W, E]``, the all-ranks counts matrix (row ``rank`` must equal
+            ``local_counts(topk_idx, E)``).
+        topk_idx: int32/int64 ``[T, k]`` of this rank, -1 = dropped. Must hold no duplicate
+            expert within a row (callers validate).
+        rank: this rank, ``0 <= rank < W``.
+        align: group padding (32 or 128).
+    """
+    if counts.dim() != 2:
+        raise ValueError(f"counts must be [world, experts], got shape {tuple(counts.shape)}")
+    W, E = counts.shape
+    if E % W:
+        raise ValueError(f"num_experts {E} is not a multiple of world size {W}")
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx must be [T, k], got shape {tuple(topk_idx.shape)}")
+    if not 0 <= rank < W:
+        raise ValueError(f"rank {rank} out of range for world size {W}")
+    El = E // W
+    T, k = topk_idx.shape
+    dev = counts.device
+    c = counts.to(torch.int64)
+
+    # Layout of every rank's expert-major buffer (computable by all ranks from counts).
+    n_e = c.sum(0)                                        # [E] real rows per expert
+    p_e = (n_e + align - 1) // align * align              # [E] padded rows per expert
+    p_re = p_e.view(W, El)
+    gstart = (torch.cumsum(p_re, 1) - p_re).reshape(E)    # [E] group start inside its rank's buffer
+    src_excl = torch.cumsum(c, 0) - c                     # [W, E] rows of lower sources in expert e's group
+    send_excl = torch.cumsum(c, 1) - c                    # [W, E] start of block (s, e) in s's send order
+
+    # Send side.
+    idx = topk_idx.reshape(-1).to(torch.int64).to(dev)
+    n = idx.numel()
+    valid = idx >= 0
+    key = torch.where(valid, idx, torch.full_like(idx, E))
+    order = torch.argsort(key, stable=True)               # send order: (expert, t, j); dropped last
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(n, dtype=torch.int64, device=dev)
+    ke = torch.clamp(key, max=E - 1)
+    occ = inv - send_excl[rank][ke]                       # index of the slot inside its (rank, expert) block
+    neg = torch.full_like(idx, -1)
+    dest_rank = torch.where(valid, ke // El, neg)
+    dest_row = torch.where(valid, gstart[ke] + src_excl[rank][ke] + occ, neg)
+    send_pos = torch.where(valid, inv, neg)
+    send_splits = c[rank].view(W, El).sum(1)
+
+    # Receive side.
+    lo = rank * El
+    padded = p_e[lo:lo + El]
+    offs = torch.cumsum(padded, 0)
+    src_row_start = (offs - padded).view(1, El) + src_excl[:, lo:lo + El]
+    recv_splits = c[:, lo:lo + El].sum(1)
+
+    return RoutingPlan(
+        rank=rank, world_size=W, num_experts=E, num_local_experts=El, align=align, topk=k, num_tokens=T,
+        counts=_i32(c),
+        dest_rank=_i32(dest_rank.view(T, k)),
+        dest_row=_i32(dest_row.view(T, k)),
+        send_pos=_i32(send_pos.view(T, k)),
+        send_order=_i32(order),
+        send_splits=_i32(send_splits),
+        num_send=_i32(send_splits.sum().view(1)),
+        recv_splits=_i32(recv_splits),
+        expert_counts=_i32(n_e[lo:lo + El]),
+        offs=_i32(offs),
+        src_row_start=_i32(src_row_start),
+        src_send_pos=_i32(send_excl[:, lo:lo + El]),
+        num_rows=_i32(offs[-1:]),
+        num_recv=_i32(recv_splits.sum().view(1)),
+    )
+
+
+def recv_rows(plan: RoutingPlan, n: int) -> torch.Tensor:
+    """Expert-major row of each row in receive order: int32 ``[n]`` (no host sync).
+
+    Receive order is source-rank major, then local expert, then the source's send order
+    (exactly what ``all_to_all_single`` with ``recv_splits`` delivers, and the order in which
+    combine returns rows to the sources). Entries ``j >= num_recv`` are -1, so ``n`` may be a
+    worst-case bound.
+    """
+    W, El = plan.world_size, plan.num_local_experts
+    dev = plan.device
+    lo = plan.rank * El
+    sizes = plan.counts[:, lo:lo + El].to(torch.int64).reshape(-1)   # [(s, e)]
+    ends = torch.cumsum(sizes, 0)
+    starts = ends - sizes
+    j = torch.arange(n, dtype=torch.int64, device=dev)
+    seg = torch.searchsorted(ends, j, right=True)
+    valid = seg < W * El
+    segc = torch.clamp(seg, max=W * El - 1)
+    rows = plan.src_row_start.to(torch.int64).reshape(-1)[segc] + j - starts[segc]
+    return _i32(torch.where(valid, rows, torch.full_like(rows, -1)))
+
+
+def send_tokens(plan: RoutingPlan, n: int) -> torch.Tensor:
+    """Token index of each of the first ``n`` send positions: int64 ``[n]`` (``n <= T*k``)."""
+    return plan.send_order[:n].to(torch.int64) // plan.topk
+
+
+# ---------------------------------------------------------------- worst-case sizes ----
+
+def max_rows_per_source(config: EPConfig, world_size: int) -> int:
+    """Most rows one source rank can send to one destination rank: ``T_max * min(k, El)``."""
+    return config.max_tokens_per_rank * min(config.topk, config.num_local_experts(world_size))
+
+
+def max_recv_rows(config: EPConfig, world_size: int) -> int:
+    """Worst-case rows of a rank's expert-major buffer (R bound used when ``exact_sizes=False``).
+
+    ``round_up(W * T_max * min(k, El) + El * (align - 1), align)``: each token sends at most
+    ``min(k, El)`` rows to one rank (no duplicate experts per token), and padding adds at most
+    ``align - 1`` rows per local expert.
+    """
+    El = config.num_local_experts(world_size)
+    return round_up(world_size * max_rows_per_source(config, world_size) + El * (config.align - 1), config.align)
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """Bytes of each region of the symmetric buffer a GPU backend allocates per rank.
+
+    dispatch_payload: ``R_max * H`` (mxfp8) or ``R_max * H * 2`` (bf16) received rows, expert-major.
+    dispatch_scales: ``grouped_m_rows(R_max, El) * round_up(H/32, 4)`` grouped-along-M scale bytes
+        (mxfp8 only).
+    combine_payload: ``T_max * k * H * 2``: expert rows returned to the origin (BF16 worst case;
+        MXFP8 rows, ``H + H/32`` bytes, fit in the same space).
+    counts: ``W * E * 4``: the counts matrix exchanged before a dispatch.
+    flags: ``4 * W * 8``: per-peer signal words (dispatch and combine, sent and received).
+    Each region is rounded up to 512 bytes.
+    """
+
+    dispatch_payload: int
+    dispatch_scales: int
+    combine_payload: int
+    counts: int
+    flags: int
+
+    @property
+    def total(self) -> int:
+        return self.dispatch_payload + self.dispatch_scales + self.combine_payload + self.counts + self.flags
+
+
+def buffer_sizes(config: EPConfig, world_size: int) -> BufferSizes:
+    """Symmetric-buffer memory per rank a GPU backend needs for ``config`` (see :class:`BufferSizes`)."""
+    config.validate(world_size)
+    H = config.hidden
+    El = config.num_local_experts(world_size)
+    R = max_recv_rows(config, world_size)
+    mx = config.precision == "mxfp8"
+    return BufferSizes(
+        dispatch_payload=round_up(R * H * (1 if mx else 2), _BUF_ALIGN),
+        dispatch_scales=round_up(grouped_m_rows(R, El) * round_up(H // 32, 4), _BUF_ALIGN) if mx else 0,
+        combine_payload=round_up(config.max_tokens_per_rank * config.topk * H * 2, _BUF_ALIGN),
+        counts=round_up(world_size * config.num_experts * 4, _BUF_ALIGN),
+        flags=round_up(4 * world_size * 8, _BUF_ALIGN),
+    )
+
+
+__all__ = [
+    "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
+    "max_rows_per_source", "max_recv_rows", "BufferSizes", "buffer_sizes",
+]

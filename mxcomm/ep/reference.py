@@ -1,0 +1,151 @@
+"""The ``torch`` reference EP backend: quantize, then torch.distributed all-to-all (what
+torchao-style MXFP8 EP does today). The oracle every fast path is checked against, and the
+baseline every benchmark is compared to. Runs on CPU with gloo and on GPU with NCCL (or gloo,
+staging through host memory).
+
+Dispatch:
+  1. quantize ``x`` once per token (``mxcomm.mx.quantize``, row layout, the config's scale mode);
+  2. all_gather each rank's per-expert counts -> the ``[W, E]`` counts matrix -> RoutingPlan;
+  3. send buffer = the quantized rows in send order (destination rank, destination row);
+  4. ``all_to_all_single`` of payload and scales as uint8 views (NCCL does not take fp8);
+  5. place the received rows at their expert-major rows (padding stays zero), then lay the
+     scales out grouped-along-M (``MXTensor.with_layout``).
+Combine: gather the expert rows in receive order, optionally quantize them (row-wise), the
+reverse all-to-all, then the weighted fp32 sum at the origin (k ascending).
+
+It synchronises with the host (split sizes of the all-to-all live on the host) in both size
+modes; ``exact_sizes=False`` only changes the output shapes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..mx import MXTensor, ScaleLayout, quantize
+from .config import EPConfig
+from .group import collective_device
+from .handle import DispatchResult, EPHandle
+from .plan import build_plan, local_counts, max_recv_rows, recv_rows, send_tokens
+
+
+def weighted_combine(rows: torch.Tensor, send_pos: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``y[t] = sum_j w[t,j] * rows[send_pos[t,j]]`` in fp32, j ascending, dropped slots (-1) give 0.
+
+    Args:
+        rows: float ``[n, H]`` returned expert rows in send order.
+        send_pos: int ``[T, k]`` position of each slot in ``rows``, -1 = dropped.
+        topk_weights: float ``[T, k]``.
+    Returns:
+        float32 ``[T, H]`` (the caller casts to bf16).
+    """
+    n, H = rows.shape
+    T, k = send_pos.shape
+    rows = torch.cat([rows.to(torch.float32), rows.new_zeros(1, H, dtype=torch.float32)])
+    pos = send_pos.to(torch.int64)
+    w = topk_weights.to(torch.float32)
+    acc = torch.zeros(T, H, dtype=torch.float32, device=rows.device)
+    for j in range(k):
+        valid = pos[:, j] >= 0
+        v = rows[torch.where(valid, pos[:, j], torch.full_like(pos[:, j], n))]
+        acc = acc + torch.where(valid.view(T, 1), w[:, j].view(T, 1) * v, torch.zeros_like(v))
+    return acc
+
+
+class TorchBackend:
+    """Reference backend (see module doc). Built by :class:`mxcomm.ep.group.EPGroup`."""
+
+    device_side_checks = False
+
+    def __init__(self, config: EPConfig, group, rank: int, world_size: int):
+        self.config = config
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.num_local_experts = config.num_local_experts(world_size)
+
+    # -- collectives (stage through the group's device when the data lives elsewhere) --------
+    def _all_gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return counts.view(1, -1)
+        dev = collective_device(self.group, counts.device)
+        c = counts.to(dev)
+        bufs = [torch.empty_like(c) for _ in range(self.world_size)]
+        dist.all_gather(bufs, c, group=self.group)
+        return torch.stack(bufs).to(counts.device)
+
+    def _all_to_all(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
+        """Row all-to-all of a uint8 ``[n, B]`` tensor; returns uint8 ``[sum(recv_splits), B]``."""
+        if self.world_size == 1:
+            return send.clone()
+        dev = collective_device(self.group, send.device)
+        out = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=dev)
+        dist.all_to_all_single(out, send.to(dev).contiguous(), recv_splits, send_splits, group=self.group)
+        return out.to(send.device)
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        cfg = self.config
+        dev = x.device
+        T, H = x.shape
+        counts = self._all_gather_counts(local_counts(topk_idx, cfg.num_experts))
+        plan = build_plan(counts, topk_idx.to(dev), self.rank, cfg.align)
+        send_splits = plan.send_splits.tolist()
+        recv_splits = plan.recv_splits.tolist()
+        n_send, n_recv = sum(send_splits), sum(recv_splits)
+        R = int(plan.num_rows.item()) if cfg.exact_sizes else max_recv_rows(cfg, self.world_size)
+
+        tok = send_tokens(plan, n_send)
+        rows = recv_rows(plan, n_recv).to(torch.int64)
+        if cfg.precision == "mxfp8":
+            q = quantize(x, mode=cfg.scale_mode)  # once per token, row layout
+            qdata = q.qdata.view(torch.uint8)
+            recv_p = self._all_to_all(qdata[tok], send_splits, recv_splits)
+            recv_s = self._all_to_all(q.scales[tok], send_splits, recv_splits)
+            out_p = torch.zeros(R, H, dtype=torch.uint8, device=dev)
+            out_s = torch.zeros(R, H // 32, dtype=torch.uint8, device=dev)
+            out_p[rows] = recv_p
+            out_s[rows] = recv_s
+            mx = MXTensor(
+                qdata=out_p.view(torch.float8_e4m3fn), scales=out_s, axis=1, layout=ScaleLayout.ROW,
+                mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
+            )
+            out_x = mx.with_layout(ScaleLayout.GROUPED_M, plan.offs)
+        else:
+            payload = x.contiguous().view(torch.uint8)  # [T, 2H] bytes of bf16
+            recv_p = self._all_to_all(payload[tok], send_splits, recv_splits)
+            out_b = torch.zeros(R, 2 * H, dtype=torch.uint8, device=dev)
+            out_b[rows] = recv_p
+            out_x = out_b.view(torch.bfloat16)
+
+        result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
+        handle = EPHandle(
+            config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,
+            device=dev, send_splits_host=tuple(send_splits), recv_splits_host=tuple(recv_splits),
+        )
+        return result, handle
+
+    # -- combine ----------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
+        cfg = self.config
+        plan = handle.plan
+        H = cfg.hidden
+        back_splits = list(handle.recv_splits_host)   # rows this rank returns to each source
+        home_splits = list(handle.send_splits_host)   # rows each expert rank returns to this rank
+        n_recv, n_send = sum(back_splits), sum(home_splits)
+        rows = expert_out[recv_rows(plan, n_recv).to(torch.int64)]  # [n_recv, H] in receive order
+        if quantize_rows:
+            q = quantize(rows, mode=cfg.scale_mode)
+            got_p = self._all_to_all(q.qdata.view(torch.uint8), back_splits, home_splits)
+            got_s = self._all_to_all(q.scales, back_splits, home_splits)
+            back = MXTensor(
+                qdata=got_p.view(torch.float8_e4m3fn), scales=got_s, axis=1, layout=ScaleLayout.ROW,
+                mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
+            ).dequantize(torch.float32)
+        else:
+            got = self._all_to_all(rows.contiguous().view(torch.uint8), back_splits, home_splits)
+            back = got.view(torch.bfloat16).to(torch.float32)
+        assert back.shape == (n_send, H)
+        return weighted_combine(back, plan.send_pos, handle.topk_weights).to(torch.bfloat16)
+
+
+__all__ = ["TorchBackend", "weighted_combine"]

@@ -1,0 +1,117 @@
+"""Spawn small torch.distributed worlds for tests (gloo on CPU by default), time-bounded.
+
+    from _dist import run_world
+    results = run_world(2, worker_fn, arg1, arg2, timeout=120)   # worker_fn(rank, world, arg1, arg2)
+
+``worker_fn`` must be importable by the spawned children (defined at module level in a module
+on ``sys.path``; spawn copies the parent's ``sys.path``). Each rank's return value comes back
+in rank order. A rank that raises makes ``run_world`` raise ``WorkerError`` with that rank's
+traceback; if the world does not finish within ``timeout`` seconds every child is killed and
+``TimeoutError`` names what each rank was last doing (see :func:`progress`).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+_progress_queue = None
+_progress_rank = None
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def progress(msg: str) -> None:
+    """From a worker: record what this rank is doing (reported if the world times out)."""
+    if _progress_queue is not None:
+        _progress_queue.put(("progress", _progress_rank, str(msg)))
+
+
+def _entry(rank, world, port, backend, pg_timeout_s, fn, args, q):
+    global _progress_queue, _progress_rank
+    _progress_queue, _progress_rank = q, rank
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
+        )
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        q.put(("ok", rank, result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put(("err", rank, traceback.format_exc()))
+
+
+def run_world(world: int, fn, *args, timeout: float = 120.0, backend: str = "gloo", pg_timeout_s: float = 60.0):
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes with an initialised process group.
+
+    Returns the list of per-rank results. Raises WorkerError / TimeoutError (children killed).
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, backend, pg_timeout_s, fn, args, q), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results, errors, last = {}, {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if errors:
+                    break
+                state = "; ".join(f"rank {r}: {last.get(r, 'starting')}" for r in range(world)
+                                  if r not in results and r not in errors)
+                raise TimeoutError(f"world of {world} did not finish in {timeout:.0f}s ({state})")
+            try:
+                kind, rank, payload = q.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                for r in dead:
+                    errors[r] = f"process exited with code {procs[r].exitcode} (last: {last.get(r, 'starting')})"
+                continue
+            if kind == "progress":
+                last[rank] = payload
+            elif kind == "ok":
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+                # Other ranks may now block in a collective: give them a moment, then stop.
+                deadline = min(deadline, time.monotonic() + 10.0)
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if not errors else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    if errors:
+        msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise WorkerError(f"{len(errors)} of {world} ranks failed:\n{msg}")
+    return [results[r] for r in range(world)]

@@ -1,0 +1,439 @@
+"""Cases and rank workers for the EP reference-backend tests (imported by spawned ranks).
+
+Every rank builds every rank's inputs from the case seed (deterministic), runs the oracle for
+the whole world locally, runs the backend collectively, and compares its own outputs. Workers
+collect failures instead of raising, so all ranks stay in lockstep and one bad case does not
+hang the others; they return ``{"failures": [...], "cases": n, ...}``.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from mxcomm.ep import EPConfig, EPGroup
+from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
+from mxcomm.mx import MXTensor, ScaleLayout
+
+try:  # present in the spawned ranks (tests/ is on sys.path)
+    from _dist import progress
+except ImportError:  # pragma: no cover
+    def progress(msg):
+        pass
+
+
+@dataclass(frozen=True)
+class Case:
+    """One dispatch/combine scenario for a world of ``len(tokens)`` ranks."""
+
+    name: str
+    tokens: tuple            # T per rank
+    num_experts: int
+    hidden: int
+    topk: int
+    align: int = 32
+    precision: str = "mxfp8"
+    scale_mode: str = "rceil"
+    exact_sizes: bool = True
+    routing: str = "random"  # random | one_expert | subset
+    hot_expert: int = 0      # for one_expert
+    used_experts: int = 0    # for subset: only experts [0, used) receive rows
+    drop_p: float = 0.0      # probability a slot is -1
+    nan_tokens: int = 0      # tokens with one NaN/Inf element
+    idx_dtype: torch.dtype = torch.int64
+    w_dtype: torch.dtype = torch.float32
+    out_nan_rows: int = 0    # real expert_out rows set to NaN in one block
+    max_tokens: Optional[int] = None
+    seed: int = 0
+    combine_modes: tuple = (None, True, False)  # quantize= values to run combine with
+    device: str = "cpu"
+
+    def config(self) -> EPConfig:
+        return EPConfig(
+            num_experts=self.num_experts, hidden=self.hidden, topk=self.topk,
+            max_tokens_per_rank=self.max_tokens or max(max(self.tokens), 1), align=self.align,
+            precision=self.precision, scale_mode=self.scale_mode, exact_sizes=self.exact_sizes,
+        )
+
+
+def _routing(case: Case, T: int, g: torch.Generator) -> torch.Tensor:
+    E, k = case.num_experts, case.topk
+    if case.routing == "random":
+        idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k]
+    elif case.routing == "subset":
+        used = case.used_experts
+        idx = torch.argsort(torch.rand(T, used, generator=g), dim=1)[:, :k]
+        if used < k:
+            raise ValueError("subset routing needs used_experts >= topk")
+    elif case.routing == "one_expert":
+        idx = torch.full((T, k), -1, dtype=torch.int64)
+        idx[:, 0] = case.hot_expert
+    else:
+        raise ValueError(case.routing)
+    if case.drop_p > 0:
+        drop = torch.rand(T, k, generator=g) < case.drop_p
+        idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    return idx.to(case.idx_dtype)
+
+
+def make_inputs(case: Case):
+    """Every rank's (x bf16 [T,H], topk_idx [T,k], topk_weights [T,k]) for ``case`` (CPU)."""
+    g = torch.Generator().manual_seed(case.seed)
+    xs, idxs, ws = [], [], []
+    for T in case.tokens:
+        H = case.hidden
+        mag = torch.exp2(torch.randint(-12, 12, (T, 1), generator=g).float())
+        x = torch.randn(T, H, generator=g) * mag
+        if T >= 3:
+            x[T // 3] = 0.0  # an all-zero token
+        x = x.to(torch.bfloat16)
+        bad_tokens = torch.randperm(T, generator=g)[:case.nan_tokens].tolist()  # distinct: one bad element each
+        for i, t in enumerate(bad_tokens):
+            c = int(torch.randint(0, H, (1,), generator=g))
+            x[t, c] = float("nan") if i % 2 == 0 else float("inf")
+        idxs.append(_routing(case, T, g))
+        xs.append(x)
+        ws.append(torch.rand(T, case.topk, generator=g).to(case.w_dtype))
+    return xs, idxs, ws
+
+
+def make_expert_outs(case: Case, expected):
+    """Every rank's expert_out (bf16, expert-major); padding rows are NaN (must be ignored)."""
+    outs = []
+    for r, res in enumerate(expected):
+        g = torch.Generator().manual_seed(case.seed * 7919 + r + 1)
+        R = res.num_rows
+        o = torch.randn(R, case.hidden, generator=g) * 4.0
+        real = torch.zeros(R, dtype=torch.bool)
+        offs = res.offs.tolist()
+        counts = res.counts.tolist()
+        start = 0
+        for end, n in zip(offs, counts):
+            real[start:start + n] = True
+            start = end
+        o[~real] = float("nan")
+        real_rows = torch.nonzero(real).view(-1)
+        for i in range(min(case.out_nan_rows, real_rows.numel())):
+            row = int(real_rows[int(torch.randint(0, real_rows.numel(), (1,), generator=g))])
+            col = int(torch.randint(0, case.hidden, (1,), generator=g))
+            o[row, col] = float("nan")
+        outs.append(o.to(torch.bfloat16))
+    return outs
+
+
+def row_checksums(u8: torch.Tensor) -> torch.Tensor:
+    """Position-weighted byte sum of each row of a uint8 ``[R, B]`` tensor (int64 ``[R]``)."""
+    w = torch.arange(1, u8.shape[1] + 1, dtype=torch.int64, device=u8.device)
+    return (u8.to(torch.int64) * w).sum(1)
+
+
+def _cmp_bytes(what: str, got: torch.Tensor, exp: torch.Tensor, fails: list) -> None:
+    got, exp = got.cpu(), exp.cpu()
+    if got.shape != exp.shape:
+        fails.append(f"{what}: shape {tuple(got.shape)} != expected {tuple(exp.shape)}")
+        return
+    gu, eu = got.contiguous().view(torch.uint8), exp.contiguous().view(torch.uint8)
+    if gu.dim() == 1:
+        gu, eu = gu.view(-1, 1), eu.view(-1, 1)
+    if not torch.equal(gu, eu):
+        bad = torch.nonzero(row_checksums(gu) != row_checksums(eu)).view(-1)
+        if bad.numel() == 0:
+            bad = torch.nonzero((gu != eu).any(1)).view(-1)
+        fails.append(f"{what}: {bad.numel()} rows differ, first rows {bad[:8].tolist()}")
+
+
+def check_dispatch(tag: str, res, exp, config: EPConfig, fails: list) -> None:
+    """Bit-exact comparison of a DispatchResult with the oracle's."""
+    if res.num_rows != exp.num_rows:
+        fails.append(f"{tag}: num_rows {res.num_rows} != {exp.num_rows}")
+        return
+    for name in ("offs", "counts"):
+        t = getattr(res, name)
+        if t.dtype != torch.int32 or not torch.equal(t.cpu(), getattr(exp, name)):
+            fails.append(f"{tag}: {name} {t.dtype} {t.tolist()} != {getattr(exp, name).tolist()}")
+    if config.exact_sizes and res.num_rows != int(res.offs[-1]):
+        fails.append(f"{tag}: exact num_rows {res.num_rows} != offs[-1]")
+    if res.num_rows % config.align:
+        fails.append(f"{tag}: num_rows {res.num_rows} not a multiple of align {config.align}")
+    if config.precision == "mxfp8":
+        x = res.x
+        if not isinstance(x, MXTensor):
+            fails.append(f"{tag}: x is {type(x).__name__}, expected MXTensor")
+            return
+        if x.layout != ScaleLayout.GROUPED_M or x.axis != 1 or x.mode != config.scale_mode:
+            fails.append(f"{tag}: MXTensor layout/axis/mode {x.layout}/{x.axis}/{x.mode}")
+        if x.qdata.dtype != torch.float8_e4m3fn or x.scales.dtype != torch.uint8:
+            fails.append(f"{tag}: dtypes {x.qdata.dtype}/{x.scales.dtype}")
+        if x.group_offs is None or not torch.equal(x.group_offs.cpu(), exp.offs):
+            fails.append(f"{tag}: group_offs != offs")
+        _cmp_bytes(f"{tag} payload", x.qdata, exp.x.qdata, fails)
+        _cmp_bytes(f"{tag} grouped scales", x.scales, exp.x.scales, fails)
+    else:
+        if not isinstance(res.x, torch.Tensor) or res.x.dtype != torch.bfloat16:
+            fails.append(f"{tag}: bf16 result has type {type(res.x).__name__} {getattr(res.x, 'dtype', None)}")
+            return
+        _cmp_bytes(f"{tag} bf16 payload", res.x, exp.x, fails)
+
+
+def check_nan_blocks(tag: str, res, config: EPConfig, fails: list) -> None:
+    """Each received row's NaN/Inf element poisons only its own 32-block (one bad element per token)."""
+    if config.precision == "mxfp8":
+        s = res.x.row_scales().cpu()
+        q = res.x.qdata.view(torch.uint8).cpu()
+        nan_blocks = (s == 255).sum(1)
+        if bool((nan_blocks > 1).any()):
+            fails.append(f"{tag}: a row has more than one NaN block")
+        rows = torch.nonzero(nan_blocks == 1).view(-1)
+        for r in rows.tolist():
+            nan_bytes = int(((q[r] & 0x7F) == 0x7F).sum())
+            b = int(torch.nonzero(s[r] == 255)[0])
+            blk = q[r, b * 32:(b + 1) * 32]
+            if nan_bytes != 32 or not bool(((blk & 0x7F) == 0x7F).all()):
+                fails.append(f"{tag}: row {r}: {nan_bytes} NaN payload bytes (expected the 32 of block {b})")
+                break
+    else:
+        x = res.x.float().cpu()
+        if bool((((~torch.isfinite(x)).sum(1)) > 1).any()):
+            fails.append(f"{tag}: a bf16 row has more than one non-finite element")
+
+
+def check_combine(tag: str, y: torch.Tensor, y_exp: torch.Tensor, fails: list, exact: list) -> None:
+    y = y.cpu()
+    if y.dtype != torch.bfloat16 or y.shape != y_exp.shape:
+        fails.append(f"{tag}: combine output {y.dtype} {tuple(y.shape)} != bf16 {tuple(y_exp.shape)}")
+        return
+    a, b = y.float(), y_exp.float()
+    if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        fails.append(f"{tag}: NaN positions differ ({int(torch.isnan(a).sum())} vs {int(torch.isnan(b).sum())})")
+        return
+    fin = ~torch.isnan(b)
+    # fp32 reduction tolerance: one bf16 rounding step of the value (2^-8 relative) plus a tiny floor.
+    err = (a[fin] - b[fin]).abs()
+    tol = b[fin].abs() * 2.0 ** -7 + 1e-30
+    if err.numel() and bool((err > tol).any()):
+        fails.append(f"{tag}: combine differs, max abs err {float(err.max()):.3e}")
+    exact.append(bool(torch.equal(a[fin], b[fin])))
+
+
+def run_case(group: EPGroup, case: Case, rank: int, fails: list, exact: list) -> None:
+    """Dispatch + combine of one case on this rank, compared with the oracle."""
+    config = group.config
+    dev = torch.device(case.device)
+    xs, idxs, ws = make_inputs(case)
+    expected, routes = oracle_dispatch(config, xs, idxs)
+    res, handle = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    tag = f"{case.name}[rank {rank}]"
+    check_dispatch(tag, res, expected[rank], config, fails)
+    if case.nan_tokens:
+        check_nan_blocks(tag, res, config, fails)
+    outs = make_expert_outs(case, expected)
+    for qmode in case.combine_modes:
+        q = (config.precision == "mxfp8") if qmode is None else qmode
+        y = group.combine(outs[rank].to(dev), handle, quantize=qmode)
+        y_exp = oracle_combine(config, outs, routes, ws, quantize_rows=q)[rank]
+        check_combine(f"{tag} combine(quantize={qmode})", y, y_exp, fails, exact)
+
+
+def run_cases(rank: int, world: int, cases: list) -> dict:
+    """Worker: run every case (building one EPGroup per distinct config)."""
+    fails, exact = [], []
+    groups = {}
+    for case in cases:
+        assert len(case.tokens) == world, case.name
+        progress(case.name)
+        cfg = case.config()
+        try:
+            if cfg not in groups:
+                groups[cfg] = EPGroup(cfg)
+            run_case(groups[cfg], case, rank, fails, exact)
+        except Exception as e:  # noqa: BLE001 - keep ranks in lockstep; report
+            fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}")
+    return {"failures": fails, "cases": len(cases), "combine_exact": sum(exact), "combine_checks": len(exact)}
+
+
+# ---------------------------------------------------------------- case lists ----
+
+def standard_cases(world: int, seed: int = 0) -> list:
+    """The main matrix for a world of ``world`` ranks."""
+    W = world
+    cases = []
+
+    def T(*per):  # tokens per rank, cycling the given pattern
+        return tuple(per[i % len(per)] for i in range(W))
+
+    s = seed * 1000
+    E = 4 * W
+    cases += [
+        Case("random_mx_a32", T(24, 17), E, 64, 2, seed=s + 1),
+        Case("random_bf16_a32", T(24, 17), E, 64, 2, precision="bf16", seed=s + 2),
+        Case("random_mx_a128_floor", T(20, 9), E, 96, 3, align=128, scale_mode="floor", seed=s + 3),
+        Case("random_bf16_a128", T(13, 30), E, 64, 2, align=128, precision="bf16", seed=s + 4),
+        Case("dropped_slots", T(24, 5), E, 64, 4, drop_p=0.4, idx_dtype=torch.int32, seed=s + 5),
+        Case("zero_tokens_some_ranks", T(0, 19), E, 64, 2, seed=s + 6),
+        Case("zero_tokens_all_ranks", T(0), E, 64, 2, max_tokens=8, seed=s + 7),
+        Case("all_to_one_expert", T(16, 11), E, 64, 2, routing="one_expert", hot_expert=E - 1, seed=s + 8),
+        Case("empty_experts_subset", T(18, 7), E, 64, 2, routing="subset", used_experts=2, seed=s + 9),
+        Case("all_dropped", T(6, 3), E, 64, 2, drop_p=1.0, seed=s + 10),
+        Case("nan_inf_rows_mx", T(16, 12), E, 128, 2, nan_tokens=4, out_nan_rows=3, seed=s + 11),
+        Case("nan_inf_rows_bf16", T(16, 12), E, 128, 2, precision="bf16", nan_tokens=4, out_nan_rows=3,
+             seed=s + 12),
+        Case("not_exact_sizes_mx", T(12, 4), E, 64, 2, exact_sizes=False, max_tokens=20, seed=s + 13),
+        Case("not_exact_sizes_bf16_a128", T(12, 0), E, 64, 3, align=128, precision="bf16", exact_sizes=False,
+             seed=s + 14),
+        Case("one_local_expert_topk_gt_El", T(10, 6), W, 64, min(W, 3), seed=s + 15),
+        Case("bf16_weights_int32_idx", T(9, 14), E, 64, 2, w_dtype=torch.bfloat16, idx_dtype=torch.int32,
+             seed=s + 16),
+        Case("hidden_7168", T(3, 2), E, 7168, 2, seed=s + 17, combine_modes=(None, False)),
+        Case("hidden_4096_bf16", T(2, 3), E, 4096, 2, precision="bf16", seed=s + 18, combine_modes=(None, True)),
+        Case("hidden_2048_a128", T(4, 1), E, 2048, 2, align=128, seed=s + 19, combine_modes=(None,)),
+        Case("hidden_32", T(33, 8), E, 32, 2, seed=s + 20),
+        Case("topk_1", T(40, 10), E, 64, 1, seed=s + 21),
+        Case("topk_eq_E", T(5, 7), E, 32, E, seed=s + 22, combine_modes=(None, False)),
+    ]
+    return cases
+
+
+def random_cases(world: int, n: int, seed: int) -> list:
+    """``n`` random shapes/routings for a world of ``world`` ranks (small sizes)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        El = rng.choice([1, 1, 2, 3, 4])
+        E = El * world
+        k = rng.randint(1, min(E, 4))
+        tokens = tuple(rng.choice([0, 1, 2, 5, rng.randint(0, 40)]) for _ in range(world))
+        out.append(Case(
+            name=f"random{i}_E{E}_k{k}_T{'-'.join(map(str, tokens))}",
+            tokens=tokens, num_experts=E, hidden=32 * rng.choice([1, 2, 3, 4, 5, 8]), topk=k,
+            align=rng.choice([32, 128]), precision=rng.choice(["mxfp8", "mxfp8", "bf16"]),
+            scale_mode=rng.choice(["rceil", "floor"]), exact_sizes=rng.random() < 0.7,
+            routing=rng.choice(["random", "random", "subset", "one_expert"]) if E >= 2 * k else "random",
+            hot_expert=rng.randrange(E), used_experts=max(k, E // 2), drop_p=rng.choice([0.0, 0.0, 0.2, 0.7]),
+            nan_tokens=rng.choice([0, 0, 2]), idx_dtype=rng.choice([torch.int32, torch.int64]),
+            max_tokens=max(tokens) + rng.randint(1, 8), seed=seed * 100003 + i,
+            combine_modes=(rng.choice([None, True, False]),),
+        ))
+    return out
+
+
+def soak_worker(rank: int, world: int, iters: int, seed: int) -> dict:
+    """Worker: ``iters`` random cases, each on a fresh EPGroup (exercises the config check too)."""
+    fails, exact = [], []
+    for case in random_cases(world, iters, seed):
+        progress(case.name)
+        try:
+            run_case(EPGroup(case.config()), case, rank, fails, exact)
+        except Exception as e:  # noqa: BLE001
+            fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}")
+    return {"failures": fails, "cases": iters, "combine_exact": sum(exact), "combine_checks": len(exact)}
+
+
+# ---------------------------------------------------------------- error paths ----
+
+def _expect(fails: list, what: str, exc: type, needle: str, fn) -> None:
+    try:
+        fn()
+    except exc as e:
+        if needle.lower() not in str(e).lower():
+            fails.append(f"{what}: {exc.__name__} message {str(e)!r} lacks {needle!r}")
+        return
+    except Exception as e:  # noqa: BLE001
+        fails.append(f"{what}: raised {type(e).__name__}: {e} (expected {exc.__name__})")
+        return
+    fails.append(f"{what}: did not raise {exc.__name__}")
+
+
+def bad_inputs_worker(rank: int, world: int) -> dict:
+    """Worker: every rank makes the same bad calls (each must raise before communicating), then a good
+    dispatch/combine must still match the oracle (no rank left half-way through a collective)."""
+    fails, exact = [], []
+    case = Case("after_bad_inputs", tuple(8 for _ in range(world)), 2 * world, 64, 2, seed=99)
+    cfg = case.config()
+    grp = EPGroup(cfg)
+    xs, idxs, ws = make_inputs(case)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    E = cfg.num_experts
+    progress("bad dispatch inputs")
+    _expect(fails, "x 1D", ValueError, "2D", lambda: grp.dispatch(x[0], idx, w))
+    _expect(fails, "x wrong hidden", ValueError, "hidden", lambda: grp.dispatch(x[:, :32], idx, w))
+    _expect(fails, "x float32", TypeError, "bfloat16", lambda: grp.dispatch(x.float(), idx, w))
+    _expect(fails, "x not a tensor", TypeError, "tensor", lambda: grp.dispatch(x.tolist(), idx, w))
+    big = torch.zeros(cfg.max_tokens_per_rank + 1, cfg.hidden, dtype=torch.bfloat16)
+    bidx = torch.zeros(big.shape[0], cfg.topk, dtype=torch.int64)
+    bidx[:, 1] = 1
+    _expect(fails, "capacity", ValueError, "max_tokens_per_rank",
+            lambda: grp.dispatch(big, bidx, torch.ones(big.shape[0], cfg.topk)))
+    _expect(fails, "topk_idx shape", ValueError, "topk_idx", lambda: grp.dispatch(x, idx[:, :1], w))
+    _expect(fails, "topk_idx dtype", TypeError, "int32 or int64", lambda: grp.dispatch(x, idx.float(), w))
+    _expect(fails, "topk_idx int16", TypeError, "int32 or int64", lambda: grp.dispatch(x, idx.to(torch.int16), w))
+    hi = idx.clone()
+    hi[3, 1] = E
+    _expect(fails, "expert id >= E", ValueError, f"topk_idx[3, 1] = {E}", lambda: grp.dispatch(x, hi, w))
+    lo = idx.clone()
+    lo[2, 0] = -2
+    _expect(fails, "expert id < -1", ValueError, "topk_idx[2, 0] = -2", lambda: grp.dispatch(x, lo, w))
+    dup = idx.clone()
+    dup[1, 1] = dup[1, 0] if dup[1, 0] >= 0 else 0
+    dup[1, 0] = dup[1, 1]
+    _expect(fails, "duplicate expert", ValueError, "more than once", lambda: grp.dispatch(x, dup, w))
+    _expect(fails, "weights shape", ValueError, "topk_weights", lambda: grp.dispatch(x, idx, w[:, :1]))
+    _expect(fails, "weights int", TypeError, "topk_weights", lambda: grp.dispatch(x, idx, idx))
+    _expect(fails, "wrong device", ValueError, "device", lambda: grp.dispatch(x, idx.to("meta"), w))
+    progress("good dispatch after bad inputs")
+    expected, routes = oracle_dispatch(cfg, xs, idxs)
+    res, handle = grp.dispatch(x, idx, w)
+    check_dispatch("after bad inputs", res, expected[rank], cfg, fails)
+    outs = make_expert_outs(case, expected)
+    o = outs[rank]
+    progress("bad combine inputs")
+    _expect(fails, "combine rows", ValueError, "shape", lambda: grp.combine(o[:-1], handle))
+    _expect(fails, "combine hidden", ValueError, "shape", lambda: grp.combine(o[:, :32], handle))
+    _expect(fails, "combine dtype", TypeError, "bfloat16", lambda: grp.combine(o.float(), handle))
+    _expect(fails, "combine handle", TypeError, "EPHandle", lambda: grp.combine(o, (1, 2)))
+    _expect(fails, "combine device", ValueError, "dispatch ran on", lambda: grp.combine(o.to("meta"), handle))
+    other = EPGroup(replace(cfg, precision="bf16"))
+    _expect(fails, "combine foreign handle", ValueError, "different config", lambda: other.combine(o, handle))
+    progress("good combine after bad inputs")
+    y = grp.combine(o, handle)
+    check_combine("after bad inputs", y, oracle_combine(cfg, outs, routes, ws, True)[rank], fails, exact)
+    return {"failures": fails}
+
+
+def config_mismatch_worker(rank: int, world: int) -> dict:
+    """Worker: configs differing across ranks must raise ValueError on every rank, naming field and ranks."""
+    assert world > 1, "a config mismatch needs at least two ranks"
+    fails = []
+    base = EPConfig(num_experts=2 * world, hidden=64, topk=2, max_tokens_per_rank=8)
+    progress("topk mismatch")
+    cfg = replace(base, topk=3) if rank == world - 1 else base
+    _expect(fails, "topk mismatch", ValueError, f"rank {world - 1}: 3", lambda: EPGroup(cfg))
+    _expect(fails, "topk mismatch names field", ValueError, "'topk'", lambda: EPGroup(cfg))
+    progress("precision + align mismatch")
+    cfg = replace(base, precision="bf16", align=128) if rank == 0 else base
+    _expect(fails, "precision mismatch", ValueError, "'precision' (rank 0: 'bf16'", lambda: EPGroup(cfg))
+    _expect(fails, "align mismatch", ValueError, "'align'", lambda: EPGroup(cfg))
+    progress("timeout mismatch")
+    cfg = replace(base, timeout_s=5.0 + rank)
+    _expect(fails, "timeout mismatch", ValueError, "timeout_s", lambda: EPGroup(cfg))
+    progress("invalid for world")
+    bad = replace(base, num_experts=world + 1)
+    _expect(fails, "invalid config", ValueError, "invalid EPConfig", lambda: EPGroup(bad))
+    progress("agreeing config still works")
+    EPGroup(base)
+    return {"failures": fails}
+
+
+def gpu_cases_worker(rank: int, world: int) -> dict:
+    """Worker for GPU runs: the standard matrix with CUDA tensors (gloo stages through the host, NCCL not)."""
+    torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else rank)
+    dev = f"cuda:{torch.cuda.current_device()}"
+    cases = [replace(c, device=dev) for c in standard_cases(world, seed=5)]
+    return run_cases(rank, world, cases)
+
+
+__all__ = [
+    "Case", "make_inputs", "make_expert_outs", "standard_cases", "random_cases", "run_cases", "soak_worker",
+    "bad_inputs_worker", "config_mismatch_worker", "gpu_cases_worker", "check_dispatch", "row_checksums",
+]

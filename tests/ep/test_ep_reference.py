@@ -1,0 +1,50 @@
+"""The ``torch`` reference EP backend against the single-process oracle, in spawned gloo worlds.
+
+Each world runs many cases in one spawn (process start-up is the slow part); every world is
+time-bounded by ``run_world`` so a hang fails the test instead of blocking CI.
+Soak iterations: ``MXCOMM_EP_SOAK_ITERS`` (default 50).
+"""
+import os
+
+import pytest
+
+from _dist import run_world
+from ep_cases import (
+    bad_inputs_worker,
+    config_mismatch_worker,
+    random_cases,
+    run_cases,
+    soak_worker,
+    standard_cases,
+)
+
+
+def _assert_clean(results, min_cases=1):
+    fails = [f for r in results for f in r["failures"]]
+    assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:40])
+    for r in results:
+        if "cases" in r:
+            assert r["cases"] >= min_cases
+            assert r["combine_checks"] > 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_reference_matches_oracle(world):
+    cases = standard_cases(world, seed=world) + random_cases(world, 6, seed=100 + world)
+    results = run_world(world, run_cases, cases, timeout=150)
+    _assert_clean(results, min_cases=len(cases))
+
+
+def test_bad_inputs_raise_before_communicating():
+    _assert_clean(run_world(2, bad_inputs_worker, timeout=90))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_config_mismatch_raises_on_every_rank(world):
+    _assert_clean(run_world(world, config_mismatch_worker, timeout=90))
+
+
+def test_soak_one_rank():
+    iters = int(os.environ.get("MXCOMM_EP_SOAK_ITERS", "50"))
+    results = run_world(1, soak_worker, iters, 1234, timeout=60 + 3 * iters)
+    _assert_clean(results, min_cases=iters)
