@@ -157,6 +157,17 @@ def bf16_rne_int(v):
 
 
 @triton.jit
+def to_fp32(x, INT_ROUND: tl.constexpr):
+    """Widen a float tile to fp32 exactly. With ``INT_ROUND`` bf16 is widened by a bit shift (the
+    interpreter's bf16 -> fp32 cast flushes subnormals); otherwise the normal cast."""
+    if INT_ROUND and x.dtype == tl.bfloat16:
+        xf = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        xf = x.to(tl.float32)
+    return xf
+
+
+@triton.jit
 def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr):
     """Quantize a register tile whose ``AXIS`` dimension is one 32-value block.
 
@@ -165,13 +176,14 @@ def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.co
            or ``[BR, 32, BK]`` with ``AXIS=1`` (column-wise 32x1 blocks). Masked-out lanes must
            be loaded as 0 (an all-zero block gets scale 0, payload 0).
         MODE: 0 rceil, 1 floor.
-        INT_ROUND: True = integer RNE (bit-exact everywhere), False = hardware cast (GPU).
+        INT_ROUND: True = integer RNE and exact bf16 widening (bit-exact everywhere, also in the
+            interpreter), False = hardware casts (GPU).
         AXIS: the block axis (size 32).
     Returns:
         ``(payload, scales)``: payload uint8 E4M3 bytes of ``x``'s shape; scales uint8 E8M0 bytes of
         ``x``'s shape without ``AXIS``. NaN/Inf blocks: scale 255, payload 0x7F.
     """
-    xf = x.to(tl.float32)
+    xf = to_fp32(x, INT_ROUND)
     ax = tl.abs(xf)
     ax = tl.where(xf != xf, float("inf"), ax)  # NaN poisons the block (max may drop NaN)
     amax = tl.max(ax, axis=AXIS)

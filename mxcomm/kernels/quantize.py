@@ -333,9 +333,9 @@ def _check_offs(group_offs: Optional[torch.Tensor], x: torch.Tensor, lay: ScaleL
 
 
 def _check_x(x: torch.Tensor, axis: int, fn: str) -> None:
-    check_quantizable(x, axis)
-    if x.dim() != 2:
+    if isinstance(x, torch.Tensor) and x.dim() != 2:
         raise ValueError(f"{fn}: expected a 2D tensor [M, K], got shape {tuple(x.shape)}")
+    check_quantizable(x, axis)
 
 
 def _check_mode(mode: str) -> int:
