@@ -3,7 +3,7 @@ dispatch to combine and to both backward passes (EPHandle)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -48,6 +48,7 @@ class EPHandle:
         device: device of the dispatch input.
         send_splits_host / recv_splits_host: per-rank row counts on the host when the backend
             synchronised to learn them (reference backend), else None.
+        backend_state: backend-specific state (e.g. the nvshmem backend's row origins), else None.
     """
 
     config: EPConfig
@@ -59,6 +60,7 @@ class EPHandle:
     device: torch.device
     send_splits_host: Optional[tuple] = None
     recv_splits_host: Optional[tuple] = None
+    backend_state: Optional[Any] = None
 
 
 __all__ = ["DispatchResult", "EPHandle"]

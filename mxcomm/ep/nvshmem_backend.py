@@ -1,0 +1,251 @@
+"""The ``nvshmem`` EP backend: dispatch/combine kernels that quantize in registers and write into
+peers' NVSHMEM symmetric buffers (peer pointers, release/acquire flags at system scope, bounded waits).
+
+One call of :meth:`NvshmemBackend.dispatch` (all on the current CUDA stream):
+
+1. per-expert counts of this rank (torch), epoch += 1 (device tensor, so a CUDA graph can replay it);
+2. ``exchange_counts_kernel``: publish counts into every peer's ``counts[me]`` + flag; wait for all;
+3. the shared :func:`mxcomm.ep.plan.build_plan` on the exchanged counts (torch, no host sync),
+   plus each slot's scale row in the destination's grouped-along-M blocked matrix;
+4. ``dispatch_kernel``: each BF16 row read once, quantized in registers, payload and scales stored
+   at their final expert-major positions in the destination's buffers; arrival flags;
+5. ``wait_arrivals_kernel`` (bounded; raises :class:`mxcomm.transport.PeerTimeout` naming the peer);
+6. copy-out of the received rows into fresh tensors, padding rows zeroed (the symmetric buffer is
+   reused by the next call, so results must not alias it).
+
+The scale region of this rank's buffer is zeroed before this rank publishes its counts: no peer
+writes into it before it sees those counts, so padding scale bytes are zero without a race.
+
+Combine mirrors it: each expert-major row goes back to its origin at its send position (quantized
+in registers when ``quantize``), then the origin reduces ``sum_k w * row`` in fp32.
+
+Buffer reuse is safe because every dispatch starts with the counts exchange: a rank publishes its
+counts only after its previous combine finished reading its buffers (stream order), and no peer
+writes before it has seen every rank's counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.mx_device import SCALE_MODE_IDS
+from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
+from .. import transport as tp
+from .config import EPConfig
+from .handle import DispatchResult, EPHandle
+from .plan import RoutingPlan, build_plan, local_counts, max_recv_rows, recv_rows
+
+_CHUNK = 1024
+_PROGRAMS_PER_SM = 4
+
+
+@dataclass(frozen=True)
+class RowOrigins:
+    """For each expert-major row of a dispatch output: origin rank (-1 = padding) and its position
+    in the origin's send order. int32 ``[R]`` each, device tensors."""
+
+    src: torch.Tensor
+    pos: torch.Tensor
+
+
+def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
+    """Origin (rank, send position) of each of ``n_rows`` expert-major rows (torch, no host sync).
+
+    Receive order (source-major, then local expert, then the source's send order; see
+    :func:`mxcomm.ep.plan.recv_rows`) maps each real row to its source block; the position in the
+    source's send order is that block's ``src_send_pos`` plus the offset inside the block.
+    """
+    W, El = plan.world_size, plan.num_local_experts
+    dev = plan.device
+    lo = plan.rank * El
+    sizes = plan.counts[:, lo:lo + El].to(torch.int64).reshape(-1)
+    ends = torch.cumsum(sizes, 0)
+    starts = ends - sizes
+    j = torch.arange(n_rows, dtype=torch.int64, device=dev)  # real rows <= n_rows, so this covers them
+    seg = torch.clamp(torch.searchsorted(ends, j, right=True), max=W * El - 1)
+    rows = recv_rows(plan, n_rows).to(torch.int64)
+    pos = plan.src_send_pos.to(torch.int64).reshape(-1)[seg] + j - starts[seg]
+    dst = torch.where(rows >= 0, rows, torch.full_like(rows, n_rows))  # invalid -> spill slot
+    out_src = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)
+    out_pos = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)
+    out_src.scatter_(0, dst, (seg // El).to(torch.int32))
+    out_pos.scatter_(0, dst, pos.to(torch.int32))
+    return RowOrigins(src=out_src[:n_rows].contiguous(), pos=out_pos[:n_rows].contiguous())
+
+
+def dest_scale_rows(plan: RoutingPlan, topk_idx: torch.Tensor) -> torch.Tensor:
+    """Row of each slot in its destination's grouped-along-M blocked scale matrix: int32 ``[T, k]``
+    (-1 for dropped slots).
+
+    On its rank, expert ``e``'s group (padded to ``align``) starts at payload row ``gstart[e]`` and at
+    scale row ``sstart[e] = sum_{h<e} round_up(padded_h, 128)`` (each group blocked on its own).
+    """
+    W, El, a = plan.world_size, plan.num_local_experts, plan.align
+    c = plan.counts.to(torch.int64)
+    p_e = ((c.sum(0) + a - 1) // a * a).view(W, El)
+    p128 = (p_e + 127) // 128 * 128
+    gstart = (torch.cumsum(p_e, 1) - p_e).reshape(-1)
+    sstart = (torch.cumsum(p128, 1) - p128).reshape(-1)
+    idx = topk_idx.to(torch.int64)
+    ic = torch.clamp(idx, min=0)
+    srow = sstart[ic] + plan.dest_row.to(torch.int64) - gstart[ic]
+    return torch.where(idx >= 0, srow, torch.full_like(srow, -1)).to(torch.int32).contiguous()
+
+
+@dataclass(frozen=True)
+class NvshmemState:
+    """Backend part of an :class:`EPHandle`: row origins of the dispatch output and the dispatch epoch."""
+
+    origins: RowOrigins
+    num_rows_dev: torch.Tensor  # int32 [1] real rows (offs[-1])
+
+
+class NvshmemBackend:
+    """GPU backend over NVSHMEM symmetric buffers (see module doc). Built by ``EPGroup``.
+
+    NVSHMEM is initialised through ``mxcomm.transport.init_nvshmem(group=group)`` (or joins an
+    existing initialisation). The symmetric buffers are allocated once here.
+    """
+
+    device_side_checks = False
+
+    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, heap=None):
+        self.config = config
+        self.rank, self.world = rank, world_size
+        if heap is None:
+            heap = self._open_heap(group, rank, world_size)
+        self.heap = heap
+        self.device = heap.ctx.device
+        H, E, W = config.hidden, config.num_experts, world_size
+        self.El = config.num_local_experts(W)
+        self.R_max = max_recv_rows(config, W)
+        self.mx = config.precision == "mxfp8"
+        self.n_col_tiles = round_up(H // 32, 4) // 4
+        self.scale_bytes = grouped_m_rows(self.R_max, self.El) * round_up(H // 32, 4)
+        nslot = config.max_tokens_per_rank * config.topk
+        if config.num_sms is not None:
+            sms = config.num_sms
+        elif self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:  # Triton interpreter (tests of the data path on CPU)
+            sms = 1
+        self.programs = sms * _PROGRAMS_PER_SM
+        self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
+        self.recv_q = self.heap.alloc("ep.recv_q", (self.R_max, H * (1 if self.mx else 2)), torch.uint8)
+        self.recv_s = self.heap.alloc("ep.recv_s", (max(self.scale_bytes, 1),), torch.uint8)
+        self.comb_q = self.heap.alloc("ep.comb_q", (nslot, 2 * H), torch.uint8)
+        self.comb_s = self.heap.alloc("ep.comb_s", (nslot, H // 32), torch.uint8)
+        self.counts = self.heap.alloc("ep.counts", (W, E), torch.int32)
+        self.flags = self.heap.alloc("ep.flags", (3, W), torch.int64)
+        self.epoch = torch.zeros(2, dtype=torch.int64, device=self.device)  # [dispatch, combine]
+        self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.timeout_ns = tp.timeout_ns(config.timeout_s)
+        self.mode_id = SCALE_MODE_IDS[config.scale_mode]
+
+    @staticmethod
+    def _open_heap(group, rank: int, world_size: int):
+        if not torch.cuda.is_available():
+            raise RuntimeError("the 'nvshmem' backend needs a CUDA GPU")
+        ctx = tp.init_nvshmem(group=group) if not tp.is_initialized() else tp.current_context()
+        if (ctx.rank, ctx.world) != (rank, world_size):
+            raise RuntimeError(
+                f"NVSHMEM runs as PE {ctx.rank} of {ctx.world}, but the EP group is rank {rank} of {world_size}"
+            )
+        if not ctx.all_local:
+            raise NotImplementedError(
+                f"peers {ctx.remote_peers} have no peer pointer (other nodes); the put-with-signal path "
+                "for them is not built yet"
+            )
+        return tp.SymmetricHeap(ctx)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.heap.nbytes
+
+    def _check(self, what: str) -> None:
+        tp.check_errors(self.err, what=what, rank=self.rank)
+
+    # -- dispatch -------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        from .nvshmem_kernels import dispatch_kernel, exchange_counts_kernel, wait_arrivals_kernel
+
+        cfg = self.config
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device}, the nvshmem backend runs on {self.device}")
+        T, H = x.shape
+        W, E = self.world, cfg.num_experts
+        x = x.contiguous()
+        my_counts = local_counts(topk_idx, E)
+        self.epoch[0] += 1
+        if self.mx:
+            self.recv_s.local.zero_()
+        exchange_counts_kernel[(W,)](
+            my_counts, self.counts.peer_ptrs, self.flags.peer_ptrs, self.flags.local[0], self.epoch[0:1], self.err,
+            self.timeout_ns, self.rank, E, E_POW2=triton_next_pow2(E),
+        )
+        counts = self.counts.local.clone()
+        plan = build_plan(counts, topk_idx, self.rank, cfg.align)
+        srow = dest_scale_rows(plan, topk_idx) if self.mx else plan.dest_row
+        dispatch_kernel[(self.programs,)](
+            x, T, plan.dest_rank, plan.dest_row, srow,
+            self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W, self.n_col_tiles,
+            H=H, K=cfg.topk, CHUNK=min(_CHUNK, triton_next_pow2(H)), MX=self.mx, MODE=self.mode_id,
+            INT_ROUND=self.int_round, num_warps=4,
+        )
+        wait_arrivals_kernel[(W,)](self.flags.local[1], self.epoch[0:1], self.programs, self.err, self.timeout_ns)
+        R = int(plan.num_rows.item()) if cfg.exact_sizes else self.R_max
+        self._check("dispatch arrivals")
+        origins = row_origins(plan, R)
+        pad = (origins.src < 0).view(R, 1)
+        if self.mx:
+            q = self.recv_q.local[:R].clone().masked_fill_(pad, 0)
+            ns = grouped_m_rows(R, self.El) * round_up(H // 32, 4)
+            s = self.recv_s.local[:ns].clone().view(-1, round_up(H // 32, 4))
+            out_x = MXTensor(
+                qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1, layout=ScaleLayout.GROUPED_M,
+                mode=cfg.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
+            )
+        else:
+            out_x = self.recv_q.local[:R].clone().masked_fill_(pad, 0).view(torch.bfloat16)
+        result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
+        handle = EPHandle(
+            config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,
+            device=x.device, backend_state=NvshmemState(origins=origins, num_rows_dev=plan.num_rows),
+        )
+        return result, handle
+
+    # -- combine --------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
+        from .nvshmem_kernels import combine_reduce_kernel, combine_send_kernel, wait_arrivals_kernel
+
+        cfg = self.config
+        st: NvshmemState = handle.backend_state
+        H, W = cfg.hidden, self.world
+        plan = handle.plan
+        chunk = min(_CHUNK, triton_next_pow2(H))
+        self.epoch[1] += 1
+        combine_send_kernel[(self.programs,)](
+            expert_out.contiguous(), st.num_rows_dev, st.origins.src, st.origins.pos,
+            self.comb_q.peer_ptrs, self.comb_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W,
+            H=H, CHUNK=chunk, MX=quantize_rows, MODE=self.mode_id, INT_ROUND=self.int_round, num_warps=4,
+        )
+        wait_arrivals_kernel[(W,)](self.flags.local[2], self.epoch[1:2], self.programs, self.err, self.timeout_ns)
+        T = handle.num_tokens
+        y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
+        w = handle.topk_weights.to(torch.float32).contiguous()
+        comb = self.comb_q.local if quantize_rows else self.comb_q.local.view(torch.bfloat16)
+        if T:
+            combine_reduce_kernel[(min(T, self.programs),)](
+                comb, self.comb_s.local, plan.send_pos, w, y, T,
+                H=H, K=cfg.topk, CHUNK=chunk, MX=quantize_rows, INT_ROUND=self.int_round, num_warps=4,
+            )
+        self._check("combine arrivals")
+        return y
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+__all__ = ["NvshmemBackend", "row_origins", "dest_scale_rows", "RowOrigins"]

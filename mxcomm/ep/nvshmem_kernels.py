@@ -1,0 +1,196 @@
+"""Triton kernels of the ``nvshmem`` EP backend: they quantize in registers and store straight into
+peers' symmetric buffers through NVSHMEM peer pointers, then signal with release/acquire flags at
+system scope. Every wait is bounded (``mxcomm.transport.flags.wait_flag_geq``).
+
+Buffers (all symmetric, same layout on every rank; ``W`` ranks):
+
+* ``recv_q``  uint8 ``[R_max, H * B]`` (B = 1 for MXFP8, 2 for BF16): dispatched rows, expert-major.
+* ``recv_s``  uint8 flat grouped-along-M blocked scale bytes (MXFP8).
+* ``comb_q``  uint8 ``[T_max * k, 2H]``: rows returned by combine, at the origin's send position
+  (BF16: 2H bytes; MXFP8: H payload bytes).
+* ``comb_s``  uint8 ``[T_max * k, H/32]``: their scale bytes (MXFP8 transport).
+* ``counts``  int32 ``[W, E]``: row ``s`` = rows rank ``s`` sends to each expert.
+* ``flags``   int64 ``[3, W]``: row 0 counts published, row 1 dispatch arrivals, row 2 combine
+  arrivals; entry ``[i, s]`` is written by rank ``s``. Flags only grow (epochs), never reset.
+
+Arrival protocol: every program of a sending kernel, after all its stores, adds 1 to
+``flags[i, me]`` on every peer (release, sys). A receiver waits for ``epoch * programs``.
+All ranks launch the same number of programs (``programs`` is part of the config).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..kernels.mx_device import blocked_scale_offset, e4m3_decode, mx_quantize_tile, mx_scale_value
+from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
+
+
+@triton.jit
+def exchange_counts_kernel(my_counts_ptr, counts_peers, flags_peers, flags_local, epoch_ptr, err_ptr, timeout_ns,
+                           me, E, E_POW2: tl.constexpr):
+    """Program ``p``: publish my ``[E]`` counts into rank ``p``'s ``counts[me]``, raise ``flags[0, me]``
+    there to the epoch, then wait (bounded) until rank ``p`` has published to me.
+
+    Args: my_counts_ptr int32 [E]; counts_peers / flags_peers int64 [W] peer base pointers;
+    flags_local int64 [3, W] (this rank's); epoch_ptr int64 scalar; err_ptr int64 error word.
+    Grid: (W,).
+    """
+    p = tl.program_id(0)
+    epoch = tl.load(epoch_ptr)
+    offs = tl.arange(0, E_POW2)
+    m = offs < E
+    c = tl.load(my_counts_ptr + offs, mask=m, other=0)
+    cb = tl.load(counts_peers + p).to(tl.pointer_type(tl.int32))
+    tl.store(cb + me * E + offs, c, mask=m)
+    tl.debug_barrier()
+    fb = tl.load(flags_peers + p).to(tl.pointer_type(tl.int64))
+    signal_peer(fb + me, epoch)
+    wait_flag_geq(flags_local + p, epoch, deadline_after(timeout_ns), err_ptr, p)
+
+
+@triton.jit
+def wait_arrivals_kernel(flags_row_ptr, epoch_ptr, per_epoch, err_ptr, timeout_ns):
+    """Program ``s``: wait (bounded) until ``flags_row[s] >= epoch * per_epoch``. Grid: (W,)."""
+    s = tl.program_id(0)
+    expected = tl.load(epoch_ptr) * per_epoch
+    wait_flag_geq(flags_row_ptr + s, expected, deadline_after(timeout_ns), err_ptr, s)
+
+
+@triton.jit
+def _arrive_all(flags_peers, row, me, W):
+    """After this program's stores: add 1 to ``flags[row, me]`` on every rank (release, sys)."""
+    tl.debug_barrier()
+    p = 0
+    while p < W:
+        fb = tl.load(flags_peers + p).to(tl.pointer_type(tl.int64))
+        tl.atomic_add(fb + row * W + me, 1, sem="release", scope="sys")
+        p += 1
+
+
+@triton.jit
+def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
+                    q_peers, s_peers, flags_peers, me, W, n_col_tiles,
+                    H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+                    MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+    """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
+    straight into each destination rank's buffers at their final expert-major rows.
+
+    Args:
+        x_ptr: bf16 ``[T, H]`` contiguous.
+        dest_rank_ptr / dest_row_ptr / dest_srow_ptr: int32 ``[T, K]``: destination rank (-1 =
+            dropped), payload row there, and row in the grouped-along-M blocked scale matrix there.
+        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``recv_q`` / ``recv_s`` /
+            ``flags`` on every rank.
+        n_col_tiles: ``round_up(H/32, 4) / 4``.
+    Grid: any fixed number of programs (identical on every rank); persistent over tokens.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    NB: tl.constexpr = CHUNK // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    t = pid
+    while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
+        for c0 in tl.static_range(0, H, CHUNK):
+            m = (c0 + offs) < H
+            x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
+            if MX:
+                q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
+                q = tl.reshape(q2, (CHUNK,))
+            for j in tl.static_range(K):
+                r = tl.load(dest_rank_ptr + t * K + j)
+                if r >= 0:
+                    row = tl.load(dest_row_ptr + t * K + j).to(tl.int64)
+                    if MX:
+                        qb = tl.load(q_peers + r).to(tl.pointer_type(tl.uint8))
+                        tl.store(qb + row * H + c0 + offs, q, mask=m)
+                        srow = tl.load(dest_srow_ptr + t * K + j).to(tl.int64)
+                        sb = tl.load(s_peers + r).to(tl.pointer_type(tl.uint8))
+                        cols = c0 // 32 + bcols
+                        tl.store(sb + blocked_scale_offset(srow, cols, n_col_tiles), s, mask=cols < H // 32)
+                    else:
+                        qb = tl.load(q_peers + r).to(tl.pointer_type(tl.bfloat16))
+                        tl.store(qb + row * H + c0 + offs, x, mask=m)
+        t += G
+    _arrive_all(flags_peers, 1, me, W)
+
+
+@triton.jit
+def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, s_peers, flags_peers, me, W,
+                        H: tl.constexpr, CHUNK: tl.constexpr,
+                        MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+    """Send each expert-major row back to its origin rank, at its position in the origin's send
+    order (MX: quantized in registers, payload in ``comb_q``, scales in ``comb_s``; else BF16).
+
+    Args:
+        out_ptr: bf16 ``[R, H]`` expert outputs; n_rows_ptr: int32 scalar, rows to consider.
+        row_src_ptr / row_pos_ptr: int32 ``[R]`` origin rank (-1 = padding row) and send position.
+        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags``.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    NB: tl.constexpr = CHUNK // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    n_rows = tl.load(n_rows_ptr)
+    r = pid
+    while r < n_rows:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
+        src = tl.load(row_src_ptr + r)
+        if src >= 0:
+            pos = tl.load(row_pos_ptr + r).to(tl.int64)
+            for c0 in tl.static_range(0, H, CHUNK):
+                m = (c0 + offs) < H
+                x = tl.load(out_ptr + r.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
+                if MX:
+                    q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
+                    qb = tl.load(q_peers + src).to(tl.pointer_type(tl.uint8))
+                    tl.store(qb + pos * (2 * H) + c0 + offs, tl.reshape(q2, (CHUNK,)), mask=m)
+                    sb = tl.load(s_peers + src).to(tl.pointer_type(tl.uint8))
+                    cols = c0 // 32 + bcols
+                    tl.store(sb + pos * (H // 32) + cols, s, mask=cols < H // 32)
+                else:
+                    qb = tl.load(q_peers + src).to(tl.pointer_type(tl.bfloat16))
+                    tl.store(qb + pos * H + c0 + offs, x, mask=m)
+        r += G
+    _arrive_all(flags_peers, 2, me, W)
+
+
+@triton.jit
+def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
+                          H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+                          MX: tl.constexpr, INT_ROUND: tl.constexpr):
+    """``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` in fp32 (j ascending; dropped slots skipped), bf16 out.
+
+    Args:
+        comb_q_ptr: this rank's returned rows (``comb_q``, 2H bytes a row): MX: the uint8 buffer
+            (payload in the first H bytes of a row); BF16: the same buffer viewed as bf16 ``[T_max*K, H]``.
+        comb_s_ptr: uint8 ``[T_max*K, H/32]`` (MX only).
+        send_pos_ptr: int32 ``[T, K]``; w_ptr: fp32 ``[T, K]``; y_ptr: bf16 ``[T, H]``.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    NB: tl.constexpr = CHUNK // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    t = pid
+    while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
+        for c0 in tl.static_range(0, H, CHUNK):
+            m = (c0 + offs) < H
+            acc = tl.zeros((CHUNK,), tl.float32)
+            for j in tl.static_range(K):
+                pos = tl.load(send_pos_ptr + t * K + j)
+                if pos >= 0:
+                    w = tl.load(w_ptr + t * K + j)
+                    p64 = pos.to(tl.int64)
+                    if MX:
+                        q = tl.load(comb_q_ptr + p64 * (2 * H) + c0 + offs, mask=m, other=0)
+                        cols = c0 // 32 + bcols
+                        sb = tl.load(comb_s_ptr + p64 * (H // 32) + cols, mask=cols < H // 32, other=127)
+                        v = tl.reshape(e4m3_decode(q, INT_ROUND), (NB, 32)) * mx_scale_value(sb.to(tl.int32))[:, None]
+                        v = tl.reshape(v, (CHUNK,))
+                    else:
+                        v = tl.load(comb_q_ptr + p64 * H + c0 + offs, mask=m, other=0.0).to(tl.float32)
+                    acc += w * v
+            tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
+        t += G
