@@ -136,6 +136,12 @@ def _unregister_heap(heap: Any) -> None:
     _REGISTRY.heaps[:] = [h for h in _REGISTRY.heaps if h is not heap]
 
 
+def _sync_device(device: torch.device) -> None:
+    """Wait for all work on ``device`` (no-op for a non-CUDA device)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _uid_to_bytes(uid: Any) -> bytes:
     import numpy as np
 
@@ -330,7 +336,7 @@ def finalize() -> None:
     if _REGISTRY.ctx is None:
         return
     nvshmem_core = import_nvshmem()
-    torch.cuda.synchronize(_REGISTRY.ctx.device)
+    _sync_device(_REGISTRY.ctx.device)
     for heap in list(reversed(_REGISTRY.heaps)):
         heap.free()
     _REGISTRY.heaps.clear()

@@ -22,7 +22,14 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .bootstrap import NvshmemContext, _register_heap, _unregister_heap, current_context, import_nvshmem
+from .bootstrap import (
+    NvshmemContext,
+    _register_heap,
+    _sync_device,
+    _unregister_heap,
+    current_context,
+    import_nvshmem,
+)
 from .env import parse_size
 from .errors import TransportError
 
@@ -221,7 +228,7 @@ class SymmetricHeap:
         if not self._open:
             return
         nvshmem_core = import_nvshmem()
-        torch.cuda.synchronize(self.ctx.device)
+        _sync_device(self.ctx.device)
         for buf in reversed(list(self._buffers.values())):
             nvshmem_core.free_tensor(buf._raw)
         self._buffers.clear()
