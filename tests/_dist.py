@@ -41,7 +41,7 @@ def progress(msg: str) -> None:
         _progress_queue.put(("progress", _progress_rank, str(msg)))
 
 
-def _entry(rank, world, port, backend, pg_timeout_s, fn, args, q):
+def _entry(rank, world, port, backend, pg_timeout_s, env, fn, args, q):
     global _progress_queue, _progress_rank
     _progress_queue, _progress_rank = q, rank
     try:
@@ -49,6 +49,7 @@ def _entry(rank, world, port, backend, pg_timeout_s, fn, args, q):
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        os.environ.update(env or {})
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group(
@@ -63,8 +64,13 @@ def _entry(rank, world, port, backend, pg_timeout_s, fn, args, q):
         q.put(("err", rank, traceback.format_exc()))
 
 
-def run_world(world: int, fn, *args, timeout: float = 120.0, backend: str = "gloo", pg_timeout_s: float = 60.0):
+def run_world(
+    world: int, fn, *args, timeout: float = 120.0, backend: str = "gloo", pg_timeout_s: float = 60.0,
+    env: dict | None = None,
+):
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes with an initialised process group.
+
+    ``env``: extra environment variables set in each child before the process group starts.
 
     Returns the list of per-rank results. Raises WorkerError / TimeoutError (children killed).
     """
@@ -72,7 +78,7 @@ def run_world(world: int, fn, *args, timeout: float = 120.0, backend: str = "glo
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world, port, backend, pg_timeout_s, fn, args, q), daemon=True)
+        ctx.Process(target=_entry, args=(r, world, port, backend, pg_timeout_s, env, fn, args, q), daemon=True)
         for r in range(world)
     ]
     for p in procs:

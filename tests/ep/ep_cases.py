@@ -49,12 +49,14 @@ class Case:
     seed: int = 0
     combine_modes: tuple = (None, True, False)  # quantize= values to run combine with
     device: str = "cpu"
+    backend: str = "torch"
 
     def config(self) -> EPConfig:
         return EPConfig(
             num_experts=self.num_experts, hidden=self.hidden, topk=self.topk,
             max_tokens_per_rank=self.max_tokens or max(max(self.tokens), 1), align=self.align,
             precision=self.precision, scale_mode=self.scale_mode, exact_sizes=self.exact_sizes,
+            backend=self.backend, timeout_s=60.0,
         )
 
 
@@ -427,13 +429,27 @@ def config_mismatch_worker(rank: int, world: int) -> dict:
 
 def gpu_cases_worker(rank: int, world: int) -> dict:
     """Worker for GPU runs: the standard matrix with CUDA tensors (gloo stages through the host, NCCL not)."""
-    torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = f"cuda:{torch.cuda.current_device()}"
     cases = [replace(c, device=dev) for c in standard_cases(world, seed=5)]
     return run_cases(rank, world, cases)
 
 
+def nvshmem_cases_worker(rank: int, world: int, n_random: int = 0) -> dict:
+    """Worker for the nvshmem backend: every rank on GPU 0 (several ranks share one GPU), the
+    standard matrix plus ``n_random`` random cases, against the single-process oracle."""
+    torch.cuda.set_device(0)
+    cases = standard_cases(world, seed=7) + random_cases(world, n_random, seed=11)
+    cases = [replace(c, device="cuda:0", backend="nvshmem") for c in cases]
+    out = run_cases(rank, world, cases)
+    from mxcomm import transport as tp
+
+    tp.finalize()
+    return out
+
+
 __all__ = [
+    "nvshmem_cases_worker",
     "Case", "make_inputs", "make_expert_outs", "standard_cases", "random_cases", "run_cases", "soak_worker",
     "bad_inputs_worker", "config_mismatch_worker", "gpu_cases_worker", "check_dispatch", "row_checksums",
 ]

@@ -2,7 +2,7 @@
 
 Each world runs many cases in one spawn (process start-up is the slow part); every world is
 time-bounded by ``run_world`` so a hang fails the test instead of blocking CI.
-Soak iterations: ``MXCOMM_EP_SOAK_ITERS`` (default 50).
+Soak iterations: ``MXCOMM_EP_SOAK_ITERS`` (default 200 on one rank; a fifth of that on two ranks).
 """
 import os
 
@@ -44,7 +44,16 @@ def test_config_mismatch_raises_on_every_rank(world):
     _assert_clean(run_world(world, config_mismatch_worker, timeout=90))
 
 
+SOAK_ITERS = int(os.environ.get("MXCOMM_EP_SOAK_ITERS", "200"))
+
+
 def test_soak_one_rank():
-    iters = int(os.environ.get("MXCOMM_EP_SOAK_ITERS", "50"))
-    results = run_world(1, soak_worker, iters, 1234, timeout=60 + 3 * iters)
+    """Random shapes/routings/configs, every row compared (row checksums locate a mismatch)."""
+    results = run_world(1, soak_worker, SOAK_ITERS, 1234, timeout=60 + 2 * SOAK_ITERS)
+    _assert_clean(results, min_cases=SOAK_ITERS)
+
+
+def test_soak_two_ranks():
+    iters = max(1, SOAK_ITERS // 5)
+    results = run_world(2, soak_worker, iters, 4321, timeout=60 + 5 * iters)
     _assert_clean(results, min_cases=iters)

@@ -1,0 +1,313 @@
+"""In-process tests of EPConfig, the shared routing plan, sizes, input validation and the oracle
+(no process group needed)."""
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mxcomm.ep import EPConfig, EPGroup, build_plan, buffer_sizes, local_counts, max_recv_rows, recv_rows
+from mxcomm.ep.group import check_expert_ids, validate_dispatch_inputs
+from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
+from mxcomm.ep.plan import max_rows_per_source, send_tokens
+from mxcomm.ep.reference import weighted_combine
+from mxcomm.mx import grouped_m_rows, round_up
+
+BASE = EPConfig(num_experts=8, hidden=128, topk=2, max_tokens_per_rank=16)
+
+
+# ------------------------------------------------------------------------------ config ----
+
+def test_config_valid_and_num_local_experts():
+    BASE.validate(4)
+    assert BASE.num_local_experts(4) == 2
+    replace(BASE, align=128, precision="bf16", scale_mode="floor", num_sms=8, exact_sizes=False).validate(8)
+
+
+@pytest.mark.parametrize(
+    "change, world, needle",
+    [
+        (dict(num_experts=6), 4, "multiple of the world size"),
+        (dict(hidden=100), 1, "hidden (100) must be a multiple of 32"),
+        (dict(align=64), 1, "align"),
+        (dict(topk=9), 1, "topk (9) must not exceed"),
+        (dict(topk=0), 1, "topk must be a positive int"),
+        (dict(max_tokens_per_rank=0), 1, "max_tokens_per_rank"),
+        (dict(num_experts=8.0), 1, "num_experts"),
+        (dict(precision="fp8"), 1, "precision"),
+        (dict(scale_mode="even"), 1, "scale_mode"),
+        (dict(backend="mpi"), 1, "backend"),
+        (dict(num_sms=0), 1, "num_sms"),
+        (dict(timeout_s=0.0), 1, "timeout_s"),
+        (dict(timeout_s=float("inf")), 1, "timeout_s"),
+        (dict(exact_sizes=1), 1, "exact_sizes"),
+    ],
+)
+def test_config_validate_errors(change, world, needle):
+    with pytest.raises(ValueError, match="invalid EPConfig") as ei:
+        replace(BASE, **change).validate(world)
+    assert needle in str(ei.value)
+
+
+def test_config_validate_lists_every_problem_and_bad_world():
+    with pytest.raises(ValueError) as ei:
+        replace(BASE, hidden=33, align=16, precision="x").validate(2)
+    msg = str(ei.value)
+    assert "hidden" in msg and "align" in msg and "precision" in msg
+    with pytest.raises(ValueError, match="world_size"):
+        BASE.validate(0)
+
+
+def test_fingerprint_distinguishes_every_field():
+    assert BASE.fingerprint() == EPConfig(8, 128, 2, 16).fingerprint()
+    assert dict(BASE.fingerprint())["topk"] == 2
+    changes = dict(num_experts=16, hidden=256, topk=3, max_tokens_per_rank=17, align=128, precision="bf16",
+                   scale_mode="floor", backend="nvshmem", num_sms=4, timeout_s=31.0, exact_sizes=False)
+    assert set(changes) == {n for n, _ in BASE.fingerprint()}
+    base_codes = BASE.fingerprint_codes()
+    for name, v in changes.items():
+        other = replace(BASE, **{name: v})
+        diff = [i for i, (a, b) in enumerate(zip(base_codes, other.fingerprint_codes())) if a != b]
+        assert [BASE.fingerprint()[i][0] for i in diff] == [name]
+    assert all(-(2**63) <= c < 2**63 for c in replace(BASE, timeout_s=1e300).fingerprint_codes())
+
+
+def test_group_needs_initialised_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        EPGroup(BASE)
+    with pytest.raises(TypeError, match="EPConfig"):
+        EPGroup({"num_experts": 8})
+
+
+# ------------------------------------------------------------------------------ sizes ----
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_buffer_sizes_follow_documented_formula(world, precision):
+    cfg = EPConfig(num_experts=32, hidden=7168, topk=8, max_tokens_per_rank=4096, align=128, precision=precision)
+    El = 32 // world
+    R = round_up(world * 4096 * min(8, El) + El * 127, 128)
+    assert max_recv_rows(cfg, world) == R
+    assert max_rows_per_source(cfg, world) == 4096 * min(8, El)
+    b = buffer_sizes(cfg, world)
+    assert b.dispatch_payload == round_up(R * 7168 * (1 if precision == "mxfp8" else 2), 512)
+    assert b.dispatch_scales == (round_up(grouped_m_rows(R, El) * 224, 512) if precision == "mxfp8" else 0)
+    assert b.combine_payload == round_up(4096 * 8 * 7168 * 2, 512)
+    assert b.total == EPGroup.buffer_bytes(cfg, world)
+    assert b.total == b.dispatch_payload + b.dispatch_scales + b.combine_payload + b.counts + b.flags
+    with pytest.raises(ValueError):
+        buffer_sizes(replace(cfg, num_experts=33), world if world > 1 else 2)
+
+
+def test_mxfp8_buffers_smaller_than_bf16():
+    cfg = EPConfig(num_experts=16, hidden=4096, topk=4, max_tokens_per_rank=1024)
+    mx, bf = buffer_sizes(cfg, 4), buffer_sizes(replace(cfg, precision="bf16"), 4)
+    assert mx.dispatch_payload + mx.dispatch_scales < 0.55 * bf.dispatch_payload
+
+
+def test_worst_case_routing_fits_bound():
+    """Every rank sends every token to all of rank 0's experts: R stays within max_recv_rows."""
+    for world, El, k, align in [(1, 4, 4, 32), (2, 2, 3, 128), (4, 3, 3, 32), (4, 1, 2, 128)]:
+        E = El * world
+        T = 5
+        cfg = EPConfig(num_experts=E, hidden=32, topk=k, max_tokens_per_rank=T, align=align)
+        idx = torch.full((T, k), -1, dtype=torch.int64)
+        idx[:, :min(k, El)] = torch.arange(min(k, El))
+        counts = torch.stack([local_counts(idx, E) for _ in range(world)])
+        plan = build_plan(counts, idx, 0, align)
+        R = int(plan.num_rows)
+        bound = max_recv_rows(cfg, world)
+        assert R <= bound < R + align * (El + 1)
+
+
+# ------------------------------------------------------------------------------ plan ----
+
+def _random_world(seed, world, El, k, align, drop_p=0.3):
+    g = torch.Generator().manual_seed(seed)
+    E = world * El
+    idxs = []
+    for s in range(world):
+        T = int(torch.randint(0, 12, (1,), generator=g))
+        idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k]
+        idx = torch.where(torch.rand(T, k, generator=g) < drop_p, torch.full_like(idx, -1), idx)
+        idxs.append(idx.to(torch.int32 if s % 2 else torch.int64))
+    cfg = EPConfig(num_experts=E, hidden=32, topk=k, max_tokens_per_rank=16, align=align)
+    counts = torch.stack([local_counts(i, E) for i in idxs])
+    plans = [build_plan(counts, idxs[s], s, align) for s in range(world)]
+    return cfg, idxs, counts, plans
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_matches_oracle_routes(seed):
+    rng = random.Random(seed)
+    world, El = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3])
+    k = rng.randint(1, min(4, world * El))
+    align = rng.choice([32, 128])
+    cfg, idxs, counts, plans = _random_world(seed, world, El, k, align)
+    xs = [torch.zeros(i.shape[0], 32, dtype=torch.bfloat16) for i in idxs]
+    expected, routes = oracle_dispatch(cfg, xs, idxs)
+    for s, plan in enumerate(plans):
+        for name in ("counts", "dest_rank", "dest_row", "send_pos", "send_order", "send_splits", "num_send",
+                     "recv_splits", "expert_counts", "offs", "src_row_start", "src_send_pos", "num_rows", "num_recv"):
+            t = getattr(plan, name)
+            assert t.dtype == torch.int32 and t.is_contiguous(), name
+        assert torch.equal(plan.dest_rank.long(), routes.dest[s][..., 0])
+        assert torch.equal(plan.dest_row.long(), routes.dest[s][..., 1])
+        assert torch.equal(plan.offs, expected[s].offs)
+        assert torch.equal(plan.expert_counts, expected[s].counts)
+        assert int(plan.num_rows) == expected[s].num_rows
+        assert torch.equal(plan.counts[s], local_counts(idxs[s], cfg.num_experts))
+        # send order: valid slots by (expert, t, j); send_pos is its inverse
+        n_send = int(plan.num_send)
+        order = plan.send_order.long()
+        flat = idxs[s].reshape(-1).long()
+        assert bool((flat[order[:n_send]] >= 0).all()) and bool((flat[order[n_send:]] < 0).all())
+        keys = flat[order[:n_send]] * 10_000 + order[:n_send]
+        assert bool((keys[1:] > keys[:-1]).all())
+        valid = plan.send_pos.reshape(-1) >= 0
+        assert torch.equal(order[plan.send_pos.reshape(-1)[valid].long()], torch.nonzero(valid).view(-1))
+        assert torch.equal(send_tokens(plan, n_send), order[:n_send] // k)
+        # send splits per destination rank, in send order
+        dr = plan.dest_rank.reshape(-1).long()[order[:n_send]]
+        assert torch.equal(plan.send_splits.long(), torch.bincount(dr, minlength=world)[:world])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_recv_rows_match_senders(seed):
+    """Receive order on rank r = for each source s, s's rows to r in s's send order."""
+    rng = random.Random(100 + seed)
+    world, El, k = rng.choice([1, 2, 4]), rng.choice([1, 2, 3]), 1
+    k = rng.randint(1, min(3, world * El))
+    cfg, idxs, counts, plans = _random_world(1000 + seed, world, El, k, rng.choice([32, 128]))
+    for r, plan in enumerate(plans):
+        n = int(plan.num_recv)
+        rows = recv_rows(plan, n + 7)
+        assert rows.dtype == torch.int32
+        assert bool((rows[n:] == -1).all())
+        rows = rows[:n].long()
+        expect = []
+        for s, ps in enumerate(plans):
+            order = ps.send_order.long()[:int(ps.num_send)]
+            dr, drow = ps.dest_rank.reshape(-1).long()[order], ps.dest_row.reshape(-1).long()[order]
+            expect.append(drow[dr == r])
+        assert torch.equal(rows, torch.cat(expect) if expect else rows)
+        assert torch.equal(plan.recv_splits.long(), torch.tensor([int((e).numel()) for e in expect]))
+        # rows are exactly the real (non-padding) rows of the expert-major buffer
+        real = torch.zeros(int(plan.num_rows), dtype=torch.bool)
+        start = 0
+        for end, c in zip(plan.offs.tolist(), plan.expert_counts.tolist()):
+            real[start:start + c] = True
+            start = end
+        assert torch.equal(torch.sort(rows).values, torch.nonzero(real).view(-1))
+        # src_send_pos / src_row_start: block (s, e) starts where s sent its first row to e
+        for s, ps in enumerate(plans):
+            for le in range(El):
+                e = r * El + le
+                hits = torch.nonzero(idxs[s].reshape(-1).long() == e).view(-1)
+                if hits.numel():
+                    assert int(plan.src_send_pos[s, le]) == int(ps.send_pos.reshape(-1)[hits[0]])
+                    assert int(plan.src_row_start[s, le]) == int(ps.dest_row.reshape(-1)[hits[0]])
+
+
+def test_plan_empty_inputs():
+    counts = torch.zeros(2, 4, dtype=torch.int32)
+    plan = build_plan(counts, torch.zeros(0, 2, dtype=torch.int64), 1, 32)
+    assert plan.dest_row.shape == (0, 2) and plan.send_order.shape == (0,)
+    assert plan.offs.tolist() == [0, 0] and int(plan.num_rows) == 0
+    assert recv_rows(plan, 3).tolist() == [-1, -1, -1]
+    with pytest.raises(ValueError, match="multiple"):
+        build_plan(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(0, 2), 0, 32)
+    with pytest.raises(ValueError, match="rank"):
+        build_plan(counts, torch.zeros(0, 2), 2, 32)
+
+
+def test_layout_worked_example():
+    """Hand-derived from the contract: W=2, E=4 (El=2), align 32.
+
+    rank 0 topk_idx [[1, 2], [0, 1]], rank 1 [[1, -1], [3, 0]].
+    Rank 0 holds experts 0, 1: expert 0 = [src0 (t1,j0), src1 (t1,j1)] -> rows 0, 1, pad to 32;
+    expert 1 = [src0 (t0,j0), src0 (t1,j1), src1 (t0,j0)] -> rows 32, 33, 34, pad to 64.
+    Rank 1 holds experts 2, 3: expert 2 = [src0 (t0,j1)] -> row 0; expert 3 = [src1 (t1,j0)] -> row 32.
+    """
+    idxs = [torch.tensor([[1, 2], [0, 1]]), torch.tensor([[1, -1], [3, 0]])]
+    counts = torch.stack([local_counts(i, 4) for i in idxs])
+    assert counts.tolist() == [[1, 2, 1, 0], [1, 1, 0, 1]]
+    p0, p1 = (build_plan(counts, idxs[s], s, 32) for s in range(2))
+    assert p0.dest_rank.tolist() == [[0, 1], [0, 0]]
+    assert p0.dest_row.tolist() == [[32, 0], [0, 33]]
+    assert p1.dest_rank.tolist() == [[0, -1], [1, 0]]
+    assert p1.dest_row.tolist() == [[34, -1], [32, 1]]
+    assert p0.offs.tolist() == [32, 64] and p0.expert_counts.tolist() == [2, 3]
+    assert p1.offs.tolist() == [32, 64] and p1.expert_counts.tolist() == [1, 1]
+    assert p0.send_pos.tolist() == [[1, 3], [0, 2]]  # send order: (t1,j0)->e0, (t0,j0)->e1, (t1,j1)->e1, (t0,j1)->e2
+    assert p0.send_splits.tolist() == [3, 1] and p0.recv_splits.tolist() == [3, 2]
+    assert recv_rows(p0, 5).tolist() == [0, 32, 33, 1, 34]
+
+
+# ------------------------------------------------------------------------ validation ----
+
+def test_check_expert_ids():
+    check_expert_ids(torch.tensor([[0, 7], [-1, -1], [3, -1]]), 8)
+    with pytest.raises(ValueError, match=r"topk_idx\[1, 0\] = 8"):
+        check_expert_ids(torch.tensor([[0, 7], [8, 1]]), 8)
+    with pytest.raises(ValueError, match=r"topk_idx\[0, 1\] = -3"):
+        check_expert_ids(torch.tensor([[0, -3]], dtype=torch.int32), 8)
+    with pytest.raises(ValueError, match="token 1 lists expert 5 more than once"):
+        check_expert_ids(torch.tensor([[0, 1, 2], [5, -1, 5]]), 8)
+
+
+def test_validate_dispatch_inputs():
+    cfg = BASE
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1]] * 4)
+    w = torch.ones(4, 2)
+    validate_dispatch_inputs(cfg, x, idx, w)
+    validate_dispatch_inputs(cfg, x[:0], idx[:0], w[:0])
+    with pytest.raises(TypeError, match="bfloat16"):
+        validate_dispatch_inputs(cfg, x.half(), idx, w)
+    with pytest.raises(ValueError, match="capacity"):
+        validate_dispatch_inputs(cfg, torch.zeros(17, 128, dtype=torch.bfloat16), idx, w)
+    with pytest.raises(ValueError, match="device"):
+        validate_dispatch_inputs(cfg, x, idx, w.to("meta"))
+    # value checks can be left to a backend that checks on the device
+    validate_dispatch_inputs(cfg, x, torch.tensor([[0, 99]] * 4), w, check_values=False)
+
+
+# ---------------------------------------------------------------------------- oracle ----
+
+def test_weighted_combine_matches_loop():
+    g = torch.Generator().manual_seed(3)
+    T, k, H, n = 9, 3, 64, 20
+    rows = torch.randn(n, H, generator=g)
+    pos = torch.randint(-1, n, (T, k), generator=g)
+    w = torch.rand(T, k, generator=g)
+    y = weighted_combine(rows, pos, w)
+    ref = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            if pos[t, j] >= 0:
+                ref[t] += w[t, j] * rows[pos[t, j]]
+    assert torch.equal(y, ref)
+    assert weighted_combine(rows[:0], torch.full((2, k), -1), w[:2]).abs().sum() == 0
+
+
+def test_oracle_combine_dropped_and_padding():
+    """Single rank: combine of dispatch rows equals the weighted sum of the tokens themselves (bf16 transport)."""
+    cfg = EPConfig(num_experts=3, hidden=64, topk=2, max_tokens_per_rank=8, precision="bf16")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[0, 2], [1, -1], [-1, -1], [2, 1], [0, 1]])
+    w = torch.rand(5, 2, generator=g)
+    res, routes = oracle_dispatch(cfg, [x], [idx])
+    out = res[0].x.clone()
+    pad = torch.ones(out.shape[0], dtype=torch.bool)
+    start = 0
+    for end, c in zip(res[0].offs.tolist(), res[0].counts.tolist()):
+        pad[start:start + c] = False
+        start = end
+    out[pad] = float("nan")
+    y = oracle_combine(cfg, [out], routes, [w], quantize_rows=False)[0]
+    wm = torch.where(idx >= 0, w, torch.zeros_like(w))
+    ref = (wm[:, 0:1] * x.float() + wm[:, 1:2] * x.float()).to(torch.bfloat16)
+    assert torch.equal(y, ref)
+    assert bool((y[2] == 0).all())
