@@ -503,3 +503,22 @@ def test_gpu_dequantize_roundtrip_large(int_round):
             q = fn(x, layout=layout)
             assert_same_dense(dequantize(q, torch.bfloat16, int_round=int_round),
                               mx.dequantize(mx.quantize(x, axis=axis, layout=layout), torch.bfloat16))
+
+
+@pytest.mark.skipif(not INTERP, reason="the bench smoke mode runs under the CPU interpreter")
+def test_bench_smoke(tmp_path, monkeypatch):
+    """bench/bench_quantize.py --smoke runs end to end, writes its JSON and finds every case bit-exact."""
+    import importlib.util
+    import json
+    import pathlib
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_quantize.py"
+    spec = importlib.util.spec_from_file_location("bench_quantize", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "q.json"
+    bench.main(["--smoke", "--no-compile", "--shapes", "64x256", "--out", str(out)])
+    recs = json.loads(out.read_text())["records"]
+    quant = [r for r in recs if r["direction"] != "copy"]
+    assert len(quant) == 4 and all("error" not in r and r["bit_exact"] and r["gbps"] > 0 for r in quant)
