@@ -79,30 +79,32 @@ def assert_same_dense(got, want):
     assert not bad.any(), f"{int(bad.sum())} values differ: {got[~nan][bad][:5].tolist()} vs {want[~nan][bad][:5].tolist()}"
 
 
-def wide_random(shape, dtype, seed, specials=True, axis=1):
+def wide_random(shape, dtype, seed, specials=True, axis=1, device="cpu"):
     """Random values whose exponents vary over most of ``dtype``'s range, per 32-block along ``axis``
-    and per element, with some special blocks (zeros, NaN, +-Inf, subnormals, exact 448, max) mixed in."""
+    and per element, with some special blocks (zeros, NaN, +-Inf, subnormals, exact 448, max) mixed in.
+    Generated on ``device`` (fast for the large GPU shapes)."""
     if axis == 0:
-        return wide_random(shape[::-1], dtype, seed, specials).t().contiguous()
-    g = torch.Generator().manual_seed(seed)
+        return wide_random(shape[::-1], dtype, seed, specials, device=device).t().contiguous()
+    g = torch.Generator(device=device).manual_seed(seed)
     M, K = shape
     lo, hi = {torch.float16: (-22, 12), torch.bfloat16: (-130, 120), torch.float32: (-140, 120)}[dtype]
-    e_blk = torch.randint(lo, hi, (M, K // 32, 1), generator=g).expand(M, K // 32, 32).reshape(M, K)
-    e_el = torch.randint(-14, 3, (M, K), generator=g)
-    x = torch.randn(M, K, generator=g, dtype=torch.float64) * torch.exp2((e_blk + e_el).double())
+    kw = dict(generator=g, device=device)
+    e_blk = torch.randint(lo, hi, (M, K // 32, 1), **kw).expand(M, K // 32, 32).reshape(M, K)
+    e_el = torch.randint(-14, 3, (M, K), **kw)
+    x = torch.randn(M, K, dtype=torch.float64, **kw) * torch.exp2((e_blk + e_el).double())
     fmax = torch.finfo(dtype).max
     x = x.clamp(-fmax, fmax)
     if specials and M * K >= 32 * 16:
         flat = x.view(-1)
         nblk = M * K // 32
-        pick = torch.randperm(nblk, generator=g)[:12].tolist()
+        pick = torch.randperm(nblk, **kw)[:12].tolist()
         flat[pick[0] * 32: pick[0] * 32 + 32] = 0.0
         flat[pick[1] * 32 + 5] = float("nan")
         flat[pick[2] * 32 + 31] = float("inf")
         flat[pick[3] * 32] = -float("inf")
         flat[pick[4] * 32: pick[4] * 32 + 32] = 448.0
         flat[pick[5] * 32: pick[5] * 32 + 32] = -0.0
-        flat[pick[6] * 32: pick[6] * 32 + 32] = torch.finfo(dtype).tiny * torch.rand(32, generator=g, dtype=torch.float64)
+        flat[pick[6] * 32: pick[6] * 32 + 32] = torch.finfo(dtype).tiny * torch.rand(32, dtype=torch.float64, **kw)
         flat[pick[7] * 32: pick[7] * 32 + 32] = fmax
     return x.to(dtype)
 
@@ -457,7 +459,7 @@ GPU_SHAPES = [(1000, 7168), (4096, 2048), (129, 4096), (300, 7168), (8192, 7168)
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_rows_large(shape, mode, int_round):
     for dtype in DTYPES:
-        x = wide_random(shape, dtype, seed=shape[0] + shape[1]).cuda()
+        x = wide_random(shape, dtype, seed=shape[0] + shape[1], device="cuda")
         for layout in ("row", "blocked"):
             assert_same_mx(quantize_rows(x, mode=mode, layout=layout, int_round=int_round),
                            mx.quantize(x, mode=mode, layout=layout))
@@ -468,7 +470,7 @@ def test_gpu_rows_large(shape, mode, int_round):
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_cols_large(shape, int_round):
     M = shape[0] // 32 * 32
-    x = wide_random((M, shape[1]), torch.bfloat16, seed=7, axis=0).cuda()
+    x = wide_random((M, shape[1]), torch.bfloat16, seed=7, axis=0, device="cuda")
     for mode in MODES:
         for layout in ("row", "blocked"):
             assert_same_mx(quantize_cols(x, mode=mode, layout=layout, int_round=int_round),
@@ -482,7 +484,7 @@ def test_gpu_cols_large(shape, int_round):
 @pytest.mark.parametrize("int_round", [True, False])
 def test_gpu_grouped_m_large(int_round):
     g = torch.Generator().manual_seed(8)
-    x = wide_random((3000, 7168), torch.bfloat16, seed=9).cuda()
+    x = wide_random((3000, 7168), torch.bfloat16, seed=9, device="cuda")
     sizes = torch.randint(0, 200, (32,), generator=g)
     sizes[3] = 0
     sizes[10] = 128
@@ -497,7 +499,7 @@ def test_gpu_grouped_m_large(int_round):
 @pytest.mark.gpu
 @pytest.mark.parametrize("int_round", [True, False])
 def test_gpu_dequantize_roundtrip_large(int_round):
-    x = wide_random((4096, 7168), torch.bfloat16, seed=11).cuda()
+    x = wide_random((4096, 7168), torch.bfloat16, seed=11, device="cuda")
     for axis, fn in ((1, quantize_rows), (0, quantize_cols)):
         for layout in ("row", "blocked"):
             q = fn(x, layout=layout)
