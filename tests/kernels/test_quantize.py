@@ -9,8 +9,19 @@ import os
 import pytest
 import torch
 
+import sys  # noqa: E402
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import mxcomm.kernels  # noqa: E402,F401
+elif "mxcomm.kernels" not in sys.modules:
+    # With a GPU, build the kernels for it even if an earlier test module left TRITON_INTERPRET=1 set.
+    _saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        import mxcomm.kernels  # noqa: E402,F401
+    finally:
+        if _saved is not None:
+            os.environ["TRITON_INTERPRET"] = _saved
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -453,11 +464,18 @@ def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
 GPU_SHAPES = [(1000, 7168), (4096, 2048), (129, 4096), (300, 7168), (8192, 7168)]
 
 
+@pytest.fixture(autouse=False)
+def gpu_kernels():
+    if INTERP:
+        pytest.fail("mxcomm.kernels was imported under TRITON_INTERPRET=1 (set by an earlier import), so its "
+                    "kernels run in the interpreter; run tests/kernels in a process without TRITON_INTERPRET")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("int_round", [True, False])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_gpu_rows_large(shape, mode, int_round):
+def test_gpu_rows_large(shape, mode, int_round, gpu_kernels):
     for dtype in DTYPES:
         x = wide_random(shape, dtype, seed=shape[0] + shape[1], device="cuda")
         for layout in ("row", "blocked"):
@@ -468,7 +486,7 @@ def test_gpu_rows_large(shape, mode, int_round):
 @pytest.mark.gpu
 @pytest.mark.parametrize("int_round", [True, False])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_gpu_cols_large(shape, int_round):
+def test_gpu_cols_large(shape, int_round, gpu_kernels):
     M = shape[0] // 32 * 32
     x = wide_random((M, shape[1]), torch.bfloat16, seed=7, axis=0, device="cuda")
     for mode in MODES:
@@ -482,7 +500,7 @@ def test_gpu_cols_large(shape, int_round):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("int_round", [True, False])
-def test_gpu_grouped_m_large(int_round):
+def test_gpu_grouped_m_large(int_round, gpu_kernels):
     g = torch.Generator().manual_seed(8)
     x = wide_random((3000, 7168), torch.bfloat16, seed=9, device="cuda")
     sizes = torch.randint(0, 200, (32,), generator=g)
@@ -498,7 +516,7 @@ def test_gpu_grouped_m_large(int_round):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("int_round", [True, False])
-def test_gpu_dequantize_roundtrip_large(int_round):
+def test_gpu_dequantize_roundtrip_large(int_round, gpu_kernels):
     x = wide_random((4096, 7168), torch.bfloat16, seed=11, device="cuda")
     for axis, fn in ((1, quantize_rows), (0, quantize_cols)):
         for layout in ("row", "blocked"):
