@@ -168,7 +168,7 @@ def to_fp32(x, INT_ROUND: tl.constexpr):
 
 
 @triton.jit
-def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr):
+def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr = -1):
     """Quantize a register tile whose ``AXIS`` dimension is one 32-value block.
 
     Args:
@@ -178,7 +178,7 @@ def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.co
         MODE: 0 rceil, 1 floor.
         INT_ROUND: True = integer RNE and exact bf16 widening (bit-exact everywhere, also in the
             interpreter), False = hardware casts (GPU).
-        AXIS: the block axis (size 32).
+        AXIS: the block axis (size 32); default -1 (the last).
     Returns:
         ``(payload, scales)``: payload uint8 E4M3 bytes of ``x``'s shape; scales uint8 E8M0 bytes of
         ``x``'s shape without ``AXIS``. NaN/Inf blocks: scale 255, payload 0x7F.

@@ -80,7 +80,7 @@ def _quantize_rows_kernel(
     offs = rows[:, None, None] * K + (blks[None, :, None] * 32 + j[None, None, :])
     m3 = rmask[:, None, None] & bmask[None, :, None]
     x = tl.load(x_ptr + offs, mask=m3, other=0.0)
-    q, b = mx_quantize_tile(x, MODE, INT_ROUND, 2)
+    q, b = mx_quantize_tile(x, MODE, INT_ROUND)
     tl.store(q_ptr + offs, q, mask=m3)
     if LAYOUT == 0:
         srow = rows
