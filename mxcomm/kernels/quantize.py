@@ -22,6 +22,7 @@ CPU tensors run only when Triton's interpreter is active: ``TRITON_INTERPRET=1``
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -228,14 +229,13 @@ class QuantizeConfig:
             raise ValueError(f"num_warps must be a power of two <= 32, got {self.num_warps}")
 
 
-_SM_COUNT: dict = {}
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(idx: int) -> int:
+    return torch.cuda.get_device_properties(idx).multi_processor_count
 
 
 def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _fill_device(cfg_rows: int, rows: int, cols: int, block_k: int, device: torch.device, min_rows: int) -> int:
