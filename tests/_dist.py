@@ -45,6 +45,9 @@ def _entry(rank, world, port, backend, pg_timeout_s, env, fn, args, q):
     global _progress_queue, _progress_rank
     _progress_queue, _progress_rank = q, rank
     try:
+        import faulthandler
+
+        faulthandler.enable()  # a crashing rank prints its Python stack
         import torch
         import torch.distributed as dist
 

@@ -147,7 +147,12 @@ class NvshmemBackend:
     def _open_heap(group, rank: int, world_size: int):
         if not torch.cuda.is_available():
             raise RuntimeError("the 'nvshmem' backend needs a CUDA GPU")
-        ctx = tp.init_nvshmem(group=group) if not tp.is_initialized() else tp.current_context()
+        if tp.is_initialized():
+            ctx = tp.current_context()
+        else:
+            import torch.distributed as dist
+
+            ctx = tp.init_nvshmem(group=group if group is not None else dist.group.WORLD)
         if (ctx.rank, ctx.world) != (rank, world_size):
             raise RuntimeError(
                 f"NVSHMEM runs as PE {ctx.rank} of {ctx.world}, but the EP group is rank {rank} of {world_size}"

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: environment, GPU tests (1 rank, 2 ranks on one GPU, 4 ranks under MPS),
+# then benchmarks. Logs and JSON go to $OUT (the device tool brings them back) and bench/results/.
+#
+#   bash scripts/gpu_check.sh [tests|bench|all] [pytest -k expression]
+#
+# Needs the nvshmem4py wheel in .whl/ (carried with the call).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+kexpr=${2:-}
+OUT=${OUT:-/tmp/mxcomm-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh $((3 << 30)) || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+
+rc=0
+if [[ $what == tests || $what == all ]]; then
+  k=()
+  [[ -n $kexpr ]] && k=(-k "$kexpr")
+  timeout 540 python3 -m pytest -q -m "gpu or nvshmem" -p no:cacheprovider "${k[@]}" \
+      tests/kernels tests/ep tests/transport 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  rc=${PIPESTATUS[0]}
+  echo "gpu tests rc=$rc"
+  # 4 ranks on one GPU need MPS (started here, stopped at the end; the transport tests manage their own).
+  if [[ -z $kexpr ]] && mxcomm_mps_start 4; then
+    timeout 300 python3 -m pytest -q -m nvshmem -p no:cacheprovider -k four_ranks tests/ep 2>&1 \
+        | tee "$OUT/gpu_tests_mps.log" | tail -15
+    rc4=${PIPESTATUS[0]}
+    mxcomm_mps_stop
+    echo "gpu tests (4 ranks, MPS) rc=$rc4"
+    [[ $rc4 -ne 0 ]] && rc=$rc4
+  fi
+fi
+if [[ $what == bench || $what == all ]]; then
+  for b in bench/bench_quantize.py; do
+    [[ -f $b ]] && timeout 300 python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -30
+  done
+  cp bench/results/*.json bench/results/*.png "$OUT"/ 2>/dev/null
+fi
+exit $rc

@@ -1,0 +1,42 @@
+"""GPU tests of the nvshmem backend: several ranks on ONE GPU (GPU.md), each rank's dispatch output
+bit-exact against the single-process oracle (payload, scales, offs, counts) and combine within fp32
+reduction-order tolerance. Run on the H200 with nvshmem4py importable:
+``python -m pytest -m nvshmem tests/ep``."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from _dist import run_world
+from ep_cases import nvshmem_cases_worker
+from mxcomm.transport import launcher_env
+
+pytestmark = pytest.mark.nvshmem
+
+ENV = launcher_env(2 << 30)
+
+
+def _assert_clean(results):
+    fails = [f for r in results for f in r["failures"]]
+    assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:40])
+    assert all(r["combine_checks"] > 0 for r in results)
+
+
+def test_nvshmem_one_rank():
+    _assert_clean(run_world(1, nvshmem_cases_worker, 10, env=ENV, timeout=900))
+
+
+def test_nvshmem_two_ranks_one_gpu():
+    _assert_clean(run_world(2, nvshmem_cases_worker, 10, env=ENV, timeout=900))
+
+
+def _mps_running() -> bool:
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    return bool(pipe) and os.path.exists(os.path.join(pipe, "control")) and shutil.which("nvidia-cuda-mps-control")
+
+
+@pytest.mark.skipif(not _mps_running(), reason="4 ranks on one GPU need an MPS daemon (CUDA_MPS_PIPE_DIRECTORY)")
+def test_nvshmem_four_ranks_one_gpu_mps():
+    env = dict(ENV, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="25")
+    _assert_clean(run_world(4, nvshmem_cases_worker, 4, env=env, timeout=900))
