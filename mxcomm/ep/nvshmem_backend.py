@@ -34,7 +34,7 @@ from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
 from .handle import DispatchResult, EPHandle
-from .plan import RoutingPlan, build_plan, local_counts, max_recv_rows, recv_rows
+from .plan import RoutingPlan, buffer_regions, build_plan, local_counts, max_recv_rows, recv_rows
 
 _CHUNK = 1024
 _PROGRAMS_PER_SM = 4
@@ -122,8 +122,6 @@ class NvshmemBackend:
         self.R_max = max_recv_rows(config, W)
         self.mx = config.precision == "mxfp8"
         self.n_col_tiles = round_up(H // 32, 4) // 4
-        self.scale_bytes = grouped_m_rows(self.R_max, self.El) * round_up(H // 32, 4)
-        nslot = config.max_tokens_per_rank * config.topk
         if config.num_sms is not None:
             sms = config.num_sms
         elif self.device.type == "cuda":
@@ -132,12 +130,11 @@ class NvshmemBackend:
             sms = 1
         self.programs = sms * _PROGRAMS_PER_SM
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
-        self.recv_q = self.heap.alloc("ep.recv_q", (self.R_max, H * (1 if self.mx else 2)), torch.uint8)
-        self.recv_s = self.heap.alloc("ep.recv_s", (max(self.scale_bytes, 1),), torch.uint8)
-        self.comb_q = self.heap.alloc("ep.comb_q", (nslot, 2 * H), torch.uint8)
-        self.comb_s = self.heap.alloc("ep.comb_s", (nslot, H // 32), torch.uint8)
-        self.counts = self.heap.alloc("ep.counts", (W, E), torch.int32)
-        self.flags = self.heap.alloc("ep.flags", (3, W), torch.int64)
+        bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W)}
+        self.nslot = config.max_tokens_per_rank * config.topk
+        self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
+        self.comb_q, self.comb_s = bufs["ep.comb_q"], bufs["ep.comb_s"]  # 2 copies: see nvshmem_kernels
+        self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
         self.epoch = torch.zeros(2, dtype=torch.int64, device=self.device)  # [dispatch, combine]
         self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
@@ -233,7 +230,7 @@ class NvshmemBackend:
         combine_send_kernel[(self.programs,)](
             expert_out.contiguous(), st.num_rows_dev, st.origins.src, st.origins.pos,
             self.comb_q.peer_ptrs, self.comb_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W,
-            H=H, CHUNK=chunk, MX=quantize_rows, MODE=self.mode_id, INT_ROUND=self.int_round, num_warps=4,
+            self.epoch[1:2], self.nslot, H=H, CHUNK=chunk, MX=quantize_rows, MODE=self.mode_id, INT_ROUND=self.int_round, num_warps=4,
         )
         wait_arrivals_kernel[(W,)](self.flags.local[2], self.epoch[1:2], self.programs, self.err, self.timeout_ns)
         T = handle.num_tokens
@@ -242,7 +239,7 @@ class NvshmemBackend:
         comb = self.comb_q.local if quantize_rows else self.comb_q.local.view(torch.bfloat16)
         if T:
             combine_reduce_kernel[(min(T, self.programs),)](
-                comb, self.comb_s.local, plan.send_pos, w, y, T,
+                comb, self.comb_s.local, plan.send_pos, w, y, T, self.epoch[1:2], self.nslot,
                 H=H, K=cfg.topk, CHUNK=chunk, MX=quantize_rows, INT_ROUND=self.int_round, num_warps=4,
             )
         self._check("combine arrivals")

@@ -6,9 +6,15 @@ Buffers (all symmetric, same layout on every rank; ``W`` ranks):
 
 * ``recv_q``  uint8 ``[R_max, H * B]`` (B = 1 for MXFP8, 2 for BF16): dispatched rows, expert-major.
 * ``recv_s``  uint8 flat grouped-along-M blocked scale bytes (MXFP8).
-* ``comb_q``  uint8 ``[T_max * k, 2H]``: rows returned by combine, at the origin's send position
-  (BF16: 2H bytes; MXFP8: H payload bytes).
-* ``comb_s``  uint8 ``[T_max * k, H/32]``: their scale bytes (MXFP8 transport).
+* ``comb_q``  uint8 ``[2, T_max * k, 2H]``: rows returned by combine, at the origin's send position
+  (BF16: 2H bytes; MXFP8: H payload bytes). Two copies, used by alternate combine epochs.
+* ``comb_s``  uint8 ``[2, T_max * k, H/32]``: their scale bytes (MXFP8 transport).
+
+Why two combine copies: combine has no handshake before it writes into its peers. Combine epoch
+``e+1`` of rank A may start while rank B still reduces epoch ``e``; it writes the other copy. It
+cannot lap B: A's epoch ``e+1`` began after A received B's epoch-``e`` rows, which B sent after it
+finished reducing epoch ``e-1`` (stream order), the copy ``e+1`` uses. Dispatch needs no second
+copy: every dispatch starts with the counts exchange, and nobody writes before seeing all counts.
 * ``counts``  int32 ``[W, E]``: row ``s`` = rows rank ``s`` sends to each expert.
 * ``flags``   int64 ``[3, W]``: row 0 counts published, row 1 dispatch arrivals, row 2 combine
   arrivals; entry ``[i, s]`` is written by rank ``s``. Flags only grow (epochs), never reset.
@@ -118,6 +124,7 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
 
 @triton.jit
 def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, s_peers, flags_peers, me, W,
+                        epoch_ptr, nslot,
                         H: tl.constexpr, CHUNK: tl.constexpr,
                         MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
     """Send each expert-major row back to its origin rank, at its position in the origin's send
@@ -127,6 +134,7 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
         out_ptr: bf16 ``[R, H]`` expert outputs; n_rows_ptr: int32 scalar, rows to consider.
         row_src_ptr / row_pos_ptr: int32 ``[R]`` origin rank (-1 = padding row) and send position.
         q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags``.
+        epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * k``.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -134,11 +142,12 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
     n_rows = tl.load(n_rows_ptr)
+    slot0 = (tl.load(epoch_ptr) % 2) * nslot  # first slot of this epoch's copy
     r = pid
     while r < n_rows:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
         src = tl.load(row_src_ptr + r)
         if src >= 0:
-            pos = tl.load(row_pos_ptr + r).to(tl.int64)
+            pos = slot0 + tl.load(row_pos_ptr + r).to(tl.int64)
             for c0 in tl.static_range(0, H, CHUNK):
                 m = (c0 + offs) < H
                 x = tl.load(out_ptr + r.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
@@ -157,7 +166,7 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
 
 
 @triton.jit
-def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
+def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T, epoch_ptr, nslot,
                           H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                           MX: tl.constexpr, INT_ROUND: tl.constexpr):
     """``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` in fp32 (j ascending; dropped slots skipped), bf16 out.
@@ -165,7 +174,8 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
     Args:
         comb_q_ptr: this rank's returned rows (``comb_q``, 2H bytes a row): MX: the uint8 buffer
             (payload in the first H bytes of a row); BF16: the same buffer viewed as bf16 ``[T_max*K, H]``.
-        comb_s_ptr: uint8 ``[T_max*K, H/32]`` (MX only).
+        comb_s_ptr: uint8 ``[T_max*K, H/32]`` (MX only). Both hold two copies; the epoch's parity
+            picks one (``epoch_ptr``, ``nslot = T_max*K`` slots a copy).
         send_pos_ptr: int32 ``[T, K]``; w_ptr: fp32 ``[T, K]``; y_ptr: bf16 ``[T, H]``.
     """
     pid = tl.program_id(0)
@@ -173,6 +183,7 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
     NB: tl.constexpr = CHUNK // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
+    slot0 = (tl.load(epoch_ptr) % 2) * nslot
     t = pid
     while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
         for c0 in tl.static_range(0, H, CHUNK):
@@ -182,7 +193,7 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
                 pos = tl.load(send_pos_ptr + t * K + j)
                 if pos >= 0:
                     w = tl.load(w_ptr + t * K + j)
-                    p64 = pos.to(tl.int64)
+                    p64 = slot0 + pos.to(tl.int64)
                     if MX:
                         q = tl.load(comb_q_ptr + p64 * (2 * H) + c0 + offs, mask=m, other=0)
                         cols = c0 // 32 + bcols

@@ -29,7 +29,6 @@ import torch
 from ..mx.layouts import grouped_m_rows, round_up
 from .config import EPConfig
 
-_BUF_ALIGN = 512  # bytes; each region of the symmetric buffer starts at a multiple of this
 
 
 @dataclass(frozen=True)
@@ -225,17 +224,53 @@ def max_recv_rows(config: EPConfig, world_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class BufferSizes:
-    """Bytes of each region of the symmetric buffer a GPU backend allocates per rank.
+class BufferRegion:
+    """One symmetric buffer of the GPU backend: name, shape, dtype (allocated once per rank)."""
 
-    dispatch_payload: ``R_max * H`` (mxfp8) or ``R_max * H * 2`` (bf16) received rows, expert-major.
-    dispatch_scales: ``grouped_m_rows(R_max, El) * round_up(H/32, 4)`` grouped-along-M scale bytes
-        (mxfp8 only).
-    combine_payload: ``T_max * k * H * 2``: expert rows returned to the origin (BF16 worst case;
-        MXFP8 rows, ``H + H/32`` bytes, fit in the same space).
-    counts: ``W * E * 4``: the counts matrix exchanged before a dispatch.
-    flags: ``4 * W * 8``: per-peer signal words (dispatch and combine, sent and received).
-    Each region is rounded up to 512 bytes.
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def buffer_regions(config: EPConfig, world_size: int) -> list[BufferRegion]:
+    """The symmetric buffers the ``nvshmem`` backend allocates per rank (the single source of their sizes).
+
+    * ``ep.recv_q`` uint8 ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes): received rows, expert-major.
+    * ``ep.recv_s`` uint8 ``[grouped_m_rows(R_max, El) * round_up(H/32, 4)]``: grouped-along-M scales (mxfp8; 1 byte for bf16).
+    * ``ep.comb_q`` uint8 ``[2, T_max*k, 2H]``: rows returned by combine (two copies, alternate epochs).
+    * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes.
+    * ``ep.counts`` int32 ``[W, E]``; ``ep.flags`` int64 ``[3, W]``.
+    """
+    config.validate(world_size)
+    H = config.hidden
+    El = config.num_local_experts(world_size)
+    R = max_recv_rows(config, world_size)
+    mx = config.precision == "mxfp8"
+    nslot = config.max_tokens_per_rank * config.topk
+    return [
+        BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8),
+        BufferRegion("ep.recv_s", (grouped_m_rows(R, El) * round_up(H // 32, 4) if mx else 1,), torch.uint8),
+        BufferRegion("ep.comb_q", (2, nslot, 2 * H), torch.uint8),
+        BufferRegion("ep.comb_s", (2, nslot, H // 32), torch.uint8),
+        BufferRegion("ep.counts", (world_size, config.num_experts), torch.int32),
+        BufferRegion("ep.flags", (3, world_size), torch.int64),
+    ]
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """Bytes per rank of the GPU backend's symmetric buffers, by purpose (see :func:`buffer_regions`).
+
+    dispatch_payload / dispatch_scales: received rows and their grouped-along-M scales.
+    combine_payload: rows returned by combine, two copies (incl. their scale bytes).
+    counts, flags: the counts matrix and the signal words.
     """
 
     dispatch_payload: int
@@ -250,22 +285,18 @@ class BufferSizes:
 
 
 def buffer_sizes(config: EPConfig, world_size: int) -> BufferSizes:
-    """Symmetric-buffer memory per rank a GPU backend needs for ``config`` (see :class:`BufferSizes`)."""
-    config.validate(world_size)
-    H = config.hidden
-    El = config.num_local_experts(world_size)
-    R = max_recv_rows(config, world_size)
-    mx = config.precision == "mxfp8"
+    """Symmetric-buffer memory per rank the GPU backend allocates for ``config`` (see :class:`BufferSizes`)."""
+    b = {r.name: r.nbytes for r in buffer_regions(config, world_size)}
     return BufferSizes(
-        dispatch_payload=round_up(R * H * (1 if mx else 2), _BUF_ALIGN),
-        dispatch_scales=round_up(grouped_m_rows(R, El) * round_up(H // 32, 4), _BUF_ALIGN) if mx else 0,
-        combine_payload=round_up(config.max_tokens_per_rank * config.topk * H * 2, _BUF_ALIGN),
-        counts=round_up(world_size * config.num_experts * 4, _BUF_ALIGN),
-        flags=round_up(4 * world_size * 8, _BUF_ALIGN),
+        dispatch_payload=b["ep.recv_q"],
+        dispatch_scales=b["ep.recv_s"],
+        combine_payload=b["ep.comb_q"] + b["ep.comb_s"],
+        counts=b["ep.counts"],
+        flags=b["ep.flags"],
     )
 
 
 __all__ = [
     "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
-    "max_rows_per_source", "max_recv_rows", "BufferSizes", "buffer_sizes",
+    "max_rows_per_source", "max_recv_rows", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
 ]
