@@ -139,6 +139,11 @@ class NvshmemBackend:
         self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
+        self._pending = None  # (pinned host error words, event, what) of the no-sync mode
+        # exact_sizes=False never syncs with the host, so expert ids are checked on the device: bad slots
+        # are dropped before anything is sent and the error is raised by a later call (see _sanitize).
+        self.device_side_checks = not config.exact_sizes
+        self.input_err = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def _open_heap(group, rank: int, world_size: int):
@@ -166,7 +171,63 @@ class NvshmemBackend:
         return self.heap.nbytes
 
     def _check(self, what: str) -> None:
-        tp.check_errors(self.err, what=what, rank=self.rank)
+        """Raise now if a bounded wait (or the device-side input check) recorded an error (host sync)."""
+        self._pending = None
+        self._raise_errors(torch.stack([self.err[0], self.input_err[0]]).cpu(), what)
+
+    def _raise_errors(self, words: torch.Tensor, what: str) -> None:
+        if int(words[1]):
+            self.input_err.zero_()
+            raise ValueError(
+                f"rank {self.rank}: an earlier dispatch got topk_idx with an expert id outside [-1, "
+                f"{self.config.num_experts}) or listed twice in one token; those slots were dropped (sent nowhere)"
+            )
+        tp.check_errors(words[:1], what=what, rank=self.rank)
+
+    def _sanitize(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """Device-side check of expert ids (no host sync): out-of-range ids and repeats within a token
+        become -1 (dropped) so nothing is written out of bounds; ``input_err`` records it."""
+        E = self.config.num_experts
+        idx = topk_idx.to(torch.int64)
+        bad = (idx < -1) | (idx >= E)
+        if idx.shape[1] > 1:
+            srt, order = torch.sort(torch.where(bad, torch.full_like(idx, -1), idx), dim=1)
+            dup_sorted = torch.zeros_like(bad)
+            dup_sorted[:, 1:] = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+            bad = bad | torch.zeros_like(bad).scatter_(1, order, dup_sorted)
+        self.input_err.add_(bad.any().to(torch.int64))
+        return torch.where(bad, torch.full_like(idx, -1), idx).to(topk_idx.dtype)
+
+    def _check_async(self, what: str) -> None:
+        """No-host-sync mode: raise an error recorded by an EARLIER call (if its copy has landed), and
+        start the non-blocking copy of this call's error word; it is raised by a later call."""
+        if self._pending is not None and self._pending[1].query():
+            host, _, pwhat = self._pending
+            self._pending = None
+            self._raise_errors(host, pwhat)
+        if self.device.type != "cuda":  # interpreter runs are synchronous anyway
+            self._check(what)
+            return
+        if self._pending is None:
+            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            host.copy_(torch.stack([self.err[0], self.input_err[0]]), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._pending = (host, ev, what)
+
+    def _copy_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int) -> torch.Tensor:
+        """Fresh uint8 ``[R, row_bytes]`` copy of the received rows, padding and tail rows zero."""
+        from .nvshmem_kernels import copy_out_rows_kernel
+
+        src = self.recv_q.local
+        out = torch.empty(R, src.shape[1], dtype=torch.uint8, device=self.device)
+        words = src.shape[1] // 8
+        if R:
+            copy_out_rows_kernel[(min(R, self.programs * 4),)](
+                src.view(torch.int64), out.view(torch.int64), plan.num_rows, origins.src, R,
+                ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), num_warps=4,
+            )
+        return out
 
     # -- dispatch -------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
@@ -178,6 +239,8 @@ class NvshmemBackend:
         T, H = x.shape
         W, E = self.world, cfg.num_experts
         x = x.contiguous()
+        if self.device_side_checks:
+            topk_idx = self._sanitize(topk_idx)
         my_counts = local_counts(topk_idx, E)
         self.epoch[0] += 1
         if self.mx:
@@ -196,12 +259,15 @@ class NvshmemBackend:
             INT_ROUND=self.int_round, num_warps=4,
         )
         wait_arrivals_kernel[(W,)](self.flags.local[1], self.epoch[0:1], self.programs, self.err, self.timeout_ns)
-        R = int(plan.num_rows.item()) if cfg.exact_sizes else self.R_max
-        self._check("dispatch arrivals")
+        if cfg.exact_sizes:
+            R = int(plan.num_rows.item())
+            self._check("dispatch arrivals")
+        else:
+            R = self.R_max
+            self._check_async("dispatch arrivals")
         origins = row_origins(plan, R)
-        pad = (origins.src < 0).view(R, 1)
+        q = self._copy_out(plan, origins, R)
         if self.mx:
-            q = self.recv_q.local[:R].clone().masked_fill_(pad, 0)
             ns = grouped_m_rows(R, self.El) * round_up(H // 32, 4)
             s = self.recv_s.local[:ns].clone().view(-1, round_up(H // 32, 4))
             out_x = MXTensor(
@@ -209,7 +275,7 @@ class NvshmemBackend:
                 mode=cfg.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
             )
         else:
-            out_x = self.recv_q.local[:R].clone().masked_fill_(pad, 0).view(torch.bfloat16)
+            out_x = q.view(torch.bfloat16)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
             config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,
@@ -242,7 +308,10 @@ class NvshmemBackend:
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.epoch[1:2], self.nslot,
                 H=H, K=cfg.topk, CHUNK=chunk, MX=quantize_rows, INT_ROUND=self.int_round, num_warps=4,
             )
-        self._check("combine arrivals")
+        if cfg.exact_sizes:
+            self._check("combine arrivals")
+        else:
+            self._check_async("combine arrivals")
         return y
 
 

@@ -205,3 +205,33 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
                     acc += w * v
             tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
         t += G
+
+
+@triton.jit
+def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
+                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
+    """Copy the received rows out of the symmetric buffer into a fresh tensor.
+
+    Row ``r < R_out`` of ``dst`` gets row ``r`` of ``src`` when it is a real row (``r < n_rows`` and
+    ``row_src[r] >= 0``), else zeros (padding rows, and rows past ``n_rows`` in the worst-case-sized
+    mode). Reads only real rows.
+
+    Args:
+        src_ptr / dst_ptr: int64 views of ``[*, ROW_WORDS]`` rows (row bytes / 8).
+        n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[>= n_rows]`` origin rank, -1 = padding.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs = tl.arange(0, CHUNK)
+    n_rows = tl.load(n_rows_ptr)
+    r = pid
+    while r < R_out:
+        real = r < n_rows
+        if real:
+            real = tl.load(row_src_ptr + r) >= 0
+        base = r.to(tl.int64) * ROW_WORDS
+        for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
+            m = (c0 + offs) < ROW_WORDS
+            v = tl.load(src_ptr + base + c0 + offs, mask=m & real, other=0)
+            tl.store(dst_ptr + base + c0 + offs, v, mask=m)
+        r += G

@@ -122,3 +122,23 @@ def test_nvshmem_kernels_loopback_match_oracle(precision, align, H):
             y = be.combine(out, handle, q)
             ref = oracle_combine(cfg, [out], routes, [w], q)[0]
             torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2, equal_nan=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
+def test_no_sync_mode_drops_bad_ids_and_raises():
+    """exact_sizes=False checks ids on the device: a bad id is dropped (nothing written out of bounds),
+    the rest of the rows arrive, and the error is raised (here at once: the interpreter is synchronous)."""
+    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+
+    cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=8, backend="nvshmem", num_sms=1,
+                   exact_sizes=False, timeout_s=5.0)
+    be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap())
+    assert be.device_side_checks
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    idx = torch.tensor([[0, 7], [1, 1], [2, 3]])
+    with pytest.raises(ValueError, match="outside"):
+        be.dispatch(x, idx, torch.ones(3, 2))
+    good = torch.tensor([[0, -1], [1, -1], [2, 3]])
+    res, _ = be.dispatch(x, good, torch.ones(3, 2))
+    want, _ = oracle_dispatch(cfg, [x], [good])
+    assert torch.equal(res.x.qdata.view(torch.uint8), want[0].x.qdata.view(torch.uint8))
