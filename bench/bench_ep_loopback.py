@@ -135,11 +135,14 @@ def main() -> int:
     ap.add_argument("--num-sms", type=int, default=None)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ep_loopback_h200.json"))
+    ap.add_argument("--profile", action="store_true", help="print a kernel-time table of the nvshmem calls and exit")
     args = ap.parse_args()
     store = tempfile.mktemp(prefix="mxcomm_bench_store")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     torch.cuda.set_device(0)
     sets = make_inputs(3, args.tokens, args.hidden, args.experts, args.topk)
+    if args.profile:
+        return profile(args, sets)
     ceiling = copy_ceiling_gbps(1 << 30)
     cases = []
     for precision in ("mxfp8", "bf16"):
@@ -186,6 +189,32 @@ def main() -> int:
               f"{r.get('combine_kernels_gbps', float('nan')):9.0f} {r['combine_call_us']:12.1f} "
               f"{r['dispatch_call_speedup_vs_reference']:5.2f}/{r['combine_call_speedup_vs_reference']:.2f}")
     _plot(result, args.out.replace(".json", ".png"))
+    from mxcomm import transport as tp
+
+    tp.finalize()
+    return 0
+
+
+def profile(args, sets) -> int:
+    """Kernel-time breakdown of nvshmem dispatch + combine (no-host-sync mode), torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile as tprof
+
+    for precision in ("mxfp8", "bf16"):
+        grp = EPGroup(EPConfig(num_experts=args.experts, hidden=args.hidden, topk=args.topk,
+                               max_tokens_per_rank=args.tokens, precision=precision, backend="nvshmem",
+                               num_sms=args.num_sms, exact_sizes=False))
+        x, idx, w = sets[0]
+        res, h = grp.dispatch(x, idx, w)
+        out = torch.randn(res.num_rows, args.hidden, device="cuda").to(torch.bfloat16)
+        grp.combine(out, h)
+        torch.cuda.synchronize()
+        with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                res, h = grp.dispatch(x, idx, w)
+                grp.combine(out, h)
+            torch.cuda.synchronize()
+        print(f"--- {precision}: 3 x (dispatch + combine)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     from mxcomm import transport as tp
 
     tp.finalize()

@@ -11,6 +11,30 @@ A backend is an object built as ``Backend(config, group, rank, world_size)`` wit
 ``combine(expert_out, handle, quantize: bool) -> Tensor`` and a bool attribute
 ``device_side_checks`` (True: the backend checks expert-id values on the device itself, so the
 group skips its host-synchronising value checks).
+
+Backward interface (needed for training; math and the oracle in :mod:`mxcomm.ep.backward_ref`;
+the group validates every argument before calling, all three are collective):
+
+``combine_for_backward(expert_out, handle, quantize: bool) -> (Tensor, CombineSaved)``
+    The forward combine (same output as ``combine``) that also returns
+    ``CombineSaved(rows=...)``: the returned rows as they ARRIVED at the origin, indexed by
+    ``handle.plan.send_pos`` - an ``MXTensor`` ``[n, H]`` with ROW scales (MXFP8 transport) or
+    bfloat16 ``[n, H]`` (BF16), ``n >= num_send`` (``n = T*k`` is fine when the count is only on the
+    device). They must not alias a buffer the next combine overwrites.
+``combine_backward(grad_y, handle, saved: CombineSaved | None, quantize: bool) -> CombineGrads``
+    ``grad_y`` bfloat16 ``[T, H]``. For each valid slot ``(t, j)``: ``g = w[t,j] * grad_y[t]``
+    (fp32, ``w = handle.topk_weights``), quantized to MXFP8 row-wise in the config's scale mode
+    (``quantize``; else cast to BF16), delivered into the dispatch layout: ``grad_expert_out`` has
+    the dispatch output's shape ``[handle.num_rows, H]`` and rows, padding rows zero, MX scales
+    GROUPED_M on ``handle.plan.offs`` (``MXTensor``, ``orig_dtype`` bfloat16) - i.e. a dispatch of
+    per-slot weighted rows. With ``saved``: ``grad_weights[t, j] = <grad_y[t], saved.rows[send_pos[t, j]]>``
+    in fp32, float32 ``[T, k]``, 0 for dropped slots; ``saved=None``: ``grad_weights=None``.
+``dispatch_backward(grad_recv, handle, quantize: bool) -> Tensor``
+    ``grad_recv``: bfloat16 ``[R, H]`` in the dispatch layout, or an ``MXTensor`` ``[R, H]``
+    (axis 1, any scale layout; transported as it is, never requantized). Each real row goes back
+    to its origin slot (MXFP8 row-wise when ``quantize`` and the row is dense, else BF16) and the
+    origin sums over ``j`` in fp32, ``j`` ascending (combine with all weights 1); padding rows are
+    never read. Returns bfloat16 ``[T, H]``.
 """
 from __future__ import annotations
 
@@ -19,6 +43,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..mx import MXTensor
+from ..mx.subclass import unwrap_mx
+from .backward_ref import CombineGrads, CombineSaved
 from .config import EPConfig
 from .handle import DispatchResult, EPHandle
 from .plan import buffer_sizes
@@ -150,6 +177,25 @@ def validate_combine_inputs(config: EPConfig, expert_out, handle) -> None:
         raise ValueError(f"expert_out is on {expert_out.device} but dispatch ran on {handle.device}")
 
 
+def validate_backward_handle(config: EPConfig, handle) -> None:
+    """TypeError/ValueError unless ``handle`` is an :class:`EPHandle` of a group with ``config``."""
+    if not isinstance(handle, EPHandle):
+        raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
+    if handle.config != config:
+        raise ValueError("handle was made by an EPGroup with a different config")
+
+
+def _check_grad(config: EPConfig, name: str, g, shape: tuple, device: torch.device) -> None:
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (or an MXTensor where allowed), got {type(g).__name__}")
+    if tuple(g.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(g.shape)}")
+    if g.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16, got {g.dtype}")
+    if g.device != device:
+        raise ValueError(f"{name} is on {g.device} but dispatch ran on {device}")
+
+
 def _make_backend(config: EPConfig, group, rank: int, world: int):
     if config.backend == "torch":
         from .reference import TorchBackend
@@ -234,8 +280,91 @@ class EPGroup:
             quantize = self.config.precision == "mxfp8"
         return self._backend.combine(expert_out, handle, bool(quantize))
 
+    # -- backward (used by mxcomm.ep.autograd; callable directly) ------------------------------
+    def _backward_op(self, name: str):
+        fn = getattr(self._backend, name, None)
+        if fn is None:
+            raise NotImplementedError(f"the {self.config.backend!r} EP backend does not implement {name} yet")
+        return fn
+
+    def _quantize_default(self, quantize: Optional[bool]) -> bool:
+        return self.config.precision == "mxfp8" if quantize is None else bool(quantize)
+
+    def combine_for_backward(self, expert_out: torch.Tensor, handle: EPHandle, *, quantize: Optional[bool] = None):
+        """:meth:`combine` that also returns what the route-weight gradient needs.
+
+        Returns:
+            ``(y, saved)``: ``y`` as :meth:`combine`; ``saved`` a :class:`CombineSaved` holding the
+            returned rows as they arrived (``n_send * H * 33/32`` bytes with MXFP8 transport,
+            ``n_send * H * 2`` with BF16; ``n_send <= T*k``), for :meth:`combine_backward`.
+        Collective.
+        """
+        validate_combine_inputs(self.config, expert_out, handle)
+        return self._backward_op("combine_for_backward")(expert_out, handle, self._quantize_default(quantize))
+
+    def combine_backward(
+        self, grad_y: torch.Tensor, handle: EPHandle, saved: Optional[CombineSaved] = None, *,
+        quantize: Optional[bool] = None,
+    ) -> CombineGrads:
+        """Backward of :meth:`combine`: per-slot gradients to the experts, route-weight gradient at home.
+
+        Args:
+            grad_y: bfloat16 ``[T, H]``, gradient of the combine output.
+            handle: the dispatch's :class:`EPHandle`; ``handle.topk_weights`` are the weights
+                the forward combine used.
+            saved: the :class:`CombineSaved` of the forward (:meth:`combine_for_backward`), or None
+                to skip the route-weight gradient.
+            quantize: MXFP8 transport of ``w * grad_y`` (default: ``precision == "mxfp8"``).
+        Returns:
+            :class:`CombineGrads`: ``grad_expert_out`` ``[R, H]`` in the dispatch output's layout
+            (an :class:`MXTensor` with GROUPED_M scales, or bfloat16), ``grad_weights`` float32
+            ``[T, k]`` (0 for dropped slots) or None.
+        Collective.
+        """
+        validate_backward_handle(self.config, handle)
+        _check_grad(self.config, "grad_y", grad_y, (handle.num_tokens, self.config.hidden), handle.device)
+        if saved is not None:
+            if not isinstance(saved, CombineSaved):
+                raise TypeError(f"saved must be the CombineSaved of combine_for_backward, got {type(saved).__name__}")
+            rows = saved.rows
+            n = rows.shape[0] if isinstance(rows, (MXTensor, torch.Tensor)) else -1
+            if n < 0 or rows.shape[1:] != (self.config.hidden,) or n > max(handle.num_tokens * self.config.topk, 0):
+                raise ValueError(
+                    f"saved.rows must be [n <= T*k, hidden] = [<= {handle.num_tokens * self.config.topk}, "
+                    f"{self.config.hidden}], got {tuple(getattr(rows, 'shape', ()))}"
+                )
+        return self._backward_op("combine_backward")(grad_y, handle, saved, self._quantize_default(quantize))
+
+    def dispatch_backward(self, grad_recv, handle: EPHandle, *, quantize: Optional[bool] = None) -> torch.Tensor:
+        """Backward of :meth:`dispatch`: return each row's gradient to its origin and sum over k.
+
+        Args:
+            grad_recv: ``[R, H]`` in the dispatch output's layout: bfloat16, or an :class:`MXTensor`
+                / :class:`mxcomm.mx.subclass.MXFP8Tensor` (axis 1, any scale layout) that travels as
+                it is. Padding rows are ignored.
+            handle: the dispatch's :class:`EPHandle`.
+            quantize: MXFP8 transport of a dense ``grad_recv`` (default: ``precision == "mxfp8"``).
+        Returns:
+            bfloat16 ``[T, H]``: ``grad_x[t] = sum_j grad_recv[row(t, j)]`` in fp32, j ascending.
+        Collective.
+        """
+        validate_backward_handle(self.config, handle)
+        grad_recv = unwrap_mx(grad_recv)  # an MXFP8Tensor travels as its MXTensor
+        shape = (handle.num_rows, self.config.hidden)
+        if isinstance(grad_recv, MXTensor):
+            if tuple(grad_recv.shape) != shape or grad_recv.axis != 1:
+                raise ValueError(
+                    f"an MXTensor grad_recv must be row-wise (axis 1) with shape {shape}, got axis "
+                    f"{grad_recv.axis} shape {tuple(grad_recv.shape)}"
+                )
+            if grad_recv.device != handle.device:
+                raise ValueError(f"grad_recv is on {grad_recv.device} but dispatch ran on {handle.device}")
+        else:
+            _check_grad(self.config, "grad_recv", grad_recv, shape, handle.device)
+        return self._backward_op("dispatch_backward")(grad_recv, handle, self._quantize_default(quantize))
+
 
 __all__ = [
     "EPGroup", "DispatchResult", "EPHandle", "check_config_agreement", "validate_dispatch_inputs",
-    "validate_combine_inputs", "check_expert_ids", "collective_device",
+    "validate_combine_inputs", "check_expert_ids", "collective_device", "validate_backward_handle",
 ]

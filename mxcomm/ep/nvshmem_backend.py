@@ -166,6 +166,11 @@ class NvshmemBackend:
             )
         return tp.SymmetricHeap(ctx)
 
+    @staticmethod
+    def _chunk(H: int, k: int) -> int:
+        """Row chunk of the kernels that hold a ``[k, CHUNK]`` tile: about 8K elements per tile."""
+        return max(32, min(_CHUNK, triton_next_pow2(H), 8192 // triton_next_pow2(k)))
+
     @property
     def memory_bytes(self) -> int:
         return self.heap.nbytes
@@ -255,8 +260,8 @@ class NvshmemBackend:
         dispatch_kernel[(self.programs,)](
             x, T, plan.dest_rank, plan.dest_row, srow,
             self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W, self.n_col_tiles,
-            H=H, K=cfg.topk, CHUNK=min(_CHUNK, triton_next_pow2(H)), MX=self.mx, MODE=self.mode_id,
-            INT_ROUND=self.int_round, num_warps=4,
+            H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk), MX=self.mx, MODE=self.mode_id,
+            INT_ROUND=self.int_round, num_warps=8,
         )
         wait_arrivals_kernel[(W,)](self.flags.local[1], self.epoch[0:1], self.programs, self.err, self.timeout_ns)
         if cfg.exact_sizes:
@@ -306,7 +311,8 @@ class NvshmemBackend:
         if T:
             combine_reduce_kernel[(min(T, self.programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.epoch[1:2], self.nslot,
-                H=H, K=cfg.topk, CHUNK=chunk, MX=quantize_rows, INT_ROUND=self.int_round, num_warps=4,
+                H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk),
+                MX=quantize_rows, INT_ROUND=self.int_round, num_warps=8,
             )
         if cfg.exact_sizes:
             self._check("combine arrivals")

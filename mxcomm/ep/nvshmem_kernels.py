@@ -77,10 +77,13 @@ def _arrive_all(flags_peers, row, me, W):
 @triton.jit
 def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
                     q_peers, s_peers, flags_peers, me, W, n_col_tiles,
-                    H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+                    H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
                     MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
     """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
     straight into each destination rank's buffers at their final expert-major rows.
+
+    Per token the routing of all K slots is loaded once (vectors of K), and each chunk of the row is
+    stored to all K destinations by one 2-D masked store (no per-slot branches, many stores in flight).
 
     Args:
         x_ptr: bf16 ``[T, H]`` contiguous.
@@ -96,28 +99,35 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
     NB: tl.constexpr = CHUNK // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
+    kk = tl.arange(0, K_POW2)
+    kmask = kk < K
     t = pid
     while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
+        rk = tl.load(dest_rank_ptr + t * K + kk, mask=kmask, other=-1)
+        valid = rk >= 0
+        rkc = tl.where(valid, rk, 0)
+        row = tl.load(dest_row_ptr + t * K + kk, mask=valid, other=0).to(tl.int64)
+        if MX:
+            qbase = tl.load(q_peers + rkc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
+            srow = tl.load(dest_srow_ptr + t * K + kk, mask=valid, other=0).to(tl.int64)
+            sbase = tl.load(s_peers + rkc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
+        else:
+            qbase = tl.load(q_peers + rkc, mask=valid, other=0).to(tl.pointer_type(tl.bfloat16))
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
             x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
+            m2 = valid[:, None] & m[None, :]
+            dst = qbase[:, None] + (row * H + c0)[:, None] + offs[None, :]
             if MX:
                 q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
                 q = tl.reshape(q2, (CHUNK,))
-            for j in tl.static_range(K):
-                r = tl.load(dest_rank_ptr + t * K + j)
-                if r >= 0:
-                    row = tl.load(dest_row_ptr + t * K + j).to(tl.int64)
-                    if MX:
-                        qb = tl.load(q_peers + r).to(tl.pointer_type(tl.uint8))
-                        tl.store(qb + row * H + c0 + offs, q, mask=m)
-                        srow = tl.load(dest_srow_ptr + t * K + j).to(tl.int64)
-                        sb = tl.load(s_peers + r).to(tl.pointer_type(tl.uint8))
-                        cols = c0 // 32 + bcols
-                        tl.store(sb + blocked_scale_offset(srow, cols, n_col_tiles), s, mask=cols < H // 32)
-                    else:
-                        qb = tl.load(q_peers + r).to(tl.pointer_type(tl.bfloat16))
-                        tl.store(qb + row * H + c0 + offs, x, mask=m)
+                tl.store(dst, tl.broadcast_to(q[None, :], (K_POW2, CHUNK)), mask=m2)
+                cols = c0 // 32 + bcols
+                soff = blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
+                tl.store(sbase[:, None] + soff, tl.broadcast_to(s[None, :], (K_POW2, NB)),
+                         mask=valid[:, None] & (cols < H // 32)[None, :])
+            else:
+                tl.store(dst, tl.broadcast_to(x[None, :], (K_POW2, CHUNK)), mask=m2)
         t += G
     _arrive_all(flags_peers, 1, me, W)
 
@@ -167,9 +177,11 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
 
 @triton.jit
 def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T, epoch_ptr, nslot,
-                          H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+                          H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
                           MX: tl.constexpr, INT_ROUND: tl.constexpr):
-    """``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` in fp32 (j ascending; dropped slots skipped), bf16 out.
+    """``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` in fp32 (dropped slots contribute 0), bf16 out.
+
+    The K returned rows of a chunk are loaded as one ``[K, CHUNK]`` tile and reduced over K.
 
     Args:
         comb_q_ptr: this rank's returned rows (``comb_q``, 2H bytes a row): MX: the uint8 buffer
@@ -183,26 +195,28 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
     NB: tl.constexpr = CHUNK // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
+    kk = tl.arange(0, K_POW2)
+    kmask = kk < K
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
     t = pid
     while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
+        pos = tl.load(send_pos_ptr + t * K + kk, mask=kmask, other=-1)
+        valid = pos >= 0
+        w = tl.load(w_ptr + t * K + kk, mask=valid, other=0.0)
+        p64 = slot0 + tl.where(valid, pos, 0).to(tl.int64)
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
-            acc = tl.zeros((CHUNK,), tl.float32)
-            for j in tl.static_range(K):
-                pos = tl.load(send_pos_ptr + t * K + j)
-                if pos >= 0:
-                    w = tl.load(w_ptr + t * K + j)
-                    p64 = slot0 + pos.to(tl.int64)
-                    if MX:
-                        q = tl.load(comb_q_ptr + p64 * (2 * H) + c0 + offs, mask=m, other=0)
-                        cols = c0 // 32 + bcols
-                        sb = tl.load(comb_s_ptr + p64 * (H // 32) + cols, mask=cols < H // 32, other=127)
-                        v = tl.reshape(e4m3_decode(q, INT_ROUND), (NB, 32)) * mx_scale_value(sb.to(tl.int32))[:, None]
-                        v = tl.reshape(v, (CHUNK,))
-                    else:
-                        v = tl.load(comb_q_ptr + p64 * H + c0 + offs, mask=m, other=0.0).to(tl.float32)
-                    acc += w * v
+            m2 = valid[:, None] & m[None, :]
+            if MX:
+                q = tl.load(comb_q_ptr + p64[:, None] * (2 * H) + c0 + offs[None, :], mask=m2, other=0)
+                cols = c0 // 32 + bcols
+                sb = tl.load(comb_s_ptr + p64[:, None] * (H // 32) + cols[None, :],
+                             mask=valid[:, None] & (cols < H // 32)[None, :], other=127)
+                v = tl.reshape(e4m3_decode(q, INT_ROUND), (K_POW2, NB, 32)) * mx_scale_value(sb.to(tl.int32))[:, :, None]
+                v = tl.reshape(v, (K_POW2, CHUNK))
+            else:
+                v = tl.load(comb_q_ptr + p64[:, None] * H + c0 + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc = tl.sum(tl.where(m2, w[:, None] * v, 0.0), axis=0)
             tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
         t += G
 

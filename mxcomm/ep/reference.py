@@ -12,6 +12,10 @@ Dispatch:
      scales out grouped-along-M (``MXTensor.with_layout``).
 Combine: gather the expert rows in receive order, optionally quantize them (row-wise), the
 reverse all-to-all, then the weighted fp32 sum at the origin (k ascending).
+Backward (math in :mod:`mxcomm.ep.backward_ref`): combine backward = dispatch of the per-slot rows
+``w * grad_y`` (fp32, then quantized) into the expert-major layout, plus the route-weight gradient
+from the rows kept by :meth:`TorchBackend.combine_for_backward`; dispatch backward = combine of
+``grad_recv`` with all weights 1.
 
 It synchronises with the host (split sizes of the all-to-all live on the host) in both size
 modes; ``exact_sizes=False`` only changes the output shapes.
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from ..mx import MXTensor, ScaleLayout, quantize
 from .config import EPConfig
 from .group import collective_device
+from .backward_ref import CombineGrads, CombineSaved, route_weight_grad, slot_grad_rows
 from .handle import DispatchResult, EPHandle
 from .plan import build_plan, local_counts, max_recv_rows, recv_rows, send_tokens
 
@@ -91,31 +96,16 @@ class TorchBackend:
         plan = build_plan(counts, topk_idx.to(dev), self.rank, cfg.align)
         send_splits = plan.send_splits.tolist()
         recv_splits = plan.recv_splits.tolist()
-        n_send, n_recv = sum(send_splits), sum(recv_splits)
+        n_send = sum(send_splits)
         R = int(plan.num_rows.item()) if cfg.exact_sizes else max_recv_rows(cfg, self.world_size)
 
         tok = send_tokens(plan, n_send)
-        rows = recv_rows(plan, n_recv).to(torch.int64)
         if cfg.precision == "mxfp8":
             q = quantize(x, mode=cfg.scale_mode)  # once per token, row layout
-            qdata = q.qdata.view(torch.uint8)
-            recv_p = self._all_to_all(qdata[tok], send_splits, recv_splits)
-            recv_s = self._all_to_all(q.scales[tok], send_splits, recv_splits)
-            out_p = torch.zeros(R, H, dtype=torch.uint8, device=dev)
-            out_s = torch.zeros(R, H // 32, dtype=torch.uint8, device=dev)
-            out_p[rows] = recv_p
-            out_s[rows] = recv_s
-            mx = MXTensor(
-                qdata=out_p.view(torch.float8_e4m3fn), scales=out_s, axis=1, layout=ScaleLayout.ROW,
-                mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
-            )
-            out_x = mx.with_layout(ScaleLayout.GROUPED_M, plan.offs)
+            out_x = self._rows_to_experts(q.qdata.view(torch.uint8)[tok], q.scales[tok], plan, R, send_splits, recv_splits)
         else:
             payload = x.contiguous().view(torch.uint8)  # [T, 2H] bytes of bf16
-            recv_p = self._all_to_all(payload[tok], send_splits, recv_splits)
-            out_b = torch.zeros(R, 2 * H, dtype=torch.uint8, device=dev)
-            out_b[rows] = recv_p
-            out_x = out_b.view(torch.bfloat16)
+            out_x = self._rows_to_experts(payload[tok], None, plan, R, send_splits, recv_splits)
 
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
@@ -124,28 +114,107 @@ class TorchBackend:
         )
         return result, handle
 
-    # -- combine ----------------------------------------------------------------------------
-    def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
-        cfg = self.config
-        plan = handle.plan
-        H = cfg.hidden
+    # -- row movement shared by the forward and backward passes --------------------------------
+    def _rows_to_experts(self, payload, scales, plan, R: int, send_splits: list, recv_splits: list):
+        """Send rows in send order to the expert ranks and lay them out expert-major.
+
+        Args:
+            payload: uint8 ``[n_send, B]`` (MXFP8 payload bytes, B = H; or BF16 bytes, B = 2H).
+            scales: uint8 ``[n_send, H/32]`` row scales (MXFP8) or None (BF16).
+        Returns:
+            MXTensor ``[R, H]`` with GROUPED_M scales on ``plan.offs`` (MXFP8) or bfloat16 ``[R, H]``;
+            padding rows zero.
+        """
+        dev = payload.device
+        rows = recv_rows(plan, sum(recv_splits)).to(torch.int64)
+        recv_p = self._all_to_all(payload, send_splits, recv_splits)
+        out_p = torch.zeros(R, payload.shape[1], dtype=torch.uint8, device=dev)
+        out_p[rows] = recv_p
+        if scales is None:
+            return out_p.view(torch.bfloat16)
+        recv_s = self._all_to_all(scales, send_splits, recv_splits)
+        out_s = torch.zeros(R, scales.shape[1], dtype=torch.uint8, device=dev)
+        out_s[rows] = recv_s
+        mx = MXTensor(
+            qdata=out_p.view(torch.float8_e4m3fn), scales=out_s, axis=1, layout=ScaleLayout.ROW,
+            mode=self.config.scale_mode, orig_dtype=torch.bfloat16,
+        )
+        return mx.with_layout(ScaleLayout.GROUPED_M, plan.offs)
+
+    def _rows_to_origin(self, rows, handle: EPHandle, quantize_rows: bool):
+        """Send expert-side rows (receive order) back to their origins.
+
+        Args:
+            rows: bfloat16/float ``[n_recv, H]`` dense rows, or an :class:`MXTensor` (ROW scales)
+                sent as it is.
+            quantize_rows: quantize dense rows to MXFP8 (row-wise, config scale mode) for transport.
+        Returns:
+            the rows at the origin in its send order: :class:`MXTensor` ``[n_send, H]`` (ROW scales)
+            or bfloat16 ``[n_send, H]``.
+        """
         back_splits = list(handle.recv_splits_host)   # rows this rank returns to each source
         home_splits = list(handle.send_splits_host)   # rows each expert rank returns to this rank
-        n_recv, n_send = sum(back_splits), sum(home_splits)
-        rows = expert_out[recv_rows(plan, n_recv).to(torch.int64)]  # [n_recv, H] in receive order
-        if quantize_rows:
-            q = quantize(rows, mode=cfg.scale_mode)
-            got_p = self._all_to_all(q.qdata.view(torch.uint8), back_splits, home_splits)
-            got_s = self._all_to_all(q.scales, back_splits, home_splits)
-            back = MXTensor(
+        if not isinstance(rows, MXTensor) and quantize_rows:
+            rows = quantize(rows, mode=self.config.scale_mode)
+        if isinstance(rows, MXTensor):
+            got_p = self._all_to_all(rows.qdata.view(torch.uint8), back_splits, home_splits)
+            got_s = self._all_to_all(rows.row_scales(), back_splits, home_splits)
+            return MXTensor(
                 qdata=got_p.view(torch.float8_e4m3fn), scales=got_s, axis=1, layout=ScaleLayout.ROW,
-                mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
-            ).dequantize(torch.float32)
+                mode=rows.mode, orig_dtype=torch.bfloat16,
+            )
+        got = self._all_to_all(rows.to(torch.bfloat16).contiguous().view(torch.uint8), back_splits, home_splits)
+        return got.view(torch.bfloat16)
+
+    # -- combine ----------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
+        return self.combine_for_backward(expert_out, handle, quantize_rows)[0]
+
+    def combine_for_backward(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool):
+        """Forward combine that also returns the rows as they arrived (see :class:`CombineSaved`)."""
+        plan = handle.plan
+        n_recv, n_send = sum(handle.recv_splits_host), sum(handle.send_splits_host)
+        rows = expert_out[recv_rows(plan, n_recv).to(torch.int64)]  # [n_recv, H] in receive order
+        back = self._rows_to_origin(rows, handle, quantize_rows)
+        vals = back.dequantize(torch.float32) if isinstance(back, MXTensor) else back.to(torch.float32)
+        assert vals.shape == (n_send, self.config.hidden)
+        y = weighted_combine(vals, plan.send_pos, handle.topk_weights).to(torch.bfloat16)
+        return y, CombineSaved(rows=back)
+
+    # -- backward ---------------------------------------------------------------------------
+    def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved, quantize_rows: bool) -> CombineGrads:
+        """See :meth:`mxcomm.ep.group.EPGroup.combine_backward` (math in :mod:`mxcomm.ep.backward_ref`)."""
+        plan = handle.plan
+        send_splits, recv_splits = list(handle.send_splits_host), list(handle.recv_splits_host)
+        g = slot_grad_rows(grad_y, handle.topk_weights, plan.send_order[: sum(send_splits)])  # fp32, send order
+        if quantize_rows:
+            q = quantize(g, mode=self.config.scale_mode)
+            grad_out = self._rows_to_experts(
+                q.qdata.view(torch.uint8), q.scales, plan, handle.num_rows, send_splits, recv_splits
+            )
         else:
-            got = self._all_to_all(rows.contiguous().view(torch.uint8), back_splits, home_splits)
-            back = got.view(torch.bfloat16).to(torch.float32)
-        assert back.shape == (n_send, H)
-        return weighted_combine(back, plan.send_pos, handle.topk_weights).to(torch.bfloat16)
+            grad_out = self._rows_to_experts(
+                g.to(torch.bfloat16).view(torch.uint8), None, plan, handle.num_rows, send_splits, recv_splits
+            )
+        grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos)
+        return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
+
+    def dispatch_backward(self, grad_recv, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
+        """See :meth:`mxcomm.ep.group.EPGroup.dispatch_backward`."""
+        plan = handle.plan
+        rows = recv_rows(plan, sum(handle.recv_splits_host)).to(torch.int64)
+        if isinstance(grad_recv, MXTensor):
+            sent = MXTensor(
+                qdata=grad_recv.qdata.view(torch.uint8)[rows].view(torch.float8_e4m3fn),
+                scales=grad_recv.row_scales()[rows], axis=1, layout=ScaleLayout.ROW, mode=grad_recv.mode,
+                orig_dtype=torch.bfloat16,
+            )
+        else:
+            sent = grad_recv[rows]
+        back = self._rows_to_origin(sent, handle, quantize_rows)
+        vals = back.dequantize(torch.float32) if isinstance(back, MXTensor) else back.to(torch.float32)
+        ones = torch.ones(plan.send_pos.shape, dtype=torch.float32, device=vals.device)
+        return weighted_combine(vals, plan.send_pos, ones).to(torch.bfloat16)
 
 
 __all__ = ["TorchBackend", "weighted_combine"]
