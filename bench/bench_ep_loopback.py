@@ -208,13 +208,14 @@ def profile(args, sets) -> int:
         out = torch.randn(res.num_rows, args.hidden, device="cuda").to(torch.bfloat16)
         grp.combine(out, h)
         torch.cuda.synchronize()
-        with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+        with tprof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(3):
                 res, h = grp.dispatch(x, idx, w)
                 grp.combine(out, h)
             torch.cuda.synchronize()
         print(f"--- {precision}: 3 x (dispatch + combine)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
     from mxcomm import transport as tp
 
     tp.finalize()

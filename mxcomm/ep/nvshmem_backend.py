@@ -140,6 +140,7 @@ class NvshmemBackend:
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
+        self._pinned = None
         # exact_sizes=False never syncs with the host, so expert ids are checked on the device: bad slots
         # are dropped before anything is sent and the error is raised by a later call (see _sanitize).
         self.device_side_checks = not config.exact_sizes
@@ -167,9 +168,9 @@ class NvshmemBackend:
         return tp.SymmetricHeap(ctx)
 
     @staticmethod
-    def _chunk(H: int, k: int) -> int:
-        """Row chunk of the kernels that hold a ``[k, CHUNK]`` tile: about 8K elements per tile."""
-        return max(32, min(_CHUNK, triton_next_pow2(H), 8192 // triton_next_pow2(k)))
+    def _chunk(H: int, k: int, tile: int = 8192) -> int:
+        """Row chunk of the kernels that hold a ``[k, CHUNK]`` tile of about ``tile`` elements."""
+        return max(32, min(_CHUNK, triton_next_pow2(H), tile // triton_next_pow2(k)))
 
     @property
     def memory_bytes(self) -> int:
@@ -214,7 +215,9 @@ class NvshmemBackend:
             self._check(what)
             return
         if self._pending is None:
-            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            if self._pinned is None:  # allocated once: pinned allocations cost milliseconds
+                self._pinned = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            host = self._pinned
             host.copy_(torch.stack([self.err[0], self.input_err[0]]), non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
@@ -296,12 +299,12 @@ class NvshmemBackend:
         st: NvshmemState = handle.backend_state
         H, W = cfg.hidden, self.world
         plan = handle.plan
-        chunk = min(_CHUNK, triton_next_pow2(H))
         self.epoch[1] += 1
         combine_send_kernel[(self.programs,)](
             expert_out.contiguous(), st.num_rows_dev, st.origins.src, st.origins.pos,
             self.comb_q.peer_ptrs, self.comb_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W,
-            self.epoch[1:2], self.nslot, H=H, CHUNK=chunk, MX=quantize_rows, MODE=self.mode_id, INT_ROUND=self.int_round, num_warps=4,
+            self.epoch[1:2], self.nslot, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)), MX=quantize_rows,
+            MODE=self.mode_id, INT_ROUND=self.int_round, num_warps=8,
         )
         wait_arrivals_kernel[(W,)](self.flags.local[2], self.epoch[1:2], self.programs, self.err, self.timeout_ns)
         T = handle.num_tokens
@@ -311,8 +314,8 @@ class NvshmemBackend:
         if T:
             combine_reduce_kernel[(min(T, self.programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.epoch[1:2], self.nslot,
-                H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk),
-                MX=quantize_rows, INT_ROUND=self.int_round, num_warps=8,
+                H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk, 4096),
+                MX=quantize_rows, INT_ROUND=self.int_round, num_warps=4,
             )
         if cfg.exact_sizes:
             self._check("combine arrivals")

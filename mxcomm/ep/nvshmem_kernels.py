@@ -135,10 +135,11 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
 @triton.jit
 def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, s_peers, flags_peers, me, W,
                         epoch_ptr, nslot,
-                        H: tl.constexpr, CHUNK: tl.constexpr,
+                        H: tl.constexpr, BR: tl.constexpr, CHUNK: tl.constexpr,
                         MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
     """Send each expert-major row back to its origin rank, at its position in the origin's send
     order (MX: quantized in registers, payload in ``comb_q``, scales in ``comb_s``; else BF16).
+    ``BR`` rows are handled together as one ``[BR, CHUNK]`` tile (padding rows masked off).
 
     Args:
         out_ptr: bf16 ``[R, H]`` expert outputs; n_rows_ptr: int32 scalar, rows to consider.
@@ -151,27 +152,35 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
     NB: tl.constexpr = CHUNK // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
+    br = tl.arange(0, BR)
     n_rows = tl.load(n_rows_ptr)
     slot0 = (tl.load(epoch_ptr) % 2) * nslot  # first slot of this epoch's copy
-    r = pid
-    while r < n_rows:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
-        src = tl.load(row_src_ptr + r)
-        if src >= 0:
-            pos = slot0 + tl.load(row_pos_ptr + r).to(tl.int64)
-            for c0 in tl.static_range(0, H, CHUNK):
-                m = (c0 + offs) < H
-                x = tl.load(out_ptr + r.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
-                if MX:
-                    q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
-                    qb = tl.load(q_peers + src).to(tl.pointer_type(tl.uint8))
-                    tl.store(qb + pos * (2 * H) + c0 + offs, tl.reshape(q2, (CHUNK,)), mask=m)
-                    sb = tl.load(s_peers + src).to(tl.pointer_type(tl.uint8))
-                    cols = c0 // 32 + bcols
-                    tl.store(sb + pos * (H // 32) + cols, s, mask=cols < H // 32)
-                else:
-                    qb = tl.load(q_peers + src).to(tl.pointer_type(tl.bfloat16))
-                    tl.store(qb + pos * H + c0 + offs, x, mask=m)
-        r += G
+    r0 = pid * BR
+    while r0 < n_rows:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
+        rows = r0 + br
+        src = tl.load(row_src_ptr + rows, mask=rows < n_rows, other=-1)
+        valid = src >= 0
+        srcc = tl.where(valid, src, 0)
+        pos = slot0 + tl.load(row_pos_ptr + rows, mask=valid, other=0).to(tl.int64)
+        if MX:
+            qbase = tl.load(q_peers + srcc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
+            sbase = tl.load(s_peers + srcc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
+        else:
+            qbase = tl.load(q_peers + srcc, mask=valid, other=0).to(tl.pointer_type(tl.bfloat16))
+        for c0 in tl.static_range(0, H, CHUNK):
+            m = (c0 + offs) < H
+            m2 = valid[:, None] & m[None, :]
+            x = tl.load(out_ptr + rows.to(tl.int64)[:, None] * H + c0 + offs[None, :], mask=m2, other=0.0)
+            if MX:
+                q3, s = mx_quantize_tile(tl.reshape(x, (BR, NB, 32)), MODE, INT_ROUND, 2)
+                tl.store(qbase[:, None] + (pos * (2 * H) + c0)[:, None] + offs[None, :],
+                         tl.reshape(q3, (BR, CHUNK)), mask=m2)
+                cols = c0 // 32 + bcols
+                tl.store(sbase[:, None] + (pos * (H // 32))[:, None] + cols[None, :], s,
+                         mask=valid[:, None] & (cols < H // 32)[None, :])
+            else:
+                tl.store(qbase[:, None] + (pos * H + c0)[:, None] + offs[None, :], x, mask=m2)
+        r0 += G * BR
     _arrive_all(flags_peers, 2, me, W)
 
 
