@@ -69,12 +69,18 @@ extern "C" __global__ void mx_put_signal(uint8_t* dst, uint64_t dst_bytes, const
 // One thread per listed signal: wait until signals[idx[k]] >= (*epoch) * per_epoch, or until
 // timeout_ns passed since the thread started (then atomicMax (1 << 32) | idx[k] into *err).
 // After success nvshmem_uint64_test orders the data delivered before the signal before later reads.
-//   signals: this PE's symmetric signal words (uint64/int64); idx: int32 [n]; epoch: int64 device scalar.
-extern "C" __global__ void mx_wait_signals(uint64_t* signals, const int32_t* idx, int n, const int64_t* epoch,
-                                           int64_t per_epoch, int64_t timeout_ns, int64_t* err) {
+//   signals: this PE's symmetric signal words (uint64/int64), n_signals of them; idx: int32 [n]
+//   (an index outside [0, n_signals) records (2 << 32) | index and is not read); epoch: int64 scalar.
+extern "C" __global__ void mx_wait_signals(uint64_t* signals, int n_signals, const int32_t* idx, int n,
+                                           const int64_t* epoch, int64_t per_epoch, int64_t timeout_ns,
+                                           int64_t* err) {
   const int k = blockIdx.x * blockDim.x + threadIdx.x;
   if (k >= n) return;
   const int j = idx[k];
+  if (j < 0 || j >= n_signals) {
+    mx_record_error(err, MX_BAD_ENTRY_CODE, j < 0 ? 0u : (unsigned int)j);
+    return;
+  }
   const uint64_t expected = (uint64_t)(*epoch) * (uint64_t)per_epoch;
   uint64_t* w = signals + j;
   const uint64_t deadline = mx_globaltimer() + (uint64_t)timeout_ns;

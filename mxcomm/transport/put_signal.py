@@ -44,6 +44,8 @@ __all__ = [
     "PutBatch",
     "put_path_peers",
     "signals_per_call",
+    "put_args",
+    "wait_args",
     "put_signal",
     "wait_signals",
     "quiet",
@@ -284,6 +286,28 @@ def put_signal(
               mod.kernel("mx_put_signal"), *args)
 
 
+def wait_args(signals: torch.Tensor, indices: torch.Tensor, epoch: torch.Tensor, per_epoch: int, err: torch.Tensor,
+              timeout_ns: int) -> tuple:
+    """Check the host-visible arguments of :func:`wait_signals`; return the kernel's argument tuple (for tests)."""
+    import numpy as np
+
+    _tensor_arg("signals", signals, torch.int64, 1)
+    _tensor_arg("indices", indices, torch.int32, 1)
+    _tensor_arg("epoch", epoch, torch.int64)
+    _tensor_arg("err", err, torch.int64)
+    if epoch.numel() != 1 or err.numel() != 1:
+        raise ValueError(f"epoch and err must hold one int64 each, got {tuple(epoch.shape)} / {tuple(err.shape)}")
+    _int_arg("per_epoch", per_epoch, 1, 2**62)
+    _int_arg("timeout_ns", timeout_ns, 1, 2**62)
+    for name, t in (("indices", indices), ("epoch", epoch), ("err", err)):
+        _check_device(name, t, signals.device)
+    if signals.numel() > 2**31 - 1:
+        raise ValueError(f"at most 2**31-1 signal words, got {signals.numel()}")
+    return (np.uint64(signals.data_ptr()), np.int32(signals.numel()), np.uint64(indices.data_ptr()),
+            np.int32(indices.numel()),
+            np.uint64(epoch.data_ptr()), np.int64(per_epoch), np.int64(timeout_ns), np.uint64(err.data_ptr()))
+
+
 def wait_signals(
     signals: torch.Tensor,
     indices: torch.Tensor,
@@ -299,6 +323,7 @@ def wait_signals(
     Args:
         signals: int64 ``[S]`` this PE's symmetric signal words (written by peers' :func:`put_signal`).
         indices: int32 ``[n]`` words to wait for (conventionally the source ranks); n may be 0.
+            An index outside ``[0, S)`` is not waited for; it records ``BAD_ENTRY_CODE`` in ``err``.
         epoch: int64 ``[1]`` device tensor, the call number (1, 2, ...; graph-replayable).
         per_epoch: what one call adds to each listed word (:func:`signals_per_call`), ``>= 1``.
         err: int64 ``[1]`` error word; a word still short at the deadline records
@@ -312,20 +337,9 @@ def wait_signals(
     Raises:
         TypeError / ValueError: bad arguments (before anything is launched).
     """
-    import numpy as np
-
     from .bootstrap import current_context
 
-    _tensor_arg("signals", signals, torch.int64, 1)
-    _tensor_arg("indices", indices, torch.int32, 1)
-    _tensor_arg("epoch", epoch, torch.int64)
-    _tensor_arg("err", err, torch.int64)
-    if epoch.numel() != 1 or err.numel() != 1:
-        raise ValueError(f"epoch and err must hold one int64 each, got {tuple(epoch.shape)} / {tuple(err.shape)}")
-    _int_arg("per_epoch", per_epoch, 1, 2**62)
-    _int_arg("timeout_ns", timeout_ns, 1, 2**62)
-    for name, t in (("indices", indices), ("epoch", epoch), ("err", err)):
-        _check_device(name, t, signals.device)
+    args = wait_args(signals, indices, epoch, per_epoch, err, timeout_ns)
     ctx = current_context()
     if signals.device != ctx.device:
         raise ValueError(f"signals is on {signals.device}, NVSHMEM runs on {ctx.device}")
@@ -339,9 +353,7 @@ def wait_signals(
     mod = _module()
     cc.launch(_stream_ref(stream, ctx.device),
               cc.LaunchConfig(grid=(n + _WAIT_BLOCK - 1) // _WAIT_BLOCK, block=_WAIT_BLOCK),
-              mod.kernel("mx_wait_signals"), np.uint64(signals.data_ptr()), np.uint64(indices.data_ptr()),
-              np.int32(n), np.uint64(epoch.data_ptr()), np.int64(per_epoch), np.int64(timeout_ns),
-              np.uint64(err.data_ptr()))
+              mod.kernel("mx_wait_signals"), *args)
 
 
 def quiet(stream: torch.cuda.Stream | None = None) -> None:
