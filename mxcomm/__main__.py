@@ -1,3 +1,6 @@
+"""``python -m mxcomm <command>``: same as the ``mxcomm`` console command (see :mod:`mxcomm.cli`)."""
+import sys
+
 from .cli import main
 
-raise SystemExit(main())
+sys.exit(main())

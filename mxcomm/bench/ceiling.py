@@ -1,0 +1,99 @@
+"""Copy ceilings measured in the same run as the benchmark (see BENCH.md "Ceilings").
+
+* device copy (GPU): ``dst.copy_(src)`` of a large buffer on one GPU; read + write bytes counted.
+* peer copy (2+ GPUs with peer access): ``dst_on_gpu_b.copy_(src_on_gpu_a)``; bytes counted once
+  (what crosses the link).
+* host copy (CPU runs): ``dst.copy_(src)`` in host memory; read + write counted.
+
+Times are CUDA-event medians (GPU) or perf_counter medians (CPU) over ``iters`` copies after warm-up.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _event_median_ms(fn, iters: int, device: torch.device) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize(device)
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def device_copy(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> dict:
+    """Device-to-device copy ceiling on ``device`` (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = _event_median_ms(lambda: dst.copy_(src), iters, device)
+    del src, dst
+    return dict(kind="device_copy", device=str(device), bytes_copied=nbytes, bytes_counted=2 * nbytes,
+                median_us=ms * 1e3, gbps=2 * nbytes / (ms * 1e-3) / 1e9,
+                convention="read + write bytes of dst.copy_(src) on one GPU; CUDA-event median")
+
+
+def peer_copy(src_dev: int, dst_dev: int, nbytes: int = 1 << 29, iters: int = 20) -> dict:
+    """Copy from GPU ``src_dev`` to GPU ``dst_dev`` (bytes counted once), timed on the source device."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{src_dev}").normal_()
+    dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{dst_dev}")
+    with torch.cuda.device(src_dev):
+        ms = _event_median_ms(lambda: dst.copy_(src), iters, torch.device("cuda", src_dev))
+    torch.cuda.synchronize(dst_dev)
+    del src, dst
+    return dict(kind="peer_copy", src=f"cuda:{src_dev}", dst=f"cuda:{dst_dev}", bytes_counted=nbytes,
+                median_us=ms * 1e3, gbps=nbytes / (ms * 1e-3) / 1e9,
+                peer_access=bool(torch.cuda.can_device_access_peer(src_dev, dst_dev)),
+                convention="bytes moved once between two GPUs; CUDA-event median on the source device")
+
+
+def host_copy(nbytes: int = 64 << 20, iters: int = 10) -> dict:
+    """Host memory copy (read + write counted): the CPU runs' ceiling."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    s = statistics.median(times)
+    return dict(kind="host_copy", device="cpu", bytes_copied=nbytes, bytes_counted=2 * nbytes, median_us=s * 1e6,
+                gbps=2 * nbytes / s / 1e9, convention="read + write bytes of dst.copy_(src) in host memory; "
+                "perf_counter median, torch threads of this process")
+
+
+def measure_ceilings(world) -> dict:
+    """Rank 0 measures (others wait at a barrier, so a shared GPU is idle); returns the dict on every rank."""
+    out: dict = {}
+    if world.rank == 0:
+        try:
+            if world.device.type == "cuda":
+                out["device_copy"] = device_copy(world.device)
+                n = torch.cuda.device_count()
+                host0 = world.devices[0].split(":cuda:")[0]
+                used = sorted({int(d.rsplit(":", 1)[1]) for d in world.devices if d.startswith(host0 + ":cuda:")})
+                if len(used) >= 2 and n >= 2:
+                    out["peer_copy"] = peer_copy(used[0], used[1])
+                else:
+                    out["peer_copy"] = None
+                    out["peer_copy_skipped"] = "the ranks use one GPU: no link between GPUs in this run"
+                out["all_pairs_copy"] = None
+                out["all_pairs_copy_skipped"] = "not implemented"
+            else:
+                out["host_copy"] = host_copy()
+        except Exception as e:  # noqa: BLE001 - a ceiling must not stop the benchmark
+            out["error"] = f"{type(e).__name__}: {e}"
+    got = world.all_gather_object(out)
+    return got[0]
+
+
+__all__ = ["device_copy", "peer_copy", "host_copy", "measure_ceilings"]

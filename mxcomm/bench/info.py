@@ -1,0 +1,174 @@
+"""``mxcomm info``: the environment (GPUs, peer access, versions, NVSHMEM variables) and the symmetric
+buffer memory one EP configuration needs (per region, from :func:`mxcomm.ep.plan.buffer_regions`).
+
+Read-only: initialises no NVSHMEM, no process group, changes no environment. Works without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+
+from .env_info import gpus, machine, nvshmem_importable, peer_matrix, relevant_env, versions
+from .options import _int_list, _str_list
+
+
+def add_info_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=4096, help="max tokens per rank (default 4096)")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size (default 7168)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--experts", type=int, default=256, help="global experts (default 256)")
+    p.add_argument("--world", type=_int_list, help="EP sizes, comma list (default: visible GPUs, else 1)")
+    p.add_argument("--precision", type=_str_list, default=["mxfp8", "bf16"], help="comma list (default mxfp8,bf16)")
+    p.add_argument("--align", type=int, default=32, help="expert group padding, 32 or 128")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--topo", action="store_true", help="also print `nvidia-smi topo -m` (if present)")
+
+
+def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: int, precision: str,
+                  align: int = 32) -> dict:
+    """Per-rank symmetric buffer bytes of the nvshmem backend for one config (ValueError if invalid)."""
+    from ..ep.config import EPConfig
+    from ..ep.plan import buffer_regions, buffer_sizes, max_recv_rows
+    from ..transport import launcher_env, symmetric_size_for
+
+    cfg = EPConfig(num_experts=experts, hidden=hidden, topk=topk, max_tokens_per_rank=tokens, align=align,
+                   precision=precision, backend="nvshmem")
+    cfg.validate(world)
+    sizes = buffer_sizes(cfg, world)
+    return dict(
+        precision=precision, world=world, tokens=tokens, hidden=hidden, topk=topk, experts=experts, align=align,
+        max_recv_rows=max_recv_rows(cfg, world),
+        regions=[dict(name=r.name, shape=list(r.shape), dtype=str(r.dtype).replace("torch.", ""), bytes=r.nbytes)
+                 for r in buffer_regions(cfg, world)],
+        by_purpose=dict(dispatch_payload=sizes.dispatch_payload, dispatch_scales=sizes.dispatch_scales,
+                        combine_payload=sizes.combine_payload, counts=sizes.counts, flags=sizes.flags),
+        total=sizes.total,
+        nvshmem_symmetric_size=symmetric_size_for(sizes.total),
+        launcher_env=launcher_env(sizes.total),
+    )
+
+
+def check_info_args(args) -> None:
+    """Raise ValueError naming the bad ``mxcomm info`` option."""
+    from ..ep.config import PRECISIONS
+
+    for name in ("tokens", "hidden", "topk", "experts"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.hidden % 32:
+        raise ValueError(f"--hidden {args.hidden} must be a multiple of 32 (the MX block size)")
+    if args.topk > args.experts:
+        raise ValueError(f"--topk {args.topk} must not exceed --experts {args.experts}")
+    for p in args.precision:
+        if p not in PRECISIONS:
+            raise ValueError(f"--precision {p!r} is unknown; choose from {', '.join(PRECISIONS)}")
+    for w in args.world or []:
+        if w < 1:
+            raise ValueError(f"--world sizes must be positive, got {w}")
+        if args.experts % w:
+            raise ValueError(f"--experts {args.experts} must be divisible by the EP size --world {w}")
+    if args.align not in (32, 128):
+        raise ValueError(f"--align must be 32 or 128, got {args.align}")
+
+
+def collect(args) -> dict:
+    """Everything ``mxcomm info`` reports, as a dict."""
+    import torch
+
+    worlds = args.world or [max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)]
+    bufs, errors = [], []
+    for w in worlds:
+        for p in args.precision:
+            try:
+                bufs.append(buffer_report(tokens=args.tokens, hidden=args.hidden, topk=args.topk,
+                                          experts=args.experts, world=w, precision=p, align=args.align))
+            except ValueError as e:
+                errors.append(f"world {w}, {p}: {e}")
+    symm = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm = dict(all_to_all_vdev_2d=hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"))
+        try:
+            symm["nvshmem_available"] = bool(symm_mem.is_nvshmem_available())
+        except Exception as e:  # noqa: BLE001
+            symm["nvshmem_available"] = f"unknown ({type(e).__name__}: {e})"
+    except Exception as e:  # noqa: BLE001
+        symm = dict(error=f"{type(e).__name__}: {e}")
+    from ..transport import check_env
+
+    try:
+        check_env()
+        multicast = "off (NVSHMEM_DISABLE_NVLS, TORCH_SYMM_MEM_DISABLE_MULTICAST, NCCL_NVLS_ENABLE set)"
+    except RuntimeError as e:
+        multicast = f"NOT disabled in this shell: {e}"
+    return dict(machine=machine(), peer_access=peer_matrix(), versions=versions(),
+                nvshmem4py_import=nvshmem_importable() or "ok", torch_symmetric_memory=symm, env=relevant_env(),
+                nvlink_multicast=multicast, buffers=bufs, buffer_errors=errors)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_info(d: dict) -> str:
+    m = d["machine"]
+    out = [f"host {m['hostname']}  ({m['platform']}, {m['cpu_count']} CPUs)"]
+    if m["gpus"]:
+        out.append(f"GPUs: {m['gpu_count']}")
+        for g in m["gpus"]:
+            out.append(f"  cuda:{g['index']}  {g['name']}  {g['memory_gib']} GiB  sm_{g['capability'].replace('.', '')}"
+                       f"  {g['sm_count']} SMs  L2 {(_mib(g['l2_bytes']) if g['l2_bytes'] else '?')}")
+        pm = d["peer_access"]
+        if len(pm) > 1:
+            out.append("peer access (torch.cuda.can_device_access_peer; row = from):")
+            out.append("        " + " ".join(f"{j:>4}" for j in range(len(pm))))
+            for i, row in enumerate(pm):
+                out.append(f"  {i:>4}  " + " ".join(f"{'-' if v is None else ('yes' if v else 'no'):>4}" for v in row))
+    else:
+        out.append("GPUs: none visible (CPU only: mxcomm bench runs the torch reference backend over gloo)")
+    v = d["versions"]
+    out.append("versions: " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "cuda", "nccl", "triton", "mxcomm",
+                                                                "nvshmem4py", "nvidia-nvshmem", "cuda-python",
+                                                                "cuda-core", "mpi4py") if v.get(k)))
+    missing = [k for k in ("nvshmem4py", "nvidia-nvshmem", "cuda-python", "mpi4py", "matplotlib", "tqdm") if not v.get(k)]
+    if missing:
+        out.append("not installed: " + ", ".join(missing))
+    out.append(f"nvshmem.core import: {d['nvshmem4py_import']}")
+    out.append(f"torch symmetric memory: {d['torch_symmetric_memory']}")
+    out.append(f"NVLink multicast: {d['nvlink_multicast']}")
+    if d["env"]:
+        out.append("environment: " + " ".join(f"{k}={v}" for k, v in d["env"].items()))
+    for b in d["buffers"]:
+        out.append("")
+        out.append(f"symmetric buffers per rank (nvshmem backend): {b['precision']}, EP={b['world']}, "
+                   f"tokens={b['tokens']}, hidden={b['hidden']}, topk={b['topk']}, experts={b['experts']}, "
+                   f"align={b['align']}  (max received rows {b['max_recv_rows']:,})")
+        for r in b["regions"]:
+            out.append(f"  {r['name']:<12} {str(tuple(r['shape'])):<28} {r['dtype']:<6} {_mib(r['bytes']):>14}")
+        out.append("  by purpose: " + ", ".join(f"{k} {_mib(v)}" for k, v in b["by_purpose"].items()))
+        out.append(f"  total {_mib(b['total'])} ({b['total']:,} bytes) -> NVSHMEM_SYMMETRIC_SIZE="
+                   f"{b['nvshmem_symmetric_size']}")
+    for e in d["buffer_errors"]:
+        out.append(f"invalid config: {e}")
+    return "\n".join(out) + "\n"
+
+
+def run_info(args) -> int:
+    d = collect(args)
+    if args.json:
+        print(json.dumps(d, indent=1, default=str))
+    else:
+        print(format_info(d), end="")
+    if getattr(args, "topo", False) and shutil.which("nvidia-smi"):
+        try:
+            r = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+            print(r.stdout)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print(f"nvidia-smi topo -m failed: {e}")
+    return 1 if d["buffer_errors"] and not d["buffers"] else 0
+
+
+__all__ = ["add_info_arguments", "check_info_args", "buffer_report", "collect", "format_info", "run_info"]

@@ -1,0 +1,303 @@
+"""Options of ``mxcomm bench``: the command-line parser, GPU/CPU defaults, and validation.
+
+:class:`BenchOptions` is the fully resolved, JSON-serialisable description of one benchmark run
+(every default filled in). Build it from a command line with :func:`options_from_args`, or
+directly in Python and call :meth:`BenchOptions.validate`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..ep.config import ALIGNS, BACKENDS, PRECISIONS
+
+IMPLS = ("mxcomm", "reference", "a2a", "vdev2d")
+MODES = ("throughput", "latency")
+SIDE_CHANNELS = ("auto", "nccl", "gloo")
+
+# Defaults: DeepSeek-V3-like on a GPU; small sizes on CPU (4 gloo processes, about a minute on 2 cores).
+GPU_DEFAULTS = dict(hidden=7168, topk=8, experts=256, tokens={"throughput": [4096], "latency": [128]},
+                    iters={"throughput": 50, "latency": 200}, warmup=10, quick_iters=10, quick_warmup=3)
+CPU_DEFAULTS = dict(hidden=512, topk=8, experts=16, tokens={"throughput": [64], "latency": [16]},
+                    iters={"throughput": 10, "latency": 20}, warmup=2, quick_iters=3, quick_warmup=1)
+CPU_RANKS = 4
+
+
+class OptionError(ValueError):
+    """A bad benchmark option; the message names the option (e.g. ``--experts``)."""
+
+
+def _int_list(text: str) -> list[int]:
+    out = []
+    for part in str(text).replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            v = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not an integer (expected e.g. 128 or 1024,4096)") from None
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError("empty list")
+    return out
+
+
+def _str_list(text: str) -> list[str]:
+    out = [p.strip().lower() for p in str(text).split(",") if p.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("empty list")
+    return out
+
+
+def _label(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,79}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use letters, digits and _ . + - (at most 80 characters, starting with a letter or digit)"
+        )
+    return text
+
+
+@dataclass
+class BenchOptions:
+    """One benchmark run, all defaults resolved.
+
+    Sizes: ``tokens`` (per rank, a sweep when several), ``hidden``, ``topk``, ``experts``, ``align``.
+    What runs: ``precisions`` (payloads of the library's dispatch/combine), ``impls`` (``mxcomm``:
+    this library with ``backend``; ``reference``: EPConfig backend ``torch`` with MXFP8 payload;
+    ``a2a``: plain BF16 ``all_to_all_single`` of the routed rows; ``vdev2d``: torch's NVSHMEM
+    ``all_to_all_vdev_2d``), ``mode`` (only picks default token counts and iterations).
+    World: ``device`` (``cpu``/``cuda``), ``ranks`` (EP size), ``ranks_per_gpu``, ``side_channel``
+    (torch.distributed backend of the world group: ``nccl`` needs one rank per GPU).
+    Timing: ``iters``, ``warmup``. Output: ``out`` folder, ``label``, ``plot``.
+    """
+
+    tokens: list[int]
+    hidden: int
+    topk: int
+    experts: int
+    precisions: list[str]
+    mode: str
+    backend: str
+    device: str
+    ranks: int
+    ranks_per_gpu: int
+    side_channel: str
+    iters: int
+    warmup: int
+    out: str
+    label: str
+    impls: list[str] = field(default_factory=lambda: list(IMPLS))
+    num_sms: Optional[int] = None
+    align: int = 32
+    seed: int = 0
+    plot: bool = True
+    quick: bool = False
+    check: bool = True
+    exact_sizes: bool = True
+    timeout_s: float = 900.0
+    pg_timeout_s: float = 300.0
+    progress: bool = True
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.tokens)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BenchOptions":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def ep_config(self, precision: str, backend: Optional[str] = None):
+        """The :class:`mxcomm.ep.EPConfig` of this run for one payload precision."""
+        from ..ep.config import EPConfig
+
+        return EPConfig(
+            num_experts=self.experts, hidden=self.hidden, topk=self.topk, max_tokens_per_rank=self.max_tokens,
+            align=self.align, precision=precision, backend=backend or self.backend, num_sms=self.num_sms,
+            exact_sizes=self.exact_sizes,
+        )
+
+    def validate(self) -> None:
+        """Raise :class:`OptionError` (a ValueError) naming the first bad option."""
+        def bad(msg):
+            raise OptionError(msg)
+
+        if not self.tokens or any((not isinstance(t, int)) or t < 1 for t in self.tokens):
+            bad(f"--tokens must be positive integers (tokens per rank), got {self.tokens}")
+        if self.hidden < 32 or self.hidden % 32:
+            bad(f"--hidden {self.hidden} must be a positive multiple of 32 (the MX block size)")
+        if self.experts < 1:
+            bad(f"--experts must be positive, got {self.experts}")
+        if self.topk < 1:
+            bad(f"--topk must be positive, got {self.topk}")
+        if self.topk > self.experts:
+            bad(f"--topk {self.topk} must not exceed --experts {self.experts}")
+        for p in self.precisions:
+            if p not in PRECISIONS:
+                bad(f"--precision {p!r} is unknown; choose from {', '.join(PRECISIONS)}")
+        if len(set(self.precisions)) != len(self.precisions):
+            bad(f"--precision lists a precision twice: {self.precisions}")
+        for i in self.impls:
+            if i not in IMPLS:
+                bad(f"--impls {i!r} is unknown; choose from {', '.join(IMPLS)}")
+        if self.mode not in MODES:
+            bad(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.backend not in BACKENDS:
+            bad(f"--backend {self.backend!r} is unknown; choose from {', '.join(BACKENDS)}")
+        if self.device not in ("cpu", "cuda"):
+            bad(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.backend == "nvshmem" and self.device != "cuda":
+            bad("--backend nvshmem needs a CUDA GPU (run on a GPU machine, or use --backend torch)")
+        if self.ranks < 1:
+            bad(f"--ranks must be >= 1, got {self.ranks}")
+        if self.ranks_per_gpu < 1:
+            bad(f"--ranks-per-gpu must be >= 1, got {self.ranks_per_gpu}")
+        if self.experts % self.ranks:
+            bad(f"--experts {self.experts} must be divisible by the number of ranks ({self.ranks})")
+        if self.side_channel not in SIDE_CHANNELS:
+            bad(f"--side-channel must be one of {', '.join(SIDE_CHANNELS)}, got {self.side_channel!r}")
+        if self.side_channel == "nccl" and (self.device != "cuda" or self.ranks_per_gpu > 1):
+            bad("--side-channel nccl needs a GPU and one rank per GPU (NCCL refuses two ranks on one GPU); use gloo")
+        if self.num_sms is not None and self.num_sms < 1:
+            bad(f"--num-sms must be a positive integer, got {self.num_sms}")
+        if self.align not in ALIGNS:
+            bad(f"--align must be one of {ALIGNS}, got {self.align}")
+        if self.iters < 1:
+            bad(f"--iters must be >= 1, got {self.iters}")
+        if self.warmup < 0:
+            bad(f"--warmup must be >= 0, got {self.warmup}")
+        for name in ("timeout_s", "pg_timeout_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                bad(f"--{name[:-2].replace('_', '-')} must be a positive number of seconds, got {v}")
+        for p in self.precisions:  # backstop: the library's own checks
+            try:
+                self.ep_config(p).validate(self.ranks)
+            except ValueError as e:
+                bad(f"options give an invalid EP config: {e}")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``mxcomm bench`` options to ``p`` (defaults None = resolved by :func:`options_from_args`)."""
+    g = p.add_argument_group("sizes")
+    g.add_argument("--tokens", type=_int_list, help="tokens per rank; a comma list sweeps (GPU default 4096 "
+                   "throughput / 128 latency; CPU 64 / 16)")
+    g.add_argument("--hidden", type=int, help="hidden size, a multiple of 32 (GPU 7168, CPU 512)")
+    g.add_argument("--topk", type=int, help="experts per token (default 8)")
+    g.add_argument("--experts", type=int, help="global experts, divisible by the rank count (GPU 256, CPU 16)")
+    g.add_argument("--align", type=int, default=32, help="expert group padding, 32 or 128 (default 32)")
+    g.add_argument("--mode", choices=MODES, default="throughput", help="picks default tokens/iterations")
+    w = p.add_argument_group("what and where")
+    w.add_argument("--precision", type=_str_list, default=["mxfp8", "bf16"],
+                   help="payload precisions, comma list of mxfp8,bf16 (default both)")
+    w.add_argument("--impls", type=_str_list, default=list(IMPLS),
+                   help=f"what to measure, comma list of {','.join(IMPLS)} (default all; baselines skip with a "
+                        "stated reason where they cannot run)")
+    w.add_argument("--backend", choices=BACKENDS, help="mxcomm backend (GPU default nvshmem, CPU torch)")
+    w.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if visible")
+    w.add_argument("--ranks", type=int, help="EP size (GPU default: GPUs x --ranks-per-gpu; CPU default 4)")
+    w.add_argument("--ranks-per-gpu", type=int, help="ranks sharing one GPU (>1: gloo side channel; "
+                   "4 ranks need MPS; such runs do not measure NVLink)")
+    w.add_argument("--side-channel", choices=SIDE_CHANNELS, default="auto",
+                   help="torch.distributed backend of the world (auto: nccl with one rank per GPU, else gloo)")
+    w.add_argument("--num-sms", type=int, help="SMs the mxcomm GPU kernels may use (default: all)")
+    w.add_argument("--no-exact-sizes", action="store_true",
+                   help="EPConfig(exact_sizes=False): worst-case output sizes, no host sync in the GPU backend")
+    t = p.add_argument_group("timing")
+    t.add_argument("--iters", type=int, help="timed iterations per case (GPU 50 / 200 latency; CPU 10 / 20)")
+    t.add_argument("--warmup", type=int, help="untimed iterations per case (GPU 10, CPU 2)")
+    t.add_argument("--quick", action="store_true", help="few iterations (a smoke run)")
+    t.add_argument("--seed", type=int, default=0, help="routing/data seed")
+    t.add_argument("--no-check", action="store_true", help="skip the one-off mxcomm vs reference output check")
+    t.add_argument("--timeout", type=float, help="seconds before a launched phase is killed (default 900 GPU, "
+                   "300 CPU)")
+    t.add_argument("--pg-timeout", type=float, default=300.0, help="torch.distributed collective timeout (s)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", help="results folder (default bench/results/<label>-<timestamp>)")
+    o.add_argument("--label", type=_label, help="name in the JSON and the file names (default <device>-ep<N>)")
+    o.add_argument("--no-plot", action="store_true", help="no PNG plots")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--_spec", help=argparse.SUPPRESS)  # internal: a launched rank's spec file
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = None,
+                      local_world_size: Optional[int] = None) -> BenchOptions:
+    """Resolve parsed arguments into validated :class:`BenchOptions`.
+
+    ``world_size`` / ``local_world_size``: given when joining a world started by torchrun/mpirun
+    (then ``--ranks`` must agree or be absent). Raises :class:`OptionError`.
+    """
+    ngpu = _cuda_count()
+    device = args.device
+    if device == "auto":
+        device = "cuda" if ngpu else "cpu"
+    if device == "cuda" and not ngpu:
+        raise OptionError("--device cuda: no CUDA GPU is visible")
+    d = GPU_DEFAULTS if device == "cuda" else CPU_DEFAULTS
+    if args.ranks_per_gpu is not None and device != "cuda":
+        raise OptionError("--ranks-per-gpu needs a GPU (on CPU use --ranks)")
+    if world_size is not None:
+        if args.ranks is not None and args.ranks != world_size:
+            raise OptionError(f"--ranks {args.ranks} disagrees with the launcher's world size {world_size}")
+        ranks = world_size
+        local = local_world_size or world_size
+        rpg = max(1, math.ceil(local / ngpu)) if device == "cuda" else 1
+        if args.ranks_per_gpu is not None and args.ranks_per_gpu != rpg:
+            raise OptionError(f"--ranks-per-gpu {args.ranks_per_gpu} disagrees with {local} local ranks on {ngpu} GPUs")
+    elif device == "cuda":
+        if args.ranks is not None:
+            ranks = args.ranks
+            if ranks < 1:
+                raise OptionError(f"--ranks must be >= 1, got {ranks}")
+            rpg = args.ranks_per_gpu or max(1, math.ceil(ranks / ngpu))
+            if ranks > rpg * ngpu:
+                raise OptionError(f"--ranks {ranks} does not fit --ranks-per-gpu {rpg} on {ngpu} GPU(s)")
+        else:
+            rpg = args.ranks_per_gpu or 1
+            ranks = rpg * ngpu
+    else:
+        ranks = args.ranks if args.ranks is not None else CPU_RANKS
+        rpg = 1
+    quick = bool(args.quick)
+    iters = args.iters if args.iters is not None else (d["quick_iters"] if quick else d["iters"][args.mode])
+    warmup = args.warmup if args.warmup is not None else (d["quick_warmup"] if quick else d["warmup"])
+    label = args.label or f"{'gpu' if device == 'cuda' else 'cpu'}-ep{ranks}" + (f"-{rpg}pergpu" if rpg > 1 else "")
+    out = args.out or os.path.join(
+        "bench", "results", f"{label}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    )
+    opts = BenchOptions(
+        tokens=list(args.tokens) if args.tokens else list(d["tokens"][args.mode]),
+        hidden=args.hidden if args.hidden is not None else d["hidden"],
+        topk=args.topk if args.topk is not None else d["topk"],
+        experts=args.experts if args.experts is not None else d["experts"],
+        precisions=list(args.precision), mode=args.mode,
+        backend=args.backend or ("nvshmem" if device == "cuda" else "torch"),
+        device=device, ranks=ranks, ranks_per_gpu=rpg, side_channel=args.side_channel,
+        iters=iters, warmup=warmup, out=out, label=label, impls=list(args.impls), num_sms=args.num_sms,
+        align=args.align, seed=args.seed, plot=not args.no_plot, quick=quick, check=not args.no_check,
+        exact_sizes=not args.no_exact_sizes,
+        timeout_s=args.timeout if args.timeout is not None else (900.0 if device == "cuda" else 300.0),
+        pg_timeout_s=args.pg_timeout, progress=not args.no_progress,
+    )
+    if opts.side_channel == "auto":
+        opts.side_channel = "nccl" if device == "cuda" and rpg == 1 else "gloo"
+    opts.validate()
+    return opts
+
+
+__all__ = ["BenchOptions", "OptionError", "add_bench_arguments", "options_from_args", "IMPLS", "MODES"]

@@ -1,0 +1,279 @@
+"""Turn raw phase results into the benchmark report: statistics, bandwidth in both byte conventions,
+ratios to the baselines measured in the same run, a plain-text table, JSON and PNG plots.
+
+Definitions (also written into the JSON under ``conventions`` and ``timing``):
+
+* time statistics over iterations of the per-iteration max over ranks: median, p10, p90 (µs);
+* ``bytes.dedup`` = mean over ranks of (rows a rank receives counting a token once per destination
+  rank, local included) x bytes per row (DeepEP's convention);
+* ``bytes.per_selection`` = mean over ranks of (token, expert) rows received x bytes per row;
+* bytes per row: MXFP8 ``H + H/32``, BF16 ``2H``; combine counts the same rows (returned);
+* ``gbps[conv][timing] = bytes[conv] / (stats_us[timing].median * 1e-6) / 1e9``;
+* ``ratios["vs_<baseline>"][timing] = baseline median / this case's median`` (speed-up, > 1 = faster),
+  same op and token count, same run.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Optional
+
+from .timing import KERNEL_DESC, WHOLE_CALL_DESC, summarize
+
+SCHEMA = "mxcomm.bench/1"
+BASELINES = ("reference", "a2a", "vdev2d", "mxcomm_bf16")
+CONVENTIONS = {
+    "dedup": "per-rank deduplicated (DeepEP): rows a rank receives, a token counted once per destination rank "
+             "however many of that rank's experts it selected, local traffic included; mean over ranks",
+    "per_selection": "per selection (pplx / low-latency style): one row per (token, expert) pair received; "
+                     "mean over ranks",
+    "bytes_per_row": {"mxfp8": "H + H/32 (E4M3 payload + E8M0 scale bytes)", "bf16": "2H"},
+    "combine": "combine counts the same rows as dispatch (returned to their origins), at its payload's bytes per row",
+    "gbps": "1e9 bytes per second: bytes / median time",
+    "ratios": "speed-up = baseline median time / this case's median time (same op, tokens, run); > 1 = faster",
+}
+IMPL_DESC = {
+    "mxcomm": "this library: EPGroup.dispatch / combine (whole API call: routing plan, transfer, expert-major "
+              "layout, MXFP8 scales in grouped-along-M layout; combine incl. weighted reduction)",
+    "reference": "reference path: EPConfig(backend='torch', precision='mxfp8'): quantize + all_gather counts + "
+                 "all_to_all_single of payload and scales + permute to expert-major (combine: gather, quantize, "
+                 "reverse all_to_all_single, dequantize, weighted reduction)",
+    "a2a": "plain BF16 all_to_all_single of the routed rows (what a plain MoE does); send buffer built outside "
+           "the timed region; no permute, no reduction",
+    "vdev2d": "torch NVSHMEM all_to_all_vdev_2d (dispatch) / all_to_all_vdev_2d_offset (combine), BF16, splits on "
+              "device; input packed outside the timed region; no reduction",
+}
+
+
+def _case_key(c) -> tuple:
+    return (c["impl"], c["precision"], c["op"], c["tokens"])
+
+
+def _baseline(cases_by_key: dict, name: str, op: str, tokens: int) -> Optional[dict]:
+    key = {"reference": ("reference", "mxfp8"), "a2a": ("a2a", "bf16"), "vdev2d": ("vdev2d", "bf16"),
+           "mxcomm_bf16": ("mxcomm", "bf16")}[name]
+    c = cases_by_key.get((key[0], key[1], op, tokens))
+    return c if c is not None and c.get("status") == "ok" else None
+
+
+def finalize_cases(raw_cases: list) -> list:
+    """Add ``name``, ``stats_us``, ``bytes``, ``gbps`` and ``ratios`` to each raw record (new list)."""
+    cases = []
+    for rc in raw_cases:
+        c = dict(rc)
+        c["name"] = f"{c['impl']}/{c['precision']}/{c['op']}/T{c['tokens']}"
+        W = len(c["rows_dedup"])
+        rows_d = sum(c["rows_dedup"]) / W
+        rows_s = sum(c["rows_sel"]) / W
+        c["bytes"] = dict(dedup=rows_d * c["bytes_per_row"], per_selection=rows_s * c["bytes_per_row"],
+                          rows_dedup_mean=rows_d, rows_sel_mean=rows_s)
+        c["stats_us"], c["gbps"] = None, None
+        if c.get("status") == "ok":
+            s = c["samples_us"]
+            c["stats_us"] = dict(whole_call=summarize(s["whole_call"]),
+                                 kernel=summarize(s["kernel"]) if s.get("kernel") else None)
+            c["gbps"] = {conv: {t: (c["bytes"][conv] / (st["median"] * 1e-6) / 1e9 if st and st["median"] > 0 else None)
+                                for t, st in c["stats_us"].items()}
+                         for conv in ("dedup", "per_selection")}
+        cases.append(c)
+    by_key = {_case_key(c): c for c in cases}
+    for c in cases:
+        c["ratios"] = {}
+        if c.get("status") != "ok":
+            continue
+        for b in BASELINES:
+            base = _baseline(by_key, b, c["op"], c["tokens"])
+            if base is None or base is c:
+                continue
+            r = {}
+            for t in ("whole_call", "kernel"):
+                mine, theirs = c["stats_us"].get(t), base["stats_us"].get(t)
+                r[t] = theirs["median"] / mine["median"] if mine and theirs and mine["median"] > 0 else None
+            c["ratios"][f"vs_{b}"] = r
+    return cases
+
+
+def build_report(*, options: dict, world: dict, meta: dict, phases: list, command: list) -> dict:
+    """The full JSON document of a run from its options, world description, machine/versions meta and phases."""
+    raw_cases, checks, skipped, ceilings = [], [], [], {}
+    phase_summary = []
+    for ph in phases:
+        phase_summary.append({k: ph.get(k) for k in ("phase", "status", "reason", "impls", "ranks", "exit_codes")})
+        raw_cases += ph.get("cases", [])
+        checks += ph.get("checks", [])
+        skipped += ph.get("skipped", [])
+        if ph.get("ceilings"):
+            ceilings.update(ph["ceilings"])
+    cases = finalize_cases(raw_cases)
+    on_gpu = options["device"] == "cuda"
+    sm_dev = None
+    if meta.get("machine", {}).get("gpus"):
+        sm_dev = meta["machine"]["gpus"][0]["sm_count"]
+    ceiling_gbps = None
+    for k in ("peer_copy", "device_copy", "host_copy"):
+        if ceilings.get(k):
+            ceiling_gbps = ceilings[k]["gbps"]
+            ceilings["reference_for_fractions"] = k
+            break
+    for c in cases:
+        if c.get("gbps") and ceiling_gbps:
+            c["fraction_of_ceiling"] = {t: (v / ceiling_gbps if v else None)
+                                        for t, v in c["gbps"]["per_selection"].items()}
+    rpg = world.get("ranks_per_gpu", 1)
+    return {
+        "schema": SCHEMA,
+        "label": options["label"],
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "machine": meta.get("machine"),
+        "versions": meta.get("versions"),
+        "env": meta.get("env"),
+        "config": options,
+        "ep_size": options["ranks"],
+        "ranks_per_gpu": rpg,
+        "world": world,
+        "measures_nvlink": bool(on_gpu and options["ranks"] > 1 and rpg == 1),
+        "world_note": (f"{rpg} ranks share each GPU: this run checks the multi-rank protocol and measures no "
+                       "NVLink bandwidth" if rpg > 1 else
+                       ("one rank: loopback through the GPU's own memory, no NVLink" if options["ranks"] == 1
+                        else "one rank per device")),
+        "sm_count": {"device": sm_dev, "mxcomm_num_sms": options.get("num_sms") or sm_dev,
+                     "baselines": "library defaults (NCCL / torch choose their own SM count)"},
+        "precisions": options["precisions"],
+        "byte_conventions": ["dedup", "per_selection"],
+        "conventions": CONVENTIONS,
+        "impls": {k: v for k, v in IMPL_DESC.items() if k in options["impls"]},
+        "timing": {
+            "whole_call": WHOLE_CALL_DESC,
+            "kernel": KERNEL_DESC if on_gpu else None,
+            "whole_call_measured": True,
+            "kernel_measured": on_gpu,
+            "kernel_is_pure_kernel_sum": False,
+            "iters": options["iters"], "warmup": options["warmup"],
+            "statistics": "median, p10, p90 over iterations of the per-iteration max over ranks",
+            "l2_flushed_before_each_iteration": on_gpu,
+        },
+        "ceilings": ceilings,
+        "checks": checks,
+        "skipped": skipped,
+        "phases": phase_summary,
+        "cases": cases,
+    }
+
+
+# ------------------------------------------------------------------------------------------- table ----
+
+def _f(v, nd=1) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if 0 < abs(v) < 1:
+        return f"{v:.3g}"
+    return f"{v:.{nd}f}"
+
+
+def format_table(report: dict) -> str:
+    """Plain-text aligned table of every case, then skipped baselines, ceilings and checks."""
+    kernel = report["timing"]["kernel_measured"]
+    hdr = ["op", "impl", "prec", "tokens", "B/row", "whole us", "p10-p90"]
+    if kernel:
+        hdr += ["kernel us"]
+    hdr += ["GB/s dedup", "GB/s sel"]
+    if kernel:
+        hdr += ["kern GB/s dedup"]
+    hdr += ["x ref", "x a2a", "x vdev2d", "x bf16"]
+    rows = []
+    order = {"dispatch": 0, "combine": 1}
+    impl_order = {"mxcomm": 0, "reference": 1, "a2a": 2, "vdev2d": 3}
+    for c in sorted(report["cases"], key=lambda c: (order[c["op"]], c["tokens"], impl_order.get(c["impl"], 9),
+                                                    c["precision"])):
+        row = [c["op"], c["impl"], c["precision"], str(c["tokens"]), str(c["bytes_per_row"])]
+        if c.get("status") != "ok":
+            msg = f"{c['status']}: {(c.get('reason') or '').splitlines()[0][:80]}"
+            rows.append(row + [msg])
+            continue
+        w = c["stats_us"]["whole_call"]
+        row += [_f(w["median"]), f"{_f(w['p10'])}-{_f(w['p90'])}"]
+        if kernel:
+            row += [_f(c["stats_us"]["kernel"]["median"]) if c["stats_us"]["kernel"] else "-"]
+        row += [_f(c["gbps"]["dedup"]["whole_call"], 2), _f(c["gbps"]["per_selection"]["whole_call"], 2)]
+        if kernel:
+            row += [_f(c["gbps"]["dedup"]["kernel"], 2)]
+        for b in ("reference", "a2a", "vdev2d", "mxcomm_bf16"):
+            r = c["ratios"].get(f"vs_{b}")
+            row.append(_f(r["whole_call"], 2) if r and r.get("whole_call") else "-")
+        rows.append(row)
+    n_key = 5  # op, impl, prec, tokens, B/row: present in every row; a failed case has a message after them
+    widths = [max([len(h)] + [len(r[i]) for r in rows if len(r) == len(hdr) or i < n_key])
+              for i, h in enumerate(hdr)]
+
+    def line(r):
+        cells = [v.rjust(widths[i]) if i >= 3 else v.ljust(widths[i]) for i, v in enumerate(r[:n_key])]
+        if len(r) == len(hdr):
+            cells += [v.rjust(widths[i]) for i, v in enumerate(r) if i >= n_key]
+        else:
+            cells += r[n_key:]
+        return "  ".join(cells).rstrip()
+
+    cfg = report["config"]
+    head = (f"mxcomm bench [{report['label']}]  EP={report['ep_size']} ranks_per_gpu={report['ranks_per_gpu']}  "
+            f"hidden={cfg['hidden']} topk={cfg['topk']} experts={cfg['experts']}  backend={cfg['backend']}  "
+            f"side channel={report['world'].get('side_channel')}  iters={cfg['iters']}")
+    gpus = (report.get("machine") or {}).get("gpu_names") or ["cpu"]
+    out = [head, f"device: {', '.join(gpus)}; {report['world_note']}",
+           "times: median over iterations of the slowest rank (us); GB/s at the median whole-call time; "
+           "x <baseline> = baseline time / this time (> 1 = faster)", "",
+           line(hdr), line(["-" * w for w in widths])]
+    prev = None
+    for r in rows:
+        if prev is not None and (r[0], r[3]) != prev:
+            out.append("")
+        prev = (r[0], r[3])
+        out.append(line(r))
+    if report["skipped"]:
+        out.append("")
+        for s in report["skipped"]:
+            out.append(f"skipped {s['impl']}: {s['reason']}")
+    ce = report.get("ceilings") or {}
+    for k in ("device_copy", "peer_copy", "host_copy"):
+        if ce.get(k):
+            out.append(f"ceiling {k}: {_f(ce[k]['gbps'], 1)} GB/s ({ce[k]['convention']})")
+    for chk in report.get("checks", []):
+        if chk.get("status") == "ok":
+            out.append(f"check vs reference ({chk['precision']}, T={chk['tokens']}): dispatch equal="
+                       f"{chk['dispatch_equal_all_ranks']}, combine max |diff|={chk['combine_max_abs_diff']}")
+        else:
+            out.append(f"check vs reference ({chk.get('precision')}, T={chk.get('tokens')}): {chk.get('status')} "
+                       f"{chk.get('reason') or ''}")
+    return "\n".join(out) + "\n"
+
+
+def file_stem(report: dict) -> str:
+    return f"ep_bench_{report['label']}"
+
+
+def write_outputs(report: dict, out_dir: str, *, plot: bool = True) -> dict:
+    """Write ``<stem>.json``, ``<stem>.txt`` and (if ``plot`` and matplotlib imports) PNGs; return the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, file_stem(report))
+    paths = {"json": stem + ".json", "table": stem + ".txt", "plots": []}
+    if plot:
+        from .plots import make_plots
+
+        pngs, msg = make_plots(report, stem)
+        paths["plots"] = pngs
+        if msg:
+            report.setdefault("plot_messages", []).append(msg)
+    report["files"] = {k: ([os.path.basename(p) for p in v] if isinstance(v, list) else os.path.basename(v))
+                       for k, v in paths.items()}
+    with open(paths["table"], "w") as f:
+        f.write(format_table(report))
+    with open(paths["json"], "w") as f:
+        json.dump(report, f, indent=1, default=str)
+        f.write("\n")
+    return paths
+
+
+__all__ = ["finalize_cases", "build_report", "format_table", "write_outputs", "file_stem", "SCHEMA", "BASELINES"]

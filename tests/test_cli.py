@@ -1,0 +1,375 @@
+"""The ``mxcomm`` command line: ``bench`` end to end on CPU (launcher, torchrun-style and mpirun worlds),
+``info``, argument errors, and the report arithmetic. GPU runs of the same CLI are marked ``nvshmem``.
+
+Every process is started with a timeout, so a hang fails the test instead of blocking CI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxcomm.bench.launcher import BenchError, child_env, launch, symmetric_bytes
+from mxcomm.bench.options import BenchOptions
+from mxcomm.bench.report import finalize_cases
+from mxcomm.bench.timing import percentile, summarize
+from mxcomm.bench.world import detect_launch
+from mxcomm.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--device", "cpu", "--hidden", "64", "--experts", "8", "--topk", "2", "--iters", "3", "--warmup", "1",
+        "--no-progress"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["OMP_NUM_THREADS"] = "1"
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(k, None)
+    return env
+
+
+def _run(args, timeout=120, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mxcomm", *args], cwd=REPO, env=env or _env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _load(out: Path, label: str) -> dict:
+    path = out / f"ep_bench_{label}.json"
+    assert path.exists(), f"no {path}; folder holds {sorted(p.name for p in out.glob('*'))}"
+    return json.loads(path.read_text())
+
+
+def _rel(a, b) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int, iters: int,
+                 precisions=("mxfp8", "bf16")) -> None:
+    """Everything a report must satisfy, whatever machine produced it."""
+    assert rep["schema"] == "mxcomm.bench/1"
+    assert rep["ep_size"] == ranks and rep["config"]["ranks"] == ranks
+    assert rep["ranks_per_gpu"] >= 1
+    assert rep["machine"]["hostname"] and rep["machine"]["cpu_count"] >= 1
+    assert rep["versions"]["torch"] == torch.__version__ and rep["versions"]["mxcomm"]
+    assert set(rep["byte_conventions"]) == {"dedup", "per_selection"}
+    assert rep["timing"]["whole_call_measured"] is True
+    names = {c["name"] for c in rep["cases"]}
+    for T in tokens:
+        for op in ("dispatch", "combine"):
+            for p in precisions:
+                assert f"mxcomm/{p}/{op}/T{T}" in names
+    by = {(c["impl"], c["precision"], c["op"], c["tokens"]): c for c in rep["cases"]}
+    for c in rep["cases"]:
+        assert c["status"] == "ok", (c["name"], c.get("reason"))
+        assert c["bytes_per_row"] == (hidden + hidden // 32 if c["precision"] == "mxfp8" else 2 * hidden)
+        # Traffic: every (token, expert) slot lands on exactly one rank; each token reaches 1..k ranks.
+        assert len(c["rows_sel"]) == ranks and sum(c["rows_sel"]) == ranks * c["tokens"] * topk
+        assert ranks * c["tokens"] <= sum(c["rows_dedup"]) <= sum(c["rows_sel"])
+        assert all(d <= s for d, s in zip(c["rows_dedup"], c["rows_sel"]))
+        b = c["bytes"]
+        assert b["dedup"] == pytest.approx(sum(c["rows_dedup"]) / ranks * c["bytes_per_row"])
+        assert b["per_selection"] == pytest.approx(sum(c["rows_sel"]) / ranks * c["bytes_per_row"])
+        for timing in ("whole_call", "kernel"):
+            st = c["stats_us"][timing]
+            if timing == "kernel" and not rep["timing"]["kernel_measured"]:
+                assert st is None and c["samples_us"]["kernel"] is None
+                continue
+            samples = c["samples_us"][timing]
+            assert len(samples) == iters and all(v > 0 for v in samples)
+            assert st["n"] == iters and 0 < st["min"] <= st["p10"] <= st["median"] <= st["p90"] <= st["max"]
+            for conv in ("dedup", "per_selection"):
+                g = c["gbps"][conv][timing]
+                assert g > 0 and _rel(g, b[conv] / (st["median"] * 1e-6) / 1e9) < 1e-9
+        for name, r in c["ratios"].items():
+            key = {"vs_reference": ("reference", "mxfp8"), "vs_a2a": ("a2a", "bf16"), "vs_vdev2d": ("vdev2d", "bf16"),
+                   "vs_mxcomm_bf16": ("mxcomm", "bf16")}[name]
+            base = by[(key[0], key[1], c["op"], c["tokens"])]
+            for timing, v in r.items():
+                if v is None:
+                    continue
+                want = base["stats_us"][timing]["median"] / c["stats_us"][timing]["median"]
+                assert _rel(v, want) < 1e-9
+    # Every mxcomm case is compared to the baselines measured in the same run.
+    for c in rep["cases"]:
+        if c["impl"] == "mxcomm" and c["precision"] == "mxfp8":
+            assert {"vs_reference", "vs_a2a"} <= set(c["ratios"])
+
+
+# --------------------------------------------------------------------------------- end to end ----
+
+def test_bench_cpu_launcher_end_to_end(tmp_path):
+    """Plain start on CPU: 4 gloo processes (the CPU default), a token sweep, table + JSON + plots."""
+    out = tmp_path / "res"
+    r = _run(["bench", *TINY, "--tokens", "16,32", "--out", str(out), "--label", "e2e"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = _load(out, "e2e")
+    check_report(rep, ranks=4, tokens=[16, 32], hidden=64, topk=2, iters=3)
+    assert rep["label"] == "e2e" and rep["world"]["launch"] == "launcher"
+    assert rep["world"]["side_channel"] == "gloo" and rep["ranks_per_gpu"] == 1
+    assert rep["config"]["backend"] == "torch" and rep["timing"]["kernel_measured"] is False
+    assert any(s["impl"] == "vdev2d" and s["reason"] for s in rep["skipped"])
+    assert rep["ceilings"]["host_copy"]["gbps"] > 0
+    impls = {(c["impl"], c["precision"]) for c in rep["cases"]}
+    assert impls == {("mxcomm", "mxfp8"), ("mxcomm", "bf16"), ("reference", "mxfp8"), ("a2a", "bf16")}
+    table = (out / "ep_bench_e2e.txt").read_text()
+    assert "dispatch" in table and "combine" in table and "GB/s dedup" in table
+    assert "GB/s dedup" in r.stdout and str(out / "ep_bench_e2e.json") in r.stdout
+    try:
+        import matplotlib  # noqa: F401
+        for png in rep["files"]["plots"]:
+            assert (out / png).stat().st_size > 0
+        assert len(rep["files"]["plots"]) == 2
+    except ImportError:
+        assert rep["files"]["plots"] == []
+
+
+def test_bench_joins_torchrun_style_world(tmp_path):
+    """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (as torchrun does): each process joins, rank 0 reports."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "tr"
+    procs = []
+    for rank in range(2):
+        env = _env()
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "mxcomm", "bench", *TINY, "--tokens", "24", "--precision", "mxfp8",
+             "--out", str(out), "--label", "joined", "--no-plot"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    rep = _load(out, "joined")
+    check_report(rep, ranks=2, tokens=[24], hidden=64, topk=2, iters=3, precisions=("mxfp8",))
+    assert rep["world"]["launch"] == "torchrun"
+    assert "GB/s dedup" in outs[0] and "GB/s dedup" not in outs[1]
+
+
+def _mpirun():
+    return shutil.which("mpirun") or (shutil.which("mpirun", path=os.path.dirname(sys.executable)))
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_mpirun() is None, reason="mpirun not found")
+def test_bench_joins_mpirun_world(tmp_path):
+    out = tmp_path / "mpi"
+    cmd = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
+           sys.executable, "-m", "mxcomm", "bench", *TINY, "--tokens", "8", "--precision", "bf16",
+           "--impls", "mxcomm,a2a", "--out", str(out), "--label", "mpi", "--no-plot"]
+    r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = _load(out, "mpi")
+    check_report(rep, ranks=2, tokens=[8], hidden=64, topk=2, iters=3, precisions=("bf16",))
+    assert rep["world"]["launch"] == "mpirun"
+    assert {c["impl"] for c in rep["cases"]} == {"mxcomm", "a2a"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="uses a CUDA-less machine to make the ranks fail")
+def test_launcher_reports_failed_ranks_in_bounded_time(tmp_path):
+    """Ranks that die make launch() raise BenchError naming the exit codes (no hang, no report)."""
+    opts = BenchOptions(tokens=[8], hidden=64, topk=2, experts=4, precisions=["bf16"], mode="throughput",
+                        backend="torch", device="cuda", ranks=2, ranks_per_gpu=1, side_channel="gloo", iters=1,
+                        warmup=0, out=str(tmp_path / "x"), label="fail", impls=["a2a"], timeout_s=60, progress=False)
+    with pytest.raises(BenchError, match="exit"):
+        launch(opts, command=["test"])
+    assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------------------- info ----
+
+def test_info_reports_environment_and_buffer_sizes():
+    from mxcomm.ep import EPConfig, buffer_sizes
+
+    r = _run(["info", "--world", "1,4", "--tokens", "128", "--json"], timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    assert d["versions"]["torch"] == torch.__version__
+    assert d["machine"]["gpu_count"] == len(d["machine"]["gpus"])
+    assert len(d["buffers"]) == 4  # 2 worlds x 2 precisions
+    for b in d["buffers"]:
+        assert b["total"] == sum(reg["bytes"] for reg in b["regions"]) == sum(b["by_purpose"].values())
+        cfg = EPConfig(num_experts=256, hidden=7168, topk=8, max_tokens_per_rank=128, precision=b["precision"])
+        assert b["total"] == buffer_sizes(cfg, b["world"]).total
+        assert b["launcher_env"]["NVSHMEM_SYMMETRIC_SIZE"] == b["nvshmem_symmetric_size"]
+    text = _run(["info", "--world", "2"], timeout=60)
+    assert text.returncode == 0 and "ep.recv_q" in text.stdout and "NVSHMEM_SYMMETRIC_SIZE=" in text.stdout
+
+
+# --------------------------------------------------------------------------------- bad options ----
+
+@pytest.mark.parametrize("args, message", [
+    (["--experts", "10", "--ranks", "4"], "--experts 10 must be divisible by the number of ranks (4)"),
+    (["--hidden", "100"], "--hidden 100 must be a positive multiple of 32"),
+    (["--precision", "mxfp8,fp4"], "--precision 'fp4' is unknown"),
+    (["--topk", "20", "--experts", "16"], "--topk 20 must not exceed --experts 16"),
+    (["--tokens", "0"], "--tokens must be positive"),
+    (["--tokens", "12,abc"], "argument --tokens: 'abc' is not an integer"),
+    (["--backend", "nvshmem"], "--backend nvshmem needs a CUDA GPU"),
+    (["--ranks-per-gpu", "2"], "--ranks-per-gpu needs a GPU"),
+    (["--impls", "mxcomm,nccl"], "--impls 'nccl' is unknown"),
+    (["--iters", "0"], "--iters must be >= 1"),
+    (["--num-sms", "0"], "--num-sms must be a positive integer"),
+    (["--side-channel", "nccl"], "--side-channel nccl needs a GPU"),
+    (["--label", "a/b"], "argument --label"),
+    (["--mode", "fast"], "argument --mode: invalid choice"),
+])
+def test_bench_bad_arguments(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--device", "cpu", "--out", "/nonexistent/never-written", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage: mxcomm bench" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hidden", "100"], "--hidden 100 must be a multiple of 32"),
+    (["--experts", "256", "--world", "3"], "--experts 256 must be divisible by the EP size --world 3"),
+    (["--precision", "fp8"], "--precision 'fp8' is unknown"),
+])
+def test_info_bad_arguments(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        main(["info", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_nonzero_as_a_command():
+    r = _run(["bench", "--device", "cpu", "--experts", "10", "--topk", "2", "--ranks", "4"], timeout=60)
+    assert r.returncode == 2
+    assert "--experts 10 must be divisible by the number of ranks (4)" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------- options, env, launch ----
+
+def _args(*extra):
+    from mxcomm.cli import build_parser
+
+    p, _ = build_parser()
+    return p.parse_args(["bench", "--device", "cpu", *extra])
+
+
+def test_cpu_defaults_and_modes():
+    from mxcomm.bench.options import options_from_args
+
+    o = options_from_args(_args())
+    assert (o.tokens, o.hidden, o.topk, o.experts, o.ranks, o.backend) == ([64], 512, 8, 16, 4, "torch")
+    assert o.side_channel == "gloo" and o.precisions == ["mxfp8", "bf16"] and o.label == "cpu-ep4"
+    assert o.out.startswith(os.path.join("bench", "results", "cpu-ep4-"))
+    lat = options_from_args(_args("--mode", "latency"))
+    assert lat.tokens == [16] and lat.iters > o.iters
+    q = options_from_args(_args("--quick"))
+    assert q.iters < o.iters and q.warmup <= o.warmup
+    j = options_from_args(_args(), world_size=2, local_world_size=2)
+    assert j.ranks == 2
+    from mxcomm.bench.options import OptionError
+
+    with pytest.raises(OptionError, match="--ranks 3 disagrees with the launcher's world size 2"):
+        options_from_args(_args("--ranks", "3"), world_size=2)
+
+
+def test_child_env_sets_rank_and_nvshmem_vars_without_touching_os_environ(monkeypatch):
+    from mxcomm.ep import buffer_sizes
+    from mxcomm.transport import symmetric_size_for
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    before = dict(os.environ)
+    base = dict(tokens=[128, 256], hidden=1024, topk=4, experts=16, precisions=["mxfp8", "bf16"], mode="throughput",
+                ranks=2, ranks_per_gpu=1, side_channel="gloo", iters=1, warmup=0, out="x", label="x")
+    cpu = BenchOptions(backend="torch", device="cpu", **base)
+    e = child_env(cpu, "main", 1, 12345)
+    assert (e["RANK"], e["WORLD_SIZE"], e["MASTER_PORT"], e["MXCOMM_BENCH_LAUNCHED"]) == ("1", "2", "12345", "1")
+    assert "NVSHMEM_SYMMETRIC_SIZE" not in e or e["NVSHMEM_SYMMETRIC_SIZE"] == before.get("NVSHMEM_SYMMETRIC_SIZE")
+    gpu = BenchOptions(backend="nvshmem", device="cuda", **base)
+    want = sum(buffer_sizes(gpu.ep_config(p), 2).total for p in ("mxfp8", "bf16"))
+    assert symmetric_bytes(gpu, "main") == want
+    e = child_env(gpu, "main", 0, 1)
+    assert e["NVSHMEM_SYMMETRIC_SIZE"] == symmetric_size_for(want)
+    assert e["NVSHMEM_DISABLE_NVLS"] == "1" and e["NCCL_NVLS_ENABLE"] == "0"
+    assert "TRITON_INTERPRET" not in e  # GPU ranks compile real kernels
+    assert symmetric_bytes(gpu, "symm") > 0
+    assert dict(os.environ) == before
+
+
+def test_detect_launch():
+    assert detect_launch({}) is None
+    t = detect_launch({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert (t.kind, t.rank, t.world, t.local_rank, t.local_world) == ("torchrun", 1, 4, 1, 2)
+    m = detect_launch({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3"})
+    assert (m.kind, m.rank, m.world, m.local_rank) == ("mpirun", 3, 4, 3)
+    la = detect_launch({"RANK": "0", "WORLD_SIZE": "1", "MXCOMM_BENCH_LAUNCHED": "1"})
+    assert la.kind == "launcher"
+
+
+# ------------------------------------------------------------------------------- report maths ----
+
+def test_statistics_match_numpy():
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 7, 50):
+        v = (torch.rand(n, generator=g) * 100 + 1).tolist()
+        for q in (10, 50, 90):
+            assert percentile(v, q) == pytest.approx(float(np.percentile(v, q)))
+        s = summarize(v)
+        assert s["median"] == pytest.approx(float(np.median(v))) and s["n"] == n
+
+
+def test_finalize_cases_bandwidth_and_ratios():
+    g = torch.Generator().manual_seed(5)
+
+    def raw(impl, prec, op, bpr, scale):
+        w = (torch.rand(9, generator=g) * scale + scale).tolist()
+        return dict(impl=impl, precision=prec, op=op, tokens=64, status="ok", bytes_per_row=bpr,
+                    rows_dedup=[100, 120], rows_sel=[300, 340], samples_us=dict(whole_call=w, kernel=None))
+
+    cases = finalize_cases([raw("mxcomm", "mxfp8", "dispatch", 66, 10.0), raw("a2a", "bf16", "dispatch", 128, 30.0),
+                            raw("reference", "mxfp8", "dispatch", 66, 50.0),
+                            dict(raw("mxcomm", "bf16", "dispatch", 128, 1.0), status="failed", reason="boom")])
+    mx = cases[0]
+    med = mx["stats_us"]["whole_call"]["median"]
+    assert mx["bytes"]["dedup"] == 110 * 66 and mx["bytes"]["per_selection"] == 320 * 66
+    assert mx["gbps"]["dedup"]["whole_call"] == pytest.approx(110 * 66 / (med * 1e-6) / 1e9)
+    assert mx["ratios"]["vs_a2a"]["whole_call"] == pytest.approx(cases[1]["stats_us"]["whole_call"]["median"] / med)
+    assert mx["ratios"]["vs_reference"]["whole_call"] > 1  # the reference samples are ~5x slower
+    assert "vs_mxcomm_bf16" not in mx["ratios"]  # a failed case is no baseline
+    assert cases[3]["gbps"] is None and cases[3]["ratios"] == {}
+
+
+# ------------------------------------------------------------------------------------ GPU runs ----
+
+@pytest.mark.nvshmem
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_bench_gpu_small(tmp_path, ranks):
+    """The CLI on a GPU (nvshmem backend), small sizes: 1 rank, and 2 ranks (on one GPU if there is one)."""
+    out = tmp_path / "gpu"
+    r = _run(["bench", "--ranks", str(ranks), "--tokens", "128,256", "--hidden", "1024", "--experts", "16",
+              "--topk", "4", "--iters", "5", "--warmup", "2", "--out", str(out), "--label", f"gpu{ranks}",
+              "--no-progress", "--timeout", "400"], timeout=500)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rep = _load(out, f"gpu{ranks}")
+    ok = [c for c in rep["cases"] if c["impl"] != "vdev2d" or c["status"] == "ok"]
+    rep_ok = dict(rep, cases=ok)
+    check_report(rep_ok, ranks=ranks, tokens=[128, 256], hidden=1024, topk=4, iters=5)
+    assert rep["timing"]["kernel_measured"] is True and rep["config"]["backend"] == "nvshmem"
+    assert rep["ceilings"]["device_copy"]["gbps"] > 0
+    assert rep["checks"] and all(c["status"] == "ok" and c["dispatch_equal_all_ranks"] for c in rep["checks"])
+    vd = [c for c in rep["cases"] if c["impl"] == "vdev2d"]
+    assert vd or any(s["impl"] == "vdev2d" and s["reason"] for s in rep["skipped"])
+    if rep["ranks_per_gpu"] > 1:
+        assert rep["measures_nvlink"] is False and "share" in rep["world_note"]
