@@ -38,6 +38,8 @@ def _parse():
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--backend", choices=("torch", "nvshmem"), default="torch")
     ap.add_argument("--n-random", type=int, default=2, help="random cases added for the nvshmem backend")
+    ap.add_argument("--backward", action="store_true",
+                    help="also the backward ops and the exact MoE training cases of tests/ep/autograd_cases.py")
     ap.add_argument("--nvshmem-route", choices=("mpi", "group"), default="mpi",
                     help="nvshmem backend: NVSHMEM by unique id over MPI, or started by EPGroup over the torch group")
     return ap.parse_args()
@@ -109,6 +111,25 @@ def _cases(args, world: int):
     return cases
 
 
+def _run_backward(args, rank: int, world: int, res: dict) -> None:
+    """Backward ops vs the oracle and the exact MoE training steps (tests/ep/autograd_cases.py)."""
+    try:
+        import autograd_cases as ac
+    except ImportError as exc:
+        res["backward"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+        return
+    ops = ac.backward_op_cases(world, seed=args.seed)
+    moe = [c for c in ac.moe_cases(world, seed=args.seed) if c.exact]
+    if args.backend == "nvshmem":
+        ops = [replace(c, device="cuda:0", backend="nvshmem") for c in ops]
+        moe = [replace(c, device="cuda:0", backend="nvshmem") for c in moe]
+    a = ac.backward_ops_worker(rank, world, ops)
+    b = ac.moe_worker(rank, world, moe)
+    res["failures"] += a["failures"] + b["failures"]
+    res["backward"] = {"available": True, "op_cases": a["cases"], "checks": a["checks"], "exact": a["exact"],
+                       "moe_cases": sorted(b["cases"])}
+
+
 def _run(args, rank: int, world: int, res: dict) -> None:
     import torch
 
@@ -138,6 +159,8 @@ def _run(args, rank: int, world: int, res: dict) -> None:
         except Exception as e:  # noqa: BLE001 - keep ranks in lockstep; report
             fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}")
     res.update(failures=fails, cases=len(cases), combine_checks=len(exact), combine_exact=sum(exact))
+    if args.backward:
+        _run_backward(args, rank, world, res)
     if args.backend == "nvshmem":
         from mxcomm import transport as tp
 

@@ -18,13 +18,16 @@ if str(mpi_launch.TESTS / "ep") not in sys.path:
     sys.path.insert(0, str(mpi_launch.TESTS / "ep"))  # ep_cases (shared with tests/ep)
 
 WORKER = Path(__file__).with_name("ep_mpi_worker.py")
+# Backward / autograd cases live in tests/ep/autograd_cases.py; run them when that file is there.
+HAVE_BACKWARD = (mpi_launch.TESTS / "ep" / "autograd_cases.py").is_file()
+BACKWARD = ["--backward"] if HAVE_BACKWARD else []
 HAVE_MPI, NO_MPI_REASON = mpi_launch.have_mpi()
 needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason=NO_MPI_REASON)
 TIMEOUT_S = 150
 
 
-def _clean(run: mpi_launch.Launch, world: int, n_cases: int | None = None) -> dict:
-    """Check a finished launch; return rank -> digests."""
+def _clean(run: mpi_launch.Launch, world: int, n_cases: int | None = None, backward: bool = False) -> dict:
+    """Check a finished launch (``backward``: the backward cases ran too); return rank -> digests."""
     run.check()
     info = f"\n{run.logs()}"
     fails = [f for r in run.results.values() for f in r["failures"]]
@@ -34,6 +37,10 @@ def _clean(run: mpi_launch.Launch, world: int, n_cases: int | None = None) -> di
         assert res["cases"] > 0 and res["combine_checks"] > 0, info
         if n_cases is not None:
             assert res["cases"] == n_cases and len(res["digests"]) == n_cases, info
+        if backward:
+            bw = res.get("backward") or {}
+            assert bw.get("available"), f"rank {r}: backward cases did not run: {bw}{info}"
+            assert bw["op_cases"] > 0 and bw["checks"] > 0 and bw["moe_cases"], bw
     return {r: res["digests"] for r, res in run.results.items()}
 
 
@@ -43,8 +50,8 @@ def mpirun_two(tmp_path_factory):
     if not HAVE_MPI:
         pytest.skip(NO_MPI_REASON)
     out = tmp_path_factory.mktemp("mpirun2")
-    return mpi_launch.mpirun(2, WORKER, ["--bootstrap", "mpi", "--suite", "standard"], env=mpi_launch.child_env(),
-                             outdir=out, timeout_s=TIMEOUT_S)
+    return mpi_launch.mpirun(2, WORKER, ["--bootstrap", "mpi", "--suite", "standard", *BACKWARD],
+                             env=mpi_launch.child_env(), outdir=out, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.mpi
@@ -52,7 +59,7 @@ def mpirun_two(tmp_path_factory):
 def test_mpirun_two_ranks_matches_oracle(mpirun_two):
     import ep_cases
 
-    _clean(mpirun_two, 2, n_cases=len(ep_cases.standard_cases(2)))
+    _clean(mpirun_two, 2, n_cases=len(ep_cases.standard_cases(2)), backward=HAVE_BACKWARD)
 
 
 @pytest.mark.mpi
@@ -60,9 +67,9 @@ def test_mpirun_two_ranks_matches_oracle(mpirun_two):
 def test_mpirun_four_ranks_matches_oracle(tmp_path):
     import ep_cases
 
-    run = mpi_launch.mpirun(4, WORKER, ["--bootstrap", "mpi", "--suite", "standard", "--seed", "4"],
+    run = mpi_launch.mpirun(4, WORKER, ["--bootstrap", "mpi", "--suite", "standard", "--seed", "4", *BACKWARD],
                             env=mpi_launch.child_env(), outdir=tmp_path / "out", timeout_s=TIMEOUT_S)
-    _clean(run, 4, n_cases=len(ep_cases.standard_cases(4)))
+    _clean(run, 4, n_cases=len(ep_cases.standard_cases(4)), backward=HAVE_BACKWARD)
 
 
 @pytest.mark.mpi
@@ -101,7 +108,8 @@ def test_mpirun_nvshmem_two_ranks_one_gpu(nvshmem_route, tmp_path):
 
     env = mpi_launch.child_env(launcher_env(2 << 30))
     env.pop("TRITON_INTERPRET", None)
-    args = ["--bootstrap", "mpi", "--backend", "nvshmem", "--nvshmem-route", nvshmem_route, "--suite", "quick"]
+    args = ["--bootstrap", "mpi", "--backend", "nvshmem", "--nvshmem-route", nvshmem_route, "--suite", "quick",
+            *BACKWARD]
     run = mpi_launch.mpirun(2, WORKER, args, env=env, outdir=tmp_path / "out", timeout_s=500,
                             forward=tuple(launcher_env(2 << 30)))
-    _clean(run, 2)
+    _clean(run, 2, backward=HAVE_BACKWARD)
