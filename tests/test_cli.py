@@ -373,3 +373,16 @@ def test_bench_gpu_small(tmp_path, ranks):
     assert vd or any(s["impl"] == "vdev2d" and s["reason"] for s in rep["skipped"])
     if rep["ranks_per_gpu"] > 1:
         assert rep["measures_nvlink"] is False and "share" in rep["world_note"]
+
+
+def test_mpirun_rendezvous_choices(monkeypatch):
+    """TCP at MASTER_ADDR:MASTER_PORT when set; without them and without mpi4py, a file store named after the job."""
+    from mxcomm.bench.world import LaunchInfo, _mpi_init_method
+
+    info = LaunchInfo("mpirun", 0, 2, 0, 2)
+    assert _mpi_init_method(info, {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}) == "tcp://10.0.0.1:29500"
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py -> ImportError
+    m = _mpi_init_method(info, {"PMIX_NAMESPACE": "prterun-vm-123@1"})
+    assert m.startswith("file://") and m.endswith("mxcomm_bench_store_prterun_vm_123_1")
+    with pytest.raises(RuntimeError, match="cannot rendezvous"):
+        _mpi_init_method(info, {})

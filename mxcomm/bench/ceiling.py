@@ -92,6 +92,8 @@ def measure_ceilings(world) -> dict:
                 out["host_copy"] = host_copy()
         except Exception as e:  # noqa: BLE001 - a ceiling must not stop the benchmark
             out["error"] = f"{type(e).__name__}: {e}"
+    if world.device.type == "cuda":
+        torch.cuda.empty_cache()  # give the ceiling buffers back before the benchmark allocates
     got = world.all_gather_object(out)
     return got[0]
 

@@ -134,10 +134,7 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
         "ranks_per_gpu": rpg,
         "world": world,
         "measures_nvlink": bool(on_gpu and options["ranks"] > 1 and rpg == 1),
-        "world_note": (f"{rpg} ranks share each GPU: this run checks the multi-rank protocol and measures no "
-                       "NVLink bandwidth" if rpg > 1 else
-                       ("one rank: loopback through the GPU's own memory, no NVLink" if options["ranks"] == 1
-                        else "one rank per device")),
+        "world_note": _world_note(options, rpg),
         "sm_count": {"device": sm_dev, "mxcomm_num_sms": options.get("num_sms") or sm_dev,
                      "baselines": "library defaults (NCCL / torch choose their own SM count)"},
         "precisions": options["precisions"],
@@ -156,10 +153,23 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
         },
         "ceilings": ceilings,
         "checks": checks,
+        "checks_note": ("one untimed dispatch + combine of mxcomm compared with the reference backend per token count "
+                        "and precision (not done with --backend torch: the same code)"),
         "skipped": skipped,
         "phases": phase_summary,
         "cases": cases,
     }
+
+
+def _world_note(options: dict, rpg: int) -> str:
+    if options["device"] != "cuda":
+        return (f"CPU run: {options['ranks']} processes over gloo; checks the harness and the reference path, "
+                "measures no GPU")
+    if rpg > 1:
+        return f"{rpg} ranks share each GPU: this run checks the multi-rank protocol and measures no NVLink bandwidth"
+    if options["ranks"] == 1:
+        return "one rank: loopback through the GPU's own memory, no NVLink"
+    return "one rank per GPU"
 
 
 # ------------------------------------------------------------------------------------------- table ----
