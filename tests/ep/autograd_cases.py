@@ -1,0 +1,574 @@
+"""Cases and rank workers for the EP backward / autograd tests (imported by spawned ranks).
+
+Two kinds of checks, both in one spawn per world size (process start-up is the slow part):
+
+* backward ops (:func:`backward_ops_worker`): ``EPGroup.combine_for_backward`` /
+  ``combine_backward`` / ``dispatch_backward`` of the backend against the single-process oracle
+  (:mod:`mxcomm.ep.backward_ref`): expert-side gradients bit-exact (payload, grouped scales, BF16
+  bytes), ``grad_x`` within fp32-reduction tolerance (and counted when exact), ``grad_w`` against a
+  float64 dot.
+* MoE training (:func:`moe_worker`): a MoE block written with ``mxcomm.ep.autograd.dispatch`` /
+  ``combine`` and plain torch experts, ``loss.backward()``, against a single-process float64 MoE
+  (plain loops over experts, no quantization). Returns signal/noise energies per quantity so the
+  test computes the SQNR over the whole world; "exact" cases use small-integer data for which every
+  transport and reduction is exact, and must match the float64 reference bit for bit.
+
+Workers collect failures instead of raising, so all ranks stay in lockstep.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ep_cases import Case, _cmp_bytes, check_combine, check_dispatch, make_expert_outs, make_inputs
+from mxcomm.ep import EPConfig, EPGroup
+from mxcomm.ep.autograd import combine, dispatch
+from mxcomm.ep.backward_ref import CombineSaved, oracle_combine_backward, oracle_dispatch_backward
+from mxcomm.ep.handle import DispatchResult
+from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
+from mxcomm.mx import MXTensor, ScaleLayout, quantize
+from mxcomm.mx.subclass import MXFP8Tensor
+
+try:  # present in the spawned ranks (tests/ is on sys.path)
+    from _dist import progress
+except ImportError:  # pragma: no cover
+    def progress(msg):
+        pass
+
+
+# ======================================================================= backward ops ====
+
+def make_grads(case: Case, tokens, seed_offset: int = 0):
+    """Per rank: grad_y bf16 [T, H] with mixed magnitudes."""
+    g = torch.Generator().manual_seed(case.seed * 31 + 7 + seed_offset)
+    out = []
+    for T in tokens:
+        mag = torch.exp2(torch.randint(-6, 6, (T, 1), generator=g).float())
+        out.append((torch.randn(T, case.hidden, generator=g) * mag).to(torch.bfloat16))
+    return out
+
+
+def make_grad_recvs(case: Case, expected, as_mx: bool):
+    """Per rank: gradient of the dispatch output, [R, H]; padding rows NaN (must be ignored).
+    ``as_mx``: quantized row-wise with GROUPED_M scales on the dispatch offs."""
+    outs = make_expert_outs(replace(case, seed=case.seed + 5003), expected)
+    if not as_mx:
+        return outs
+    return [quantize(o, mode=case.scale_mode, layout="grouped_m", group_offs=e.offs) for o, e in zip(outs, expected)]
+
+
+def _check_grad_w(tag, got, exp, fails):
+    got = got.cpu()
+    if got.dtype != torch.float32 or got.shape != exp.shape:
+        fails.append(f"{tag}: grad_w {got.dtype} {tuple(got.shape)} != float32 {tuple(exp.shape)}")
+        return
+    if not torch.equal(torch.isnan(got), torch.isnan(exp)):
+        fails.append(f"{tag}: grad_w NaN positions differ")
+        return
+    fin = ~torch.isnan(exp)
+    err = (got[fin].double() - exp[fin].double()).abs()
+    tol = 1e-5 * exp[fin].double().abs() + 1e-6 * float(exp[fin].double().abs().max()) if fin.any() else None
+    if tol is not None and bool((err > tol).any()):
+        fails.append(f"{tag}: grad_w differs, max abs err {float(err.max()):.3e}")
+
+
+def run_backward_case(group: EPGroup, case: Case, rank: int, fails: list, exact: list) -> None:
+    config = group.config
+    dev = torch.device(case.device)
+    xs, idxs, ws = make_inputs(case)
+    expected, routes = oracle_dispatch(config, xs, idxs)
+    res, handle = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    tag = f"{case.name}[rank {rank}]"
+    outs = make_expert_outs(case, expected)
+    grad_ys = make_grads(case, case.tokens)
+    for qmode in case.combine_modes:
+        q = (config.precision == "mxfp8") if qmode is None else qmode
+        qtag = f"{tag} quantize={qmode}"
+        # forward combine that keeps the returned rows
+        y, saved = group.combine_for_backward(outs[rank].to(dev), handle, quantize=qmode)
+        y_exp = oracle_combine(config, outs, routes, ws, quantize_rows=q)[rank]
+        check_combine(f"{qtag} combine_for_backward", y, y_exp, fails, exact)
+        if not isinstance(saved, CombineSaved) or isinstance(saved.rows, MXTensor) != q:
+            fails.append(f"{qtag}: saved rows {type(saved).__name__} {type(getattr(saved, 'rows', None)).__name__}")
+            continue
+        # combine backward (with and without the route-weight gradient)
+        gr = group.combine_backward(grad_ys[rank].to(dev), handle, saved, quantize=qmode)
+        exp_g = oracle_combine_backward(config, grad_ys, routes, ws, outs, expected, quantize_rows=q)[rank]
+        cfg_q = replace(config, precision="mxfp8" if q else "bf16")
+        check_dispatch(
+            f"{qtag} grad_expert_out", DispatchResult(gr.grad_expert_out, res.offs, res.counts, res.num_rows),
+            DispatchResult(exp_g.grad_expert_out, expected[rank].offs, expected[rank].counts, expected[rank].num_rows),
+            cfg_q, fails,
+        )
+        _check_grad_w(qtag, gr.grad_weights, exp_g.grad_weights, fails)
+        dropped = idxs[rank] < 0
+        if dropped.any() and bool((gr.grad_weights.cpu()[dropped] != 0).any()):
+            fails.append(f"{qtag}: dropped slots got a nonzero route-weight gradient")
+        gr2 = group.combine_backward(grad_ys[rank].to(dev), handle, None, quantize=qmode)
+        if gr2.grad_weights is not None:
+            fails.append(f"{qtag}: grad_weights without saved rows should be None")
+        # dispatch backward: dense gradient (quantized or not) and an MX gradient sent as it is
+        for as_mx in (False, True):
+            grecv = make_grad_recvs(case, expected, as_mx)
+            gx = group.dispatch_backward(grecv[rank].to(dev) if not as_mx else _mx_to(grecv[rank], dev), handle,
+                                         quantize=qmode)
+            gx_exp = oracle_dispatch_backward(config, grecv, routes, quantize_rows=q)[rank]
+            check_combine(f"{qtag} dispatch_backward(mx={as_mx})", gx, gx_exp, fails, exact)
+            if as_mx:  # the same value wrapped as MXFP8Tensor must give the same bytes
+                gx2 = group.dispatch_backward(MXFP8Tensor(_mx_to(grecv[rank], dev)), handle, quantize=qmode)
+                _cmp_bytes(f"{qtag} dispatch_backward(MXFP8Tensor)", gx2, gx, fails)
+
+
+def _mx_to(mx: MXTensor, dev) -> MXTensor:
+    return MXTensor(
+        qdata=mx.qdata.to(dev), scales=mx.scales.to(dev), axis=mx.axis, layout=mx.layout, mode=mx.mode,
+        orig_dtype=mx.orig_dtype, group_offs=None if mx.group_offs is None else mx.group_offs.to(dev),
+    )
+
+
+def _expect(fails, what, exc, needle, fn):
+    try:
+        fn()
+    except exc as e:
+        if needle.lower() not in str(e).lower():
+            fails.append(f"{what}: {exc.__name__} message {str(e)!r} lacks {needle!r}")
+        return
+    except Exception as e:  # noqa: BLE001
+        fails.append(f"{what}: raised {type(e).__name__}: {e} (expected {exc.__name__})")
+        return
+    fails.append(f"{what}: did not raise {exc.__name__}")
+
+
+def bad_backward_inputs(rank: int, world: int, fails: list) -> None:
+    """Every rank makes the same bad backward calls (each must raise before communicating), then a
+    good call must still work (no rank stuck half-way through a collective)."""
+    case = Case("bad_backward", tuple(6 for _ in range(world)), 2 * world, 64, 2, seed=77)
+    cfg = case.config()
+    grp = EPGroup(cfg)
+    xs, idxs, ws = make_inputs(case)
+    res, h = grp.dispatch(xs[rank], idxs[rank], ws[rank])
+    T, H, R = 6, 64, res.num_rows
+    gy = torch.randn(T, H).to(torch.bfloat16)
+    _expect(fails, "grad_y shape", ValueError, "shape", lambda: grp.combine_backward(gy[:-1], h))
+    _expect(fails, "grad_y dtype", TypeError, "bfloat16", lambda: grp.combine_backward(gy.float(), h))
+    _expect(fails, "grad_y type", TypeError, "tensor", lambda: grp.combine_backward(gy.tolist(), h))
+    _expect(fails, "handle type", TypeError, "EPHandle", lambda: grp.combine_backward(gy, (1,)))
+    _expect(fails, "saved type", TypeError, "CombineSaved", lambda: grp.combine_backward(gy, h, gy))
+    _expect(fails, "saved rows", ValueError, "saved.rows", lambda: grp.combine_backward(
+        gy, h, CombineSaved(rows=torch.zeros(3, 32, dtype=torch.bfloat16))))
+    _expect(fails, "grad_recv rows", ValueError, "shape", lambda: grp.dispatch_backward(
+        torch.zeros(R + 1, H, dtype=torch.bfloat16), h))
+    _expect(fails, "grad_recv device", ValueError, "dispatch ran on", lambda: grp.dispatch_backward(
+        torch.zeros(R, H, dtype=torch.bfloat16, device="meta"), h))
+    colwise = quantize(torch.randn(R, H), axis=0)
+    _expect(fails, "grad_recv column-wise MX", ValueError, "axis 1", lambda: grp.dispatch_backward(colwise, h))
+    other = EPGroup(replace(cfg, precision="bf16"))
+    _expect(fails, "foreign handle", ValueError, "different config", lambda: other.dispatch_backward(
+        torch.zeros(R, H, dtype=torch.bfloat16), h))
+    x = xs[rank].clone().requires_grad_()
+    d = dispatch(grp, x, idxs[rank], ws[rank])
+    o = d.dense(torch.bfloat16)
+    _expect(fails, "autograd grad_format", ValueError, "grad_format", lambda: combine(grp, o, d.handle, grad_format="x"))
+    _expect(fails, "autograd weights shape", ValueError, "topk_weights", lambda: combine(
+        grp, o, d.handle, topk_weights=ws[rank][:, :1]))
+    _expect(fails, "autograd MX expert_out", TypeError, "dense", lambda: combine(grp, d.x, d.handle))  # mxfp8 case
+    _expect(fails, "autograd group", TypeError, "EPGroup", lambda: dispatch(None, x, idxs[rank], ws[rank]))
+    # a good collective after all that
+    y = combine(grp, o, d.handle)
+    y.float().sum().backward()
+    if x.grad is None or x.grad.shape != x.shape:
+        fails.append("bad inputs: good autograd step after bad calls did not produce grad_x")
+
+
+def backward_op_cases(world: int, seed: int = 0) -> list:
+    """Backward-op cases for a world of ``world`` ranks (a subset of the forward matrix's shapes)."""
+    W = world
+
+    def T(*per):
+        return tuple(per[i % len(per)] for i in range(W))
+
+    s = 50000 + seed * 1000
+    E = 4 * W
+    return [
+        Case("bw_random_mx", T(24, 17), E, 64, 2, seed=s + 1),
+        Case("bw_random_bf16_a128", T(13, 30), E, 64, 2, align=128, precision="bf16", seed=s + 2),
+        Case("bw_floor_a128_k3", T(20, 9), E, 96, 3, align=128, scale_mode="floor", seed=s + 3,
+             combine_modes=(None,)),
+        Case("bw_dropped_int32", T(24, 5), E, 64, 4, drop_p=0.4, idx_dtype=torch.int32, seed=s + 4),
+        Case("bw_zero_tokens", T(0, 19), E, 64, 2, seed=s + 5, combine_modes=(None,)),
+        Case("bw_empty_experts", T(18, 7), E, 64, 2, routing="subset", used_experts=2, seed=s + 6,
+             combine_modes=(None,)),
+        Case("bw_all_dropped", T(6, 3), E, 64, 2, drop_p=1.0, seed=s + 7, combine_modes=(None,)),
+        Case("bw_not_exact_sizes", T(12, 4), E, 64, 2, exact_sizes=False, max_tokens=20, seed=s + 8,
+             combine_modes=(None,)),
+        Case("bw_nan_rows", T(16, 12), E, 128, 2, out_nan_rows=3, seed=s + 9, combine_modes=(None,)),
+        Case("bw_bf16_weights", T(9, 14), E, 64, 2, w_dtype=torch.bfloat16, seed=s + 10, combine_modes=(None,)),
+        Case("bw_topk_eq_E", T(5, 7), E, 32, E, seed=s + 11, combine_modes=(None,)),
+    ]
+
+
+def backward_ops_worker(rank: int, world: int, cases: list, with_errors: bool = False) -> dict:
+    fails, exact = [], []
+    groups = {}
+    for case in cases:
+        assert len(case.tokens) == world, case.name
+        progress(case.name)
+        cfg = case.config()
+        try:
+            if cfg not in groups:
+                groups[cfg] = EPGroup(cfg)
+            run_backward_case(groups[cfg], case, rank, fails, exact)
+        except Exception as e:  # noqa: BLE001 - keep ranks in lockstep; report
+            import traceback
+
+            fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    if with_errors:
+        progress("bad backward inputs")
+        bad_backward_inputs(rank, world, fails)
+    return {"failures": fails, "cases": len(cases), "exact": sum(exact), "checks": len(exact)}
+
+
+# ========================================================================= MoE training ====
+
+@dataclass(frozen=True)
+class MoECase:
+    """One MoE training step for a world of ``len(tokens)`` ranks.
+
+    expert: ``"swiglu"`` (W1, W3 [H, F], W2 [F, H]) or ``"linear"`` (A [H, H]).
+    router: weights come from ``softmax(x @ Wr)`` gathered at ``topk_idx`` (gradient to x through the
+        router too, and to Wr); else ``topk_weights`` is a leaf.
+    exact: small-integer data for which every transport and sum is exact: compared bit for bit.
+    """
+
+    name: str
+    tokens: tuple
+    experts_per_rank: int
+    hidden: int
+    ffn: int
+    topk: int
+    precision: str = "mxfp8"
+    scale_mode: str = "rceil"
+    align: int = 32
+    exact_sizes: bool = True
+    drop_p: float = 0.0
+    used_experts: int = 0       # > 0: only experts [0, used) get tokens (others empty)
+    expert: str = "swiglu"
+    router: bool = False
+    exact: bool = False
+    grad_format: str = "dense"
+    seed: int = 0
+    device: str = "cpu"
+    backend: str = "torch"
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts_per_rank * len(self.tokens)
+
+    def config(self) -> EPConfig:
+        return EPConfig(
+            num_experts=self.num_experts, hidden=self.hidden, topk=self.topk,
+            max_tokens_per_rank=max(max(self.tokens), 1), align=self.align, precision=self.precision,
+            scale_mode=self.scale_mode, exact_sizes=self.exact_sizes, backend=self.backend, timeout_s=60.0,
+        )
+
+
+def _signed_perm(n: int, g: torch.Generator) -> torch.Tensor:
+    p = torch.zeros(n, n)
+    p[torch.arange(n), torch.randperm(n, generator=g)] = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+    return p
+
+
+def moe_inputs(case: MoECase) -> dict:
+    """Global inputs (CPU, float64 where they are parameters): xs (bf16 values), idxs, ws, Gs
+    (upstream gradients, bf16 values), expert params, router Wr."""
+    g = torch.Generator().manual_seed(case.seed)
+    E, H, Fd, k = case.num_experts, case.hidden, case.ffn, case.topk
+    used = case.used_experts or E
+    xs, idxs, ws, Gs = [], [], [], []
+    for T in case.tokens:
+        if case.exact:
+            x = torch.randint(-1, 2, (T, H), generator=g).float()
+        else:
+            x = torch.randn(T, H, generator=g)
+        xs.append(x.to(torch.bfloat16))
+        idx = torch.argsort(torch.rand(T, used, generator=g), dim=1)[:, :k]
+        if case.drop_p > 0:
+            idx = torch.where(torch.rand(T, k, generator=g) < case.drop_p, torch.full_like(idx, -1), idx)
+        idxs.append(idx)
+        if case.exact:
+            w = torch.tensor([0.5, 1.0, 2.0])[torch.randint(0, 3, (T, k), generator=g)]
+            G = torch.randint(-1, 2, (T, H), generator=g).float()
+        else:
+            w = torch.rand(T, k, generator=g) * 0.9 + 0.1
+            G = torch.randn(T, H, generator=g)
+        ws.append(w)
+        Gs.append(G.to(torch.bfloat16))
+    if case.expert == "linear":
+        if case.exact:
+            params = [torch.stack([_signed_perm(H, g) + _signed_perm(H, g) for _ in range(E)])]
+        else:
+            params = [torch.randn(E, H, H, generator=g) / H ** 0.5]
+    else:
+        params = [
+            torch.randn(E, H, Fd, generator=g) / H ** 0.5,
+            torch.randn(E, H, Fd, generator=g) / H ** 0.5,
+            torch.randn(E, Fd, H, generator=g) / Fd ** 0.5,
+        ]
+    Wr = torch.randn(H, E, generator=g) / H ** 0.5
+    return {"xs": xs, "idxs": idxs, "ws": ws, "Gs": Gs, "params": [p.double() for p in params], "Wr": Wr.double()}
+
+
+def expert_fn(kind: str, a: torch.Tensor, params: list) -> torch.Tensor:
+    """One expert on rows ``a [n, H]``; ``params`` are that expert's tensors."""
+    if kind == "linear":
+        return a @ params[0]
+    w1, w3, w2 = params
+    return (F.silu(a @ w1) * (a @ w3)) @ w2
+
+
+def route_weights(case: MoECase, x: torch.Tensor, idx: torch.Tensor, w_leaf, Wr) -> torch.Tensor:
+    if not case.router:
+        return w_leaf
+    probs = torch.softmax(x.to(Wr.dtype) @ Wr, dim=-1)
+    return torch.gather(probs, 1, idx.clamp(min=0).to(torch.int64))
+
+
+class _Sim(torch.autograd.Function):
+    """Identity-shaped op with separate forward / backward value maps (simulated transport)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        return fwd(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.bwd(g), None, None
+
+
+def _qdq(t: torch.Tensor, mode: str) -> torch.Tensor:
+    """MXFP8 row-wise quantize -> dequantize of ``t`` (rounded to fp32 first), back in t's dtype."""
+    return quantize(t.to(torch.float32), mode=mode).dequantize(torch.float32).to(t.dtype)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+def moe_reference(case: MoECase, inp: dict, simulate: bool = False) -> dict:
+    """Single-process float64 MoE: y_s[t] = sum_j w[t,j] * expert_{idx[t,j]}(x[t]); grads of
+    loss = sum_s <y_s, G_s> w.r.t. x, w (or Wr), expert params.
+
+    ``simulate``: apply the transport roundings of the distributed block at the same points
+    (dispatch: MXFP8 quantize of x, its backward bf16 + MXFP8 of the row gradient; expert output
+    rounded to bf16; combine: MXFP8 of the returned row, its backward MXFP8 of ``w * grad_y``), so
+    the only remaining differences are fp32-vs-fp64 arithmetic and the bf16 rounding of y.
+    """
+    mx = case.precision == "mxfp8"
+    mode = case.scale_mode
+    ident = (lambda t: t)
+    if simulate:
+        disp = (lambda t: _qdq(t, mode)) if mx else ident
+        disp_b = (lambda g: _qdq(_bf16(g), mode)) if mx else _bf16
+        comb = (lambda t: _qdq(t, mode)) if mx else ident
+        comb_b = (lambda g: _qdq(g, mode)) if mx else _bf16
+        outr = _bf16
+    else:
+        disp = disp_b = comb = comb_b = outr = ident
+    xs = [x.double().requires_grad_() for x in inp["xs"]]
+    ws = [w.double().requires_grad_() for w in inp["ws"]]
+    params = [p.clone().requires_grad_() for p in inp["params"]]
+    Wr = inp["Wr"].clone().requires_grad_()
+    ys = []
+    loss = 0.0
+    for s, x in enumerate(xs):
+        idx = inp["idxs"][s]
+        w = route_weights(case, x, idx, ws[s], Wr)
+        y = torch.zeros_like(x)
+        for j in range(case.topk):
+            for e in range(case.num_experts):
+                sel = torch.nonzero(idx[:, j] == e).view(-1)
+                if sel.numel() == 0:
+                    continue
+                a = _Sim.apply(x[sel], disp, disp_b)
+                out = expert_fn(case.expert, a, [p[e] for p in params])
+                out = _Sim.apply(out, outr, ident)
+                back = _Sim.apply(out, comb, comb_b)
+                y = y.index_add(0, sel, w[sel, j:j + 1] * back)
+        ys.append(y)
+        loss = loss + (y * inp["Gs"][s].double()).sum()
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        loss.backward()
+
+    def grad(t):  # a leaf the loss does not use (no tokens) has gradient zero
+        return t.grad if t.grad is not None else torch.zeros_like(t)
+
+    return {
+        "ys": [y.detach() for y in ys], "gx": [grad(x) for x in xs], "gw": [grad(w) for w in ws],
+        "gparams": [grad(p) for p in params], "gWr": grad(Wr),
+    }
+
+
+def moe_step(group: EPGroup, case: MoECase, inp: dict, rank: int) -> dict:
+    """The distributed MoE block on this rank; returns its outputs and gradients (CPU)."""
+    dev = torch.device(case.device)
+    El = case.experts_per_rank
+    lo = rank * El
+    x = inp["xs"][rank].to(dev).requires_grad_()
+    idx = inp["idxs"][rank].to(dev)
+    w_leaf = inp["ws"][rank].to(dev).float().requires_grad_()
+    Wr = inp["Wr"].to(dev).float().requires_grad_()
+    params = [p[lo:lo + El].to(dev).float().requires_grad_() for p in inp["params"]]
+    w = route_weights(case, x, idx, w_leaf, Wr)
+    d = dispatch(group, x, idx, w)
+    h = d.dense(torch.float32)
+    offs, counts = d.offs.tolist(), d.counts.tolist()
+    pieces, start = [], 0
+    for le in range(El):
+        n = counts[le]
+        pieces.append(expert_fn(case.expert, h[start:start + n], [p[le] for p in params]))
+        pieces.append(h.new_zeros(offs[le] - start - n, case.hidden))
+        start = offs[le]
+    pieces.append(h.new_zeros(d.num_rows - start, case.hidden))
+    expert_out = torch.cat(pieces).to(torch.bfloat16)
+    y = combine(group, expert_out, d.handle, grad_format=case.grad_format)
+    loss = (y.float() * inp["Gs"][rank].to(dev).float()).sum()
+    loss.backward()
+    return {
+        "y": y.detach().cpu(), "gx": x.grad, "gw": w_leaf.grad, "gWr": Wr.grad,
+        "gparams": [p.grad for p in params], "x_dtype": x.grad.dtype if x.grad is not None else None,
+        "is_mx": isinstance(d.x, MXFP8Tensor),
+    }
+
+
+def _energy(got: torch.Tensor, ref: torch.Tensor) -> tuple:
+    got, ref = got.detach().cpu().double(), ref.detach().cpu().double()
+    return float((ref ** 2).sum()), float(((got - ref) ** 2).sum())
+
+
+def run_moe_case(group: EPGroup, case: MoECase, rank: int, fails: list) -> dict:
+    """One training step; metrics against the plain float64 MoE ("ref") and against the float64
+    MoE with the transport roundings simulated ("sim")."""
+    inp = moe_inputs(case)
+    refs = {"ref": moe_reference(case, inp), "sim": moe_reference(case, inp, simulate=True)}
+    got = moe_step(group, case, inp, rank)
+    tag = f"{case.name}[rank {rank}]"
+    El, lo = case.experts_per_rank, rank * case.experts_per_rank
+    T = case.tokens[rank]
+    metrics, gWr_ref = {}, {}
+    for kind, ref in refs.items():
+        pairs = {"y": (got["y"], ref["ys"][rank]), "grad_x": (got["gx"], ref["gx"][rank])}
+        if not case.router:  # with a router, Wr's per-rank partial gradients are summed by the test
+            pairs["grad_w"] = (got["gw"], ref["gw"][rank])
+        for i, gp in enumerate(got["gparams"]):
+            pairs[f"grad_expert_param{i}"] = (gp, ref["gparams"][i][lo:lo + El])
+        for name, (a, b) in pairs.items():
+            if a is None:
+                fails.append(f"{tag}: {name} is None")
+                continue
+            if a.shape != b.shape:
+                fails.append(f"{tag}: {name} shape {tuple(a.shape)} != {tuple(b.shape)}")
+                continue
+            if case.exact and kind == "ref":
+                bb = b.cpu().to(a.dtype)
+                if not torch.equal(bb.double(), b.cpu()):
+                    fails.append(f"{tag}: exact case's reference {name} is not representable in {a.dtype} (bad data)")
+                elif not torch.equal(a.cpu(), bb):
+                    diff = (a.cpu().double() - b.cpu()).abs()
+                    fails.append(f"{tag}: exact case: {name} differs from the float64 reference (max {float(diff.max()):.3e})")
+            metrics[(kind, name)] = _energy(a, b)
+        gWr_ref[kind] = ref["gWr"].detach().cpu().numpy() if case.router else None
+    # dtypes / edge cases
+    if got["gx"] is not None and got["gx"].dtype != torch.bfloat16:
+        fails.append(f"{tag}: grad_x dtype {got['gx'].dtype}")
+    if case.precision == "mxfp8" and not got["is_mx"]:
+        fails.append(f"{tag}: mxfp8 dispatch output is not an MXFP8Tensor")
+    idx = inp["idxs"][rank]
+    if not case.router and got["gw"] is not None and bool((got["gw"].cpu()[idx < 0] != 0).any()):
+        fails.append(f"{tag}: dropped slots got a nonzero route-weight gradient")
+    for le in range(El):
+        e = lo + le
+        if not any(bool((i == e).any()) for i in inp["idxs"]):
+            for i, gp in enumerate(got["gparams"]):
+                if bool((gp[le] != 0).any()):
+                    fails.append(f"{tag}: empty expert {e} got a nonzero gradient for param {i}")
+    if T == 0 and (got["gx"] is None or got["gx"].shape != (0, case.hidden)):
+        fails.append(f"{tag}: zero-token rank grad_x {None if got['gx'] is None else tuple(got['gx'].shape)}")
+    return {
+        "metrics": metrics,
+        "gWr": got["gWr"].detach().cpu().double().numpy() if case.router else None,
+        "gWr_ref": gWr_ref,
+    }
+
+
+def moe_worker(rank: int, world: int, cases: list) -> dict:
+    fails = []
+    out = {}
+    groups = {}
+    for case in cases:
+        assert len(case.tokens) == world, case.name
+        progress(case.name)
+        cfg = case.config()
+        try:
+            if cfg not in groups:
+                groups[cfg] = EPGroup(cfg)
+            out[case.name] = run_moe_case(groups[cfg], case, rank, fails)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    return {"failures": fails, "cases": out}
+
+
+def moe_cases(world: int, seed: int = 0) -> list:
+    W = world
+
+    def T(*per):
+        return tuple(per[i % len(per)] for i in range(W))
+
+    s = 70000 + 1000 * seed
+    return [
+        MoECase("moe_swiglu_mx", T(48, 40), 2, 64, 64, 2, seed=s + 1),
+        MoECase("moe_swiglu_mx_floor_a128_gradmx", T(40, 33), 2, 64, 32, 2, scale_mode="floor", align=128,
+                grad_format="mx", seed=s + 2),
+        MoECase("moe_swiglu_bf16", T(40, 24), 2, 64, 32, 2, precision="bf16", seed=s + 3),
+        MoECase("moe_router_mx", T(40, 32), 2, 64, 32, 2, router=True, seed=s + 4),
+        MoECase("moe_dropped_empty_zero_tokens", T(0, 36) if W > 1 else T(36), 3, 64, 32, 3, drop_p=0.3,
+                used_experts=max(3, 3 * W - 2), exact_sizes=False, seed=s + 5),
+        MoECase("moe_exact_bf16", T(16, 9, 0), 2, 32, 0, 2, precision="bf16", expert="linear", exact=True,
+                drop_p=0.2, used_experts=max(2, 2 * W - 1), seed=s + 6),
+        MoECase("moe_exact_mx", T(16, 0, 11), 2, 32, 0, 2, expert="linear", exact=True, drop_p=0.2,
+                grad_format="mx", seed=s + 7),
+    ]
+
+
+# ====================================================================== world worker ====
+
+def world_worker(rank: int, world: int, op_cases: list, moe: list, with_errors: bool) -> dict:
+    """Backward-op cases, then MoE training cases, in one spawn."""
+    a = backward_ops_worker(rank, world, op_cases, with_errors)
+    b = moe_worker(rank, world, moe)
+    return {"failures": a["failures"] + b["failures"], "ops": a, "moe": b["cases"]}
+
+
+def gpu_world_worker(rank: int, world: int, backend: str = "torch", n_ops: Optional[int] = None) -> dict:
+    """GPU variant: every case with CUDA tensors (``backend``: "torch" reference or "nvshmem")."""
+    torch.cuda.set_device(rank % torch.cuda.device_count() if backend == "torch" else 0)
+    dev = f"cuda:{torch.cuda.current_device()}"
+    ops = [replace(c, device=dev, backend=backend) for c in backward_op_cases(world, seed=3)][:n_ops]
+    moe = [replace(c, device=dev, backend=backend) for c in moe_cases(world, seed=3)]
+    out = world_worker(rank, world, ops, moe, False)
+    if backend == "nvshmem":
+        from mxcomm import transport as tp
+
+        tp.finalize()
+    return out
+
+
+__all__ = [
+    "MoECase", "moe_cases", "moe_inputs", "moe_reference", "moe_step", "backward_op_cases", "backward_ops_worker",
+    "moe_worker", "world_worker", "gpu_world_worker", "make_grads", "make_grad_recvs",
+]
