@@ -179,17 +179,22 @@ def _check_symmetric(name: str, t: torch.Tensor, me: int) -> None:
         )
 
 
-def _stream_ref(stream: torch.cuda.Stream | None, device: torch.device):
-    """A ``__cuda_stream__`` object for cuda.core's launch: ``stream`` or torch's current stream."""
+class _StreamRef:
+    """A torch CUDA stream as cuda.core's launch takes it (the ``__cuda_stream__`` protocol, version 0)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def _stream_ref(stream: torch.cuda.Stream | None, device: torch.device) -> _StreamRef:
+    """``stream``, or torch's current stream on ``device``, for cuda.core's launch."""
     s = torch.cuda.current_stream(device) if stream is None else stream
-
-    class _Ref:  # cuda.core accepts any object with __cuda_stream__ (protocol version 0)
-        __slots__ = ()
-
-        def __cuda_stream__(self):
-            return (0, int(s.cuda_stream))
-
-    return _Ref()
+    return _StreamRef(int(s.cuda_stream))
 
 
 def _module():
