@@ -26,6 +26,7 @@ tensors ``qdata``, ``scales`` and ``group_offs`` when present), so compiled code
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 import torch
@@ -124,6 +125,15 @@ class MXFP8Tensor(torch.Tensor):
             orig_dtype=orig_dtype, group_offs=inner.get("group_offs"),
         )
         return MXFP8Tensor(mx, dtype=dtype)
+
+    def _stable_hash_for_caching(self) -> str:
+        """Deterministic key of the metadata (not the values) for torch.compile's AOT cache."""
+        inner = [
+            (n, tuple(getattr(self, n).shape), str(getattr(self, n).dtype), tuple(getattr(self, n).stride()))
+            for n in self.__tensor_flatten__()[0]
+        ]
+        key = repr((tuple(self.shape), self.requires_grad, str(self.device), self.__tensor_flatten__()[1], inner))
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     # -- tensor operations ---------------------------------------------------------------------
     __torch_function__ = torch._C._disabled_torch_function_impl
