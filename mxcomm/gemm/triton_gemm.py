@@ -27,6 +27,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from ..kernels.mx_device import bf16_rne_int, blocked_scale_offset, e4m3_decode, mx_scale_value
 from ..mx import MXTensor, ScaleLayout
 from ..mx.scales import BLOCK
+from . import _ops
 
 LAYOUT_ROW = 0
 LAYOUT_GROUPED = 2
@@ -262,7 +263,7 @@ def triton_grouped_mm(
             tensor ``[M, K]``.
         w: :class:`~mxcomm.gemm.weights.MXWeight` ``[G, N, K]`` (any scale layout; blocked is converted) or a
             bf16 tensor ``[G, N, K]``.
-        offs: ``[G]`` int32 group end offsets (validated by the caller).
+        offs: ``[G]`` int32 group end offsets (non-decreasing, ``<= M``; values checked on CPU only).
         config: tiles (default :func:`default_gemm_config`).
         int_round: integer decode/rounding (None = auto: on in the interpreter).
     Returns:
@@ -288,6 +289,10 @@ def triton_grouped_mm(
         w_ptr, ws_ptr, w_mx = w.to(torch.bfloat16).contiguous(), None, False
     if Kw != K:
         raise ValueError(f"{fn}: a has K={K} but the weights have K={Kw}")
+    if w_ptr.device != a_t.device:
+        raise ValueError(f"{fn}: a is on {a_t.device} but the weights are on {w_ptr.device}")
+    offs = _ops.check_offs(offs, G, a_t.device, fn)
+    _ops.check_offs_values(offs, M, fn)
     if K % BLOCK:
         raise ValueError(f"{fn}: K={K} is not a multiple of 32")
     out = torch.empty((M, N), dtype=torch.bfloat16, device=a_t.device)

@@ -156,8 +156,9 @@ class MXWeight:
             raise TypeError(f"expert weights must be a 3D tensor [G, N, K], got "
                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
         G, N, K = w.shape
-        if N % BLOCK or K % BLOCK:
-            raise ValueError(f"expert weights [G, N, K] = {tuple(w.shape)}: N and K must be multiples of 32")
+        if K % BLOCK or (transpose and N % BLOCK):
+            raise ValueError(f"expert weights [G, N, K] = {tuple(w.shape)}: the quantized axis ({'N' if transpose else 'K'})"
+                             " must be a multiple of 32")
         with torch.no_grad():
             w2 = w.detach().reshape(G * N, K)
             if not transpose:
