@@ -314,7 +314,7 @@ class NvshmemBackend:
         if T:
             combine_reduce_kernel[(min(T, self.programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.epoch[1:2], self.nslot,
-                H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk, 4096),
+                H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=min(_CHUNK, triton_next_pow2(H)),
                 MX=quantize_rows, INT_ROUND=self.int_round, num_warps=4,
             )
         if cfg.exact_sizes:

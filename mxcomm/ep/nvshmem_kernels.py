@@ -190,7 +190,8 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
                           MX: tl.constexpr, INT_ROUND: tl.constexpr):
     """``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` in fp32 (dropped slots contribute 0), bf16 out.
 
-    The K returned rows of a chunk are loaded as one ``[K, CHUNK]`` tile and reduced over K.
+    The slot positions and weights of a token are loaded once; each chunk then issues the K row loads
+    without branches (masked), so they are all in flight together.
 
     Args:
         comb_q_ptr: this rank's returned rows (``comb_q``, 2H bytes a row): MX: the uint8 buffer
@@ -209,23 +210,25 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
     t = pid
     while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
-        pos = tl.load(send_pos_ptr + t * K + kk, mask=kmask, other=-1)
-        valid = pos >= 0
-        w = tl.load(w_ptr + t * K + kk, mask=valid, other=0.0)
-        p64 = slot0 + tl.where(valid, pos, 0).to(tl.int64)
+        posv = tl.load(send_pos_ptr + t * K + kk, mask=kmask, other=-1)
+        wv = tl.load(w_ptr + t * K + kk, mask=posv >= 0, other=0.0)
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
-            m2 = valid[:, None] & m[None, :]
-            if MX:
-                q = tl.load(comb_q_ptr + p64[:, None] * (2 * H) + c0 + offs[None, :], mask=m2, other=0)
-                cols = c0 // 32 + bcols
-                sb = tl.load(comb_s_ptr + p64[:, None] * (H // 32) + cols[None, :],
-                             mask=valid[:, None] & (cols < H // 32)[None, :], other=127)
-                v = tl.reshape(e4m3_decode(q, INT_ROUND), (K_POW2, NB, 32)) * mx_scale_value(sb.to(tl.int32))[:, :, None]
-                v = tl.reshape(v, (K_POW2, CHUNK))
-            else:
-                v = tl.load(comb_q_ptr + p64[:, None] * H + c0 + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-            acc = tl.sum(tl.where(m2, w[:, None] * v, 0.0), axis=0)
+            acc = tl.zeros((CHUNK,), tl.float32)
+            for j in tl.static_range(K):  # no branches: K independent masked loads in flight
+                pos = tl.sum(tl.where(kk == j, posv, 0))
+                w = tl.sum(tl.where(kk == j, wv, 0.0))
+                ok = pos >= 0
+                p64 = slot0 + tl.maximum(pos, 0).to(tl.int64)
+                if MX:
+                    q = tl.load(comb_q_ptr + p64 * (2 * H) + c0 + offs, mask=m & ok, other=0)
+                    cols = c0 // 32 + bcols
+                    sb = tl.load(comb_s_ptr + p64 * (H // 32) + cols, mask=(cols < H // 32) & ok, other=127)
+                    v = tl.reshape(e4m3_decode(q, INT_ROUND), (NB, 32)) * mx_scale_value(sb.to(tl.int32))[:, None]
+                    v = tl.reshape(v, (CHUNK,))
+                else:
+                    v = tl.load(comb_q_ptr + p64 * H + c0 + offs, mask=m & ok, other=0.0).to(tl.float32)
+                acc += tl.where(ok, w * v, 0.0)
             tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
         t += G
 
