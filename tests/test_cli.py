@@ -386,3 +386,65 @@ def test_mpirun_rendezvous_choices(monkeypatch):
     assert m.startswith("file://") and m.endswith("mxcomm_bench_store_prterun_vm_123_1")
     with pytest.raises(RuntimeError, match="cannot rendezvous"):
         _mpi_init_method(info, {})
+
+
+# ----------------------------------------------------------------- harness inside a gloo world ----
+
+def _bench_world(rank, world):
+    import torch.distributed as dist
+
+    from mxcomm.bench.world import BenchWorld, LaunchInfo
+
+    return BenchWorld(launch=LaunchInfo("torchrun", rank, world, rank, world), rank=rank, world=world,
+                      device=torch.device("cpu"), side_channel="gloo", ctrl=dist.group.WORLD, ranks_per_gpu=1,
+                      devices=["h:cpu"] * world)
+
+
+def _check_worker(rank, world):
+    """check_against_reference of two reference groups (the code path a GPU run uses against nvshmem)."""
+    from mxcomm.bench.cases import check_against_reference
+    from mxcomm.bench.routing import make_inputs
+    from mxcomm.ep import EPConfig, EPGroup
+
+    out = []
+    for prec in ("mxfp8", "bf16"):
+        cfg = EPConfig(num_experts=8, hidden=64, topk=3, max_tokens_per_rank=40, precision=prec)
+        a, b = EPGroup(cfg), EPGroup(cfg)
+        inp = make_inputs(seed=1, rank=rank, tokens=40, hidden=64, topk=3, experts=8, device=torch.device("cpu"))
+        out.append(check_against_reference(a, b, inp, seed=2, rank=rank))
+    return out
+
+
+def _failing_backend_worker(rank, world, opts_dict):
+    """run_phase when the mxcomm groups cannot be built: those cases fail with the reason, baselines still run."""
+    from mxcomm.bench.harness import run_phase
+
+    return run_phase(BenchOptions.from_dict(opts_dict), _bench_world(rank, world), ["mxcomm", "a2a"])
+
+
+def test_check_against_reference_in_a_world():
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _dist import run_world
+
+    for res in run_world(2, _check_worker, timeout=120):
+        assert res == [dict(dispatch_equal=True, combine_max_abs_diff=0.0)] * 2
+
+
+def test_phase_survives_a_backend_that_cannot_start(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _dist import run_world
+
+    from mxcomm.bench.report import build_report, format_table
+
+    opts = BenchOptions(tokens=[8], hidden=64, topk=2, experts=4, precisions=["mxfp8"], mode="throughput",
+                        backend="nvshmem", device="cpu", ranks=2, ranks_per_gpu=1, side_channel="gloo", iters=2,
+                        warmup=0, out=str(tmp_path), label="x", progress=False)
+    res = run_world(2, _failing_backend_worker, opts.to_dict(), timeout=120)[0]
+    st = {(c["impl"], c["op"]): c for c in res["cases"]}
+    for op in ("dispatch", "combine"):
+        assert st[("mxcomm", op)]["status"] == "failed" and "nvshmem" in st[("mxcomm", op)]["reason"]
+        assert st[("a2a", op)]["status"] == "ok" and len(st[("a2a", op)]["samples_us"]["whole_call"]) == 2
+    res.update(world=dict(ranks_per_gpu=1, side_channel="gloo"))
+    rep = build_report(options=opts.to_dict(), world=res["world"], meta={}, phases=[res], command=["t"])
+    table = format_table(rep)
+    assert "failed: EPGroup(backend='nvshmem'" in table and "a2a" in table
