@@ -25,9 +25,10 @@ destination PE of an entry whose range is outside ``dst``/``src`` (that entry is
 signalled, so the receiver times out too) -> ``TransportError``. Read them with
 :func:`~mxcomm.transport.errors.check_errors`.
 
-Addresses: ``dst`` and ``signals`` must be symmetric (NVSHMEM heap; the local view, which names
-the same buffer on every PE); ``src`` should be symmetric too (remote transports need registered
-memory). ``force_remote`` in :func:`put_path_peers` routes every other PE through this path on one
+Addresses: ``dst``, ``src`` and ``signals`` must lie in the NVSHMEM symmetric heap (checked; pass
+this PE's view, which names the same buffer on every PE; remote transports need ``src`` registered).
+The C++ error constants equal :data:`~mxcomm.transport.errors.TIMEOUT_CODE` / ``ERR_CODE_SHIFT``
+and :data:`BAD_ENTRY_CODE` (checked by the CPU tests). ``force_remote`` in :func:`put_path_peers` routes every other PE through this path on one
 node, to test it without a second node (NVSHMEM then copies over NVLink / within the GPU).
 """
 from __future__ import annotations
@@ -35,8 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from .errors import ERR_CODE_SHIFT, TIMEOUT_CODE  # noqa: F401 - documented pairing with the C++ constants
 
 __all__ = [
     "BAD_ENTRY_CODE",
@@ -251,7 +250,7 @@ def put_signal(
     Args:
         dst: symmetric receive buffer, any dtype, contiguous (byte capacity = ``numel * itemsize``);
             this PE's view (the same buffer on every PE is addressed).
-        src: local staging buffer (symmetric), any dtype, contiguous.
+        src: this PE's staging buffer (symmetric), any dtype, contiguous.
         batch: :class:`PutBatch` of ``n`` entries (device tensors).
         signals: int64 ``[S]`` symmetric signal words; the word ``signals[signal_index]`` on each
             entry's PE gets ``+1`` per (entry, chunk) after that piece's bytes.

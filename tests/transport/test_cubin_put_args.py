@@ -68,6 +68,16 @@ def test_wait_args_match_the_kernel_signature():
     assert [int(a) for a in args] == [sig.data_ptr(), 5, idx.data_ptr(), 2, ep.data_ptr(), 12, 10**9, err.data_ptr()]
 
 
+def test_error_constants_match_the_source():
+    from mxcomm.transport.errors import ERR_CODE_SHIFT, TIMEOUT_CODE
+
+    src = (cubin.csrc_dir() / "put_signal.cu").read_text()
+    consts = {m.group(1): int(m.group(2)) for m in re.finditer(r"#define MX_(\w+) (\d+)", src)}
+    assert consts["TIMEOUT_CODE"] == TIMEOUT_CODE
+    assert consts["BAD_ENTRY_CODE"] == ps.BAD_ENTRY_CODE
+    assert consts["ERR_CODE_SHIFT"] == ERR_CODE_SHIFT
+
+
 def test_kernel_names_exist_in_the_source():
     src = (cubin.csrc_dir() / "put_signal.cu").read_text()
     for name in ps.KERNEL_NAMES:
