@@ -34,7 +34,8 @@ from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
 from .handle import DispatchResult, EPHandle
-from .plan import RoutingPlan, buffer_regions, build_plan, local_counts, max_recv_rows, recv_rows
+from .plan import RoutingPlan, buffer_regions, local_counts, max_recv_rows, recv_rows
+from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 
 _CHUNK = 1024
 _PROGRAMS_PER_SM = 4
@@ -141,6 +142,7 @@ class NvshmemBackend:
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
+        self._plan_graphs: dict = {}  # (T, idx dtype) -> PlanGraph
         # exact_sizes=False never syncs with the host, so expert ids are checked on the device: bad slots
         # are dropped before anything is sent and the error is raised by a later call (see _sanitize).
         self.device_side_checks = not config.exact_sizes
@@ -237,6 +239,25 @@ class NvshmemBackend:
             )
         return out
 
+    def _plan_extra(self, plan: RoutingPlan, topk_idx: torch.Tensor) -> dict:
+        """Backend maps computed with the plan: destination scale rows and row origins (R_max rows)."""
+        o = row_origins(plan, self.R_max)
+        srow = dest_scale_rows(plan, topk_idx) if self.mx else plan.dest_row
+        return {"srow": srow, "origin_src": o.src, "origin_pos": o.pos}
+
+    def _plan(self, topk_idx: torch.Tensor) -> PlanOutputs:
+        """The routing plan of this call from the exchanged counts: replayed from a CUDA graph captured
+        once per token count on the GPU (see plan_graph), computed eagerly elsewhere."""
+        T, k = topk_idx.shape
+        if self.device.type != "cuda" or T == 0:
+            return compute_plan(self.counts.local.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
+        key = (T, topk_idx.dtype)
+        g = self._plan_graphs.get(key)
+        if g is None:
+            g = PlanGraph(self.counts.local, T, k, topk_idx.dtype, self.rank, self.config.align, self._plan_extra)
+            self._plan_graphs[key] = g
+        return g(topk_idx)
+
     # -- dispatch -------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         from .nvshmem_kernels import dispatch_kernel, exchange_counts_kernel, wait_arrivals_kernel
@@ -257,9 +278,8 @@ class NvshmemBackend:
             my_counts, self.counts.peer_ptrs, self.flags.peer_ptrs, self.flags.local[0], self.epoch[0:1], self.err,
             self.timeout_ns, self.rank, E, E_POW2=triton_next_pow2(E),
         )
-        counts = self.counts.local.clone()
-        plan = build_plan(counts, topk_idx, self.rank, cfg.align)
-        srow = dest_scale_rows(plan, topk_idx) if self.mx else plan.dest_row
+        po = self._plan(topk_idx)
+        plan, srow = po.plan, po.extra["srow"]
         dispatch_kernel[(self.programs,)](
             x, T, plan.dest_rank, plan.dest_row, srow,
             self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W, self.n_col_tiles,
@@ -273,7 +293,7 @@ class NvshmemBackend:
         else:
             R = self.R_max
             self._check_async("dispatch arrivals")
-        origins = row_origins(plan, R)
+        origins = RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
         q = self._copy_out(plan, origins, R)
         if self.mx:
             ns = grouped_m_rows(R, self.El) * round_up(H // 32, 4)

@@ -1,0 +1,89 @@
+"""CUDA-graph replay of the routing plan (``build_plan`` + the nvshmem backend's row maps).
+
+Building the plan is ~100 small torch ops; launching them one by one costs the host milliseconds per
+dispatch (measured on the H200: ~2.4 ms of host time against ~0.8 ms of GPU work for 8192 tokens).
+The plan depends only on the exchanged counts matrix (a symmetric buffer: fixed address) and the
+(sanitised) ``topk_idx`` of this call, so it is captured once per token count ``T`` and replayed:
+the call copies ``topk_idx`` into the graph's static input, replays, and clones ONE flat int32
+buffer that holds every output; the :class:`~mxcomm.ep.plan.RoutingPlan` handed out is made of
+views into that clone (so it stays valid after later replays).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+import torch
+
+from .plan import RoutingPlan, build_plan
+
+_PLAN_TENSORS = [f.name for f in fields(RoutingPlan) if f.type in ("torch.Tensor", torch.Tensor)]
+
+
+@dataclass(frozen=True)
+class PlanOutputs:
+    """What one replay produces: the plan and the backend's extra int32 maps (name -> tensor)."""
+
+    plan: RoutingPlan
+    extra: dict
+
+
+def compute_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int,
+                 extra_fn: Callable[[RoutingPlan, torch.Tensor], dict]) -> PlanOutputs:
+    """Eager path (also what the graph captures): plan + ``extra_fn(plan, topk_idx)``."""
+    plan = build_plan(counts, topk_idx, rank, align)
+    return PlanOutputs(plan=plan, extra=extra_fn(plan, topk_idx))
+
+
+class PlanGraph:
+    """A captured plan computation for a fixed ``[T, k]`` topk_idx shape and dtype.
+
+    Args:
+        counts_buf: the ``[W, E]`` int32 counts matrix (read at replay; fixed address).
+        T, k, idx_dtype: shape/dtype of topk_idx.
+        rank, align: as for :func:`~mxcomm.ep.plan.build_plan`.
+        extra_fn: ``(plan, topk_idx) -> {name: int tensor}`` extra maps computed in the graph.
+    """
+
+    def __init__(self, counts_buf: torch.Tensor, T: int, k: int, idx_dtype: torch.dtype, rank: int, align: int,
+                 extra_fn: Callable[[RoutingPlan, torch.Tensor], dict]):
+        dev = counts_buf.device
+        self.idx = torch.full((T, k), -1, dtype=idx_dtype, device=dev)
+
+        def body() -> PlanOutputs:
+            return compute_plan(counts_buf.clone(), self.idx, rank, align, extra_fn)
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            warm = body()  # warm-up outside capture (allocator, cub temp storage)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        names = [n for n in _PLAN_TENSORS] + sorted(warm.extra)
+        shapes = [tuple((getattr(warm.plan, n) if n in _PLAN_TENSORS else warm.extra[n]).shape) for n in names]
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        self.flat = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
+        self.layout = list(zip(names, shapes, sizes))
+        self.template = warm.plan
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            out = body()
+            off = 0
+            for n, shp, sz in self.layout:
+                t = getattr(out.plan, n) if n in _PLAN_TENSORS else out.extra[n]
+                self.flat[off:off + sz].copy_(t.reshape(-1))
+                off += sz
+
+    def __call__(self, topk_idx: torch.Tensor) -> PlanOutputs:
+        """Replay for this call's ``topk_idx`` (same shape/dtype); returns tensors owned by the caller."""
+        self.idx.copy_(topk_idx)
+        self.graph.replay()
+        flat = self.flat.clone()
+        off, vals = 0, {}
+        for n, shp, sz in self.layout:
+            vals[n] = flat[off:off + sz].view(shp)
+            off += sz
+        plan = replace(self.template, **{n: vals[n] for n in _PLAN_TENSORS})
+        return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in _PLAN_TENSORS})
+
+
+__all__ = ["PlanGraph", "PlanOutputs", "compute_plan"]
