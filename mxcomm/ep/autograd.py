@@ -175,7 +175,10 @@ def dispatch(
     if not isinstance(group, EPGroup):
         raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
     box = _Box()
-    out = _DispatchFn.apply(x, group, topk_idx, topk_weights, grad_quantize, box)
+    # The weights go in detached: dispatch does not depend on them (its output needs a gradient
+    # only when x does); the handle below carries the attached tensor to combine.
+    w_in = topk_weights.detach() if isinstance(topk_weights, torch.Tensor) else topk_weights
+    out = _DispatchFn.apply(x, group, topk_idx, w_in, grad_quantize, box)
     res, handle = box.result, box.handle
     handle = replace(handle, topk_weights=topk_weights)
     return Dispatched(x=out, offs=res.offs, counts=res.counts, num_rows=res.num_rows, handle=handle)

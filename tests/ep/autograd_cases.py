@@ -412,17 +412,9 @@ def moe_reference(case: MoECase, inp: dict, simulate: bool = False) -> dict:
     }
 
 
-def moe_step(group: EPGroup, case: MoECase, inp: dict, rank: int) -> dict:
-    """The distributed MoE block on this rank; returns its outputs and gradients (CPU)."""
-    dev = torch.device(case.device)
+def moe_block(group: EPGroup, case: MoECase, x, idx, w, params):
+    """The distributed MoE block: dispatch, plain-torch experts on the dense rows, combine."""
     El = case.experts_per_rank
-    lo = rank * El
-    x = inp["xs"][rank].to(dev).requires_grad_()
-    idx = inp["idxs"][rank].to(dev)
-    w_leaf = inp["ws"][rank].to(dev).float().requires_grad_()
-    Wr = inp["Wr"].to(dev).float().requires_grad_()
-    params = [p[lo:lo + El].to(dev).float().requires_grad_() for p in inp["params"]]
-    w = route_weights(case, x, idx, w_leaf, Wr)
     d = dispatch(group, x, idx, w)
     h = d.dense(torch.float32)
     offs, counts = d.offs.tolist(), d.counts.tolist()
@@ -435,12 +427,36 @@ def moe_step(group: EPGroup, case: MoECase, inp: dict, rank: int) -> dict:
     pieces.append(h.new_zeros(d.num_rows - start, case.hidden))
     expert_out = torch.cat(pieces).to(torch.bfloat16)
     y = combine(group, expert_out, d.handle, grad_format=case.grad_format)
+    return y, isinstance(d.x, MXFP8Tensor)
+
+
+def moe_step(group: EPGroup, case: MoECase, inp: dict, rank: int, compile_backend: Optional[str] = None) -> dict:
+    """One training step of the block on this rank; returns its outputs and gradients (CPU).
+    ``compile_backend``: run the block under ``torch.compile(backend=...)``."""
+    dev = torch.device(case.device)
+    El = case.experts_per_rank
+    lo = rank * El
+    x = inp["xs"][rank].to(dev).requires_grad_()
+    idx = inp["idxs"][rank].to(dev)
+    w_leaf = inp["ws"][rank].to(dev).float().requires_grad_()
+    Wr = inp["Wr"].to(dev).float().requires_grad_()
+    params = [p[lo:lo + El].to(dev).float().requires_grad_() for p in inp["params"]]
+
+    def step(x, idx, w_leaf, Wr, params):
+        return moe_block(group, case, x, idx, route_weights(case, x, idx, w_leaf, Wr), params)
+
+    if compile_backend is not None:
+        step = torch.compile(step, backend=compile_backend)
+    y, is_mx = step(x, idx, w_leaf, Wr, params)
     loss = (y.float() * inp["Gs"][rank].to(dev).float()).sum()
     loss.backward()
+
+    def grad(t):
+        return None if t.grad is None else t.grad.detach().cpu()
+
     return {
-        "y": y.detach().cpu(), "gx": x.grad, "gw": w_leaf.grad, "gWr": Wr.grad,
-        "gparams": [p.grad for p in params], "x_dtype": x.grad.dtype if x.grad is not None else None,
-        "is_mx": isinstance(d.x, MXFP8Tensor),
+        "y": y.detach().cpu(), "gx": grad(x), "gw": grad(w_leaf), "gWr": grad(Wr),
+        "gparams": [grad(p) for p in params], "is_mx": is_mx,
     }
 
 
@@ -545,6 +561,28 @@ def moe_cases(world: int, seed: int = 0) -> list:
     ]
 
 
+# ======================================================================= torch.compile ====
+
+def compile_worker(rank: int, world: int, backend: str = "aot_eager") -> dict:
+    """The MoE block eager and under ``torch.compile`` (graph breaks at the communication calls):
+    outputs and every gradient must be identical."""
+    fails = []
+    case = MoECase("compile", tuple(24 + 5 * r for r in range(world)), 2, 64, 32, 2, router=True, seed=4242)
+    group = EPGroup(case.config())
+    inp = moe_inputs(case)
+    progress("eager")
+    eager = moe_step(group, case, inp, rank)
+    progress("compiled")
+    compiled = moe_step(group, case, inp, rank, compile_backend=backend)
+    for name in ("y", "gx", "gWr"):
+        if not torch.equal(eager[name], compiled[name]):
+            fails.append(f"compile[rank {rank}]: {name} differs from eager")
+    for i, (a, b) in enumerate(zip(eager["gparams"], compiled["gparams"])):
+        if not torch.equal(a, b):
+            fails.append(f"compile[rank {rank}]: expert param {i} gradient differs from eager")
+    return {"failures": fails}
+
+
 # ====================================================================== world worker ====
 
 def world_worker(rank: int, world: int, op_cases: list, moe: list, with_errors: bool) -> dict:
@@ -570,5 +608,6 @@ def gpu_world_worker(rank: int, world: int, backend: str = "torch", n_ops: Optio
 
 __all__ = [
     "MoECase", "moe_cases", "moe_inputs", "moe_reference", "moe_step", "backward_op_cases", "backward_ops_worker",
-    "moe_worker", "world_worker", "gpu_world_worker", "make_grads", "make_grad_recvs",
+    "moe_worker", "world_worker", "gpu_world_worker", "make_grads", "make_grad_recvs", "moe_block",
+    "compile_worker",
 ]

@@ -23,7 +23,7 @@ import math
 import pytest
 
 from _dist import run_world
-from autograd_cases import backward_op_cases, moe_cases, world_worker
+from autograd_cases import backward_op_cases, compile_worker, moe_cases, world_worker
 
 FWD_SQNR_DB = 24.5     # vs "ref", MXFP8 (rceil) transport both ways, SwiGLU experts
 GRAD_SQNR_DB = 23.0    # vs "ref", MXFP8 (rceil)
@@ -86,3 +86,10 @@ def test_backward_and_autograd(world):
     moe = moe_cases(world)
     results = run_world(world, world_worker, ops, moe, world == 2, timeout=240)
     _check_world(results, moe)
+
+
+def test_moe_block_under_torch_compile_matches_eager():
+    """torch.compile around the whole block (graph breaks at the communication calls) changes nothing."""
+    results = run_world(2, compile_worker, timeout=240)
+    fails = [f for r in results for f in r["failures"]]
+    assert not fails, "\n".join(fails)
