@@ -26,15 +26,25 @@ gradient arriving at the dispatch output may be bfloat16 or an MXFP8Tensor (sent
 (the transport is MXFP8 either way; only the hand-off differs).
 
 Collectives: both backward passes communicate. Every rank must run backward through every
-dispatch/combine it ran forward, in the same order (true when all ranks run the same model and
-each rank's loss depends on its combine output; a rank with zero tokens still gets an empty
-``y`` and must include it in its loss, e.g. ``loss = y.float().sum() * 0 + ...``). A gradient
-that autograd does not deliver (an output not used by the loss) is treated as zero, so the
-collective still runs.
+dispatch/combine it ran forward, in the same order. That holds when all ranks run the same model
+and each rank's loss is computed from its combine output - also on a rank with zero tokens, whose
+``y`` is empty ``[0, H]`` (any expression of it, e.g. ``y.float().square().sum()``, connects the
+graph). If one rank's loss ignores ``y`` its peers wait in the backward collective until the
+process group's timeout. If autograd calls a backward without a gradient (``None``), it is
+treated as zero, so the collective still runs.
 
-torch.compile: :func:`dispatch` and :func:`combine` are ``torch.compiler.disable``-d (a graph
-break at each communication call; the code around them compiles). See the README for what a
-break-free version needs.
+torch.compile: :func:`dispatch` and :func:`combine` are ``torch.compiler.disable``-d: a graph
+break at each communication call, the code around them compiles, results and gradients are
+identical to eager (tested). :class:`MXFP8Tensor` itself is traceable (``fullgraph=True`` works on
+code that consumes it; ``__tensor_flatten__``). Not done - what a break-free version needs:
+(1) ``torch.library.custom_op``s for dispatch / combine / their backwards whose arguments are
+tensors only (the handle flattened into its plan tensors, the group looked up by an id), with
+``register_autograd``; (2) fake implementations with static worst-case shapes
+(``exact_sizes=False``: ``R = max_recv_rows``, scales ``grouped_m_rows(R, El)``; exact sizes would
+need unbacked symints); (3) the reference backend's host-side split sizes recomputed inside the ops
+(they cannot live in the handle); (4) the MXFP8Tensor built from the op's qdata/scales outputs
+inside the graph; (5) ``mxcomm.mx.layouts.from_grouped_m`` without boolean-mask indexing
+(``nonzero`` breaks the graph when a GROUPED_M tensor is dequantized in compiled code).
 """
 from __future__ import annotations
 
