@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args, parser: argparse.ArgumentParser, argv: list) -> int:
-    from .bench.launcher import BenchError, launch, precheck, rank_main, run_joined
+    from .bench.launcher import BenchError, BenchTerminated, launch, precheck, rank_main, run_joined
     from .bench.options import BenchOptions, OptionError, options_from_args
     from .bench.world import detect_launch
 
@@ -79,6 +79,9 @@ def _bench(args, parser: argparse.ArgumentParser, argv: list) -> int:
     except BenchError as e:
         print(str(e), file=sys.stderr)
         return 1
+    except BenchTerminated as e:
+        print(str(e), file=sys.stderr)
+        return 143
     if got is None:  # not rank 0 of a joined world
         return 0
     report, paths = got

@@ -448,3 +448,52 @@ def test_phase_survives_a_backend_that_cannot_start(tmp_path):
     rep = build_report(options=opts.to_dict(), world=res["world"], meta={}, phases=[res], command=["t"])
     table = format_table(rep)
     assert "failed: EPGroup(backend='nvshmem'" in table and "a2a" in table
+
+
+def _ranks_of(parent_pid: int) -> set:
+    """Pids of live processes started by the bench launcher ``parent_pid`` (their environment names it)."""
+    tag = f"MXCOMM_BENCH_PARENT_PID={parent_pid}".encode()
+    found = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if tag in (d / "environ").read_bytes().split(b"\0"):
+                stat = (d / "stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                    found.add(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_ranks_die_with_the_launcher(tmp_path, sig):
+    """`timeout` (SIGTERM) or a hard kill of `mxcomm bench` must not leave rank processes behind."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "mxcomm", "bench", *TINY, "--ranks", "2", "--iters", "1000000",
+                          "--out", str(tmp_path), "--label", "kill"], cwd=REPO, env=_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_ranks_of(p.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        ranks = _ranks_of(p.pid)
+        assert len(ranks) == 2, "the launcher did not start its ranks"
+        time.sleep(1.0)
+        p.send_signal(getattr(signal, sig))
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while _ranks_of(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert not _ranks_of(p.pid), f"rank processes survived {sig} of the launcher"
+        if sig == "SIGTERM":
+            assert p.returncode == 143
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for pid in _ranks_of(p.pid):
+            os.kill(pid, signal.SIGKILL)

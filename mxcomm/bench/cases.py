@@ -8,7 +8,7 @@ performs exactly the call being measured.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,8 @@ class CaseCall:
     notes: tuple = ()
 
 
-def _expert_out(rows: int, hidden: int, device: torch.device, seed: int, rank: int) -> torch.Tensor:
+def random_rows(rows: int, hidden: int, device: torch.device, seed: int, rank: int) -> torch.Tensor:
+    """Deterministic random bfloat16 ``[rows, hidden]`` (stand-in expert outputs) on ``device``."""
     g = torch.Generator(device=device)
     g.manual_seed((seed * 7_777_777 + rank * 131 + rows) % (2**63))
     return torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16)
@@ -57,7 +58,7 @@ def ep_combine_case(group: EPGroup, inputs: BenchInputs, world, *, seed: int) ->
     Quantized transport follows the config (MXFP8 when ``precision == "mxfp8"``).
     """
     res, handle = group.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
-    out = _expert_out(res.num_rows, group.config.hidden, inputs.x.device, seed, world.rank)
+    out = random_rows(res.num_rows, group.config.hidden, inputs.x.device, seed, world.rank)
     del res
     return CaseCall(fn=lambda: group.combine(out, handle), transport=ep_transport(group, world))
 
@@ -94,7 +95,7 @@ def a2a_combine_case(inputs: BenchInputs, routing: RoutingInfo, world, *, seed: 
     """The reverse BF16 ``all_to_all_single``: every received row goes back to its origin (no reduction)."""
     dev = inputs.x.device
     H = inputs.x.shape[1]
-    send = _expert_out(sum(routing.recv_splits), H, dev, seed, world.rank)
+    send = random_rows(sum(routing.recv_splits), H, dev, seed, world.rank)
     out = torch.empty(sum(routing.send_splits), H, dtype=torch.bfloat16, device=dev)
     run, rs, ss = _a2a(world), routing.recv_splits, routing.send_splits
     return CaseCall(fn=lambda: run(out, send, ss, rs), transport=a2a_transport(world),
@@ -115,12 +116,12 @@ def check_against_reference(group: EPGroup, ref: EPGroup, inputs: BenchInputs, *
         same = a.x.shape == b.x.shape and torch.equal(a.x.view(torch.int16), b.x.view(torch.int16))
     if ha.num_rows != hb.num_rows:
         return dict(dispatch_equal=False, combine_max_abs_diff=None)
-    out = _expert_out(a.num_rows, group.config.hidden, inputs.x.device, seed + 1, rank)
+    out = random_rows(a.num_rows, group.config.hidden, inputs.x.device, seed + 1, rank)
     ya = group.combine(out, ha)
     yb = ref.combine(out, hb)
     diff = float((ya.float() - yb.float()).abs().max()) if ya.numel() else 0.0
     return dict(dispatch_equal=bool(same), combine_max_abs_diff=diff)
 
 
-__all__ = ["CaseCall", "ep_dispatch_case", "ep_combine_case", "a2a_dispatch_case", "a2a_combine_case",
+__all__ = ["CaseCall", "random_rows", "ep_dispatch_case", "ep_combine_case", "a2a_dispatch_case", "a2a_combine_case",
            "check_against_reference", "ep_transport", "a2a_transport"]

@@ -10,7 +10,7 @@ import json
 import shutil
 import subprocess
 
-from .env_info import gpus, machine, nvshmem_importable, peer_matrix, relevant_env, versions
+from .env_info import machine, nvshmem_importable, peer_matrix, relevant_env, versions
 from .options import _int_list, _str_list
 
 
@@ -110,6 +110,8 @@ def collect(args) -> dict:
 
 
 def _mib(n: int) -> str:
+    if n < 2**20:
+        return f"{n:,} B"
     return f"{n / 2**20:,.1f} MiB"
 
 

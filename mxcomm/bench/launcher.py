@@ -88,7 +88,8 @@ def child_env(opts: BenchOptions, phase: str, rank: int, port: int, base: Option
         if k.startswith(("OMPI_COMM_WORLD_", "PMI_")) or k in ("LOCAL_RANK", "GROUP_RANK", "ROLE_RANK"):
             del env[k]
     env.update(RANK=str(rank), WORLD_SIZE=str(opts.ranks), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(opts.ranks),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MXCOMM_BENCH_LAUNCHED="1", PYTHONUNBUFFERED="1")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MXCOMM_BENCH_LAUNCHED="1", PYTHONUNBUFFERED="1",
+               MXCOMM_BENCH_PARENT_PID=str(os.getpid()))
     env["PYTHONPATH"] = os.pathsep.join([PKG_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if opts.device == "cuda":
         from ..transport import launcher_env
@@ -128,6 +129,32 @@ def _kill(procs) -> None:
             time.sleep(0.1)
 
 
+class BenchTerminated(BaseException):
+    """Raised in the launching process by SIGTERM/SIGHUP, so that its ranks are killed on the way out."""
+
+
+def _raise_terminated(signum, frame):
+    raise BenchTerminated(f"mxcomm bench: stopped by signal {signum}; its rank processes were killed")
+
+
+def watch_parent(environ=None, interval_s: float = 1.0) -> None:
+    """In a launched rank: exit when the launching process is gone (a daemon thread polls the parent pid)."""
+    import threading
+
+    env = os.environ if environ is None else environ
+    want = env.get("MXCOMM_BENCH_PARENT_PID", "")
+    if not want.isdigit():
+        return
+
+    def poll():
+        while True:
+            if os.getppid() != int(want):
+                os._exit(3)
+            time.sleep(interval_s)
+
+    threading.Thread(target=poll, name="mxcomm-bench-parent-watch", daemon=True).start()
+
+
 def run_phase_processes(opts: BenchOptions, phase: str, impls: list, workdir: str) -> PhaseRun:
     """Start ``opts.ranks`` rank processes for one phase and wait for them (bounded by ``opts.timeout_s``)."""
     spec_path = os.path.join(workdir, f"spec_{phase}.json")
@@ -137,7 +164,13 @@ def run_phase_processes(opts: BenchOptions, phase: str, impls: list, workdir: st
     port = free_port()
     cmd = [sys.executable, "-m", "mxcomm", "bench", "--_spec", spec_path]
     procs, logs = [], {}
+    old_handlers = {}
     try:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # `timeout`/kill of the parent kills the ranks too
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                old_handlers[sig] = signal.signal(sig, _raise_terminated)
         for r in range(opts.ranks):
             env = child_env(opts, phase, r, port)
             if r == 0:
@@ -165,6 +198,8 @@ def run_phase_processes(opts: BenchOptions, phase: str, impls: list, workdir: st
             time.sleep(0.2)
     finally:
         _kill(procs)
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
     codes = [p.returncode for p in procs]
     result = None
     if os.path.exists(result_path):
@@ -268,6 +303,8 @@ def rank_main(opts: BenchOptions, info: LaunchInfo, *, phase: str, impls: list,
 
     import torch
 
+    if info.kind == "launcher":
+        watch_parent()
     if opts.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     world = init_world(info, device=opts.device, side_channel=opts.side_channel, pg_timeout_s=opts.pg_timeout_s)
@@ -338,4 +375,4 @@ def _warn_heap(opts: BenchOptions) -> None:
 
 
 __all__ = ["launch", "run_joined", "rank_main", "BenchError", "PhaseRun", "child_env", "symmetric_bytes",
-           "plan_phases", "run_phase_processes", "precheck"]
+           "plan_phases", "run_phase_processes", "precheck", "BenchTerminated", "watch_parent"]

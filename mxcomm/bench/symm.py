@@ -9,13 +9,14 @@ to ``align`` rows (``major_align``).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .cases import CaseCall, _expert_out
+from .cases import CaseCall, random_rows
 from .routing import BenchInputs, RoutingInfo
 
 TRANSPORT = "torch symmetric memory (NVSHMEM backend), torch.ops.symm_mem.all_to_all_vdev_2d[_offset]"
@@ -78,8 +79,10 @@ def allocate(world, *, max_tokens: int, topk: int, hidden: int, experts: int, al
     symm_mem.set_backend("NVSHMEM")
     group_name = dist.group.WORLD.group_name
     try:
-        symm_mem.enable_symm_mem_for_group(group_name)
-    except Exception:  # noqa: BLE001 - deprecated / not needed in newer torch
+        with warnings.catch_warnings():  # deprecated (a no-op need) in newer torch, required in older
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+    except Exception:  # noqa: BLE001
         pass
     dev = world.device
     max_in, max_out = buffer_rows(max_tokens=max_tokens, topk=topk, experts=experts, world=world.world, align=align)
@@ -129,7 +132,7 @@ def combine_case(bufs: Vdev2dBuffers, routing: RoutingInfo, *, seed: int, rank: 
     the last dispatch (overwritten with random expert outputs) go back to their origin, no reduction."""
     n_rows = int(bufs.out_so[1, -1] + bufs.out_so[0, -1])
     if n_rows:
-        bufs.out[:n_rows].copy_(_expert_out(n_rows, bufs.out.shape[1], bufs.out.device, seed, rank))
+        bufs.out[:n_rows].copy_(random_rows(n_rows, bufs.out.shape[1], bufs.out.device, seed, rank))
 
     def fn():
         torch.ops.symm_mem.all_to_all_vdev_2d_offset(bufs.out, bufs.comb_out, bufs.out_so, bufs.comb_so,
