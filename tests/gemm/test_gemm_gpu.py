@@ -62,14 +62,15 @@ def test_gpu_emulated_paths_vs_fp64(shape, backend):
 
 def test_gpu_triton_paths_agree():
     """Triton: integer decode (int_round=True) and hardware casts give the same bits; dense BF16 operands
-    (dequantized beforehand) the same as in-load dequantize; two tile configs agree to rounding."""
+    (dequantized beforehand) and another tile config agree to accumulation order."""
     M, K, N, sizes = 2048, 2048, 1024, [300, 700, 0, 1000]
     offs = _offs(sizes)
     a = quantize_rows(rand((M, K), 3, "cuda", dtype=torch.bfloat16), layout="grouped_m", group_offs=offs)
     w = MXWeightCache(rand((4, N, K), 4, "cuda", scale=0.05)).forward_weight()
     hw = triton_grouped_mm(a, w, offs)
     assert torch.equal(hw, triton_grouped_mm(a, w, offs, int_round=True))
-    assert torch.equal(hw, triton_grouped_mm(mx.dequantize(a), w.dequantize(), offs))
+    dense = triton_grouped_mm(mx.dequantize(a), w.dequantize(), offs)
+    assert torch.allclose(hw.float(), dense.float(), rtol=2 ** -7, atol=1e-3)
     other = triton_grouped_mm(a, w, offs, config=GroupedGemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4))
     assert torch.allclose(hw.float(), other.float(), rtol=2 ** -7, atol=1e-3)
 
