@@ -122,6 +122,42 @@ def run_backward_case(group: EPGroup, case: Case, rank: int, fails: list, exact:
                 _cmp_bytes(f"{qtag} dispatch_backward(MXFP8Tensor)", gx2, gx, fails)
 
 
+class _MXAwareConsumer(torch.autograd.Function):
+    """Stands in for an MX-aware GEMM: reads the MXFP8Tensor's value, returns an MX gradient
+    (quantized row-wise, GROUPED_M scales on the dispatch offs) as its dgrad would."""
+
+    @staticmethod
+    def forward(ctx, t, offs, mode):
+        ctx.offs, ctx.mode = offs, mode
+        return t.mx.dequantize(torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        mx = quantize(g.to(torch.bfloat16), mode=ctx.mode, layout="grouped_m", group_offs=ctx.offs)
+        return MXFP8Tensor(mx, dtype=torch.bfloat16), None, None
+
+
+def check_mx_grad_through_autograd(group: EPGroup, case: Case, rank: int, fails: list) -> None:
+    """An MX gradient arriving at the dispatch output travels as it is: grad_x equals the oracle's
+    dispatch backward of that MX value."""
+    config = group.config
+    dev = torch.device(case.device)
+    xs, idxs, ws = make_inputs(case)
+    expected, routes = oracle_dispatch(config, xs, idxs)
+    x = xs[rank].to(dev).requires_grad_()
+    d = dispatch(group, x, idxs[rank].to(dev), ws[rank].to(dev))
+    if not isinstance(d.x, MXFP8Tensor):
+        fails.append(f"mx grad through autograd: dispatch output is {type(d.x).__name__}")
+        return
+    up = make_expert_outs(replace(case, seed=case.seed + 17), expected)
+    up = [torch.nan_to_num(u) for u in up]  # upstream gradient of the consumer's output, per rank
+    h = _MXAwareConsumer.apply(d.x, d.offs, config.scale_mode)
+    (h * up[rank].to(dev).float()).sum().backward()
+    grecv = [quantize(u, mode=config.scale_mode, layout="grouped_m", group_offs=e.offs) for u, e in zip(up, expected)]
+    exp = oracle_dispatch_backward(config, grecv, routes, quantize_rows=True)[rank]
+    _cmp_bytes(f"mx grad through autograd[rank {rank}]", x.grad, exp, fails)
+
+
 def _mx_to(mx: MXTensor, dev) -> MXTensor:
     return MXTensor(
         qdata=mx.qdata.to(dev), scales=mx.scales.to(dev), axis=mx.axis, layout=mx.layout, mode=mx.mode,
@@ -225,6 +261,13 @@ def backward_ops_worker(rank: int, world: int, cases: list, with_errors: bool = 
             import traceback
 
             fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    mx_cases = [c for c in cases if c.precision == "mxfp8"]
+    if mx_cases:
+        progress("mx grad through autograd")
+        try:
+            check_mx_grad_through_autograd(groups[mx_cases[0].config()], mx_cases[0], rank, fails)
+        except Exception as e:  # noqa: BLE001
+            fails.append(f"mx grad through autograd[rank {rank}]: raised {type(e).__name__}: {e}")
     if with_errors:
         progress("bad backward inputs")
         bad_backward_inputs(rank, world, fails)
