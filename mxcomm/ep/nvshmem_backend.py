@@ -33,6 +33,7 @@ from ..kernels.mx_device import SCALE_MODE_IDS
 from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
+from .backward_ref import CombineGrads, CombineSaved, route_weight_grad
 from .handle import DispatchResult, EPHandle
 from .plan import RoutingPlan, buffer_regions, local_counts, max_recv_rows, recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
@@ -100,6 +101,7 @@ class NvshmemState:
 
     origins: RowOrigins
     num_rows_dev: torch.Tensor  # int32 [1] real rows (offs[-1])
+    srow: torch.Tensor  # int32 [T, k] destination scale row of each slot (combine backward reuses it)
 
 
 class NvshmemBackend:
@@ -143,6 +145,7 @@ class NvshmemBackend:
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
         self._plan_graphs: dict = {}  # (T, idx dtype) -> PlanGraph
+        self._comb_calls = 0  # host mirror of epoch[1] (which copy of comb_q the last call used)
         # exact_sizes=False never syncs with the host, so expert ids are checked on the device: bad slots
         # are dropped before anything is sent and the error is raised by a later call (see _sanitize).
         self.device_side_checks = not config.exact_sizes
@@ -225,13 +228,13 @@ class NvshmemBackend:
             ev.record()
             self._pending = (host, ev, what)
 
-    def _copy_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int) -> torch.Tensor:
+    def _copy_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int) -> torch.Tensor:
         """Fresh uint8 ``[R, row_bytes]`` copy of the received rows, padding and tail rows zero."""
         from .nvshmem_kernels import copy_out_rows_kernel
 
-        src = self.recv_q.local
-        out = torch.empty(R, src.shape[1], dtype=torch.uint8, device=self.device)
-        words = src.shape[1] // 8
+        src = self.recv_q.local.view(-1)[: self.R_max * row_bytes].view(self.R_max, row_bytes)
+        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
+        words = row_bytes // 8
         if R:
             copy_out_rows_kernel[(min(R, self.programs * 4),)](
                 src.view(torch.int64), out.view(torch.int64), plan.num_rows, origins.src, R,
@@ -258,6 +261,19 @@ class NvshmemBackend:
             self._plan_graphs[key] = g
         return g(topk_idx)
 
+    def _received(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool):
+        """The rows in this rank's receive buffers as the dispatch-layout output (fresh tensors)."""
+        H = self.config.hidden
+        q = self._copy_out(plan, origins, R, H if mx else 2 * H)
+        if not mx:
+            return q.view(torch.bfloat16)
+        ns = grouped_m_rows(R, self.El) * round_up(H // 32, 4)
+        s = self.recv_s.local[:ns].clone().view(-1, round_up(H // 32, 4))
+        return MXTensor(
+            qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1, layout=ScaleLayout.GROUPED_M,
+            mode=self.config.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
+        )
+
     # -- dispatch -------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         from .nvshmem_kernels import dispatch_kernel, exchange_counts_kernel, wait_arrivals_kernel
@@ -283,8 +299,8 @@ class NvshmemBackend:
         dispatch_kernel[(self.programs,)](
             x, T, plan.dest_rank, plan.dest_row, srow,
             self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W, self.n_col_tiles,
-            H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk), MX=self.mx, MODE=self.mode_id,
-            INT_ROUND=self.int_round, num_warps=8,
+            x, H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk), MX=self.mx, MODE=self.mode_id,
+            INT_ROUND=self.int_round, WEIGHTED=False, num_warps=8,
         )
         wait_arrivals_kernel[(W,)](self.flags.local[1], self.epoch[0:1], self.programs, self.err, self.timeout_ns)
         if cfg.exact_sizes:
@@ -294,54 +310,128 @@ class NvshmemBackend:
             R = self.R_max
             self._check_async("dispatch arrivals")
         origins = RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
-        q = self._copy_out(plan, origins, R)
-        if self.mx:
-            ns = grouped_m_rows(R, self.El) * round_up(H // 32, 4)
-            s = self.recv_s.local[:ns].clone().view(-1, round_up(H // 32, 4))
-            out_x = MXTensor(
-                qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1, layout=ScaleLayout.GROUPED_M,
-                mode=cfg.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
-            )
-        else:
-            out_x = q.view(torch.bfloat16)
+        out_x = self._received(plan, origins, R, self.mx)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
             config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,
-            device=x.device, backend_state=NvshmemState(origins=origins, num_rows_dev=plan.num_rows),
+            device=x.device, backend_state=NvshmemState(origins=origins, num_rows_dev=plan.num_rows, srow=srow),
         )
         return result, handle
 
-    # -- combine --------------------------------------------------------------------------
-    def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
+    # -- combine (and dispatch backward: the same direction) ---------------------------------
+    def _to_origin(self, rows, handle: EPHandle, quantize_rows: bool, weights: torch.Tensor, what: str,
+                   save: bool = False):
+        """Send every real expert-major row to its origin slot, then reduce ``sum_j w[t,j] * row``.
+
+        ``rows``: bf16 ``[R, H]`` (quantized in the sending kernel when ``quantize_rows``) or an
+        ``MXTensor`` (travels as it is). Returns ``(y, saved_rows or None)``.
+        """
         from .nvshmem_kernels import combine_reduce_kernel, combine_send_kernel, wait_arrivals_kernel
 
         cfg = self.config
         st: NvshmemState = handle.backend_state
         H, W = cfg.hidden, self.world
         plan = handle.plan
+        passthrough = isinstance(rows, MXTensor)
+        mx = quantize_rows or passthrough
+        if passthrough:
+            payload = rows.qdata.view(torch.uint8).contiguous()
+            in_scales = rows.row_scales().contiguous()
+        else:
+            payload, in_scales = rows.contiguous(), self.err  # in_scales unused
         self.epoch[1] += 1
+        self._comb_calls += 1
         combine_send_kernel[(self.programs,)](
-            expert_out.contiguous(), st.num_rows_dev, st.origins.src, st.origins.pos,
+            payload, st.num_rows_dev, st.origins.src, st.origins.pos,
             self.comb_q.peer_ptrs, self.comb_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W,
-            self.epoch[1:2], self.nslot, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)), MX=quantize_rows,
-            MODE=self.mode_id, INT_ROUND=self.int_round, num_warps=8,
+            self.epoch[1:2], self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)), MX=mx,
+            MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, num_warps=8,
         )
         wait_arrivals_kernel[(W,)](self.flags.local[2], self.epoch[1:2], self.programs, self.err, self.timeout_ns)
         T = handle.num_tokens
         y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        w = handle.topk_weights.to(torch.float32).contiguous()
-        comb = self.comb_q.local if quantize_rows else self.comb_q.local.view(torch.bfloat16)
+        w = weights.to(torch.float32).contiguous()
+        comb = self.comb_q.local if mx else self.comb_q.local.view(torch.bfloat16)
         if T:
             combine_reduce_kernel[(min(T, self.programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.epoch[1:2], self.nslot,
                 H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=min(_CHUNK, triton_next_pow2(H)),
-                MX=quantize_rows, INT_ROUND=self.int_round, num_warps=4,
+                MX=mx, INT_ROUND=self.int_round, num_warps=4,
             )
+        saved = None
+        if save:  # the rows as they arrived, by send position (copy: the buffer is reused)
+            par, n = self._comb_calls % 2, T * cfg.topk
+            if mx:
+                saved = MXTensor(
+                    qdata=self.comb_q.local[par, :n, :H].clone().view(torch.float8_e4m3fn),
+                    scales=self.comb_s.local[par, :n].clone(), axis=1, layout=ScaleLayout.ROW,
+                    mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
+                )
+            else:
+                saved = self.comb_q.local.view(torch.bfloat16)[par, :n].clone()
         if cfg.exact_sizes:
-            self._check("combine arrivals")
+            self._check(what)
         else:
-            self._check_async("combine arrivals")
-        return y
+            self._check_async(what)
+        return y, saved
+
+    def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
+        return self._to_origin(expert_out, handle, quantize_rows, handle.topk_weights, "combine arrivals")[0]
+
+    def combine_for_backward(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool):
+        """Forward combine that also keeps the rows as they arrived (``T*k*H*33/32`` bytes MXFP8, ``*2`` BF16)."""
+        y, rows = self._to_origin(expert_out, handle, quantize_rows, handle.topk_weights, "combine arrivals",
+                                  save=True)
+        return y, CombineSaved(rows=rows)
+
+    def dispatch_backward(self, grad_recv, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
+        """Each row's gradient back to its origin slot (MXFP8 quantized in the sending kernel, or an
+        MXTensor as it is), summed over k in fp32 there."""
+        ones = torch.ones(handle.plan.send_pos.shape, dtype=torch.float32, device=self.device)
+        return self._to_origin(grad_recv, handle, quantize_rows, ones, "dispatch-backward arrivals")[0]
+
+    # -- combine backward (the dispatch direction) ------------------------------------------
+    def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved, quantize_rows: bool) -> CombineGrads:
+        """``g = w[t,j] * grad_y[t]`` quantized per slot in the sending kernel (route weighting fused with
+        the gradient quantization) and stored at the slot's dispatch row on the expert rank; the
+        route-weight gradient from the saved rows at home."""
+        from .nvshmem_kernels import dispatch_kernel, exchange_counts_kernel, wait_arrivals_kernel
+
+        cfg = self.config
+        if quantize_rows != self.mx:
+            raise NotImplementedError(
+                f"the nvshmem backend's combine backward sends {'MXFP8' if self.mx else 'BF16'} rows (it reuses the "
+                f"dispatch buffers sized for precision={cfg.precision!r}); quantize={quantize_rows} is not supported"
+            )
+        plan = handle.plan
+        st: NvshmemState = handle.backend_state
+        W, H, T = self.world, cfg.hidden, handle.num_tokens
+        g = grad_y.contiguous()
+        self.epoch[0] += 1
+        if quantize_rows:
+            self.recv_s.local.zero_()
+        # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
+        exchange_counts_kernel[(W,)](
+            self.err, self.counts.peer_ptrs, self.flags.peer_ptrs, self.flags.local[0], self.epoch[0:1], self.err,
+            self.timeout_ns, self.rank, 0, E_POW2=1,
+        )
+        w = handle.topk_weights.to(torch.float32).contiguous()
+        srow = st.srow if quantize_rows else plan.dest_row
+        dispatch_kernel[(self.programs,)](
+            g, T, plan.dest_rank, plan.dest_row, srow,
+            self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W, self.n_col_tiles,
+            w, H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk),
+            MX=quantize_rows, MODE=self.mode_id, INT_ROUND=self.int_round, WEIGHTED=True, num_warps=8,
+        )
+        wait_arrivals_kernel[(W,)](self.flags.local[1], self.epoch[0:1], self.programs, self.err, self.timeout_ns)
+        R = handle.num_rows
+        if cfg.exact_sizes:
+            self._check("combine-backward arrivals")
+        else:
+            self._check_async("combine-backward arrivals")
+        grad_out = self._received(plan, st.origins, R, quantize_rows)
+        grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos)
+        return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
 
 
 def triton_next_pow2(n: int) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kernels.mx_device import blocked_scale_offset, e4m3_decode, mx_quantize_tile, mx_scale_value
+from ..kernels.mx_device import bf16_rne_int, blocked_scale_offset, e4m3_decode, mx_quantize_tile, mx_scale_value
 from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
@@ -76,14 +76,17 @@ def _arrive_all(flags_peers, row, me, W):
 
 @triton.jit
 def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
-                    q_peers, s_peers, flags_peers, me, W, n_col_tiles,
+                    q_peers, s_peers, flags_peers, me, W, n_col_tiles, w_ptr,
                     H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
-                    MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+                    MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr):
     """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
     straight into each destination rank's buffers at their final expert-major rows.
 
     Per token the routing of all K slots is loaded once (vectors of K), and each chunk of the row is
     stored to all K destinations by one 2-D masked store (no per-slot branches, many stores in flight).
+
+    ``WEIGHTED`` (combine backward): slot ``j`` carries ``w[t, j] * x[t]`` (fp32 product), quantized per
+    slot - the route weighting fused with the gradient quantization; ``w_ptr`` fp32 ``[T, K]``.
 
     Args:
         x_ptr: bf16 ``[T, H]`` contiguous.
@@ -113,12 +116,26 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
             sbase = tl.load(s_peers + rkc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
         else:
             qbase = tl.load(q_peers + rkc, mask=valid, other=0).to(tl.pointer_type(tl.bfloat16))
+        if WEIGHTED:
+            wv = tl.load(w_ptr + t * K + kk, mask=valid, other=0.0)
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
             x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
             m2 = valid[:, None] & m[None, :]
             dst = qbase[:, None] + (row * H + c0)[:, None] + offs[None, :]
-            if MX:
+            if WEIGHTED:
+                xw = wv[:, None] * x.to(tl.float32)[None, :]  # [K, CHUNK]: one row per slot
+                if MX:
+                    q3, s3 = mx_quantize_tile(tl.reshape(xw, (K_POW2, NB, 32)), MODE, INT_ROUND, 2)
+                    tl.store(dst, tl.reshape(q3, (K_POW2, CHUNK)), mask=m2)
+                    cols = c0 // 32 + bcols
+                    soff = blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
+                    tl.store(sbase[:, None] + soff, s3, mask=valid[:, None] & (cols < H // 32)[None, :])
+                elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even by integers
+                    tl.store(dst, bf16_rne_int(xw), mask=m2)
+                else:
+                    tl.store(dst, xw.to(tl.bfloat16), mask=m2)
+            elif MX:
                 q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
                 q = tl.reshape(q2, (CHUNK,))
                 tl.store(dst, tl.broadcast_to(q[None, :], (K_POW2, CHUNK)), mask=m2)
@@ -134,9 +151,9 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
 
 @triton.jit
 def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, s_peers, flags_peers, me, W,
-                        epoch_ptr, nslot,
+                        epoch_ptr, nslot, in_scales_ptr,
                         H: tl.constexpr, BR: tl.constexpr, CHUNK: tl.constexpr,
-                        MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+                        MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, PASS: tl.constexpr):
     """Send each expert-major row back to its origin rank, at its position in the origin's send
     order (MX: quantized in registers, payload in ``comb_q``, scales in ``comb_s``; else BF16).
     ``BR`` rows are handled together as one ``[BR, CHUNK]`` tile (padding rows masked off).
@@ -146,6 +163,9 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
         row_src_ptr / row_pos_ptr: int32 ``[R]`` origin rank (-1 = padding row) and send position.
         q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags``.
         epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * k``.
+        PASS (with MX): ``out_ptr`` is uint8 E4M3 payload ``[R, H]`` and ``in_scales_ptr`` uint8 ROW
+            scales ``[R, H/32]``: already-quantized rows travel as they are (dispatch backward of an
+            MXFP8 gradient).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -170,12 +190,17 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
             m2 = valid[:, None] & m[None, :]
-            x = tl.load(out_ptr + rows.to(tl.int64)[:, None] * H + c0 + offs[None, :], mask=m2, other=0.0)
+            x = tl.load(out_ptr + rows.to(tl.int64)[:, None] * H + c0 + offs[None, :], mask=m2, other=0)
             if MX:
-                q3, s = mx_quantize_tile(tl.reshape(x, (BR, NB, 32)), MODE, INT_ROUND, 2)
-                tl.store(qbase[:, None] + (pos * (2 * H) + c0)[:, None] + offs[None, :],
-                         tl.reshape(q3, (BR, CHUNK)), mask=m2)
                 cols = c0 // 32 + bcols
+                if PASS:
+                    q2 = x
+                    s = tl.load(in_scales_ptr + rows.to(tl.int64)[:, None] * (H // 32) + cols[None, :],
+                                mask=valid[:, None] & (cols < H // 32)[None, :], other=0)
+                else:
+                    q3, s = mx_quantize_tile(tl.reshape(x, (BR, NB, 32)), MODE, INT_ROUND, 2)
+                    q2 = tl.reshape(q3, (BR, CHUNK))
+                tl.store(qbase[:, None] + (pos * (2 * H) + c0)[:, None] + offs[None, :], q2, mask=m2)
                 tl.store(sbase[:, None] + (pos * (H // 32))[:, None] + cols[None, :], s,
                          mask=valid[:, None] & (cols < H // 32)[None, :])
             else:
@@ -229,7 +254,10 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
                 else:
                     v = tl.load(comb_q_ptr + p64 * H + c0 + offs, mask=m & ok, other=0.0).to(tl.float32)
                 acc += tl.where(ok, w * v, 0.0)
-            tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
+            if INT_ROUND:
+                tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
+            else:
+                tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
         t += G
 
 
