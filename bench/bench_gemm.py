@@ -21,6 +21,9 @@ each ``M`` = TOTAL rows over ``G`` (default 8) equal expert groups (M from 128 t
 * ``mx_triton``: prequantized activations, ``backend="triton"`` (E4M3 decoded in the GEMM's load path);
 * ``mx_dequant+q`` / ``mx_triton+q``: BF16 activations, the activation quantize (Triton, grouped_m) charged;
 * components: ``quantize_a``, ``dequant_a``, ``dequant_w`` alone.
+* wgrad (``dW_g = grad_y_g^T x_g``, fp32 ``[G, N, K]``) at the largest M: ``grouped_wgrad`` backends ``dequant``
+  (BF16 ``torch._grouped_mm`` + fp32 cast) and ``triton`` (fp32 accumulator stored), with ``x`` BF16 or MXFP8
+  (the forward's saved input; dequantized per call by ``dequant``, in the load path by ``triton``).
 
 Time: ``triton.testing.do_bench`` median of CUDA-event-timed Python calls (whole call: validation, output
 allocation and all kernels), L2 flushed by do_bench before each call. TFLOP/s = 2*M*N*K / time. Each (projection,
@@ -179,6 +182,7 @@ def main(argv=None):
             del a16, amx
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+        records.extend(wgrad_cases(torch, dev, G, K, N, max(ms), randn, timeit, _ops, meta))
         if not args.no_config_sweep:
             sweeps.extend(config_sweep(torch, G, K, N, max(ms), cache, randn, timeit, grouped_mm,
                                        GroupedGemmConfig, _ops, meta, args.smoke))
@@ -197,6 +201,34 @@ def main(argv=None):
     print(f"\n{HONESTY}\nwrote {out_path}" + (f" and {png}" if png else " (no matplotlib: no PNG)")
           + f"  [{time.time() - t_start:.0f} s]")
     return dict(records=records, summary=summary, config_sweep=sweeps)
+
+
+def wgrad_cases(torch, dev, G, K, N, M, randn, timeit, _ops, meta):
+    """Time grouped_wgrad (dequant vs triton backend; x BF16 or MXFP8) at one (M, K, N); check they agree."""
+    from mxcomm.gemm import grouped_wgrad
+
+    rows = [M // G + (1 if i < M % G else 0) for i in range(G)]
+    offs = torch.tensor(rows, device=dev).cumsum(0).to(torch.int32)
+    x16 = randn((M, K), 21).to(torch.bfloat16)
+    xmx = _ops.quantize_rows(x16, layout="grouped_m", group_offs=offs)
+    gy = randn((M, N), 22).to(torch.bfloat16)
+    out = []
+    ref = grouped_wgrad(gy, xmx, offs, backend="dequant")
+    for name, xin, backend in (("wgrad_dequant_bf16x", x16, "dequant"), ("wgrad_dequant_mxx", xmx, "dequant"),
+                               ("wgrad_triton_bf16x", x16, "triton"), ("wgrad_triton_mxx", xmx, "triton")):
+        rec = dict(case=name, kind="wgrad", K=K, N=N, M=M, rows_per_group=M / G, **meta)
+        try:
+            if xin is xmx:
+                got = grouped_wgrad(gy, xin, offs, backend=backend)
+                rec["agree_with_dequant"] = bool(torch.allclose(got, ref, rtol=2 ** -7,
+                                                                atol=1e-3 * float(ref.abs().max()) + 1e-6))
+                del got
+            t = timeit(lambda: grouped_wgrad(gy, xin, offs, backend=backend))
+            rec.update(ms=t, tflops=2.0 * M * N * K / t / 1e9)
+        except Exception as e:
+            rec.update(error=f"{type(e).__name__}: {e}"[:500])
+        out.append(rec)
+    return out
 
 
 def config_sweep(torch, G, K, N, M, cache, randn, timeit, grouped_mm, GroupedGemmConfig, _ops, meta, smoke):
@@ -254,7 +286,15 @@ def summarize(records):
     best = None
     if g["mx_dequant"] is not None and g["mx_triton"] is not None:
         best = "dequant" if g["mx_dequant"] <= g["mx_triton"] else "triton"
+    wg = {}
+    for name in ("wgrad_dequant_mxx", "wgrad_triton_mxx"):
+        v = [r["ms"] for r in ok if r["case"] == name]
+        wg[name] = sum(v) if v else None
+    wbest = None
+    if all(wg.values()):
+        wbest = "dequant" if wg["wgrad_dequant_mxx"] <= wg["wgrad_triton_mxx"] else "triton"
     return dict(per_projection=per_proj, geomean_time_ratio_vs_bf16=g, recommended_hopper_backend=best,
+                wgrad_total_ms=wg, recommended_wgrad_backend=wbest,
                 note="time ratio > 1 means slower than BF16; on sm_90 the MX paths are emulated (see honesty_note)")
 
 
@@ -269,7 +309,8 @@ def print_table(records, summary, sweeps):
         print(f"{kn:>11} {r['M']:>6} {r['case']:<18} {r['ms']:9.3f} {tf}")
     print("\ngeomean time ratio vs BF16:", {k: (round(v, 3) if v else v)
                                             for k, v in summary["geomean_time_ratio_vs_bf16"].items()},
-          "-> recommended Hopper backend:", summary["recommended_hopper_backend"])
+          "-> recommended Hopper backend:", summary["recommended_hopper_backend"],
+          "| wgrad:", summary["recommended_wgrad_backend"])
     if sweeps:
         best = {}
         for s in sweeps:
@@ -287,7 +328,7 @@ def plot(records, out_path):
         import matplotlib.pyplot as plt
     except Exception:
         return None
-    ok = [r for r in records if r.get("tflops")]
+    ok = [r for r in records if r.get("tflops") and r.get("kind") == "gemm"]
     projs = sorted({(r["K"], r["N"]) for r in ok})
     if not projs:
         return None

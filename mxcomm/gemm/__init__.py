@@ -28,7 +28,13 @@ from .grouped import (
     reference_grouped_mm,
     reference_grouped_wgrad,
 )
-from .triton_gemm import GroupedGemmConfig, default_gemm_config, triton_grouped_mm, zero_rows_past_end
+from .triton_gemm import (
+    GroupedGemmConfig,
+    default_gemm_config,
+    triton_grouped_mm,
+    triton_grouped_wgrad,
+    zero_rows_past_end,
+)
 from .weights import MXWeight, MXWeightCache, StaleWeightCacheError
 
 __all__ = [
@@ -36,5 +42,5 @@ __all__ = [
     "native_args", "GemmBackend", "EMULATED_DEFAULT", "select_backend", "native_mxfp8_supported",
     "check_native_allowed", "device_capability", "MXWeight", "MXWeightCache", "StaleWeightCacheError",
     "MXGroupedLinear", "GroupedLinearConfig", "grouped_linear", "GroupedGemmConfig", "default_gemm_config",
-    "triton_grouped_mm", "zero_rows_past_end",
+    "triton_grouped_mm", "triton_grouped_wgrad", "zero_rows_past_end",
 ]

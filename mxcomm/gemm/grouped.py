@@ -35,7 +35,7 @@ from ..mx import MXTensor, ScaleLayout
 from ..mx.scales import BLOCK
 from . import _ops
 from .backend import GemmBackend, check_native_allowed, select_backend
-from .triton_gemm import GroupedGemmConfig, triton_grouped_mm, zero_rows_past_end
+from .triton_gemm import GroupedGemmConfig, triton_grouped_mm, triton_grouped_wgrad, zero_rows_past_end
 from .weights import MXWeight, MXWeightCache
 
 _DENSE = (torch.bfloat16, torch.float16, torch.float32)
@@ -288,9 +288,10 @@ def grouped_wgrad(
             forward input this is exactly the operand the forward multiplied).
         offs: ``[G]`` int32 group end offsets; rows past ``offs[-1]`` are ignored.
         out: optional fp32 ``[G, N, K]`` gradient to accumulate into (``out += dW``).
-        backend: None = auto (CUDA: ``dequant``; CPU: ``reference``). ``dequant`` / ``triton`` / ``native``:
-            BF16 ``torch._grouped_mm`` (fp32 accumulation inside, one BF16 rounding of each group's result),
-            then fp32; ``reference``: fp32 loop.
+        backend: None = auto (CUDA: ``dequant``; CPU: ``reference``). ``dequant`` / ``native``: BF16
+            ``torch._grouped_mm`` (fp32 accumulation inside, one BF16 rounding of each group's result), then fp32;
+            ``triton``: one Triton kernel, MX ``x`` decoded in its load path, fp32 accumulator stored (and
+            accumulated into ``out``) without a BF16 rounding; ``reference``: fp32 loop.
     Returns:
         fp32 ``[G, N, K]`` (``out`` itself when given); empty groups give zeros.
     """
@@ -322,6 +323,8 @@ def grouped_wgrad(
     b = GemmBackend.REFERENCE if (backend is None and dev.type != "cuda") else GemmBackend(backend or "dequant")
     if b == GemmBackend.REFERENCE:
         res = reference_grouped_wgrad(go, xx, offs)
+    elif b == GemmBackend.TRITON:
+        return triton_grouped_wgrad(_dense(go, torch.bfloat16), xx, offs, out=out)
     else:
         if N % 8 or K % 8:
             raise ValueError(f"{fn}: N={N} and K={K} must be multiples of 8 for the BF16 grouped GEMM")

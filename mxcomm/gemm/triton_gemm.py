@@ -94,7 +94,8 @@ def _grouped_mm_kernel(
 
     a: ``[M, K]`` E4M3 bytes with scales ``as`` (A_LAYOUT 0: row ``[M, K/32]``; 2: grouped_m blocked with
     ``as_cols`` columns) if A_MX, else bf16. w: ``[G, N, K]`` E4M3 bytes with row scales ``ws [G, N, K/32]``
-    if W_MX, else bf16. DOT_F32 (interpreter only) multiplies the bf16 tiles as fp32. K % 32 == 0 (a constexpr: the loop bound; one compile per hidden size).
+    if W_MX, else bf16. DOT_F32 (interpreter only) multiplies the bf16 tiles as fp32. K % 32 == 0; K is a
+    constexpr (the loop bound: the interpreter's range() cannot take a runtime bound; one compile per size).
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -157,6 +158,92 @@ def _grouped_mm_kernel(
         else:
             res = acc.to(tl.bfloat16)
         tl.store(out_ptr + rows64[:, None] * N + cols64[None, :], res, mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _wgrad_step(acc, step, go_ptr, x_ptr, xs_ptr, g_start, g_size, s_start, N, K, xs_cols, cols_n, nmask, kbs, kbm,
+                kcol, X_MX: tl.constexpr, X_LAYOUT: tl.constexpr, INT_ROUND: tl.constexpr, DOT_F32: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_M-row step of :func:`_grouped_wgrad_kernel`: acc += go[rows]^T @ x[rows]."""
+    nkb = K // 32
+    r = step * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = r < g_size
+    rows64 = (g_start + r).to(tl.int64)
+    go = tl.load(go_ptr + rows64[:, None] * N + cols_n[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+    xm = rmask[:, None, None] & kbm[None, :, None]
+    x_off = rows64[:, None, None] * K + kcol
+    if X_MX:
+        xq = tl.load(x_ptr + x_off, mask=xm, other=0)
+        if X_LAYOUT == 0:
+            xs_off = rows64[:, None] * nkb + kbs[None, :]
+        else:
+            xs_off = blocked_scale_offset((s_start + r)[:, None], kbs[None, :], xs_cols // 4)
+        xsb = tl.load(xs_ptr + xs_off, mask=rmask[:, None] & kbm[None, :], other=0)
+        x3 = dequant_tile_bf16(xq, xsb, INT_ROUND)
+    else:
+        x3 = tl.load(x_ptr + x_off, mask=xm, other=0.0)
+    x2 = tl.reshape(x3, (BLOCK_M, BLOCK_K))
+    if DOT_F32:
+        acc = tl.dot(tl.trans(go.to(tl.float32)), x2.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(tl.trans(go), x2, acc)
+    return acc
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    go_ptr, x_ptr, xs_ptr, offs_ptr, out_ptr,
+    M, N, K, n_groups, xs_cols,
+    X_MX: tl.constexpr, X_LAYOUT: tl.constexpr, INT_ROUND: tl.constexpr, INTERP: tl.constexpr,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    G_POW2: tl.constexpr,
+):
+    """out[g] (fp32 [N, K]) (+)= go[rows g]^T @ x[rows g] for every group g (2D x 2D, groups along rows).
+
+    go: ``[M, N]`` bf16. x: ``[M, K]`` E4M3 bytes with scales ``xs`` (X_LAYOUT 0: row ``[M, K/32]``; 2: grouped_m
+    blocked, ``xs_cols`` columns) if X_MX, else bf16. INTERP: Triton interpreter (fp32 dot, while loop).
+    Program (tile, g): one ``[BLOCK_N, BLOCK_K]`` tile of group g's gradient, looping over the group's rows;
+    empty groups store zeros (or leave ``out`` unchanged with ACCUMULATE). K % 32 == 0.
+    """
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pid_n = pid // num_k
+    pid_k = pid % num_k
+    gi = tl.arange(0, G_POW2)
+    gm = gi < n_groups
+    end = tl.load(offs_ptr + gi, mask=gm, other=0)
+    start = tl.load(offs_ptr + gi - 1, mask=gm & (gi > 0), other=0)
+    size = tl.where(gm, end - start, 0)
+    sel = gi == g
+    g_start = tl.sum(tl.where(sel, start, 0), 0)
+    g_size = tl.sum(tl.where(sel, size, 0), 0)
+    s_start = tl.sum(tl.where(gi < g, (size + 127) // 128 * 128, 0), 0)
+    NKB: tl.constexpr = BLOCK_K // 32
+    nkb = K // 32
+    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols_n < N
+    kbs = pid_k * NKB + tl.arange(0, NKB)
+    kbm = kbs < nkb
+    kcol = kbs[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    n_steps = tl.cdiv(g_size, BLOCK_M)
+    if INTERP:  # the interpreter's range() cannot take a loaded bound: same step in a while loop, fp32 dot
+        step = 0
+        while step < n_steps:
+            acc = _wgrad_step(acc, step, go_ptr, x_ptr, xs_ptr, g_start, g_size, s_start, N, K, xs_cols, cols_n, nmask,
+                              kbs, kbm, kcol, X_MX, X_LAYOUT, INT_ROUND, INTERP, BLOCK_M, BLOCK_K)
+            step += 1
+    else:
+        for step in range(0, n_steps):
+            acc = _wgrad_step(acc, step, go_ptr, x_ptr, xs_ptr, g_start, g_size, s_start, N, K, xs_cols, cols_n, nmask,
+                              kbs, kbm, kcol, X_MX, X_LAYOUT, INT_ROUND, INTERP, BLOCK_M, BLOCK_K)
+    kcols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    o_off = g.to(tl.int64) * N * K + cols_n.to(tl.int64)[:, None] * K + kcols[None, :]
+    omask = nmask[:, None] & (kcols < K)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_ptr + o_off, mask=omask, other=0.0)
+    tl.store(out_ptr + o_off, acc, mask=omask)
 
 
 @triton.jit
@@ -319,5 +406,71 @@ def triton_grouped_mm(
     return zero_rows_past_end(out, offs)
 
 
-__all__ = ["GroupedGemmConfig", "default_gemm_config", "triton_grouped_mm", "zero_rows_past_end", "group_of_tile",
+def triton_grouped_wgrad(
+    grad_out: torch.Tensor,
+    x,
+    offs: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    config: Optional[GroupedGemmConfig] = None,
+    int_round: Optional[bool] = None,
+) -> torch.Tensor:
+    """Expert weight gradient in fp32: ``out[g] (+)= grad_out[rows g]^T @ x[rows g]`` (Triton, one kernel).
+
+    Args:
+        grad_out: ``[M, N]`` bf16.
+        x: ``[M, K]`` bf16, or MXTensor (axis 1, row or grouped_m scales for ``offs``) decoded in the load path.
+        offs: ``[G]`` int32 group end offsets; rows past ``offs[-1]`` are ignored.
+        out: fp32 ``[G, N, K]`` to accumulate into (``out += dW``); None = a new tensor.
+        config: ``block_n`` x ``block_k`` output tile, ``block_m`` rows per step (default 128x128x64 on GPU).
+    Returns:
+        fp32 ``[G, N, K]`` (``out`` when given); the fp32 accumulator is stored without a BF16 rounding.
+    """
+    fn = "triton_grouped_wgrad"
+    x_mx = x if isinstance(x, MXTensor) else None
+    x_t = x_mx.qdata if x_mx is not None else x
+    _check_runnable(grad_out, fn)
+    interp = interpret_mode()
+    ir = (interp or grad_out.device.type != "cuda") if int_round is None else bool(int_round)
+    M, N = grad_out.shape
+    Mx, K = x_t.shape
+    if Mx != M:
+        raise ValueError(f"{fn}: grad_out has {M} rows but x has {Mx}")
+    if K % BLOCK:
+        raise ValueError(f"{fn}: K={K} is not a multiple of 32")
+    G = offs.numel()
+    offs = _ops.check_offs(offs, G, grad_out.device, fn)
+    _ops.check_offs_values(offs, M, fn)
+    if out is not None:
+        if out.dtype != torch.float32 or tuple(out.shape) != (G, N, K) or not out.is_contiguous():
+            raise ValueError(f"{fn}: out must be a contiguous fp32 [{G}, {N}, {K}] tensor")
+        res = out
+    else:
+        res = torch.empty((G, N, K), dtype=torch.float32, device=grad_out.device)
+    go = grad_out.to(torch.bfloat16).contiguous()
+    if x_mx is not None:
+        if x_mx.layout not in (ScaleLayout.ROW, ScaleLayout.GROUPED_M):
+            x_mx = x_mx.with_layout(ScaleLayout.ROW)
+        x_ptr, xs_ptr = x_mx.qdata.contiguous().view(torch.uint8), x_mx.scales.view(torch.uint8).contiguous()
+        x_layout = LAYOUT_ROW if x_mx.layout == ScaleLayout.ROW else LAYOUT_GROUPED
+        xs_cols = xs_ptr.shape[-1]
+    else:
+        x_ptr, xs_ptr, x_layout, xs_cols = x_t.to(torch.bfloat16).contiguous(), None, LAYOUT_ROW, 0
+    if G and N and K:
+        if interp:
+            cfg = config or GroupedGemmConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
+        else:
+            cfg = config or GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+        grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(K, cfg.block_k), G)
+        _grouped_wgrad_kernel[grid](
+            go, x_ptr, xs_ptr if xs_ptr is not None else go, offs, res,
+            M, N, K, G, xs_cols,
+            X_MX=x_mx is not None, X_LAYOUT=x_layout, INT_ROUND=ir, INTERP=interp, ACCUMULATE=out is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            G_POW2=triton.next_power_of_2(max(G, 1)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return res
+
+
+__all__ = ["GroupedGemmConfig", "default_gemm_config", "triton_grouped_mm", "triton_grouped_wgrad", "zero_rows_past_end", "group_of_tile",
            "dequant_tile_bf16", "interpret_mode"]

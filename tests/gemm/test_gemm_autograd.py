@@ -55,6 +55,17 @@ def test_mx_path_dense_input(backend, quantize_dgrad):
     assert bool((xin.grad[int(offs[-1]):] == 0).all())
 
 
+def test_triton_wgrad_backend():
+    """wgrad by the Triton kernel (fp32 accumulator, MX input decoded in its load path)."""
+    offs, x, W, gy = _setup(seed=11, pattern="first_last_empty")
+    cache = MXWeightCache(W)
+    y = grouped_linear(x, W, offs, cache, GroupedLinearConfig(wgrad_backend="triton"))
+    y.backward(gy)
+    a_mx = mx.quantize(x, layout="grouped_m", group_offs=offs)
+    _, _, (dww, dwb) = _mx_oracles(a_mx, cache, gy, offs)
+    assert_close_gemm(W.grad, dww, dwb, M, out_rel=2.0 ** -20)  # no bf16 rounding of the result
+
+
 def test_mx_path_mxtensor_input_and_wrappers():
     offs, x, W, gy = _setup(seed=2)
     cache = MXWeightCache(W)

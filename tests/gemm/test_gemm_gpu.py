@@ -101,6 +101,15 @@ def test_gpu_bf16_and_wgrad():
     assert dw.dtype == torch.float32
     assert_close_gemm(dw, fp32_wgrad(go.float(), x.float(), offs), fp32_wgrad(go.float().abs(), x.float().abs(), offs), M)
     assert bool((dw[1] == 0).all())  # the empty group
+    # Triton wgrad: fp32 result (no bf16 rounding), MX x decoded in the load path, accumulate into out
+    xm = quantize_rows(x, layout="grouped_m", group_offs=offs)
+    xm32 = mx.dequantize(xm, torch.float32)
+    acc = torch.ones(4, N, K, device="cuda")
+    dwt = grouped_wgrad(go, xm, offs, backend="triton", out=acc)
+    assert dwt is acc
+    assert_close_gemm(dwt - 1, fp32_wgrad(go.float(), xm32, offs), fp32_wgrad(go.float().abs(), xm32.abs(), offs) + 1,
+                      M, out_rel=2.0 ** -20)
+    assert bool((dwt[1] == 1).all())
 
 
 @pytest.mark.parametrize("backend", ["dequant", "triton"])

@@ -183,7 +183,7 @@ def test_cpu_grouped_mm_probe():
 # ------------------------------------------------------------------------------------------------
 # wgrad
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", [None, "reference", "dequant"])
+@pytest.mark.parametrize("backend", [None, "reference", "dequant", "triton"])
 @pytest.mark.parametrize("pattern", list(OFFS_PATTERNS))
 def test_grouped_wgrad(backend, pattern):
     M, K, N, G = 140, 64, 32, 4
@@ -199,13 +199,16 @@ def test_grouped_wgrad(backend, pattern):
     assert bool((got[sizes.to(got.device) == 0] == 0).all())
 
 
-def test_grouped_wgrad_mx_inputs_and_accumulate():
+@pytest.mark.parametrize("x_layout", ["grouped_m", "row"])
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_grouped_wgrad_mx_inputs_and_accumulate(backend, x_layout):
     M, K, N, G = 96, 64, 64, 3
     offs = make_offs("uneven", M)[:G]
-    x = mx.quantize(rand((M, K), 32, dtype=torch.bfloat16), layout="grouped_m", group_offs=offs)
+    x = mx.quantize(rand((M, K), 32, dtype=torch.bfloat16), layout=x_layout,
+                    group_offs=offs if x_layout == "grouped_m" else None)
     go = rand((M, N), 33, dtype=torch.bfloat16)
     acc = torch.full((G, N, K), 0.5, device=DEV)
-    out = grouped_wgrad(go, x, offs, out=acc)
+    out = grouped_wgrad(go, x, offs, out=acc, backend=backend)
     assert out is acc
     want = fp32_wgrad(go.float(), mx.dequantize(x, torch.float32), offs) + 0.5
     bound = fp32_wgrad(go.float().abs(), mx.dequantize(x, torch.float32).abs(), offs) + 0.5
@@ -252,6 +255,9 @@ def test_errors():
         grouped_wgrad(rand((M - 1, N), 1), x, offs)
     with pytest.raises(ValueError, match="out must be"):
         grouped_wgrad(rand((M, N), 1), x, offs, out=torch.zeros(G, N, K, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="contiguous"):
+        grouped_wgrad(rand((M, N), 1), x, offs, backend="triton",
+                      out=torch.zeros(G, K, N, device=DEV).transpose(1, 2))
     if INTERP:
         with pytest.raises(ValueError):
             triton_grouped_mm(a, cache.forward_weight(), offs, int_round=False)
