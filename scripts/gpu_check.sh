@@ -21,12 +21,12 @@ if [[ $what == tests || $what == all ]]; then
   k=()
   [[ -n $kexpr ]] && k=(-k "$kexpr")
   timeout 540 python3 -m pytest -q -m "gpu or nvshmem" -p no:cacheprovider "${k[@]}" \
-      tests/kernels tests/ep tests/transport 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+      tests/kernels tests/ep tests/transport tests/gemm tests/mpi tests/test_cli.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "gpu tests rc=$rc"
   # 4 ranks on one GPU need MPS (started here, stopped at the end; the transport tests manage their own).
   if [[ -z $kexpr ]] && mxcomm_mps_start 4; then
-    timeout 300 python3 -m pytest -q -m nvshmem -p no:cacheprovider -k four_ranks tests/ep 2>&1 \
+    timeout 300 python3 -m pytest -q -m nvshmem -p no:cacheprovider -k four_ranks tests/ep tests/mpi 2>&1 \
         | tee "$OUT/gpu_tests_mps.log" | tail -15
     rc4=${PIPESTATUS[0]}
     mxcomm_mps_stop
