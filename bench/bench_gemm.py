@@ -179,16 +179,12 @@ def main(argv=None):
                 except Exception as e:
                     rec.update(error=f"{type(e).__name__}: {e}"[:500])
                 records.append(rec)
-            del a16, amx
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         records.extend(wgrad_cases(torch, dev, G, K, N, max(ms), randn, timeit, _ops, meta))
         if not args.no_config_sweep:
             sweeps.extend(config_sweep(torch, G, K, N, max(ms), cache, randn, timeit, grouped_mm,
                                        GroupedGemmConfig, _ops, meta, args.smoke))
-        del master, w16, cache, cache_bf16, fw
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
 
     summary = summarize(records)
     out_path = args.out

@@ -32,7 +32,6 @@ from typing import Optional
 import torch
 
 from ..mx import MXTensor, ScaleLayout
-from ..mx.scales import BLOCK
 from . import _ops
 from .backend import GemmBackend, check_native_allowed, select_backend
 from .triton_gemm import GroupedGemmConfig, triton_grouped_mm, triton_grouped_wgrad, zero_rows_past_end

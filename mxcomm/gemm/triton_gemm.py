@@ -472,5 +472,6 @@ def triton_grouped_wgrad(
     return res
 
 
-__all__ = ["GroupedGemmConfig", "default_gemm_config", "triton_grouped_mm", "triton_grouped_wgrad", "zero_rows_past_end", "group_of_tile",
+__all__ = ["GroupedGemmConfig", "default_gemm_config", "triton_grouped_mm", "triton_grouped_wgrad", "zero_rows_past_end",
+           "group_of_tile",
            "dequant_tile_bf16", "interpret_mode"]

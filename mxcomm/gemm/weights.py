@@ -157,8 +157,9 @@ class MXWeight:
                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
         G, N, K = w.shape
         if K % BLOCK or (transpose and N % BLOCK):
-            raise ValueError(f"expert weights [G, N, K] = {tuple(w.shape)}: the quantized axis ({'N' if transpose else 'K'})"
-                             " must be a multiple of 32")
+            axis = "N" if transpose else "K"
+            raise ValueError(f"expert weights [G, N, K] = {tuple(w.shape)}: the quantized axis ({axis}) must be a "
+                             "multiple of 32")
         with torch.no_grad():
             w2 = w.detach().reshape(G * N, K)
             if not transpose:

@@ -9,7 +9,7 @@ dtypes and strides of the real arguments.
 import pytest
 import torch
 
-from gemm_cases import DEV, make_offs, rand  # noqa: F401  (import order: TRITON_INTERPRET first)
+from gemm_cases import make_offs, rand  # first: sets TRITON_INTERPRET where there is no GPU
 
 from mxcomm import mx
 from mxcomm.gemm import (

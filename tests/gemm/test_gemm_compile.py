@@ -25,7 +25,8 @@ out = {}
 for a_mx, lay, w_mx in ((True, 2, True), (True, 0, True), (False, 0, True), (True, 2, False), (False, 0, False)):
     sig = {"a_ptr": "*u8" if a_mx else "*bf16", "as_ptr": "*u8", "w_ptr": "*u8" if w_mx else "*bf16", "ws_ptr": "*u8",
            "offs_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "n_groups": "i32", "as_cols": "i32",
-           "K": "constexpr", "A_MX": "constexpr", "A_LAYOUT": "constexpr", "W_MX": "constexpr", "INT_ROUND": "constexpr",
+           "K": "constexpr", "A_MX": "constexpr", "A_LAYOUT": "constexpr", "W_MX": "constexpr",
+           "INT_ROUND": "constexpr",
            "DOT_F32": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
            "GROUP_M": "constexpr", "G_POW2": "constexpr"}
     out[f"mm-{a_mx}-{lay}-{w_mx}"] = ptx(TG._grouped_mm_kernel, sig, dict(K=4096, A_MX=a_mx, A_LAYOUT=lay, W_MX=w_mx,

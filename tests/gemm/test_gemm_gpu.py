@@ -94,12 +94,14 @@ def test_gpu_bf16_and_wgrad():
     x = rand((M, K), 7, "cuda", dtype=torch.bfloat16)
     w = rand((4, N, K), 8, "cuda", dtype=torch.bfloat16, scale=0.05)
     y = grouped_mm_bf16(x, w, offs)
-    assert_close_gemm(y, fp32_grouped(x.float(), w.float(), offs), fp32_grouped(x.float().abs(), w.float().abs(), offs), K)
+    assert_close_gemm(y, fp32_grouped(x.float(), w.float(), offs),
+                      fp32_grouped(x.float().abs(), w.float().abs(), offs), K)
     assert bool((y[int(offs[-1]):] == 0).all())
     go = rand((M, N), 9, "cuda", dtype=torch.bfloat16)
     dw = grouped_wgrad(go, x, offs)
     assert dw.dtype == torch.float32
-    assert_close_gemm(dw, fp32_wgrad(go.float(), x.float(), offs), fp32_wgrad(go.float().abs(), x.float().abs(), offs), M)
+    assert_close_gemm(dw, fp32_wgrad(go.float(), x.float(), offs),
+                      fp32_wgrad(go.float().abs(), x.float().abs(), offs), M)
     assert bool((dw[1] == 0).all())  # the empty group
     # Triton wgrad: fp32 result (no bf16 rounding), MX x decoded in the load path, accumulate into out
     xm = quantize_rows(x, layout="grouped_m", group_offs=offs)

@@ -264,7 +264,8 @@ def ptx(fn, sig, consts, **opts):
 out = {}
 fsig = {"gu_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "offs_ptr": "*i32", "h_ptr": "*bf16", "M": "i32", "N": "i32",
         "n_groups": "i32", "s_cols": "i32", "MODE": "constexpr", "INT_ROUND": "constexpr", "LIBDEVICE": "constexpr",
-        "LAYOUT": "constexpr", "STORE_H": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "G_POW2": "constexpr"}
+        "LAYOUT": "constexpr", "STORE_H": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+        "G_POW2": "constexpr"}
 for lay in (0, 2):
     out[f"fwd-{lay}"] = ptx(S._swiglu_quant_kernel, fsig, dict(MODE=0, INT_ROUND=False, LIBDEVICE=True, LAYOUT=lay,
                             STORE_H=False, BLOCK_M=8, BLOCK_N=512, G_POW2=16), enable_reflect_ftz=False)
