@@ -635,22 +635,49 @@ def world_worker(rank: int, world: int, op_cases: list, moe: list, with_errors: 
     return {"failures": a["failures"] + b["failures"], "ops": a, "moe": b["cases"]}
 
 
+def matched_transport(case):
+    """The nvshmem backend's backward sends what its buffers were sized for (MXFP8 for precision
+    "mxfp8", BF16 for "bf16"; other combinations raise NotImplementedError, checked by
+    :func:`check_mismatched_transport_refused`): keep only the matching quantize= modes."""
+    ok = (None, True) if case.precision == "mxfp8" else (None, False)
+    return replace(case, combine_modes=tuple(m for m in case.combine_modes if m in ok) or (None,))
+
+
+def check_mismatched_transport_refused(group, case, rank: int, fails: list) -> None:
+    """nvshmem: a combine backward asking for the other transport precision fails with a clear error."""
+    dev = torch.device(case.device)
+    xs, idxs, ws = make_inputs(case)
+    res, handle = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    gy = torch.zeros(handle.num_tokens, case.hidden, dtype=torch.bfloat16, device=dev)
+    try:
+        group.combine_backward(gy, handle, None, quantize=case.precision != "mxfp8")
+    except NotImplementedError as e:
+        if "not supported" not in str(e):
+            fails.append(f"mismatched transport[rank {rank}]: unclear message {e}")
+    else:
+        fails.append(f"mismatched transport[rank {rank}]: no error")
+
+
 def gpu_world_worker(rank: int, world: int, backend: str = "torch", n_ops: Optional[int] = None) -> dict:
     """GPU variant: every case with CUDA tensors (``backend``: "torch" reference or "nvshmem")."""
     torch.cuda.set_device(rank % torch.cuda.device_count() if backend == "torch" else 0)
     dev = f"cuda:{torch.cuda.current_device()}"
     ops = [replace(c, device=dev, backend=backend) for c in backward_op_cases(world, seed=3)][:n_ops]
     moe = [replace(c, device=dev, backend=backend) for c in moe_cases(world, seed=3)]
+    if backend == "nvshmem":
+        ops = [matched_transport(c) for c in ops]
     out = world_worker(rank, world, ops, moe, False)
     if backend == "nvshmem":
         from mxcomm import transport as tp
 
+        check_mismatched_transport_refused(EPGroup(ops[0].config()), ops[0], rank, out["failures"])
         tp.finalize()
     return out
 
 
 __all__ = [
     "MoECase", "moe_cases", "moe_inputs", "moe_reference", "moe_step", "backward_op_cases", "backward_ops_worker",
-    "moe_worker", "world_worker", "gpu_world_worker", "make_grads", "make_grad_recvs", "moe_block",
+    "moe_worker", "world_worker", "gpu_world_worker", "make_grads", "matched_transport",
+    "check_mismatched_transport_refused", "make_grad_recvs", "moe_block",
     "compile_worker",
 ]

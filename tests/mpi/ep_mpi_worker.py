@@ -121,7 +121,7 @@ def _run_backward(args, rank: int, world: int, res: dict) -> None:
     ops = ac.backward_op_cases(world, seed=args.seed)
     moe = [c for c in ac.moe_cases(world, seed=args.seed) if c.exact]
     if args.backend == "nvshmem":
-        ops = [replace(c, device="cuda:0", backend="nvshmem") for c in ops]
+        ops = [ac.matched_transport(replace(c, device="cuda:0", backend="nvshmem")) for c in ops]
         moe = [replace(c, device="cuda:0", backend="nvshmem") for c in moe]
     a = ac.backward_ops_worker(rank, world, ops)
     b = ac.moe_worker(rank, world, moe)
