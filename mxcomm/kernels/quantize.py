@@ -221,12 +221,18 @@ class QuantizeConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        if self.block_k < 32 or self.block_k & (self.block_k - 1):
-            raise ValueError(f"block_k must be a power of two >= 32, got {self.block_k}")
-        if self.block_rows < 1 or self.block_rows & (self.block_rows - 1):
-            raise ValueError(f"block_rows must be a power of two >= 1, got {self.block_rows}")
-        if self.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"num_warps must be a power of two <= 32, got {self.num_warps}")
+        check_tile(self.block_rows, self.block_k, self.num_warps, "block_k")
+
+
+def check_tile(block_rows: int, block_cols: int, num_warps: int, cols_name: str) -> None:
+    """ValueError unless ``block_cols`` is a power of two >= 32, ``block_rows`` a power of two >= 1 and
+    ``num_warps`` a power of two <= 32 (shared by the kernels' tile configs)."""
+    if block_cols < 32 or block_cols & (block_cols - 1):
+        raise ValueError(f"{cols_name} must be a power of two >= 32, got {block_cols}")
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two >= 1, got {block_rows}")
+    if num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps}")
 
 
 @functools.lru_cache(maxsize=None)

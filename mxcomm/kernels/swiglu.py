@@ -29,7 +29,6 @@ within one bf16 ulp; not bit-exact).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,7 +40,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from ..mx.scales import BLOCK
 from .mx_device import bf16_rne_int, blocked_scale_offset, grouped_padded_index, mx_quantize_tile, to_fp32
-from .quantize import _check_mode, _check_offs, _layout_id
+from .quantize import _check_mode, _check_offs, _layout_id, _sm_count_of, check_tile
 
 try:  # libdevice expf (torch's CUDA silu calls expf); absent from some Triton builds
     from triton.language.extra.cuda import libdevice as _libdevice
@@ -176,17 +175,7 @@ class SwigluConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        if self.block_n < 32 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 32, got {self.block_n}")
-        if self.block_rows < 1 or self.block_rows & (self.block_rows - 1):
-            raise ValueError(f"block_rows must be a power of two >= 1, got {self.block_rows}")
-        if self.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"num_warps must be a power of two <= 32, got {self.num_warps}")
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(idx: int) -> int:
-    return torch.cuda.get_device_properties(idx).multi_processor_count
+        check_tile(self.block_rows, self.block_n, self.num_warps, "block_n")
 
 
 def default_swiglu_config(M: int, N: int, device: torch.device, interpret: bool) -> SwigluConfig:

@@ -190,17 +190,7 @@ def main() -> int:
     return 1 if res["error"] else 0
 
 
-def _hard_exit(code: int) -> None:
-    """Exit without interpreter finalization: gloo's worker threads can still be dropping Python
-    references then, which aborts the process (seen in CI: ProcessGroupGloo::runLoop during
-    shutdown -> SIGABRT, rc 134) after all results were written. MPI is finalized first."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _hard_exit(main())
+    from worker_exit import hard_exit
+
+    hard_exit(main())
