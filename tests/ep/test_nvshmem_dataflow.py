@@ -178,3 +178,40 @@ def test_nvshmem_backward_loopback_match_oracle(precision):
         gx = be.dispatch_backward(gr, handle, q)
         torch.testing.assert_close(gx.float(), oracle_dispatch_backward(cfg, [gr], routes, q)[0].float(),
                                    rtol=1e-2, atol=1e-2)
+
+
+class TwoRankHeap(LoopbackHeap):
+    """Rank 0 of a world of 2 whose rank 1 never runs: rank 1's buffers exist (so stores land) but
+    nobody signals from it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ctx = _Ctx(torch.device("cpu"), rank=0, world=2)
+        self.peer_side = {}
+
+    def alloc(self, name, shape, dtype):
+        mine, theirs = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        self.peer_side[name] = theirs
+        self.bufs[name] = _Buf(mine, torch.tensor([mine.data_ptr(), theirs.data_ptr()], dtype=torch.int64))
+        return self.bufs[name]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (host clock); on a GPU see tests/transport")
+def test_peer_that_never_arrives_raises_naming_it():
+    """Every wait of the EP kernels is bounded: rank 1 never publishes its counts nor sends rows, so
+    rank 0's dispatch raises PeerTimeout naming rank 1 after about timeout_s instead of hanging."""
+    import time
+
+    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.transport import PeerTimeout
+
+    cfg = EPConfig(num_experts=4, hidden=32, topk=2, max_tokens_per_rank=4, backend="nvshmem", num_sms=1,
+                   timeout_s=0.5)
+    be = NvshmemBackend(cfg, None, 0, 2, heap=TwoRankHeap())
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    idx = torch.tensor([[0, 2], [1, 3], [2, -1]])
+    t0 = time.monotonic()
+    with pytest.raises(PeerTimeout) as ei:
+        be.dispatch(x, idx, torch.ones(3, 2))
+    assert ei.value.peer == 1
+    assert time.monotonic() - t0 < 60
