@@ -40,6 +40,7 @@ from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 
 _CHUNK = 1024
 _PROGRAMS_PER_SM = 4
+_MAX_PLAN_GRAPHS = 8  # captured plan graphs kept per backend (least recently used dropped)
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class NvshmemBackend:
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
-        self._plan_graphs: dict = {}  # (T, idx dtype) -> PlanGraph
+        self._plan_graphs: dict = {}  # (T, idx dtype) -> PlanGraph, least recently used first
         self._comb_calls = 0  # host mirror of epoch[1] (which copy of comb_q the last call used)
         # exact_sizes=False never syncs with the host, so expert ids are checked on the device: bad slots
         # are dropped before anything is sent and the error is raised by a later call (see _sanitize).
@@ -255,10 +256,12 @@ class NvshmemBackend:
         if self.device.type != "cuda" or T == 0:
             return compute_plan(self.counts.local.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
         key = (T, topk_idx.dtype)
-        g = self._plan_graphs.get(key)
+        g = self._plan_graphs.pop(key, None)
         if g is None:
             g = PlanGraph(self.counts.local, T, k, topk_idx.dtype, self.rank, self.config.align, self._plan_extra)
-            self._plan_graphs[key] = g
+            while len(self._plan_graphs) >= _MAX_PLAN_GRAPHS:  # bounded: varying T must not grow memory
+                self._plan_graphs.pop(next(iter(self._plan_graphs)))
+        self._plan_graphs[key] = g  # most recently used last
         return g(topk_idx)
 
     def _received(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool):
