@@ -448,7 +448,46 @@ def nvshmem_cases_worker(rank: int, world: int, n_random: int = 0) -> dict:
     return out
 
 
+def nvshmem_soak_worker(rank: int, world: int, iters: int, seed: int = 5) -> dict:
+    """nvshmem backend, ONE group reused for ``iters`` calls of random token counts and routings (every
+    rank on GPU 0): each dispatch's rows checksummed against the oracle, each combine checked, and
+    the GPU memory allocated after the warm-up must not grow (plan graphs are an LRU of 8)."""
+    torch.cuda.set_device(0)
+    rng = random.Random(seed)
+    E, H, k, Tmax = 4 * world, 256, 3, 48
+    base = Case("soak", tuple([Tmax] * world), E, H, k, max_tokens=Tmax, device="cuda:0", backend="nvshmem")
+    group = EPGroup(base.config())
+    fails, mem = [], []
+    for i in range(iters):
+        case = replace(base, name=f"soak{i}", seed=seed * 1000003 + i, drop_p=rng.choice([0.0, 0.3]),
+                       tokens=tuple(rng.choice([0, 1, 7, rng.randint(0, Tmax)]) for _ in range(world)),
+                       routing=rng.choice(["random", "random", "subset", "one_expert"]),
+                       hot_expert=rng.randrange(E), used_experts=k + 1)
+        xs, idxs, ws = make_inputs(case)
+        expected, routes = oracle_dispatch(group.config, xs, idxs)
+        res, handle = group.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda())
+        got = row_checksums(res.x.qdata.view(torch.uint8)).cpu()
+        want = row_checksums(expected[rank].x.qdata.view(torch.uint8))
+        if not torch.equal(got, want) or not torch.equal(res.x.scales.cpu(), expected[rank].x.scales):
+            fails.append(f"{case.name}[rank {rank}]: dispatch rows or scales differ from the oracle")
+        if i % 10 == 0:
+            outs = make_expert_outs(case, expected)
+            y = group.combine(outs[rank].cuda(), handle)
+            y_exp = oracle_combine(group.config, outs, routes, ws, quantize_rows=True)[rank]
+            check_combine(f"{case.name} combine", y, y_exp, fails, [])
+        if i == iters // 4 or i == iters - 1:
+            torch.cuda.synchronize()
+            mem.append(torch.cuda.memory_allocated())
+    if len(mem) == 2 and mem[1] > mem[0] + (64 << 20):
+        fails.append(f"rank {rank}: GPU memory grew from {mem[0]} to {mem[1]} bytes over the soak")
+    from mxcomm import transport as tp
+
+    tp.finalize()
+    return {"failures": fails, "cases": iters, "combine_checks": 1, "memory": mem}
+
+
 __all__ = [
+    "nvshmem_soak_worker",
     "nvshmem_cases_worker",
     "Case", "make_inputs", "make_expert_outs", "standard_cases", "random_cases", "run_cases", "soak_worker",
     "bad_inputs_worker", "config_mismatch_worker", "gpu_cases_worker", "check_dispatch", "row_checksums",

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from _dist import run_world
-from ep_cases import nvshmem_cases_worker
+from ep_cases import nvshmem_cases_worker, nvshmem_soak_worker
 from mxcomm.transport import launcher_env
 
 pytestmark = pytest.mark.nvshmem
@@ -40,3 +40,7 @@ def _mps_running() -> bool:
 def test_nvshmem_four_ranks_one_gpu_mps():
     env = dict(ENV, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="25")
     _assert_clean(run_world(4, nvshmem_cases_worker, 4, env=env, timeout=900))
+
+
+def test_nvshmem_soak_1000_iterations_no_corruption_no_memory_growth():
+    _assert_clean(run_world(1, nvshmem_soak_worker, 1000, env=ENV, timeout=900))
