@@ -3,25 +3,31 @@ peers' NVSHMEM symmetric buffers (peer pointers, release/acquire flags at system
 
 One call of :meth:`NvshmemBackend.dispatch` (all on the current CUDA stream):
 
-1. per-expert counts of this rank (torch), epoch += 1 (device tensor, so a CUDA graph can replay it);
+1. per-expert counts of this rank (torch), epoch += 1 (a device tensor: a CUDA graph can replay it);
 2. ``exchange_counts_kernel``: publish counts into every peer's ``counts[me]`` + flag; wait for all;
-3. the shared :func:`mxcomm.ep.plan.build_plan` on the exchanged counts (torch, no host sync),
-   plus each slot's scale row in the destination's grouped-along-M blocked matrix;
+3. the shared :func:`mxcomm.ep.plan.build_plan` on the exchanged counts, plus each slot's scale row in
+   the destination's grouped-along-M blocked matrix and each received row's origin - replayed from a
+   CUDA graph captured once per token count (:mod:`mxcomm.ep.plan_graph`), no host sync;
 4. ``dispatch_kernel``: each BF16 row read once, quantized in registers, payload and scales stored
    at their final expert-major positions in the destination's buffers; arrival flags;
 5. ``wait_arrivals_kernel`` (bounded; raises :class:`mxcomm.transport.PeerTimeout` naming the peer);
-6. copy-out of the received rows into fresh tensors, padding rows zeroed (the symmetric buffer is
-   reused by the next call, so results must not alias it).
+6. ``copy_out_rows_kernel``: the real rows into fresh tensors, padding rows zero (the symmetric
+   buffer is reused by the next call, so results must not alias it).
 
 The scale region of this rank's buffer is zeroed before this rank publishes its counts: no peer
 writes into it before it sees those counts, so padding scale bytes are zero without a race.
 
-Combine mirrors it: each expert-major row goes back to its origin at its send position (quantized
-in registers when ``quantize``), then the origin reduces ``sum_k w * row`` in fp32.
+Combine (and dispatch backward) send each expert-major row back to its origin at its send position
+(quantized in registers, or an MXFP8 gradient as it is), then the origin reduces ``sum_k w * row`` in
+fp32. Combine backward is a dispatch whose kernel multiplies each slot's row by its route weight and
+quantizes per slot (the weighting fused with the gradient quantization).
 
-Buffer reuse is safe because every dispatch starts with the counts exchange: a rank publishes its
-counts only after its previous combine finished reading its buffers (stream order), and no peer
-writes before it has seen every rank's counts.
+Buffer reuse without a global barrier: ops towards the experts (dispatch, combine backward) start
+with the counts / "ready" exchange, so nobody writes into a rank's receive buffer before that rank
+finished copying out the previous op (stream order); ops towards the origins (combine, dispatch
+backward) alternate between two copies of the return buffer by epoch parity (see nvshmem_kernels).
+Peers without a peer pointer (other nodes) are refused at construction: the put-with-signal path
+(:mod:`mxcomm.transport.put_signal`) exists but is not wired in yet.
 """
 from __future__ import annotations
 
@@ -98,7 +104,8 @@ def dest_scale_rows(plan: RoutingPlan, topk_idx: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class NvshmemState:
-    """Backend part of an :class:`EPHandle`: row origins of the dispatch output and the dispatch epoch."""
+    """Backend part of an :class:`EPHandle`: row origins of the dispatch output, its real row count on
+    the device, and each slot's destination scale row."""
 
     origins: RowOrigins
     num_rows_dev: torch.Tensor  # int32 [1] real rows (offs[-1])
@@ -168,8 +175,8 @@ class NvshmemBackend:
             )
         if not ctx.all_local:
             raise NotImplementedError(
-                f"peers {ctx.remote_peers} have no peer pointer (other nodes); the put-with-signal path "
-                "for them is not built yet"
+                f"peers {ctx.remote_peers} have no peer pointer (other nodes); the EP backend does not use "
+                "the put-with-signal path (mxcomm.transport.put_signal) for them yet"
             )
         return tp.SymmetricHeap(ctx)
 
