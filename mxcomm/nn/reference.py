@@ -7,17 +7,30 @@ A loop over experts in float64 (or any dtype), no dispatch/combine, no grouped G
 with the router of :class:`mxcomm.nn.Router` (same :class:`RouterConfig`) computed in the same dtype.
 Differentiable (run ``backward`` through it for reference gradients).
 
-``simulate=True`` applies the roundings the layer documents at the same points, in the forward only
-(straight-through in the backward): BF16 path - the weights, ``gu``, ``h``, each expert output and ``y``
-rounded to bf16;
-MXFP8 path - additionally the dispatch (row-wise MXFP8 of ``x``), the weights (MXFP8 along the reduction
-axis), ``h`` (MXFP8 after the bf16 rounding), and the combine (row-wise MXFP8 of each expert output row).
-It isolates what an implementation adds on top of the format (accumulation order, fp32 vs float64).
+``simulate=True`` applies the roundings the layer documents, at the same points, in the forward AND the
+backward, so that what remains is only the implementation's own arithmetic (fp32 accumulation order vs
+float64). Per precision:
+
+============================  ==========================================  ==========================================
+point                         forward                                     backward
+============================  ==========================================  ==========================================
+dispatch (per slot row)       mxfp8: row-wise MXFP8 of x; bf16: none      row grad: bf16, then (mxfp8) row MXFP8
+expert projection ``a W^T``   W: MXFP8 along K (mxfp8) / bf16; out bf16   grad_out bf16 (+ row MXFP8); grad_a =
+                                                                          bf16(grad_out @ W_dgrad), W_dgrad MXFP8
+                                                                          along N (mxfp8) / bf16; grad_W = grad_out^T a
+SwiGLU                        h = bf16(silu(g) u); (mxfp8) row MXFP8 of h grad_gu rounded to bf16
+combine (per slot row)        mxfp8: row MXFP8 of the expert output       ``w * grad_y``: (mxfp8) row MXFP8 / bf16
+output ``y``                  bf16 (routed part, then with the shared)    grad_y bf16
+============================  ==========================================  ==========================================
+
+The shared expert sees ``x`` quantized like the dispatch (mxfp8) with no transport rounding of its gradient.
+Not simulated: the final bf16 rounding of ``grad_x`` and the bf16 sum of the routed and shared ``x``
+gradients (each under one bf16 ulp).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,14 +51,8 @@ class ReferenceOutput:
     topk_weights: torch.Tensor
 
 
-class _StraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fn):
-        return fn(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+def _ident(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -55,6 +62,36 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
 def _qdq(t: torch.Tensor, mode: str, axis: int = -1) -> torch.Tensor:
     """MXFP8 quantize -> dequantize along ``axis`` (rounded to fp32 first), back in t's dtype."""
     return mx.quantize(t.to(torch.float32), mode=mode, axis=axis).dequantize(torch.float32).to(t.dtype)
+
+
+class _Sim(torch.autograd.Function):
+    """Value map ``fwd`` in the forward, gradient map ``bwd`` in the backward (a simulated rounding)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd: Callable, bwd: Callable):
+        ctx.bwd = bwd
+        return fwd(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.bwd(g), None, None
+
+
+class _SimLinear(torch.autograd.Function):
+    """``bf16(a @ wf(W)^T)``; backward ``grad_a = bf16(gq(g) @ wd(W))``, ``grad_W = bf16(g)^T @ a`` (the layer's
+    grouped projection: MXFP8 or BF16 forward/dgrad operands, wgrad from the forward's input)."""
+
+    @staticmethod
+    def forward(ctx, a, w, wf: Callable, wd: Callable, gq: Callable):
+        ctx.save_for_backward(a, w)
+        ctx.wd, ctx.gq = wd, gq
+        return _bf16(a @ wf(w).t())
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w = ctx.saved_tensors
+        g = _bf16(g)
+        return _bf16(ctx.gq(g) @ ctx.wd(w)), g.t() @ a, None, None, None
 
 
 def reference_route(x: torch.Tensor, router_weight: torch.Tensor, config: MoEConfig,
@@ -76,24 +113,51 @@ def reference_route(x: torch.Tensor, router_weight: torch.Tensor, config: MoECon
     return topk_idx.to(torch.int64), w, scores, aux
 
 
-def _swiglu_mlp(a, w13, w2, sim_bf16: bool, sim_mx: bool, mode: str):
-    st = _StraightThrough.apply
+@dataclass(frozen=True)
+class _Rounding:
+    """The value maps of one precision (see the module docstring's table); identities when not simulating."""
+
+    simulate: bool
+    disp_f: Callable = _ident
+    disp_b: Callable = _ident
+    comb_f: Callable = _ident
+    comb_b: Callable = _ident
+    w_fwd: Callable = _ident
+    w_dgrad: Callable = _ident
+    g_q: Callable = _ident
+    h_f: Callable = _ident
+
+    @staticmethod
+    def of(config: MoEConfig, simulate: bool) -> "_Rounding":
+        if not simulate:
+            return _Rounding(False)
+        if config.precision == "bf16":
+            return _Rounding(True, disp_b=_bf16, comb_b=_bf16, w_fwd=_bf16, w_dgrad=_bf16, h_f=_bf16)
+        m = config.scale_mode
+
+        def q(t):
+            return _qdq(t, m)
+        return _Rounding(
+            True, disp_f=q, disp_b=lambda g: q(_bf16(g)), comb_f=q, comb_b=q,
+            w_fwd=lambda w: _qdq(w, m, axis=-1), w_dgrad=lambda w: _qdq(w, m, axis=0), g_q=q,
+            h_f=lambda h: q(_bf16(h)),
+        )
+
+    def linear(self, a, w):
+        if not self.simulate:
+            return a @ w.t()
+        return _SimLinear.apply(a, w, self.w_fwd, self.w_dgrad, self.g_q)
+
+    def sim(self, t, f, b):
+        return _Sim.apply(t, f, b) if self.simulate else t
+
+
+def _swiglu_mlp(a, w13, w2, r: _Rounding):
     F_ = w13.shape[0] // 2
-    if sim_mx:
-        w13 = st(w13, lambda t: _qdq(t, mode, axis=-1))
-        w2 = st(w2, lambda t: _qdq(t, mode, axis=-1))
-    elif sim_bf16:  # the BF16 path casts the fp32 masters to bf16 for its GEMMs
-        w13, w2 = st(w13, _bf16), st(w2, _bf16)
-    gu = a @ w13.t()
-    if sim_bf16:
-        gu = st(gu, _bf16)
+    gu = r.sim(r.linear(a, w13), _ident, _bf16)
     h = F.silu(gu[:, :F_]) * gu[:, F_:]
-    if sim_bf16:
-        h = st(h, _bf16)
-    if sim_mx:
-        h = st(h, lambda t: _qdq(t, mode))
-    out = h @ w2.t()
-    return st(out, _bf16) if sim_bf16 else out
+    h = r.sim(h, r.h_f, _ident)
+    return r.linear(h, w2)
 
 
 def moe_reference(
@@ -105,40 +169,33 @@ def moe_reference(
 
     Args:
         x: ``[T, H]`` (its dtype is the computation dtype, e.g. float64; requires_grad for gradients).
-        config: the layer's :class:`MoEConfig` (router options, precision/scale mode for ``simulate``).
+        config: the layer's :class:`MoEConfig` (router options; precision and scale mode for ``simulate``).
         router: ``[E, H]``. w13: ``[E, 2F, H]`` (gate rows, then up rows). w2: ``[E, H, F]``.
         shared_w13 / shared_w2: ``[2Fs, H]`` / ``[H, Fs]`` (or with a leading 1), when the layer has a shared
             expert.
         topk_idx: optional ``[T, k]`` selection to use instead of this function's own top-k (e.g. the layer's,
             so that a near-tie decided differently in fp32 cannot change the comparison).
-        simulate: apply the layer's roundings (forward only, see the module docstring).
+        simulate: apply the layer's roundings in forward and backward (see the module docstring).
     Returns:
         :class:`ReferenceOutput`.
     """
     dt = x.dtype
-    sim_mx = simulate and config.precision == "mxfp8"
-    mode = config.scale_mode
-    st = _StraightThrough.apply
+    r = _Rounding.of(config, simulate)
     idx, w, _, aux = reference_route(x, router, config, topk_idx)
-    xin = st(x, lambda t: _qdq(t, mode)) if sim_mx else x
     y = torch.zeros_like(x)
     for e in range(config.num_experts):
         tok, slot = torch.nonzero(idx == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        out = _swiglu_mlp(xin[tok], w13[e].to(dt), w2[e].to(dt), simulate, sim_mx, mode)
-        if sim_mx:
-            out = st(out, lambda t: _qdq(t, mode))
+        a = r.sim(x[tok], r.disp_f, r.disp_b)
+        out = _swiglu_mlp(a, w13[e].to(dt), w2[e].to(dt), r)
+        out = r.sim(out, r.comb_f, r.comb_b)
         y = y.index_add(0, tok, w[tok, slot].unsqueeze(1) * out)
-    if simulate:
-        y = st(y, _bf16)
+    y = r.sim(y, _bf16, _bf16)
     if shared_w13 is not None:
         s13 = shared_w13.reshape(-1, shared_w13.shape[-1]).to(dt)
         s2 = shared_w2.reshape(shared_w2.shape[-2], -1).to(dt)
-        sh = _swiglu_mlp(xin if sim_mx else x, s13, s2, simulate, sim_mx, mode)
-        y = y + sh
-        if simulate:
-            y = st(y, _bf16)
+        y = r.sim(y + _swiglu_mlp(r.sim(x, r.disp_f, _ident), s13, s2, r), _bf16, _bf16)
     return ReferenceOutput(y=y, aux_loss=aux, topk_idx=idx, topk_weights=w)
 
 

@@ -1,0 +1,157 @@
+"""Shared helpers of the mxcomm.nn tests: cases, global weights, one training step of the layer, the world-1
+process-group fixture and the world worker (imported by spawned ranks: keep it importable, no pytest at import).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mxcomm.nn import MoE, MoEConfig, RouterConfig, init_single_process, make_ep_group, moe_reference
+
+try:  # present in the spawned ranks (tests/ is on sys.path)
+    from _dist import progress
+except ImportError:  # pragma: no cover
+    def progress(msg):
+        pass
+
+
+@dataclass(frozen=True)
+class NNCase:
+    """One MoE layer configuration plus data: ``tokens[r]`` tokens on rank r of a world of ``len(tokens)``."""
+
+    name: str
+    precision: str
+    tokens: tuple = (48,)
+    dim: int = 64
+    ffn_dim: int = 96
+    num_experts: int = 8
+    topk: int = 2
+    shared_ffn_dim: int = 0
+    score_func: str = "softmax"
+    norm_topk_prob: Optional[bool] = None
+    route_scale: float = 1.0
+    aux_loss_coef: float = 0.0
+    scale_mode: str = "rceil"
+    weight_std: float = 0.1
+    seed: int = 0
+
+    def config(self, **kw) -> MoEConfig:
+        c = MoEConfig(
+            dim=self.dim, ffn_dim=self.ffn_dim, num_experts=self.num_experts, topk=self.topk,
+            precision=self.precision, shared_ffn_dim=self.shared_ffn_dim, scale_mode=self.scale_mode,
+            router=RouterConfig(score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
+                                route_scale=self.route_scale, aux_loss_coef=self.aux_loss_coef),
+            max_tokens_per_rank=max(max(self.tokens), 1),
+        )
+        return replace(c, **kw) if kw else c
+
+
+def global_weights(case: NNCase) -> dict:
+    """fp32 global weights of the whole layer (all experts), from the case's seed."""
+    g = torch.Generator().manual_seed(1000 + case.seed)
+    E, H, F, Fs, s = case.num_experts, case.dim, case.ffn_dim, case.shared_ffn_dim, case.weight_std
+
+    def rn(*shape):
+        return torch.randn(*shape, generator=g) * s
+
+    w = dict(router=rn(E, H) * 3, w13=rn(E, 2 * F, H), w2=rn(E, H, F))
+    if Fs:
+        w.update(shared_w13=rn(2 * Fs, H), shared_w2=rn(H, Fs))
+    return w
+
+
+def inputs(case: NNCase) -> dict:
+    """Per rank: x fp32 ``[T_r, H]`` holding bf16 values (so every precision sees the same input) and an upstream
+    gradient ``G`` ``[T_r, H]`` (loss = sum(y * G))."""
+    g = torch.Generator().manual_seed(2000 + case.seed)
+    xs = [torch.randn(T, case.dim, generator=g).to(torch.bfloat16).float() for T in case.tokens]
+    gs = [torch.randn(T, case.dim, generator=g) for T in case.tokens]
+    return {"xs": xs, "gs": gs}
+
+
+def step(moe: MoE, x: torch.Tensor, G: torch.Tensor) -> dict:
+    """Forward + backward of ``loss = sum(y * G) (+ aux)``; returns y, grads (CPU, detached)."""
+    for p in moe.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_()
+    y = moe(x)
+    loss = (y.float() * G).sum()
+    if moe.aux_loss is not None:
+        loss = loss + moe.aux_loss
+    loss.backward()
+    out = {"y": y.detach(), "gx": x.grad.detach(), "idx": moe.last_routing.topk_idx.detach(),
+           "aux": None if moe.aux_loss is None else float(moe.aux_loss)}
+    for n, p in moe.named_parameters():
+        out["g_" + n.replace(".", "_")] = None if p.grad is None else p.grad.detach().clone()
+    return out
+
+
+def reference_step(case: NNCase, w: dict, x: torch.Tensor, G: torch.Tensor, *, topk_idx=None,
+                   simulate: bool = False) -> dict:
+    """The float64 reference of :func:`step` (keys as there, parameter gradients global-shaped)."""
+    xr = x.double().requires_grad_()
+    params = {k: v.double().requires_grad_() for k, v in w.items()}
+    ref = moe_reference(xr, case.config(), topk_idx=topk_idx, simulate=simulate, **params)
+    loss = (ref.y * G.double()).sum()
+    if ref.aux_loss is not None:
+        loss = loss + ref.aux_loss
+    loss.backward()
+    out = {"y": ref.y.detach(), "gx": xr.grad, "idx": ref.topk_idx,
+           "aux": None if ref.aux_loss is None else float(ref.aux_loss)}
+    names = {"router": "g_router_weight", "w13": "g_w13", "w2": "g_w2", "shared_w13": "g_shared_w13",
+             "shared_w2": "g_shared_w2"}
+    for k, p in params.items():
+        out[names[k]] = p.grad if p.grad is not None else torch.zeros_like(p)
+    return out
+
+
+def sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``10 log10(|ref|^2 / |got - ref|^2)`` (shapes must agree; inf when equal)."""
+    got, ref = got.detach().double().reshape(ref.shape), ref.detach().double()
+    noise = float(((got - ref) ** 2).sum())
+    sig = float((ref ** 2).sum())
+    if noise == 0.0:
+        return math.inf
+    return 10.0 * math.log10(sig / noise) if sig > 0 else -math.inf
+
+
+GRAD_KEYS = ("gx", "g_router_weight", "g_w13", "g_w2", "g_shared_w13", "g_shared_w2")
+
+
+def build_layer(case: NNCase, w: dict, ep=None, **cfg_kw) -> MoE:
+    moe = MoE(case.config(**cfg_kw), ep_group=ep)
+    moe.load_global_weights(**w)
+    return moe
+
+
+# ------------------------------------------------------------------------------ world runs ----
+def world_worker(rank: int, world: int, cases: list) -> dict:
+    """Each case: the layer over the world's EP group, this rank's tokens; returns its outputs and gradients."""
+    out = {}
+    for case in cases:
+        assert len(case.tokens) == world, case.name
+        progress(case.name)
+        w = global_weights(case)
+        inp = inputs(case)
+        ep = make_ep_group(case.config())
+        moe = build_layer(case, w, ep)
+        res = step(moe, inp["xs"][rank], inp["gs"][rank])
+        res["local_experts"] = (moe.local_experts.start, moe.local_experts.stop)
+        out[case.name] = res
+    return out
+
+
+def world1_pg():
+    """Generator for a pytest fixture: a torch.distributed world of 1 in this process, torn down afterwards
+    when it was not already up."""
+    created = not dist.is_initialized()
+    init_single_process()
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
