@@ -33,18 +33,14 @@ graph). If one rank's loss ignores ``y`` its peers wait in the backward collecti
 process group's timeout. If autograd calls a backward without a gradient (``None``), it is
 treated as zero, so the collective still runs.
 
-torch.compile: :func:`dispatch` and :func:`combine` are ``torch.compiler.disable``-d: a graph
-break at each communication call, the code around them compiles, results and gradients are
-identical to eager (tested). :class:`MXFP8Tensor` itself is traceable (``fullgraph=True`` works on
-code that consumes it; ``__tensor_flatten__``). Not done - what a break-free version needs:
-(1) ``torch.library.custom_op``s for dispatch / combine / their backwards whose arguments are
-tensors only (the handle flattened into its plan tensors, the group looked up by an id), with
-``register_autograd``; (2) fake implementations with static worst-case shapes
-(``exact_sizes=False``: ``R = max_recv_rows``, scales ``grouped_m_rows(R, El)``; exact sizes would
-need unbacked symints); (3) the reference backend's host-side split sizes recomputed inside the ops
-(they cannot live in the handle); (4) the MXFP8Tensor built from the op's qdata/scales outputs
-inside the graph; (5) ``mxcomm.mx.layouts.from_grouped_m`` without boolean-mask indexing
-(``nonzero`` breaks the graph when a GROUPED_M tensor is dequantized in compiled code).
+torch.compile: with ``EPConfig.exact_sizes=False`` (static worst-case row count), :func:`dispatch`
+and :func:`combine` route to :mod:`mxcomm.ep.ops` when compiling: ``torch.library`` custom ops with
+fake implementations, the group looked up by an int id, the handle flattened into its plan tensors,
+the MXFP8Tensor built from the op's payload/scales in the graph - no graph break
+(``fullgraph=True`` works; tested, identical to eager). With ``exact_sizes=True`` (default) they stay
+``torch.compiler.disable``-d: a graph break at each communication call, the code around them
+compiles, results and gradients identical to eager (tested). Not done for ``exact_sizes=True``:
+exact output sizes would need unbacked symints.
 """
 from __future__ import annotations
 
@@ -58,6 +54,7 @@ from ..mx.subclass import MXFP8Tensor
 from .backward_ref import CombineSaved
 from .group import EPGroup
 from .handle import EPHandle
+from . import ops as _ops
 
 GRAD_FORMATS = ("dense", "mx")
 
@@ -163,12 +160,16 @@ class _CombineFn(torch.autograd.Function):
         return g, gw, None, None, None, None, None
 
 
-@torch.compiler.disable
 def dispatch(
     group: EPGroup, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
     grad_quantize: Optional[bool] = None,
 ) -> Dispatched:
     """Differentiable :meth:`EPGroup.dispatch`.
+
+    Under ``torch.compile`` with ``group.config.exact_sizes=False`` this is
+    :func:`mxcomm.ep.ops.dispatch_op` (custom ops, no graph break; returns an
+    :class:`mxcomm.ep.ops.OpDispatched` with the same fields, whose ``handle`` is an ``OpHandle``);
+    otherwise the eager implementation below (a graph break under torch.compile).
 
     Args:
         group: the :class:`EPGroup`.
@@ -182,6 +183,13 @@ def dispatch(
         :class:`Dispatched`.
     Collective (forward and backward).
     """
+    if isinstance(group, EPGroup) and not group.config.exact_sizes and torch.compiler.is_compiling():
+        return _ops.dispatch_op(group, x, topk_idx, topk_weights, grad_quantize=grad_quantize)
+    return _dispatch_eager(group, x, topk_idx, topk_weights, grad_quantize=grad_quantize)
+
+
+@torch.compiler.disable
+def _dispatch_eager(group, x, topk_idx, topk_weights, *, grad_quantize=None) -> Dispatched:
     if not isinstance(group, EPGroup):
         raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
     box = _Box()
@@ -194,7 +202,6 @@ def dispatch(
     return Dispatched(x=out, offs=res.offs, counts=res.counts, num_rows=res.num_rows, handle=handle)
 
 
-@torch.compiler.disable
 def combine(
     group: EPGroup, expert_out: torch.Tensor, handle: EPHandle, *, topk_weights: Optional[torch.Tensor] = None,
     quantize: Optional[bool] = None, grad_quantize: Optional[bool] = None, grad_format: str = "dense",
@@ -218,7 +225,22 @@ def combine(
     Memory: when ``topk_weights`` requires grad, the returned rows are kept for the backward
     (``n_send * H * 33/32`` bytes with MXFP8 transport, ``* 2`` with BF16; ``n_send <= T*k``).
     Collective (forward and backward).
+    An ``OpHandle`` (from :func:`dispatch` under torch.compile) goes to :func:`mxcomm.ep.ops.combine_op`.
     """
+    if isinstance(handle, _ops.OpHandle):
+        return _ops.combine_op(
+            group, expert_out, handle, topk_weights=topk_weights, quantize=quantize, grad_quantize=grad_quantize,
+            grad_format=grad_format,
+        )
+    return _combine_eager(
+        group, expert_out, handle, topk_weights=topk_weights, quantize=quantize, grad_quantize=grad_quantize,
+        grad_format=grad_format,
+    )
+
+
+@torch.compiler.disable
+def _combine_eager(group, expert_out, handle, *, topk_weights=None, quantize=None, grad_quantize=None,
+                   grad_format="dense") -> torch.Tensor:
     if not isinstance(group, EPGroup):
         raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
     if not isinstance(handle, EPHandle):

@@ -1,0 +1,561 @@
+"""Graph-break-free dispatch/combine for ``torch.compile``: ``torch.library`` custom ops with static shapes.
+
+    from mxcomm.ep.ops import dispatch_op, combine_op      # or mxcomm.ep.autograd.dispatch/combine,
+                                                           # which route here under torch.compile
+    d = dispatch_op(group, x, topk_idx, topk_weights)     # group.config.exact_sizes must be False
+    y = combine_op(group, expert_out, d.handle)
+
+Works in eager mode too (same values as :func:`mxcomm.ep.autograd.dispatch` / ``combine``) and under
+``torch.compile(fullgraph=True)`` (no graph break: every op has a fake implementation).
+
+Why ``exact_sizes=False`` only: the fake implementations must give exact output shapes without
+running the op. With ``exact_sizes=False`` the dispatch output has the static worst-case row count
+``R = max_recv_rows(config, W)`` (:func:`mxcomm.ep.plan.max_recv_rows`); everything else is sized
+from ``T``, ``k``, ``W``, ``E``, ``H``. (Exact sizes would need unbacked symints.)
+
+Ops (namespace ``mxcomm_ep``; opaque to the compiler, each a collective; arguments are tensors,
+ints and strs only):
+
+* ``dispatch(x, topk_idx, topk_weights, gid) -> Tensor[]``: ``[payload, scales, *plan, *state]``.
+  payload float8_e4m3fn ``[R, H]`` (mxfp8) or bfloat16 ``[R, H]``; scales uint8 GROUPED_M
+  ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` on ``offs`` (mxfp8) or uint8 ``[0]``; ``plan`` the
+  :class:`RoutingPlan` tensors in :data:`PLAN_TENSORS` order; ``state`` the backend's handle state
+  (:data:`STATE_TENSORS`; none for the ``torch`` backend).
+* ``dispatch_backward(grad, topk_idx, handle, gid, quantize) -> Tensor``: bfloat16 ``[T, H]``.
+  An :class:`MXFP8Tensor` ``grad`` is routed (``register_torch_dispatch``) to
+  ``dispatch_backward_mx(qdata, scales, group_offs, layout, mode, ...)`` and travels as it is.
+* ``combine(expert_out, topk_weights, topk_idx, handle, gid, quantize, save) -> (y, saved_q, saved_s)``:
+  y bfloat16 ``[T, H]``; with ``save``: the rows as they arrived at the origin, padded to ``T*k`` rows
+  (float8 ``[T*k, H]`` + uint8 ROW scales ``[T*k, H/32]`` after MXFP8 transport; bfloat16 ``[T*k, H]``
+  + uint8 ``[0]`` after BF16), else two uint8 ``[0]``. ``T*k*H*33/32`` (or ``*2``) bytes kept.
+* ``combine_backward(grad_y, topk_weights, topk_idx, handle, saved_q, saved_s, gid, quantize, has_saved,
+  grad_mx) -> (g_payload, g_scales, grad_w)``: gradient of ``expert_out`` in the dispatch layout:
+  with ``grad_mx`` and MXFP8 transport float8 ``[R, H]`` + GROUPED_M scales, else bfloat16 ``[R, H]``
+  (dequantized inside the op) + uint8 ``[0]``; grad_w float32 ``[T, k]`` (zeros when not ``has_saved``).
+* ``dense(x, dtype) -> Tensor``: the dense value of a dispatch output (an :class:`MXFP8Tensor` is
+  dequantized through ``register_torch_dispatch`` with a mask-free GROUPED_M gather, so it traces;
+  a plain tensor is cast). Differentiable (gradient passes straight through, as ``MXFP8Tensor.dequantize``).
+
+Group registry: ops cannot take an :class:`EPGroup`, so :data:`GROUPS` (one module-level
+:class:`GroupRegistry`, the only global state here) maps a small int id to the group (weakly held:
+a collected group's id is never reused). :func:`dispatch_op` registers the group on first use;
+the compiler sees the id as a constant (``torch.compiler.assume_constant_result``).
+
+Handle: :class:`OpHandle` holds the plan/state tensors (outputs of the dispatch op) and is rebuilt
+into an :class:`EPHandle` inside each op; the reference backend's host-side split sizes are
+recomputed there from ``plan.send_splits`` / ``recv_splits`` (a host sync inside an opaque op).
+
+Autograd: ``torch.autograd.Function``s around the ops (dynamo traces them into the graph). The MX
+dispatch output is ONE value, an :class:`MXFP8Tensor` built from the op's payload/scales inside the
+``Function`` (logical dtype bfloat16). Its gradient may be bfloat16 or an MXFP8Tensor (the
+``dispatch_backward`` op is written so that dynamo's speculation of the backward with an MXFP8Tensor
+gradient and the real bfloat16 gradient both trace). Not supported under torch.compile:
+``grad_format="mx"`` (an MXFP8Tensor *gradient* created in the backward graph does not trace in
+torch 2.13: dynamo fails with "create_node using arg not from this SubgraphTracer"); it works in eager
+mode. ``combine_op`` raises NotImplementedError for it when compiling.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..mx import MXTensor, ScaleLayout
+from ..mx.layouts import blocked_index, grouped_m_row_map, grouped_m_rows, round_up
+from ..mx.scales import BLOCK, scale_value
+from ..mx.subclass import MXFP8Tensor
+from .backward_ref import CombineSaved
+from .group import EPGroup
+from .handle import EPHandle
+from .plan import RoutingPlan, max_recv_rows
+
+# RoutingPlan tensors carried by an OpHandle, in this order (all int32).
+PLAN_TENSORS = (
+    "counts", "dest_rank", "dest_row", "send_pos", "send_order", "send_splits", "num_send", "recv_splits",
+    "expert_counts", "offs", "src_row_start", "src_send_pos", "num_rows", "num_recv",
+)
+# Backend handle state carried by an OpHandle, per backend (all int32).
+STATE_TENSORS = {"torch": (), "nvshmem": ("origin_src", "origin_pos", "num_rows_dev", "srow")}
+
+
+# ---------------------------------------------------------------------------- registry ----
+
+class GroupRegistry:
+    """int id <-> :class:`EPGroup` (weak references; ids are never reused). Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next = itertools.count(1)
+        self._by_id: dict[int, weakref.ref] = {}
+        self._ids: "weakref.WeakKeyDictionary[EPGroup, int]" = weakref.WeakKeyDictionary()
+
+    def register(self, group: EPGroup) -> int:
+        """The id of ``group`` (registered on first call)."""
+        if not isinstance(group, EPGroup):
+            raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
+        with self._lock:
+            gid = self._ids.get(group)
+            if gid is None:
+                gid = next(self._next)
+                self._ids[group] = gid
+                self._by_id[gid] = weakref.ref(group)
+            return gid
+
+    def get(self, gid: int) -> EPGroup:
+        """The group with id ``gid``; ValueError if unknown or collected."""
+        ref = self._by_id.get(int(gid))
+        group = ref() if ref is not None else None
+        if group is None:
+            raise ValueError(f"no live EPGroup with op id {gid} (register it with GROUPS.register)")
+        return group
+
+
+GROUPS = GroupRegistry()
+
+
+@torch.compiler.assume_constant_result
+def _group_id(group: EPGroup) -> int:
+    return GROUPS.register(group)
+
+
+# ------------------------------------------------------------------------------ handle ----
+
+@dataclass(frozen=True)
+class OpHandle:
+    """What combine and the backward passes need about one :func:`dispatch_op` (tensors only + ints).
+
+    Attributes:
+        group_id: :data:`GROUPS` id of the group.
+        tensors: ``(*plan, *state)`` in :data:`PLAN_TENSORS` + :data:`STATE_TENSORS` order.
+        topk_idx: the dispatch's ``[T, k]`` expert ids.
+        topk_weights: the ``[T, k]`` weights given to dispatch (attached to the autograd graph).
+        num_tokens: T. num_rows: R (= max_recv_rows).
+    """
+
+    group_id: int
+    tensors: tuple
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    num_tokens: int
+    num_rows: int
+
+    @property
+    def offs(self) -> torch.Tensor:
+        return self.tensors[PLAN_TENSORS.index("offs")]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.tensors[PLAN_TENSORS.index("expert_counts")]
+
+
+def _meta(gid: int):
+    g = GROUPS.get(gid)
+    cfg = g.config
+    W = g.world_size
+    El = cfg.num_local_experts(W)
+    return g, cfg, W, El, max_recv_rows(cfg, W)
+
+
+def _handle_shapes(cfg, W: int, El: int, R: int, T) -> list:
+    E, k = cfg.num_experts, cfg.topk
+    plan = {
+        "counts": (W, E), "dest_rank": (T, k), "dest_row": (T, k), "send_pos": (T, k), "send_order": (T * k,),
+        "send_splits": (W,), "num_send": (1,), "recv_splits": (W,), "expert_counts": (El,), "offs": (El,),
+        "src_row_start": (W, El), "src_send_pos": (W, El), "num_rows": (1,), "num_recv": (1,),
+    }
+    state = {"origin_src": (R,), "origin_pos": (R,), "num_rows_dev": (1,), "srow": (T, k)}
+    return [plan[n] for n in PLAN_TENSORS] + [state[n] for n in STATE_TENSORS[cfg.backend]]
+
+
+def _flatten_handle(h: EPHandle) -> list:
+    out = [getattr(h.plan, n) for n in PLAN_TENSORS]
+    if h.config.backend == "nvshmem":
+        st = h.backend_state
+        out += [st.origins.src, st.origins.pos, st.num_rows_dev, st.srow]
+    # fresh, contiguous copies: op outputs must not alias each other (and backend buffers are reused)
+    return [t.to(torch.int32).contiguous().clone() for t in out]
+
+
+def _unflatten_handle(group: EPGroup, tensors, topk_idx, topk_weights) -> EPHandle:
+    cfg = group.config
+    n = len(PLAN_TENSORS)
+    tensors = list(tensors)
+    T = topk_idx.shape[0]
+    plan = RoutingPlan(
+        rank=group.rank, world_size=group.world_size, num_experts=cfg.num_experts,
+        num_local_experts=group.num_local_experts, align=cfg.align, topk=cfg.topk, num_tokens=T,
+        **dict(zip(PLAN_TENSORS, tensors[:n])),
+    )
+    state, splits = None, {}
+    if cfg.backend == "nvshmem":
+        from .nvshmem_backend import NvshmemState, RowOrigins
+
+        src, pos, nrd, srow = tensors[n:n + 4]
+        state = NvshmemState(origins=RowOrigins(src=src, pos=pos), num_rows_dev=nrd, srow=srow)
+    else:  # host split sizes of the reference backend's all-to-all (host sync, inside the op)
+        splits = dict(send_splits_host=tuple(plan.send_splits.tolist()), recv_splits_host=tuple(plan.recv_splits.tolist()))
+    return EPHandle(
+        config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T,
+        num_rows=max_recv_rows(cfg, group.world_size), device=topk_idx.device, backend_state=state, **splits,
+    )
+
+
+def _empty_u8(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=like.device)
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t [m, B]`` (m <= n) as a fresh ``[n, B]`` tensor, zero rows appended (byte-wise for fp8)."""
+    b = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    out = torch.zeros(n, b.shape[1], dtype=b.dtype, device=b.device)
+    out[: b.shape[0]] = b
+    return out.view(t.dtype)
+
+
+# ---------------------------------------------------------------------------- the ops ----
+
+@torch.library.custom_op("mxcomm_ep::dispatch", mutates_args=())
+def _dispatch_impl(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, gid: int) -> list[torch.Tensor]:
+    group, cfg, W, El, R = _meta(gid)
+    if cfg.exact_sizes:
+        raise ValueError("mxcomm_ep::dispatch needs EPConfig.exact_sizes=False (static output shapes)")
+    res, h = group.dispatch(x, topk_idx, topk_weights)
+    if res.num_rows != R:  # pragma: no cover - backend contract
+        raise RuntimeError(f"dispatch returned {res.num_rows} rows, expected max_recv_rows = {R}")
+    if isinstance(res.x, MXTensor):
+        payload, scales = res.x.qdata.contiguous(), res.x.scales.contiguous()
+    else:
+        payload, scales = res.x.contiguous(), _empty_u8(x)
+    return [payload.clone(), scales.clone()] + _flatten_handle(h)
+
+
+@_dispatch_impl.register_fake
+def _dispatch_fake(x, topk_idx, topk_weights, gid):
+    _, cfg, W, El, R = _meta(gid)
+    H, T = cfg.hidden, x.shape[0]
+    if cfg.precision == "mxfp8":
+        payload = x.new_empty(R, H, dtype=torch.float8_e4m3fn)
+        scales = x.new_empty(grouped_m_rows(R, El), round_up(H // BLOCK, 4), dtype=torch.uint8)
+    else:
+        payload, scales = x.new_empty(R, H, dtype=torch.bfloat16), x.new_empty(0, dtype=torch.uint8)
+    return [payload, scales] + [x.new_empty(s, dtype=torch.int32) for s in _handle_shapes(cfg, W, El, R, T)]
+
+
+@torch.library.custom_op("mxcomm_ep::dispatch_backward", mutates_args=())
+def _dispatch_backward_impl(
+    grad: torch.Tensor, topk_idx: torch.Tensor, handle: list[torch.Tensor], gid: int, quantize: int
+) -> torch.Tensor:
+    group = GROUPS.get(gid)
+    h = _unflatten_handle(group, handle, topk_idx, torch.zeros(topk_idx.shape, device=topk_idx.device))
+    return group.dispatch_backward(grad.to(torch.bfloat16).contiguous(), h, quantize=bool(quantize))
+
+
+@_dispatch_backward_impl.register_fake
+def _dispatch_backward_fake(grad, topk_idx, handle, gid, quantize):
+    cfg = GROUPS.get(gid).config
+    return grad.new_empty(topk_idx.shape[0], cfg.hidden, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("mxcomm_ep::dispatch_backward_mx", mutates_args=())
+def _dispatch_backward_mx_impl(
+    qdata: torch.Tensor, scales: torch.Tensor, group_offs: Optional[torch.Tensor], layout: str, mode: str,
+    topk_idx: torch.Tensor, handle: list[torch.Tensor], gid: int,
+) -> torch.Tensor:
+    group = GROUPS.get(gid)
+    h = _unflatten_handle(group, handle, topk_idx, torch.zeros(topk_idx.shape, device=topk_idx.device))
+    mx = MXTensor(qdata=qdata, scales=scales, axis=1, layout=ScaleLayout(layout), mode=mode,
+                  orig_dtype=torch.bfloat16, group_offs=group_offs)
+    return group.dispatch_backward(mx, h)
+
+
+@_dispatch_backward_mx_impl.register_fake
+def _dispatch_backward_mx_fake(qdata, scales, group_offs, layout, mode, topk_idx, handle, gid):
+    cfg = GROUPS.get(gid).config
+    return qdata.new_empty(topk_idx.shape[0], cfg.hidden, dtype=torch.bfloat16)
+
+
+@torch.library.register_torch_dispatch("mxcomm_ep::dispatch_backward", MXFP8Tensor)
+def _dispatch_backward_of_mx(mode, func, types, args, kwargs):
+    grad, topk_idx, handle, gid, _quantize = args
+    if grad.axis != 1:
+        raise ValueError(f"an MX gradient of a dispatch output must be row-wise (axis 1), got axis {grad.axis}")
+    return torch.ops.mxcomm_ep.dispatch_backward_mx(
+        grad.qdata, grad.scales, grad.group_offs, grad.scale_layout.value, grad.mode, topk_idx, handle, gid
+    )
+
+
+@torch.library.custom_op("mxcomm_ep::combine", mutates_args=())
+def _combine_impl(
+    expert_out: torch.Tensor, topk_weights: torch.Tensor, topk_idx: torch.Tensor, handle: list[torch.Tensor],
+    gid: int, quantize: int, save: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    group = GROUPS.get(gid)
+    h = _unflatten_handle(group, handle, topk_idx, topk_weights)
+    n = h.num_tokens * group.config.topk
+    if not save:
+        return group.combine(expert_out, h, quantize=bool(quantize)), _empty_u8(expert_out), _empty_u8(expert_out)
+    y, saved = group.combine_for_backward(expert_out, h, quantize=bool(quantize))
+    rows = saved.rows
+    if isinstance(rows, MXTensor):
+        return y, _pad_rows(rows.qdata, n), _pad_rows(rows.row_scales(), n)
+    return y, _pad_rows(rows.to(torch.bfloat16), n), _empty_u8(expert_out)
+
+
+@_combine_impl.register_fake
+def _combine_fake(expert_out, topk_weights, topk_idx, handle, gid, quantize, save):
+    H = GROUPS.get(gid).config.hidden
+    T, k = topk_idx.shape
+    y = expert_out.new_empty(T, H, dtype=torch.bfloat16)
+    e = expert_out.new_empty(0, dtype=torch.uint8)
+    if not save:
+        return y, e, e.clone()
+    if quantize:
+        return y, expert_out.new_empty(T * k, H, dtype=torch.float8_e4m3fn), expert_out.new_empty(
+            T * k, H // BLOCK, dtype=torch.uint8)
+    return y, expert_out.new_empty(T * k, H, dtype=torch.bfloat16), e
+
+
+@torch.library.custom_op("mxcomm_ep::combine_backward", mutates_args=())
+def _combine_backward_impl(
+    grad_y: torch.Tensor, topk_weights: torch.Tensor, topk_idx: torch.Tensor, handle: list[torch.Tensor],
+    saved_q: torch.Tensor, saved_s: torch.Tensor, gid: int, quantize: int, has_saved: int, grad_mx: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    group = GROUPS.get(gid)
+    cfg = group.config
+    h = _unflatten_handle(group, handle, topk_idx, topk_weights)
+    saved = None
+    if has_saved:
+        rows = saved_q
+        if saved_q.dtype == torch.float8_e4m3fn:
+            rows = MXTensor(qdata=saved_q, scales=saved_s, axis=1, layout=ScaleLayout.ROW, mode=cfg.scale_mode,
+                            orig_dtype=torch.bfloat16)
+        saved = CombineSaved(rows=rows)
+    grads = group.combine_backward(grad_y.to(torch.bfloat16).contiguous(), h, saved, quantize=bool(quantize))
+    g = grads.grad_expert_out
+    if isinstance(g, MXTensor) and grad_mx:
+        payload, scales = g.qdata.contiguous().clone(), g.scales.contiguous().clone()
+    else:
+        payload = g.dequantize(torch.bfloat16) if isinstance(g, MXTensor) else g.contiguous().clone()
+        scales = _empty_u8(grad_y)
+    gw = grads.grad_weights
+    if gw is None:
+        gw = torch.zeros(topk_idx.shape, dtype=torch.float32, device=grad_y.device)
+    return payload, scales, gw.to(torch.float32).contiguous()
+
+
+@_combine_backward_impl.register_fake
+def _combine_backward_fake(grad_y, topk_weights, topk_idx, handle, saved_q, saved_s, gid, quantize, has_saved, grad_mx):
+    _, cfg, W, El, R = _meta(gid)
+    H = cfg.hidden
+    gw = grad_y.new_empty(tuple(topk_idx.shape), dtype=torch.float32)
+    if quantize and grad_mx:
+        return (grad_y.new_empty(R, H, dtype=torch.float8_e4m3fn),
+                grad_y.new_empty(grouped_m_rows(R, El), round_up(H // BLOCK, 4), dtype=torch.uint8), gw)
+    return grad_y.new_empty(R, H, dtype=torch.bfloat16), grad_y.new_empty(0, dtype=torch.uint8), gw
+
+
+# ------------------------------------------------------------------- dense (traceable) ----
+
+def grouped_m_dequantize(qdata: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[R, H]`` of an axis-1 MX value with GROUPED_M scales, without boolean-mask indexing
+    (so it traces with static shapes). Rows past ``offs[-1]`` get scale byte 0 (value 0 for zero payload),
+    as :func:`mxcomm.mx.layouts.from_grouped_m` gives them."""
+    R, H = qdata.shape
+    kb = H // BLOCK
+    row_of = grouped_m_row_map(offs, R)
+    keep = row_of >= 0
+    rr = torch.clamp(row_of, min=0).view(R, 1).expand(R, kb)
+    cc = torch.arange(kb, device=qdata.device, dtype=torch.int64).view(1, kb).expand(R, kb)
+    flat = scales.view(torch.uint8).reshape(-1)
+    s = flat[blocked_index(rr, cc, scales.shape[-1] // 4).reshape(-1)].view(R, kb)
+    s = torch.where(keep.view(R, 1), s, torch.zeros_like(s))
+    vals = qdata.to(torch.float32).view(R, kb, BLOCK) * scale_value(s).unsqueeze(-1)
+    return vals.view(R, H).to(dtype)
+
+
+@torch.library.custom_op("mxcomm_ep::dense", mutates_args=())
+def _dense_impl(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).clone()
+
+
+@_dense_impl.register_fake
+def _dense_fake(x, dtype):
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+@torch.library.register_torch_dispatch("mxcomm_ep::dense", MXFP8Tensor)
+def _dense_of_mx(mode, func, types, args, kwargs):
+    t, dtype = args
+    if t.scale_layout == ScaleLayout.GROUPED_M and t.axis == 1:
+        return grouped_m_dequantize(t.qdata, t.scales, t.group_offs, dtype)
+    return t.mx.dequantize(dtype)
+
+
+def _dense_setup(ctx, inputs, output):
+    ctx.in_dtype = inputs[0].dtype
+
+
+def _dense_backward(ctx, grad):
+    return grad.to(ctx.in_dtype), None
+
+
+_dense_impl.register_autograd(_dense_backward, setup_context=_dense_setup)
+
+
+def dense(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dense ``dtype`` value of ``x`` (an :class:`MXFP8Tensor` or a plain tensor); differentiable,
+    traceable by torch.compile (custom op ``mxcomm_ep::dense``)."""
+    return torch.ops.mxcomm_ep.dense(x, dtype)
+
+
+# ---------------------------------------------------------------------------- autograd ----
+
+class _DispatchOpFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, gid: int, grad_quantize: int, mx: bool, mode: str):
+        outs = torch.ops.mxcomm_ep.dispatch(x, topk_idx, topk_weights, gid)
+        payload, scales, handle = outs[0], outs[1], outs[2:]
+        ctx.gid, ctx.grad_quantize, ctx.n_handle = gid, grad_quantize, len(handle)
+        ctx.save_for_backward(topk_idx, *handle)
+        ctx.mark_non_differentiable(*handle)
+        if mx:
+            offs = handle[PLAN_TENSORS.index("offs")]
+            val = MXFP8Tensor(MXTensor(qdata=payload, scales=scales, axis=1, layout=ScaleLayout.GROUPED_M, mode=mode,
+                                       orig_dtype=torch.bfloat16, group_offs=offs), dtype=torch.bfloat16)
+        else:
+            val = payload
+        return (val, *handle)
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        topk_idx, *handle = ctx.saved_tensors
+        gx = torch.ops.mxcomm_ep.dispatch_backward(grad, topk_idx, handle, ctx.gid, ctx.grad_quantize)
+        return gx, None, None, None, None, None, None
+
+
+class _CombineOpFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, topk_weights, topk_idx, gid: int, quantize: int, grad_quantize: int, save: int,
+                grad_mx: int, mode: str, *handle):
+        y, sq, ss = torch.ops.mxcomm_ep.combine(expert_out, topk_weights, topk_idx, list(handle), gid, quantize, save)
+        ctx.gid, ctx.grad_quantize, ctx.save, ctx.grad_mx, ctx.mode = gid, grad_quantize, save, grad_mx, mode
+        ctx.w_dtype = topk_weights.dtype
+        ctx.save_for_backward(topk_weights, topk_idx, sq, ss, *handle)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        w, topk_idx, sq, ss, *handle = ctx.saved_tensors
+        payload, scales, gw = torch.ops.mxcomm_ep.combine_backward(
+            grad_y, w, topk_idx, handle, sq, ss, ctx.gid, ctx.grad_quantize, ctx.save, ctx.grad_mx
+        )
+        if ctx.grad_mx and ctx.grad_quantize:
+            offs = handle[PLAN_TENSORS.index("offs")]
+            g = MXFP8Tensor(MXTensor(qdata=payload, scales=scales, axis=1, layout=ScaleLayout.GROUPED_M,
+                                     mode=ctx.mode, orig_dtype=torch.bfloat16, group_offs=offs), dtype=torch.bfloat16)
+        else:
+            g = payload
+        gw = gw.to(ctx.w_dtype) if ctx.save else None
+        return (g, gw) + (None,) * (7 + len(handle))
+
+
+# -------------------------------------------------------------------------- public API ----
+
+@dataclass(frozen=True)
+class OpDispatched:
+    """Output of :func:`dispatch_op` (same fields as :class:`mxcomm.ep.autograd.Dispatched`; ``handle``
+    is an :class:`OpHandle`). ``num_rows`` is R = max_recv_rows; real rows only in ``offs`` / ``counts``."""
+
+    x: torch.Tensor
+    offs: torch.Tensor
+    counts: torch.Tensor
+    num_rows: int
+    handle: OpHandle
+
+    def dense(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``x`` as a dense ``dtype`` tensor (differentiable, traceable)."""
+        return dense(self.x, dtype)
+
+
+def dispatch_op(
+    group: EPGroup, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
+    grad_quantize: Optional[bool] = None,
+) -> OpDispatched:
+    """Differentiable, torch.compile-traceable dispatch (``group.config.exact_sizes`` must be False).
+
+    Args/semantics as :func:`mxcomm.ep.autograd.dispatch` (x bfloat16 ``[T, H]``, topk_idx int
+    ``[T, k]``, topk_weights float ``[T, k]`` kept attached in the handle for :func:`combine_op`).
+    Returns :class:`OpDispatched`: ``x`` an :class:`MXFP8Tensor` ``[R, H]`` (GROUPED_M scales on
+    ``offs``) for precision ``"mxfp8"``, else bfloat16 ``[R, H]``. Collective (forward and backward).
+    """
+    if not isinstance(group, EPGroup):
+        raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
+    cfg = group.config
+    if cfg.exact_sizes:
+        raise ValueError("dispatch_op needs EPConfig.exact_sizes=False (static shapes); use mxcomm.ep.autograd.dispatch")
+    gid = _group_id(group)
+    gq = cfg.precision == "mxfp8" if grad_quantize is None else bool(grad_quantize)
+    w_in = topk_weights.detach() if isinstance(topk_weights, torch.Tensor) else topk_weights
+    outs = _DispatchOpFn.apply(x, topk_idx, w_in, gid, int(gq), cfg.precision == "mxfp8", cfg.scale_mode)
+    val, handle = outs[0], tuple(outs[1:])
+    R = max_recv_rows(cfg, group.world_size)
+    h = OpHandle(group_id=gid, tensors=handle, topk_idx=topk_idx, topk_weights=topk_weights,
+                 num_tokens=x.shape[0], num_rows=R)
+    return OpDispatched(x=val, offs=h.offs, counts=h.counts, num_rows=R, handle=h)
+
+
+def combine_op(
+    group: EPGroup, expert_out: torch.Tensor, handle: OpHandle, *, topk_weights: Optional[torch.Tensor] = None,
+    quantize: Optional[bool] = None, grad_quantize: Optional[bool] = None, grad_format: str = "dense",
+) -> torch.Tensor:
+    """Differentiable, torch.compile-traceable combine of a :func:`dispatch_op` (args as
+    :func:`mxcomm.ep.autograd.combine`). Returns bfloat16 ``[T, H]``. Collective (forward and backward).
+
+    Memory: when ``topk_weights`` requires grad, ``T*k`` returned rows are kept for the backward
+    (``T*k*H*33/32`` bytes with MXFP8 transport, ``*2`` with BF16).
+    """
+    if not isinstance(group, EPGroup):
+        raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
+    if not isinstance(handle, OpHandle):
+        raise TypeError(f"handle must be the OpHandle of a dispatch_op, got {type(handle).__name__}")
+    if grad_format not in ("dense", "mx"):
+        raise ValueError(f"grad_format must be one of ('dense', 'mx'), got {grad_format!r}")
+    if isinstance(expert_out, MXFP8Tensor):
+        raise TypeError("expert_out must be a dense bfloat16 tensor (combine of an MX expert output is not supported)")
+    if grad_format == "mx" and torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "grad_format='mx' is not supported under torch.compile (an MXFP8Tensor gradient built in the "
+            "backward graph does not trace); use grad_format='dense' or run combine eagerly"
+        )
+    cfg = group.config
+    gid = _group_id(group)
+    if gid != handle.group_id:
+        raise ValueError("handle was made by a different EPGroup")
+    w = handle.topk_weights if topk_weights is None else topk_weights
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise TypeError(f"topk_weights must be a floating torch.Tensor, got {getattr(w, 'dtype', type(w).__name__)}")
+    if tuple(w.shape) != tuple(handle.topk_idx.shape):
+        raise ValueError(f"topk_weights must have shape {tuple(handle.topk_idx.shape)}, got {tuple(w.shape)}")
+    if tuple(expert_out.shape) != (handle.num_rows, cfg.hidden) or expert_out.dtype != torch.bfloat16:
+        raise ValueError(
+            f"expert_out must be bfloat16 [R, hidden] = {(handle.num_rows, cfg.hidden)}, got "
+            f"{expert_out.dtype} {tuple(expert_out.shape)}"
+        )
+    mx = cfg.precision == "mxfp8"
+    q = mx if quantize is None else bool(quantize)
+    gq = mx if grad_quantize is None else bool(grad_quantize)
+    save = int(torch.is_grad_enabled() and w.requires_grad)
+    return _CombineOpFn.apply(
+        expert_out, w, handle.topk_idx, gid, int(q), int(gq), save, int(grad_format == "mx"), cfg.scale_mode,
+        *handle.tensors,
+    )
+
+
+__all__ = [
+    "dispatch_op", "combine_op", "dense", "OpDispatched", "OpHandle", "GroupRegistry", "GROUPS",
+    "PLAN_TENSORS", "STATE_TENSORS", "grouped_m_dequantize",
+]
