@@ -230,7 +230,8 @@ def _dispatch_impl(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         payload, scales = res.x.qdata.contiguous(), res.x.scales.contiguous()
     else:
         payload, scales = res.x.contiguous(), _empty_u8(x)
-    return [payload.clone(), scales.clone()] + _flatten_handle(h)
+    # payload/scales are fresh tensors in both backends (the nvshmem backend copies out of its buffers)
+    return [payload, scales] + _flatten_handle(h)
 
 
 @_dispatch_impl.register_fake
@@ -337,9 +338,9 @@ def _combine_backward_impl(
     grads = group.combine_backward(grad_y.to(torch.bfloat16).contiguous(), h, saved, quantize=bool(quantize))
     g = grads.grad_expert_out
     if isinstance(g, MXTensor) and grad_mx:
-        payload, scales = g.qdata.contiguous().clone(), g.scales.contiguous().clone()
+        payload, scales = g.qdata.contiguous(), g.scales.contiguous()
     else:
-        payload = g.dequantize(torch.bfloat16) if isinstance(g, MXTensor) else g.contiguous().clone()
+        payload = g.dequantize(torch.bfloat16) if isinstance(g, MXTensor) else g.contiguous()
         scales = _empty_u8(grad_y)
     gw = grads.grad_weights
     if gw is None:
@@ -379,7 +380,8 @@ def grouped_m_dequantize(qdata: torch.Tensor, scales: torch.Tensor, offs: torch.
 
 @torch.library.custom_op("mxcomm_ep::dense", mutates_args=())
 def _dense_impl(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x.to(dtype).clone()
+    y = x.to(dtype)
+    return y.clone() if y is x else y  # an op's output must not alias its input
 
 
 @_dense_impl.register_fake
