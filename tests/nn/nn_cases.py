@@ -84,7 +84,7 @@ def step(moe: MoE, x: torch.Tensor, G: torch.Tensor) -> dict:
         loss = loss + moe.aux_loss
     loss.backward()
     out = {"y": y.detach(), "gx": x.grad.detach(), "idx": moe.last_routing.topk_idx.detach(),
-           "aux": None if moe.aux_loss is None else float(moe.aux_loss)}
+           "aux": None if moe.aux_loss is None else float(moe.aux_loss.detach())}
     for n, p in moe.named_parameters():
         out["g_" + n.replace(".", "_")] = None if p.grad is None else p.grad.detach().clone()
     return out
@@ -101,7 +101,7 @@ def reference_step(case: NNCase, w: dict, x: torch.Tensor, G: torch.Tensor, *, t
         loss = loss + ref.aux_loss
     loss.backward()
     out = {"y": ref.y.detach(), "gx": xr.grad, "idx": ref.topk_idx,
-           "aux": None if ref.aux_loss is None else float(ref.aux_loss)}
+           "aux": None if ref.aux_loss is None else float(ref.aux_loss.detach())}
     names = {"router": "g_router_weight", "w13": "g_w13", "w2": "g_w2", "shared_w13": "g_shared_w13",
              "shared_w2": "g_shared_w2"}
     for k, p in params.items():
