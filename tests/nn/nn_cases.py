@@ -141,7 +141,9 @@ def world_worker(rank: int, world: int, cases: list) -> dict:
         moe = build_layer(case, w, ep)
         res = step(moe, inp["xs"][rank], inp["gs"][rank])
         res["local_experts"] = (moe.local_experts.start, moe.local_experts.stop)
-        out[case.name] = res
+        # tensors travel back as numpy arrays (torch tensors would be shared through file descriptors that die
+        # with this process)
+        out[case.name] = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in res.items()}
     return out
 
 

@@ -1,0 +1,73 @@
+"""The MoE layer across ranks: a gloo world of 2 (reference EP backend) against the same layer in a world of 1
+holding all tokens, built from the same global weights.
+
+What can differ: per-row arithmetic is identical in both worlds (routing per token, MX blocks along the row,
+combine sums over k in a fixed order), but the expert GEMMs see a different number of rows per call and the
+world of 1 sums the router / shared-expert gradients over all tokens in one reduction while the world of 2
+sums two partial sums (added here in float64). So results agree up to fp32 accumulation order: measured
+bit-identical y, grad_x and expert-weight gradients, router / shared-expert gradients 135-148 dB (the split sum).
+Thresholds: 80 dB for BF16, and 60 dB for MXFP8 (an accumulation-order difference can move one bf16 rounding,
+which an MX block scale may then amplify locally).
+Both worlds are also checked against the float64 reference (the world of 2 gathered) with the thresholds of
+test_nn_moe.py.
+"""
+import pytest
+import torch
+
+from _dist import run_world
+from nn_cases import GRAD_KEYS, NNCase, build_layer, global_weights, inputs, reference_step, sqnr_db, step, \
+    world1_pg, world_worker
+
+WORLD_BF16_DB = 80.0
+WORLD_MX_DB = 60.0
+
+CASES = [
+    NNCase("w2_bf16_shared", "bf16", tokens=(40, 27), shared_ffn_dim=32, seed=21),
+    NNCase("w2_mx_shared", "mxfp8", tokens=(33, 48), shared_ffn_dim=32, seed=22),
+    NNCase("w2_mx_sigmoid_zero_tokens", "mxfp8", tokens=(0, 45), score_func="sigmoid", seed=23),
+]
+
+
+@pytest.fixture(scope="module")
+def world2_results():
+    return run_world(2, world_worker, CASES, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def world1():
+    yield from world1_pg()
+
+
+def _gather(case, per_rank, key):
+    """World-2 results in world-1 shape: token tensors concatenated over ranks, sharded expert gradients
+    concatenated over ranks (rank r holds experts [r*E/2, (r+1)*E/2)), replicated gradients summed."""
+    vals = [torch.from_numpy(r[case.name][key]) for r in per_rank]
+    if key in ("y", "gx", "idx", "g_w13", "g_w2"):
+        return torch.cat(vals)
+    return sum(v.double() for v in vals)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_world2_equals_world1(case, world2_results, world1):
+    assert [r[case.name]["local_experts"] for r in world2_results] == [(0, 4), (4, 8)]
+    w = global_weights(case)
+    inp = inputs(case)
+    x, G = torch.cat(inp["xs"]), torch.cat(inp["gs"])
+    one = step(build_layer(case, w, max_tokens_per_rank=x.shape[0]), x, G)
+    assert torch.equal(_gather(case, world2_results, "idx"), one["idx"]), "routing differs between worlds"
+    want = WORLD_BF16_DB if case.precision == "bf16" else WORLD_MX_DB
+    plain = reference_step(case, w, x, G, topk_idx=one["idx"])
+    ref_want = 43.0 if case.precision == "bf16" else 20.0
+    report, bad = [], []
+    for key in ("y",) + GRAD_KEYS:
+        if one.get(key) is None:
+            continue
+        two = _gather(case, world2_results, key)
+        assert two.shape == one[key].shape, key
+        db = sqnr_db(two, one[key])
+        report.append(f"{case.name}.{key}: world 2 vs world 1 {db:.1f} dB (want >= {want}); vs float64 "
+                      f"{sqnr_db(two, plain[key]):.1f} dB (want >= {ref_want})")
+        if db < want or sqnr_db(two, plain[key]) < ref_want:
+            bad.append(report[-1])
+    print("\n".join(report))
+    assert not bad, "\n".join(bad)
