@@ -88,7 +88,7 @@ def test_router_aux_loss_uses_coefficient():
     x = torch.randn(40, 32)
     out = r(x)
     want = 0.05 * load_balancing_loss(out.scores, out.topk_idx)
-    assert float(out.aux_loss) == pytest.approx(float(want), rel=1e-6)
+    assert float(out.aux_loss.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
     out.aux_loss.backward()
     assert r.weight.grad is not None and bool(r.weight.grad.abs().sum() > 0)
 
@@ -97,7 +97,7 @@ def test_router_empty_input():
     r = _router(32, 8, 2, seed=1, aux_loss_coef=0.01)
     out = r(torch.zeros(0, 32))
     assert out.topk_idx.shape == (0, 2) and out.topk_weights.shape == (0, 2)
-    assert float(out.aux_loss) == 0.0
+    assert float(out.aux_loss.detach()) == 0.0
 
 
 @pytest.mark.parametrize("kw,msg", [
