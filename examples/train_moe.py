@@ -84,7 +84,7 @@ class TrainConfig:
     aux_loss_coef: float = 0.01
     lr: float = 1e-3
     min_lr_frac: float = 0.1
-    warmup: int = 20
+    warmup: int = 50
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     corpus_bytes: int = 2_000_000
