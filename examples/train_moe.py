@@ -214,6 +214,7 @@ def build_model(cfg: TrainConfig, precision: str, ep=None, jitter: float = 0.0) 
     torch.manual_seed(cfg.seed)
     model = ByteMoELM(cfg, mcfg, ep)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
+    torch.manual_seed(cfg.seed)  # again: construction drew a world-size dependent amount (the local experts)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".moe." in name:
