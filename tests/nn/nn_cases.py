@@ -74,19 +74,20 @@ def inputs(case: NNCase) -> dict:
 
 
 def step(moe: MoE, x: torch.Tensor, G: torch.Tensor) -> dict:
-    """Forward + backward of ``loss = sum(y * G) (+ aux)``; returns y, grads (CPU, detached)."""
+    """Forward + backward of ``loss = sum(y * G) (+ aux)`` on the layer's device; returns y, grads (CPU)."""
     for p in moe.parameters():
         p.grad = None
-    x = x.clone().requires_grad_()
+    dev = moe.w13.device
+    x, G = x.to(dev).clone().requires_grad_(), G.to(dev)
     y = moe(x)
     loss = (y.float() * G).sum()
     if moe.aux_loss is not None:
         loss = loss + moe.aux_loss
     loss.backward()
-    out = {"y": y.detach(), "gx": x.grad.detach(), "idx": moe.last_routing.topk_idx.detach(),
+    out = {"y": y.detach().cpu(), "gx": x.grad.detach().cpu(), "idx": moe.last_routing.topk_idx.detach().cpu(),
            "aux": None if moe.aux_loss is None else float(moe.aux_loss.detach())}
     for n, p in moe.named_parameters():
-        out["g_" + n.replace(".", "_")] = None if p.grad is None else p.grad.detach().clone()
+        out["g_" + n.replace(".", "_")] = None if p.grad is None else p.grad.detach().cpu().clone()
     return out
 
 
@@ -122,29 +123,79 @@ def sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> float:
 GRAD_KEYS = ("gx", "g_router_weight", "g_w13", "g_w2", "g_shared_w13", "g_shared_w2")
 
 
-def build_layer(case: NNCase, w: dict, ep=None, **cfg_kw) -> MoE:
-    moe = MoE(case.config(**cfg_kw), ep_group=ep)
+def build_layer(case: NNCase, w: dict, ep=None, device=None, **cfg_kw) -> MoE:
+    moe = MoE(case.config(**cfg_kw), ep_group=ep, device=device)
     moe.load_global_weights(**w)
     return moe
 
 
 # ------------------------------------------------------------------------------ world runs ----
-def world_worker(rank: int, world: int, cases: list) -> dict:
-    """Each case: the layer over the world's EP group, this rank's tokens; returns its outputs and gradients."""
+def world_worker(rank: int, world: int, cases: list, device: str = "cpu", ep_backend: str = "torch") -> dict:
+    """Each case: the layer over the world's EP group, this rank's tokens; returns its outputs and gradients.
+
+    ``device="cuda"``: rank r uses GPU ``r % device_count`` (GPU 0 for the nvshmem backend, whose ranks here share
+    one GPU); ``ep_backend``: ``"torch"`` or ``"nvshmem"``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0 if ep_backend == "nvshmem" else rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
     out = {}
     for case in cases:
         assert len(case.tokens) == world, case.name
         progress(case.name)
         w = global_weights(case)
         inp = inputs(case)
-        ep = make_ep_group(case.config())
-        moe = build_layer(case, w, ep)
+        ep = make_ep_group(case.config(ep_backend=ep_backend))
+        moe = build_layer(case, w, ep, device=dev, ep_backend=ep_backend)
         res = step(moe, inp["xs"][rank], inp["gs"][rank])
         res["local_experts"] = (moe.local_experts.start, moe.local_experts.stop)
         # tensors travel back as numpy arrays (torch tensors would be shared through file descriptors that die
         # with this process)
         out[case.name] = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in res.items()}
+    if ep_backend == "nvshmem":
+        from mxcomm import transport
+
+        transport.finalize()
     return out
+
+
+def gather_world(case: NNCase, per_rank: list, key: str) -> torch.Tensor:
+    """Results of a world (``world_worker``'s per-rank dicts for ``case``) in single-process shape: token tensors
+    concatenated over ranks, sharded expert gradients concatenated over ranks (rank r holds experts
+    ``[r*E/W, (r+1)*E/W)``), replicated gradients summed in float64."""
+    vals = [torch.from_numpy(r[case.name][key]) for r in per_rank]
+    if key in ("y", "gx", "idx", "g_w13", "g_w2"):
+        return torch.cat(vals)
+    return sum(v.double() for v in vals)
+
+
+def gpu_extras_worker(rank: int, world: int) -> dict:
+    """CUDA-only checks in one process: the Triton SwiGLU+quantize path (auto on CUDA) against the reference math,
+    and MXFP8 caches following optimizer steps (attach_optimizer) on the GPU. Returns failure strings."""
+    fails = []
+    dev = torch.device("cuda", torch.cuda.current_device())
+    case = NNCase("gpu_extras", "mxfp8", tokens=(200,), dim=128, ffn_dim=256, shared_ffn_dim=64, seed=31)
+    w, inp = global_weights(case), inputs(case)
+    a = step(build_layer(case, w, device=dev), inp["xs"][0], inp["gs"][0])
+    b = step(build_layer(case, w, device=dev, swiglu_impl="reference"), inp["xs"][0], inp["gs"][0])
+    for key in ("y",) + GRAD_KEYS:
+        if a.get(key) is not None and sqnr_db(a[key], b[key]) < 50.0:
+            fails.append(f"kernel vs reference swiglu: {key} {sqnr_db(a[key], b[key]):.1f} dB")
+    moe = build_layer(case, w, device=dev)
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-2)
+    moe.attach_optimizer(opt)
+    x = inp["xs"][0].to(dev)
+    for _ in range(2):
+        opt.zero_grad()
+        moe(x).float().square().mean().backward()
+        opt.step()
+    cur = {"router": moe.router.weight, "w13": moe.w13, "w2": moe.w2, "shared_w13": moe.shared_w13,
+           "shared_w2": moe.shared_w2}
+    fresh = build_layer(case, {k: v.detach().clone() for k, v in cur.items()}, device=dev)
+    with torch.no_grad():
+        if not torch.equal(moe(x), fresh(x)):
+            fails.append("after optimizer steps the layer's output differs from a fresh layer with the same weights")
+    return {"failures": fails}
 
 
 def world1_pg():

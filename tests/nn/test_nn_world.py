@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from _dist import run_world
-from nn_cases import GRAD_KEYS, NNCase, build_layer, global_weights, inputs, reference_step, sqnr_db, step, \
-    world1_pg, world_worker
+from nn_cases import GRAD_KEYS, NNCase, build_layer, gather_world, global_weights, inputs, reference_step, sqnr_db, \
+    step, world1_pg, world_worker
 
 WORLD_BF16_DB = 80.0
 WORLD_MX_DB = 60.0
@@ -38,15 +38,6 @@ def world1():
     yield from world1_pg()
 
 
-def _gather(case, per_rank, key):
-    """World-2 results in world-1 shape: token tensors concatenated over ranks, sharded expert gradients
-    concatenated over ranks (rank r holds experts [r*E/2, (r+1)*E/2)), replicated gradients summed."""
-    vals = [torch.from_numpy(r[case.name][key]) for r in per_rank]
-    if key in ("y", "gx", "idx", "g_w13", "g_w2"):
-        return torch.cat(vals)
-    return sum(v.double() for v in vals)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_world2_equals_world1(case, world2_results, world1):
     assert [r[case.name]["local_experts"] for r in world2_results] == [(0, 4), (4, 8)]
@@ -54,7 +45,7 @@ def test_world2_equals_world1(case, world2_results, world1):
     inp = inputs(case)
     x, G = torch.cat(inp["xs"]), torch.cat(inp["gs"])
     one = step(build_layer(case, w, max_tokens_per_rank=x.shape[0]), x, G)
-    assert torch.equal(_gather(case, world2_results, "idx"), one["idx"]), "routing differs between worlds"
+    assert torch.equal(gather_world(case, world2_results, "idx"), one["idx"]), "routing differs between worlds"
     want = WORLD_BF16_DB if case.precision == "bf16" else WORLD_MX_DB
     plain = reference_step(case, w, x, G, topk_idx=one["idx"])
     ref_want = 43.0 if case.precision == "bf16" else 20.0
@@ -62,7 +53,7 @@ def test_world2_equals_world1(case, world2_results, world1):
     for key in ("y",) + GRAD_KEYS:
         if one.get(key) is None:
             continue
-        two = _gather(case, world2_results, key)
+        two = gather_world(case, world2_results, key)
         assert two.shape == one[key].shape, key
         db = sqnr_db(two, one[key])
         report.append(f"{case.name}.{key}: world 2 vs world 1 {db:.1f} dB (want >= {want}); vs float64 "
