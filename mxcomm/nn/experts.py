@@ -147,6 +147,15 @@ class ExpertOptions:
     gemm: GroupedLinearConfig = GroupedLinearConfig()
 
 
+def _empty_rows(a, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``[0, H]`` bf16 output for zero rows, still attached to ``a`` and the weights (zero gradients), so that the
+    dispatch backward - a collective - runs on this rank too. The GEMMs are skipped: some grouped-GEMM paths
+    reject empty operands (e.g. ``torch._grouped_mm`` on the zero-stride gradient of an empty tensor)."""
+    dense = a.dequantize(torch.bfloat16) if isinstance(a, MXFP8Tensor) else a
+    link = (dense.float().sum() + w13.sum() + w2.sum()) * 0.0
+    return torch.zeros(0, w2.shape[1], dtype=torch.bfloat16, device=w2.device) + link.to(torch.bfloat16)
+
+
 def grouped_swiglu(
     a: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, opts: ExpertOptions, *,
     cache13: Optional[MXWeightCache] = None, cache2: Optional[MXWeightCache] = None,
@@ -160,8 +169,11 @@ def grouped_swiglu(
         opts: :class:`ExpertOptions`.
         cache13 / cache2: the :class:`MXWeightCache` of ``w13`` / ``w2`` (required for ``"mxfp8"``).
     Returns:
-        bfloat16 ``[M, H]`` (differentiable w.r.t. ``a``, ``w13``, ``w2``).
+        bfloat16 ``[M, H]`` (differentiable w.r.t. ``a``, ``w13``, ``w2``). ``M == 0``: an empty output still
+        attached to ``a`` and the weights (their gradients are zero), no GEMM launched.
     """
+    if a.shape[0] == 0:
+        return _empty_rows(a, w13, w2)
     if opts.precision == "mxfp8":
         if cache13 is None or cache2 is None:
             raise ValueError("grouped_swiglu: the mxfp8 path needs the MXWeightCache of w13 and w2")

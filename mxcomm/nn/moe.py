@@ -126,7 +126,7 @@ class MoE(nn.Module):
         self._caches: dict[str, MXWeightCache] = {}
         self.aux_loss: Optional[torch.Tensor] = None
         self.last_routing: Optional[RouterOutput] = None
-        self.register_load_state_dict_post_hook(lambda module, keys: module._drop_caches())
+        self.register_load_state_dict_post_hook(_drop_caches_after_load)
         self.reset_parameters()
 
     # -- parameters -----------------------------------------------------------------------------
@@ -259,6 +259,11 @@ class MoE(nn.Module):
         return (f"dim={c.dim}, ffn_dim={c.ffn_dim}, experts={c.num_experts} ({self.num_local_experts} local: "
                 f"{self.local_experts.start}..{self.local_experts.stop - 1}), topk={c.topk}, "
                 f"precision={c.precision}, shared_ffn_dim={c.shared_ffn_dim}, ep_backend={c.ep_backend}")
+
+
+def _drop_caches_after_load(module: "MoE", incompatible_keys) -> None:
+    """load_state_dict post-hook (module level, so the module stays picklable): caches rebuilt at next forward."""
+    module._drop_caches()
 
 
 def moe_aux_loss(model: nn.Module) -> Optional[torch.Tensor]:

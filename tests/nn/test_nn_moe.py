@@ -95,8 +95,9 @@ def test_layer_matches_reference(case):
     assert not bad, "\n".join(bad)
 
 
-def test_shapes_3d_input_dtypes_and_zero_tokens():
-    case = NNCase("shapes", "mxfp8", shared_ffn_dim=32, aux_loss_coef=0.01)
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_shapes_3d_input_dtypes_and_zero_tokens(precision):
+    case = NNCase("shapes", precision, shared_ffn_dim=32, aux_loss_coef=0.01)
     moe = build_layer(case, global_weights(case))
     x = torch.randn(2, 5, case.dim, dtype=torch.bfloat16, requires_grad=True)
     y = moe(x)
@@ -107,11 +108,13 @@ def test_shapes_3d_input_dtypes_and_zero_tokens():
     assert int(moe.last_routing.tokens_per_expert.sum()) == 10 * case.topk
     assert float(moe_aux_loss(torch.nn.Sequential(moe)).detach()) == pytest.approx(float(moe.aux_loss.detach()))
     # zero tokens: empty output, the graph still connects (collectives would run in backward)
+    moe.zero_grad(set_to_none=True)
     z = torch.zeros(0, case.dim, requires_grad=True)
     yz = moe(z)
     assert yz.shape == (0, case.dim)
     yz.float().square().sum().backward()
     assert z.grad.shape == (0, case.dim)
+    assert moe.w13.grad is not None and not bool(moe.w13.grad.any())  # zero gradient, graph still connected
 
 
 def test_kernel_swiglu_under_interpreter_matches_reference_math():

@@ -25,6 +25,8 @@ CASES = [
     NNCase("w2_bf16_shared", "bf16", tokens=(40, 27), shared_ffn_dim=32, seed=21),
     NNCase("w2_mx_shared", "mxfp8", tokens=(33, 48), shared_ffn_dim=32, seed=22),
     NNCase("w2_mx_sigmoid_zero_tokens", "mxfp8", tokens=(0, 45), score_func="sigmoid", seed=23),
+    NNCase("w2_bf16_shared_zero_tokens", "bf16", tokens=(37, 0), shared_ffn_dim=32, seed=24),
+    NNCase("w2_mx_all_empty", "mxfp8", tokens=(0, 0), shared_ffn_dim=32, seed=25),
 ]
 
 
@@ -44,7 +46,7 @@ def test_world2_equals_world1(case, world2_results, world1):
     w = global_weights(case)
     inp = inputs(case)
     x, G = torch.cat(inp["xs"]), torch.cat(inp["gs"])
-    one = step(build_layer(case, w, max_tokens_per_rank=x.shape[0]), x, G)
+    one = step(build_layer(case, w, max_tokens_per_rank=max(1, x.shape[0])), x, G)
     assert torch.equal(gather_world(case, world2_results, "idx"), one["idx"]), "routing differs between worlds"
     want = WORLD_BF16_DB if case.precision == "bf16" else WORLD_MX_DB
     plain = reference_step(case, w, x, G, topk_idx=one["idx"])
