@@ -59,6 +59,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 from mxcomm.nn import MoE, MoEConfig, RouterConfig, attach_optimizer, init_single_process, make_ep_group  # noqa: E402
+from mxcomm.ep.group import collective_device  # noqa: E402
 from mxcomm.nn import moe_aux_loss  # noqa: E402
 
 PRECISIONS = ("bf16", "mxfp8")
@@ -258,6 +259,14 @@ def sync_gradients(model: nn.Module, world: int) -> None:
             p.grad.div_(world)
 
 
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks of a small tensor, staged on the device the process group's backend needs (NCCL: CUDA)."""
+    dev = collective_device(None, t.device)
+    out = t.detach().to(dev).clone()
+    dist.all_reduce(out)
+    return (out / dist.get_world_size()).to(t.device)
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float, world: int) -> float:
     """Global gradient norm over the sharded model (replicated grads counted once), clipped to ``max_norm``."""
     rep, shard = [], []
@@ -267,9 +276,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, world: int) -> float:
     sq_rep = sum((g.float() ** 2).sum() for g in rep) if rep else torch.zeros(())
     sq_shard = sum((g.float() ** 2).sum() for g in shard) if shard else torch.zeros(())
     if world > 1:
-        t = sq_shard.detach().reshape(1).cpu()
-        dist.all_reduce(t)
-        sq_shard = t[0]
+        sq_shard = all_reduce_mean(sq_shard.detach().reshape(1).float()) * world
     total = math.sqrt(float(sq_rep) + float(sq_shard))
     if max_norm > 0 and total > max_norm:
         for g in rep + shard:
@@ -344,9 +351,7 @@ def train_one(cfg: TrainConfig, precision: str, data: torch.Tensor, log_every: i
         opt.step()
         stats = torch.stack([ce.detach().float(), (aux.detach().float() if aux is not None else ce.new_zeros(()))])
         if world > 1:
-            stats = stats.cpu()
-            dist.all_reduce(stats)
-            stats /= world
+            stats = all_reduce_mean(stats)
         ce_v, aux_v = (float(v) for v in stats)
         res.losses.append(ce_v)
         res.aux.append(aux_v)
@@ -378,8 +383,7 @@ def evaluate(cfg: TrainConfig, model: nn.Module, val: torch.Tensor, rank: int, w
             logits = model(x.to(dev))
         tot += float(F.cross_entropy(logits.float().reshape(-1, 256), y.to(dev).reshape(-1)))
     if world > 1:
-        dist.all_reduce(tot)
-        tot /= world
+        tot = all_reduce_mean(tot)
     return float(tot) / max(cfg.eval_batches, 1)
 
 
@@ -390,13 +394,16 @@ def versions(cfg: TrainConfig) -> dict:
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no",
+                                     "mxcomm", "examples"], capture_output=True, text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
-        commit = None
+        commit, dirty = None, None
     dev = torch.device(cfg.device)
     return {
         "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
         "platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "mxcomm_commit": commit,
+        "mxcomm_modified_since_commit": dirty,
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "cuda": torch.version.cuda, "world_size": dist.get_world_size(),
     }
@@ -453,7 +460,7 @@ def plot(cfg: TrainConfig, results: list, path: Path, summary: dict) -> None:
     a1.set_title(f"byte-level MoE LM, stdlib corpus: d={cfg.d_model}, L={cfg.n_layers}, E={cfg.num_experts} "
                  f"top-{cfg.topk}, F={cfg.ffn_dim}, seq {cfg.seq} x batch {cfg.batch}, {cfg.device}", fontsize=9)
     by = {r.label: r for r in results}
-    if "bf16" in by:
+    if "bf16" in by and len(by) > 1:
         for other, col in (("mxfp8", "black"), ("bf16_jitter", "tab:green")):
             if other not in by:
                 continue
