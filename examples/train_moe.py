@@ -518,7 +518,8 @@ def run(cfg: TrainConfig, out_dir: Optional[Path], label: str, log_every: int = 
                   f"{r.val_loss:.4f}, {r.tokens_per_s:,.0f} tokens/s ({world} rank(s)), {r.wall_s:.1f} s")
         if "abs_final_loss_diff" in summary:
             print(f"|final loss difference| mxfp8 vs bf16 (mean of last {cfg.tail} steps): "
-                  f"{summary['abs_final_loss_diff']:.4f} nats; |val loss difference|: {summary['abs_val_loss_diff']:.4f}")
+                  f"{summary['abs_final_loss_diff']:.4f} nats; "
+                  f"|val loss difference|: {summary['abs_val_loss_diff']:.4f}")
         if "control_abs_final_loss_diff" in summary:
             print(f"noise floor: bf16 with expert weights jittered by {cfg.control_jitter:g} (relative) vs bf16: "
                   f"|final loss difference| {summary['control_abs_final_loss_diff']:.4f} nats; |val loss difference|: "
