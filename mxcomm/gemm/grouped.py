@@ -128,7 +128,11 @@ def _loop_2d3d(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 def bf16_grouped_2d3d(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ b[g]``: ``a [M, K]`` bf16, ``b [G, K, N]`` bf16 (any major), int32 ``offs``;
-    rows past ``offs[-1]`` zero. ``torch._grouped_mm`` where it runs, else a loop over groups (host sync)."""
+    rows past ``offs[-1]`` zero. ``torch._grouped_mm`` where it runs, else a loop over groups (host sync).
+    No rows: an empty ``[0, N]`` without a kernel (an empty gradient can carry zero strides, which
+    ``torch._grouped_mm`` rejects)."""
+    if a.shape[0] == 0:
+        return torch.zeros(0, b.shape[-1], dtype=torch.bfloat16, device=a.device)
     if _torch_grouped_mm_on(a.device.type):
         out = torch._grouped_mm(a, b, offs=offs)
         return zero_rows_past_end(out, offs)
