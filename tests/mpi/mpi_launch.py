@@ -15,12 +15,13 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from _procs import wait_all
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
@@ -92,36 +93,6 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def _kill(procs, sig) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, sig)  # own session: pgid == pid
-            except ProcessLookupError:
-                pass
-
-
-def _wait(procs, timeout_s: float) -> bool:
-    """Wait for all; on timeout kill them (TERM, grace, KILL) and return True."""
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            _kill(procs, signal.SIGTERM)
-            grace = time.monotonic() + 10
-            for q in procs:
-                try:
-                    q.wait(timeout=max(grace - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    pass
-            _kill(procs, signal.SIGKILL)
-            for q in procs:
-                q.wait()
-            return True
-    return False
-
-
 def _collect(how, nranks, outdir, procs, timed_out, t0, per_rank_rc=False) -> Launch:
     rcs = [p.returncode for p in procs]
     run = Launch(how, nranks, outdir, rcs if per_rank_rc else rcs * nranks, timed_out, time.monotonic() - t0)
@@ -155,7 +126,7 @@ def mpirun(nranks: int, script: Path, args: list, *, env: dict, outdir: Path, ti
     cmd += [sys.executable, str(script), "--outdir", str(outdir), *map(str, args)]
     t0 = time.monotonic()
     proc = _popen(cmd, env, outdir / "mpirun.log")
-    return _collect("mpirun", nranks, outdir, [proc], _wait([proc], timeout_s), t0)
+    return _collect("mpirun", nranks, outdir, [proc], wait_all([proc], timeout_s), t0)
 
 
 def torchrun(nranks: int, script: Path, args: list, *, env: dict, outdir: Path, timeout_s: float) -> Launch:
@@ -165,7 +136,7 @@ def torchrun(nranks: int, script: Path, args: list, *, env: dict, outdir: Path, 
            str(script), "--outdir", str(outdir), *map(str, args)]
     t0 = time.monotonic()
     proc = _popen(cmd, env, outdir / "torchrun.log")
-    return _collect("torchrun", nranks, outdir, [proc], _wait([proc], timeout_s), t0)
+    return _collect("torchrun", nranks, outdir, [proc], wait_all([proc], timeout_s), t0)
 
 
 def spawn(nranks: int, script: Path, args: list, *, env: dict, outdir: Path, timeout_s: float) -> Launch:
@@ -177,4 +148,4 @@ def spawn(nranks: int, script: Path, args: list, *, env: dict, outdir: Path, tim
                 *map(str, args)], env, outdir / f"rank{r}.log")
         for r in range(nranks)
     ]
-    return _collect("spawn", nranks, outdir, procs, _wait(procs, timeout_s), t0, per_rank_rc=True)
+    return _collect("spawn", nranks, outdir, procs, wait_all(procs, timeout_s), t0, per_rank_rc=True)

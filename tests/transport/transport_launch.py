@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _procs import wait_all
 from mxcomm.transport import launcher_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,36 +53,6 @@ def child_env(buffer_bytes: int, mps_env: dict[str, str] | None = None) -> dict[
     return env
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        left = deadline - time.monotonic()
-        try:
-            p.wait(timeout=max(left, 0.1))
-        except subprocess.TimeoutExpired:
-            _kill(procs, signal.SIGTERM)  # mpirun forwards SIGTERM to its ranks
-            grace = time.monotonic() + 10
-            for q in procs:
-                try:
-                    q.wait(timeout=max(grace - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    pass
-            _kill(procs, signal.SIGKILL)
-            for q in procs:
-                q.wait()
-            return True
-    return False
-
-
-def _kill(procs: list[subprocess.Popen], sig: int) -> None:
-    for q in procs:
-        if q.poll() is None:
-            try:
-                os.killpg(q.pid, sig)  # started with its own session: pgid == pid
-            except ProcessLookupError:
-                pass
-
-
 def _collect(nranks: int, outdir: Path, procs, timed_out: bool) -> RankRun:
     run = RankRun(nranks, outdir, [p.returncode for p in procs], timed_out)
     for r in range(nranks):
@@ -103,7 +72,7 @@ def spawn(nranks: int, worker_args: list[str], env: dict[str, str], outdir: Path
         procs.append(subprocess.Popen(cmd + worker_args, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True, cwd=str(REPO)))
         log.close()
-    timed_out = _wait_all(procs, timeout_s)
+    timed_out = wait_all(procs, timeout_s)
     return _collect(nranks, outdir, procs, timed_out)
 
 
@@ -124,7 +93,7 @@ def mpirun(nranks: int, worker_args: list[str], env: dict[str, str], outdir: Pat
     with open(outdir / "mpirun.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=str(REPO))
-    timed_out = _wait_all([proc], timeout_s)
+    timed_out = wait_all([proc], timeout_s)
     run = _collect(nranks, outdir, [proc], timed_out)
     run.returncodes = run.returncodes * nranks
     return run
