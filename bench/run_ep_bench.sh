@@ -28,7 +28,7 @@ bench() {  # bench LABEL TIMEOUT_S ARGS...
   local label=$1 limit=$2
   shift 2
   echo "=== mxcomm bench $label: $*"
-  timeout "$limit" python3 -m mxcomm bench --label "$label" --out "$OUT/bench_$label" --no-progress "$@" \
+  timeout "${BENCH_LIMIT:-$limit}" python3 -m mxcomm bench --label "$label" --out "$OUT/bench_$label" --no-progress "$@" \
       2>&1 | tee "$OUT/bench_$label.log" | tail -60
   local r=${PIPESTATUS[0]}
   echo "=== $label rc=$r"

@@ -18,15 +18,21 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  k=()
-  [[ -n $kexpr ]] && k=(-k "$kexpr")
-  timeout 540 python3 -m pytest -q -m "gpu or nvshmem" -p no:cacheprovider "${k[@]}" \
-      tests/kernels tests/ep tests/transport tests/gemm tests/mpi tests/test_cli.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  # Tests that start MPS (4 ranks) run alone afterwards; the rest in parallel (GPU_TEST_WORKERS, pytest-xdist).
+  k=(-k "not four_ranks and not mps${kexpr:+ and ($kexpr)}")
+  par=()
+  [[ ${GPU_TEST_WORKERS:-4} -gt 1 ]] && python3 -c 'import xdist' 2>/dev/null && par=(-n "${GPU_TEST_WORKERS:-4}")
+  timeout "${GPU_TEST_TIMEOUT:-540}" python3 -m pytest -q -rs -m "gpu or nvshmem" -p no:cacheprovider "${par[@]}" "${k[@]}" \
+      tests/kernels tests/ep tests/transport tests/gemm tests/mpi tests/nn tests/test_cli.py 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -60
   rc=${PIPESTATUS[0]}
   echo "gpu tests rc=$rc"
-  # 4 ranks on one GPU need MPS (started here, stopped at the end; the transport tests manage their own).
-  if [[ -z $kexpr ]] && mxcomm_mps_start 4; then
-    timeout 300 python3 -m pytest -q -m nvshmem -p no:cacheprovider -k four_ranks tests/ep tests/mpi 2>&1 \
+  timeout 200 python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "under_mps${kexpr:+ and ($kexpr)}" tests/transport 2>&1 \
+      | tee "$OUT/gpu_tests_transport_mps.log" | tail -15
+  r=${PIPESTATUS[0]}; echo "gpu tests (transport/put-signal, own MPS) rc=$r"; [[ $r -ne 0 ]] && rc=$r
+  # 4 ranks of the EP tests need MPS (started here, stopped at the end).
+  if mxcomm_mps_start 4; then
+    timeout 300 python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "(four_ranks or mps) and not under_mps${kexpr:+ and ($kexpr)}" tests/ep tests/mpi 2>&1 \
         | tee "$OUT/gpu_tests_mps.log" | tail -15
     rc4=${PIPESTATUS[0]}
     mxcomm_mps_stop

@@ -124,3 +124,15 @@ def run_world(
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise WorkerError(f"{len(errors)} of {world} ranks failed:\n{msg}")
     return [results[r] for r in range(world)]
+
+
+def bind_rank_gpu(rank: int) -> str:
+    """From a GPU worker: bind this process to GPU ``rank % device_count`` and return ``"cuda:i"``.
+
+    On one GPU every rank shares GPU 0 (GPU.md); on several the ranks spread over them, so the
+    NVSHMEM paths cross real GPU-to-GPU links."""
+    import torch
+
+    idx = rank % torch.cuda.device_count()
+    torch.cuda.set_device(idx)
+    return f"cuda:{idx}"

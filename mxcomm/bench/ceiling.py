@@ -3,6 +3,8 @@
 * device copy (GPU): ``dst.copy_(src)`` of a large buffer on one GPU; read + write bytes counted.
 * peer copy (2+ GPUs with peer access): ``dst_on_gpu_b.copy_(src_on_gpu_a)``; bytes counted once
   (what crosses the link).
+* all-pairs copy (2+ GPUs): every GPU copies to every other GPU at the same time (one stream per
+  pair); reported per GPU as bytes sent (and received) per second, the ceiling of an all-to-all.
 * host copy (CPU runs): ``dst.copy_(src)`` in host memory; read + write counted.
 
 Times are CUDA-event medians (GPU) or perf_counter medians (CPU) over ``iters`` copies after warm-up.
@@ -55,6 +57,40 @@ def peer_copy(src_dev: int, dst_dev: int, nbytes: int = 1 << 29, iters: int = 20
                 convention="bytes moved once between two GPUs; CUDA-event median on the source device")
 
 
+def all_pairs_copy(devs: list[int], nbytes: int = 1 << 28, iters: int = 10) -> dict:
+    """Every GPU in ``devs`` copies ``nbytes`` to every other one simultaneously (one stream per ordered
+    pair, on the source device). Wall time of the whole exchange (host clock around launch + sync of
+    every device), median over ``iters``; ``gbps_per_gpu`` = bytes each GPU sends / time."""
+    n = len(devs)
+    pairs = [(a, b) for a in devs for b in devs if a != b]
+    src = {a: torch.empty(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{a}").normal_() for a in devs}
+    dst = {(a, b): torch.empty(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{b}") for a, b in pairs}
+    streams = {(a, b): torch.cuda.Stream(device=a) for a, b in pairs}
+
+    def once():
+        for a, b in pairs:
+            with torch.cuda.stream(streams[(a, b)]):
+                dst[(a, b)].copy_(src[a], non_blocking=True)
+        for d in devs:
+            torch.cuda.synchronize(d)
+
+    for _ in range(3):
+        once()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    s = statistics.median(times)
+    del src, dst
+    sent = (n - 1) * nbytes
+    return dict(kind="all_pairs_copy", devices=[f"cuda:{d}" for d in devs], bytes_per_pair=nbytes,
+                bytes_sent_per_gpu=sent, median_us=s * 1e6, gbps_per_gpu=sent / s / 1e9,
+                gbps=sent / s / 1e9, gbps_total=n * sent / s / 1e9,
+                convention="each GPU copies to every other at once; bytes each GPU sends / wall time "
+                           "(host clock around launch and sync of all devices)")
+
+
 def host_copy(nbytes: int = 64 << 20, iters: int = 10) -> dict:
     """Host memory copy (read + write counted): the CPU runs' ceiling."""
     src = torch.randn(nbytes // 4)
@@ -86,8 +122,11 @@ def measure_ceilings(world) -> dict:
                 else:
                     out["peer_copy"] = None
                     out["peer_copy_skipped"] = "the ranks use one GPU: no link between GPUs in this run"
-                out["all_pairs_copy"] = None
-                out["all_pairs_copy_skipped"] = "not implemented"
+                if len(used) >= 2 and n >= 2:
+                    out["all_pairs_copy"] = all_pairs_copy(used)
+                else:
+                    out["all_pairs_copy"] = None
+                    out["all_pairs_copy_skipped"] = "the ranks use one GPU: no link between GPUs in this run"
             else:
                 out["host_copy"] = host_copy()
         except Exception as e:  # noqa: BLE001 - a ceiling must not stop the benchmark
@@ -98,4 +137,4 @@ def measure_ceilings(world) -> dict:
     return got[0]
 
 
-__all__ = ["device_copy", "peer_copy", "host_copy", "measure_ceilings"]
+__all__ = ["device_copy", "peer_copy", "all_pairs_copy", "host_copy", "measure_ceilings"]

@@ -111,7 +111,7 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
     if meta.get("machine", {}).get("gpus"):
         sm_dev = meta["machine"]["gpus"][0]["sm_count"]
     ceiling_gbps = None
-    for k in ("peer_copy", "device_copy", "host_copy"):
+    for k in ("all_pairs_copy", "peer_copy", "device_copy", "host_copy"):
         if ceilings.get(k):
             ceiling_gbps = ceilings[k]["gbps"]
             ceilings["reference_for_fractions"] = k
@@ -247,7 +247,7 @@ def format_table(report: dict) -> str:
         for s in report["skipped"]:
             out.append(f"skipped {s['impl']}: {s['reason']}")
     ce = report.get("ceilings") or {}
-    for k in ("device_copy", "peer_copy", "host_copy"):
+    for k in ("device_copy", "peer_copy", "all_pairs_copy", "host_copy"):
         if ce.get(k):
             out.append(f"ceiling {k}: {_f(ce[k]['gbps'], 1)} GB/s ({ce[k]['convention']})")
     for chk in report.get("checks", []):

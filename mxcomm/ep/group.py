@@ -49,6 +49,7 @@ from .backward_ref import CombineGrads, CombineSaved
 from .config import EPConfig
 from .handle import DispatchResult, EPHandle
 from .plan import buffer_sizes
+from .registry import GROUPS
 
 
 def collective_device(group, data_device: Optional[torch.device] = None) -> torch.device:
@@ -238,6 +239,7 @@ class EPGroup:
         self.local_experts = range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
         self.memory_bytes = EPGroup.buffer_bytes(config, self.world_size)
         self._backend = _make_backend(config, group, self.rank, self.world_size)
+        self.op_id: int = GROUPS.register(self)  # how torch.library ops (mxcomm.ep.ops) name this group
 
     @staticmethod
     def buffer_bytes(config: EPConfig, world_size: int) -> int:

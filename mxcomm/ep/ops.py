@@ -36,10 +36,9 @@ ints and strs only):
   dequantized through ``register_torch_dispatch`` with a mask-free GROUPED_M gather, so it traces;
   a plain tensor is cast). Differentiable (gradient passes straight through, as ``MXFP8Tensor.dequantize``).
 
-Group registry: ops cannot take an :class:`EPGroup`, so :data:`GROUPS` (one module-level
-:class:`GroupRegistry`, the only global state here) maps a small int id to the group (weakly held:
-a collected group's id is never reused). :func:`dispatch_op` registers the group on first use;
-the compiler sees the id as a constant (``torch.compiler.assume_constant_result``).
+Group registry: ops cannot take an :class:`EPGroup`, so :data:`~mxcomm.ep.registry.GROUPS` maps a
+small int id to the group (weakly held; ids are never reused). Every group registers itself when it
+is built and keeps its id in ``EPGroup.op_id``, which the compiler reads as a constant attribute.
 
 Handle: :class:`OpHandle` holds the plan/state tensors (outputs of the dispatch op) and is rebuilt
 into an :class:`EPHandle` inside each op; the reference backend's host-side split sizes are
@@ -56,9 +55,6 @@ mode. ``combine_op`` raises NotImplementedError for it when compiling.
 """
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,6 +68,7 @@ from .backward_ref import CombineSaved
 from .group import EPGroup
 from .handle import EPHandle
 from .plan import RoutingPlan, max_recv_rows
+from .registry import GROUPS
 
 # RoutingPlan tensors carried by an OpHandle, in this order (all int32).
 PLAN_TENSORS = (
@@ -84,42 +81,10 @@ STATE_TENSORS = {"torch": (), "nvshmem": ("origin_src", "origin_pos", "num_rows_
 
 # ---------------------------------------------------------------------------- registry ----
 
-class GroupRegistry:
-    """int id <-> :class:`EPGroup` (weak references; ids are never reused). Thread-safe."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._next = itertools.count(1)
-        self._by_id: dict[int, weakref.ref] = {}
-        self._ids: "weakref.WeakKeyDictionary[EPGroup, int]" = weakref.WeakKeyDictionary()
-
-    def register(self, group: EPGroup) -> int:
-        """The id of ``group`` (registered on first call)."""
-        if not isinstance(group, EPGroup):
-            raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
-        with self._lock:
-            gid = self._ids.get(group)
-            if gid is None:
-                gid = next(self._next)
-                self._ids[group] = gid
-                self._by_id[gid] = weakref.ref(group)
-            return gid
-
-    def get(self, gid: int) -> EPGroup:
-        """The group with id ``gid``; ValueError if unknown or collected."""
-        ref = self._by_id.get(int(gid))
-        group = ref() if ref is not None else None
-        if group is None:
-            raise ValueError(f"no live EPGroup with op id {gid} (register it with GROUPS.register)")
-        return group
-
-
-GROUPS = GroupRegistry()
-
-
-@torch.compiler.assume_constant_result
 def _group_id(group: EPGroup) -> int:
-    return GROUPS.register(group)
+    if not isinstance(group, EPGroup):
+        raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
+    return group.op_id  # registered in GROUPS when the group was built; a plain int attribute to dynamo
 
 
 # ------------------------------------------------------------------------------ handle ----
@@ -558,6 +523,6 @@ def combine_op(
 
 
 __all__ = [
-    "dispatch_op", "combine_op", "dense", "OpDispatched", "OpHandle", "GroupRegistry", "GROUPS",
+    "dispatch_op", "combine_op", "dense", "OpDispatched", "OpHandle", "GROUPS",
     "PLAN_TENSORS", "STATE_TENSORS", "grouped_m_dequantize",
 ]

@@ -660,8 +660,9 @@ def check_mismatched_transport_refused(group, case, rank: int, fails: list) -> N
 
 def gpu_world_worker(rank: int, world: int, backend: str = "torch", n_ops: Optional[int] = None) -> dict:
     """GPU variant: every case with CUDA tensors (``backend``: "torch" reference or "nvshmem")."""
-    torch.cuda.set_device(rank % torch.cuda.device_count() if backend == "torch" else 0)
-    dev = f"cuda:{torch.cuda.current_device()}"
+    from _dist import bind_rank_gpu
+
+    dev = bind_rank_gpu(rank)
     ops = [replace(c, device=dev, backend=backend) for c in backward_op_cases(world, seed=3)][:n_ops]
     moe = [replace(c, device=dev, backend=backend) for c in moe_cases(world, seed=3)]
     if backend == "nvshmem":

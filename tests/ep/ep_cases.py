@@ -429,18 +429,21 @@ def config_mismatch_worker(rank: int, world: int) -> dict:
 
 def gpu_cases_worker(rank: int, world: int) -> dict:
     """Worker for GPU runs: the standard matrix with CUDA tensors (gloo stages through the host, NCCL not)."""
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dev = f"cuda:{torch.cuda.current_device()}"
+    from _dist import bind_rank_gpu
+
+    dev = bind_rank_gpu(rank)
     cases = [replace(c, device=dev) for c in standard_cases(world, seed=5)]
     return run_cases(rank, world, cases)
 
 
 def nvshmem_cases_worker(rank: int, world: int, n_random: int = 0) -> dict:
-    """Worker for the nvshmem backend: every rank on GPU 0 (several ranks share one GPU), the
-    standard matrix plus ``n_random`` random cases, against the single-process oracle."""
-    torch.cuda.set_device(0)
+    """Worker for the nvshmem backend: rank r on GPU ``r % device_count`` (on one GPU the ranks share
+    it), the standard matrix plus ``n_random`` random cases, against the single-process oracle."""
+    from _dist import bind_rank_gpu
+
+    dev = bind_rank_gpu(rank)
     cases = standard_cases(world, seed=7) + random_cases(world, n_random, seed=11)
-    cases = [replace(c, device="cuda:0", backend="nvshmem") for c in cases]
+    cases = [replace(c, device=dev, backend="nvshmem") for c in cases]
     out = run_cases(rank, world, cases)
     from mxcomm import transport as tp
 
@@ -450,12 +453,15 @@ def nvshmem_cases_worker(rank: int, world: int, n_random: int = 0) -> dict:
 
 def nvshmem_soak_worker(rank: int, world: int, iters: int, seed: int = 5) -> dict:
     """nvshmem backend, ONE group reused for ``iters`` calls of random token counts and routings (every
-    rank on GPU 0): each dispatch's rows checksummed against the oracle, each combine checked, and
-    the GPU memory allocated after the warm-up must not grow (plan graphs are an LRU of 8)."""
-    torch.cuda.set_device(0)
+    rank on GPU ``rank % device_count``): each dispatch's rows checksummed against the oracle, each
+    combine checked, and the GPU memory allocated after the warm-up must not grow (plan graphs are an
+    LRU of 8)."""
+    from _dist import bind_rank_gpu
+
+    dev = bind_rank_gpu(rank)
     rng = random.Random(seed)
     E, H, k, Tmax = 4 * world, 256, 3, 48
-    base = Case("soak", tuple([Tmax] * world), E, H, k, max_tokens=Tmax, device="cuda:0", backend="nvshmem")
+    base = Case("soak", tuple([Tmax] * world), E, H, k, max_tokens=Tmax, device=dev, backend="nvshmem")
     group = EPGroup(base.config())
     fails, mem = [], []
     for i in range(iters):

@@ -102,8 +102,9 @@ def compile_ops_worker(rank: int, world: int, cases: list, device: str = "cpu", 
     from mxcomm.ep import EPConfig, EPGroup
 
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count() if backend == "torch" else 0)
-        device = f"cuda:{torch.cuda.current_device()}"
+        from _dist import bind_rank_gpu
+
+        device = bind_rank_gpu(rank)
     fails, explained = [], {}
     for case in cases:
         name = case["name"]

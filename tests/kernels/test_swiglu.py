@@ -324,8 +324,13 @@ def test_gpu_forward_bit_exact(shape, int_round, gpu_kernels):
     gu = make_gu(M, N, seed=M + N, device="cuda", specials=True)
     href = swiglu_reference(gu)
     got, h = swiglu_quantize(gu, int_round=int_round, return_h=True)
-    ndiff = int((h.view(torch.int16) != href.view(torch.int16)).sum())
-    assert ndiff == 0, f"{ndiff} of {h.numel()} bf16 h values differ from torch's silu(gate)*up on the GPU"
+    # Bit-exact, except the payload of a NaN: torch's CUDA float->bf16 cast gives 0x7FFF, the integer
+    # rounding path (written for the interpreter) the CPU's 0x7FC0; NaN positions must still agree.
+    nan_h, nan_ref = torch.isnan(h), torch.isnan(href)
+    assert torch.equal(nan_h, nan_ref), "NaN positions of h differ from the reference"
+    assert M < 4 or int(nan_ref.sum()) >= 1, "the special values should produce at least one NaN"
+    ndiff = int(((h.view(torch.int16) != href.view(torch.int16)) & ~nan_ref).sum())
+    assert ndiff == 0, f"{ndiff} of {h.numel()} non-NaN bf16 h values differ from torch's silu(gate)*up on the GPU"
     assert_same_mx(got, mx.quantize(href))
     assert_same_mx(swiglu_quantize(gu, int_round=int_round), mx.quantize(href))  # without the debug store
     ends = torch.tensor([M // 3, M // 3, M - 1], dtype=torch.int32, device="cuda")

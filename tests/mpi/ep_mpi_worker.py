@@ -8,7 +8,7 @@ every output byte so launches can be compared. Writes ``<outdir>/rank<r>.json``:
     --bootstrap mpi       mxcomm.transport.mpi.init_dist_from_mpi() (under mpirun)
     --bootstrap torchrun  init_process_group("gloo") from torchrun's environment (env://)
     --bootstrap explicit  --rank/--nranks given, FileStore in --outdir
-    --backend nvshmem     GPU: every rank on GPU 0; --nvshmem-route mpi (unique id over MPI, needs mpirun)
+    --backend nvshmem     GPU: rank r on GPU r % device_count; --nvshmem-route mpi (unique id over MPI, needs mpirun)
                           or group (EPGroup starts NVSHMEM over the torch.distributed group)
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _cases(args, world: int):
         cases = [c for c in cases if c.name in keep]
     if args.backend == "nvshmem":
         cases = cases + ep_cases.random_cases(world, args.n_random, seed=args.seed + 1)
-        cases = [replace(c, device="cuda:0", backend="nvshmem") for c in cases]
+        cases = [replace(c, device=args.cuda_device, backend="nvshmem") for c in cases]
     return cases
 
 
@@ -121,8 +121,8 @@ def _run_backward(args, rank: int, world: int, res: dict) -> None:
     ops = ac.backward_op_cases(world, seed=args.seed)
     moe = [c for c in ac.moe_cases(world, seed=args.seed) if c.exact]
     if args.backend == "nvshmem":
-        ops = [ac.matched_transport(replace(c, device="cuda:0", backend="nvshmem")) for c in ops]
-        moe = [replace(c, device="cuda:0", backend="nvshmem") for c in moe]
+        ops = [ac.matched_transport(replace(c, device=args.cuda_device, backend="nvshmem")) for c in ops]
+        moe = [replace(c, device=args.cuda_device, backend="nvshmem") for c in moe]
     a = ac.backward_ops_worker(rank, world, ops)
     b = ac.moe_worker(rank, world, moe)
     res["failures"] += a["failures"] + b["failures"]
@@ -137,13 +137,15 @@ def _run(args, rank: int, world: int, res: dict) -> None:
     from mxcomm.ep import EPGroup
 
     if args.backend == "nvshmem":
-        torch.cuda.set_device(0)
+        from _dist import bind_rank_gpu
+
+        args.cuda_device = bind_rank_gpu(rank)
         if args.nvshmem_route == "mpi":  # NVSHMEM by unique id over MPI; the backend joins this context
             from mpi4py import MPI
 
             from mxcomm import transport as tp
 
-            tp.init_nvshmem(mpi_comm=MPI.COMM_WORLD, device=0)
+            tp.init_nvshmem(mpi_comm=MPI.COMM_WORLD, device=torch.cuda.current_device())
     cases = _cases(args, world)
     fails, exact = [], []
     groups = {}

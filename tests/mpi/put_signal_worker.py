@@ -56,7 +56,7 @@ def _bootstrap(args, tp):
     if args.route == "mpi":
         from mpi4py import MPI
 
-        return tp.init_nvshmem(mpi_comm=MPI.COMM_WORLD, device=0)
+        return tp.init_nvshmem(mpi_comm=MPI.COMM_WORLD)  # GPU: local rank % device_count
     path = os.path.join(args.outdir, "uid.bin")
     if args.rank == 0:
         with open(path + ".tmp", "wb") as f:
@@ -69,7 +69,7 @@ def _bootstrap(args, tp):
         time.sleep(0.05)
     with open(path, "rb") as f:
         uid = f.read()
-    return tp.init_nvshmem(uid=uid, rank=args.rank, nranks=args.nranks, device=0)
+    return tp.init_nvshmem(uid=uid, rank=args.rank, nranks=args.nranks)  # GPU: rank % device_count
 
 
 def _staging(seed: int, rnd: int, src: int):
@@ -216,7 +216,6 @@ def main() -> int:
         from mxcomm.transport import cubin
         from mxcomm.transport import put_signal as ps
 
-        torch.cuda.set_device(0)
         ctx = _bootstrap(args, tp)
         rank = ctx.rank
         res.update(rank=ctx.rank, world=ctx.world, route=ctx.route)

@@ -133,12 +133,12 @@ def build_layer(case: NNCase, w: dict, ep=None, device=None, **cfg_kw) -> MoE:
 def world_worker(rank: int, world: int, cases: list, device: str = "cpu", ep_backend: str = "torch") -> dict:
     """Each case: the layer over the world's EP group, this rank's tokens; returns its outputs and gradients.
 
-    ``device="cuda"``: rank r uses GPU ``r % device_count`` (GPU 0 for the nvshmem backend, whose ranks here share
-    one GPU); ``ep_backend``: ``"torch"`` or ``"nvshmem"``."""
+    ``device="cuda"``: rank r uses GPU ``r % device_count`` (on one GPU the ranks share it); ``ep_backend``: ``"torch"`` or ``"nvshmem"``."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        torch.cuda.set_device(0 if ep_backend == "nvshmem" else rank % torch.cuda.device_count())
-        dev = torch.device("cuda", torch.cuda.current_device())
+        from _dist import bind_rank_gpu
+
+        dev = torch.device(bind_rank_gpu(rank))
     out = {}
     for case in cases:
         assert len(case.tokens) == world, case.name
