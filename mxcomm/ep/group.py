@@ -282,6 +282,16 @@ class EPGroup:
             quantize = self.config.precision == "mxfp8"
         return self._backend.combine(expert_out, handle, bool(quantize))
 
+    def check_errors(self) -> None:
+        """Host sync: raise any error a GPU backend recorded on the device and not reported yet (a peer
+        that never arrived: :class:`~mxcomm.transport.PeerTimeout`; expert ids out of range or repeated in
+        the no-host-sync mode: ValueError), then clear it. Calls replayed from a CUDA graph check nothing
+        themselves: call this after replays (e.g. once per training step). The reference backend checks
+        every call synchronously, so there it has nothing to do."""
+        fn = getattr(self._backend, "check_errors", None)
+        if fn is not None:
+            fn()
+
     # -- backward (used by mxcomm.ep.autograd; callable directly) ------------------------------
     def _backward_op(self, name: str):
         fn = getattr(self._backend, name, None)

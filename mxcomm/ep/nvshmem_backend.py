@@ -153,7 +153,6 @@ class NvshmemBackend:
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
         self._plan_graphs: dict = {}  # (T, idx dtype) -> PlanGraph, least recently used first
-        self._comb_calls = 0  # host mirror of epoch[1] (which copy of comb_q the last call used)
         # exact_sizes=False never syncs with the host, so expert ids are checked on the device: bad slots
         # are dropped before anything is sent and the error is raised by a later call (see _sanitize).
         self.device_side_checks = not config.exact_sizes
@@ -217,9 +216,30 @@ class NvshmemBackend:
         self.input_err.add_(bad.any().to(torch.int64))
         return torch.where(bad, torch.full_like(idx, -1), idx).to(topk_idx.dtype)
 
+    def _capturing(self) -> bool:
+        """True while the current stream is being captured into a CUDA graph."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _require_capturable(self) -> None:
+        if self._capturing() and self.config.exact_sizes:
+            raise RuntimeError(
+                "CUDA graph capture of the nvshmem EP backend needs EPConfig(exact_sizes=False): exact output sizes "
+                "read the row count on the host (a sync, not allowed while capturing)"
+            )
+
+    def check_errors(self) -> None:
+        """Host sync: raise any error the device recorded (peer timeout, bad expert ids) and clear it.
+        The only error report of calls replayed from a CUDA graph (nothing is checked inside the graph)."""
+        self._pending = None
+        self._check("device error words")
+        self.err.zero_()
+
     def _check_async(self, what: str) -> None:
         """No-host-sync mode: raise an error recorded by an EARLIER call (if its copy has landed), and
-        start the non-blocking copy of this call's error word; it is raised by a later call."""
+        start the non-blocking copy of this call's error word; it is raised by a later call. While
+        capturing a CUDA graph nothing is checked (see :meth:`check_errors`)."""
+        if self._capturing():
+            return
         if self._pending is not None and self._pending[1].query():
             host, _, pwhat = self._pending
             self._pending = None
@@ -260,7 +280,7 @@ class NvshmemBackend:
         """The routing plan of this call from the exchanged counts: replayed from a CUDA graph captured
         once per token count on the GPU (see plan_graph), computed eagerly elsewhere."""
         T, k = topk_idx.shape
-        if self.device.type != "cuda" or T == 0:
+        if self.device.type != "cuda" or T == 0 or self._capturing():  # an outer capture records the kernels
             return compute_plan(self.counts.local.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
         key = (T, topk_idx.dtype)
         g = self._plan_graphs.pop(key, None)
@@ -291,6 +311,7 @@ class NvshmemBackend:
         cfg = self.config
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the nvshmem backend runs on {self.device}")
+        self._require_capturable()
         T, H = x.shape
         W, E = self.world, cfg.num_experts
         x = x.contiguous()
@@ -342,6 +363,7 @@ class NvshmemBackend:
         st: NvshmemState = handle.backend_state
         H, W = cfg.hidden, self.world
         plan = handle.plan
+        self._require_capturable()
         passthrough = isinstance(rows, MXTensor)
         mx = quantize_rows or passthrough
         if passthrough:
@@ -350,7 +372,6 @@ class NvshmemBackend:
         else:
             payload, in_scales = rows.contiguous(), self.err  # in_scales unused
         self.epoch[1] += 1
-        self._comb_calls += 1
         combine_send_kernel[(self.programs,)](
             payload, st.num_rows_dev, st.origins.src, st.origins.pos,
             self.comb_q.peer_ptrs, self.comb_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W,
@@ -370,15 +391,18 @@ class NvshmemBackend:
             )
         saved = None
         if save:  # the rows as they arrived, by send position (copy: the buffer is reused)
-            par, n = self._comb_calls % 2, T * cfg.topk
+            # The copy this epoch used, chosen on the device (epoch parity), so a CUDA graph replay reads
+            # the right one: slots [par * nslot, par * nslot + n) of the flattened buffers.
+            n = T * cfg.topk
+            ids = (self.epoch[1:2] % 2) * self.nslot + torch.arange(n, device=self.device)
             if mx:
                 saved = MXTensor(
-                    qdata=self.comb_q.local[par, :n, :H].clone().view(torch.float8_e4m3fn),
-                    scales=self.comb_s.local[par, :n].clone(), axis=1, layout=ScaleLayout.ROW,
-                    mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
+                    qdata=self.comb_q.local.view(2 * self.nslot, -1)[:, :H].index_select(0, ids).view(torch.float8_e4m3fn),
+                    scales=self.comb_s.local.view(2 * self.nslot, -1).index_select(0, ids), axis=1,
+                    layout=ScaleLayout.ROW, mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
                 )
             else:
-                saved = self.comb_q.local.view(torch.bfloat16)[par, :n].clone()
+                saved = self.comb_q.local.view(torch.bfloat16).view(2 * self.nslot, -1).index_select(0, ids)
         if cfg.exact_sizes:
             self._check(what)
         else:
@@ -413,6 +437,7 @@ class NvshmemBackend:
                 f"the nvshmem backend's combine backward sends {'MXFP8' if self.mx else 'BF16'} rows (it reuses the "
                 f"dispatch buffers sized for precision={cfg.precision!r}); quantize={quantize_rows} is not supported"
             )
+        self._require_capturable()
         plan = handle.plan
         st: NvshmemState = handle.backend_state
         W, H, T = self.world, cfg.hidden, handle.num_tokens

@@ -123,14 +123,20 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
             x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
             m2 = valid[:, None] & m[None, :]
             dst = qbase[:, None] + (row * H + c0)[:, None] + offs[None, :]
+            # 16-byte aligned contiguous row pieces (buffers 16-byte aligned, H % 32 == 0): 16-byte stores.
+            # Hints must be written inline (through a helper function they are lost); without them every
+            # peer store over NVLink is a single byte.
+            dst = tl.max_contiguous(tl.multiple_of(dst, [16, 16]), [1, 16])
             if WEIGHTED:
                 xw = wv[:, None] * x.to(tl.float32)[None, :]  # [K, CHUNK]: one row per slot
                 if MX:
                     q3, s3 = mx_quantize_tile(tl.reshape(xw, (K_POW2, NB, 32)), MODE, INT_ROUND, 2)
                     tl.store(dst, tl.reshape(q3, (K_POW2, CHUNK)), mask=m2)
                     cols = c0 // 32 + bcols
-                    soff = blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
-                    tl.store(sbase[:, None] + soff, s3, mask=valid[:, None] & (cols < H // 32)[None, :])
+                    sp = sbase[:, None] + blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
+                    if NB % 4 == 0:  # blocked layout: 4 column blocks of a row are 4 contiguous bytes
+                        sp = tl.max_contiguous(tl.multiple_of(sp, [4, 4]), [1, 4])
+                    tl.store(sp, s3, mask=valid[:, None] & (cols < H // 32)[None, :])
                 elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even by integers
                     tl.store(dst, bf16_rne_int(xw), mask=m2)
                 else:
@@ -140,9 +146,10 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
                 q = tl.reshape(q2, (CHUNK,))
                 tl.store(dst, tl.broadcast_to(q[None, :], (K_POW2, CHUNK)), mask=m2)
                 cols = c0 // 32 + bcols
-                soff = blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
-                tl.store(sbase[:, None] + soff, tl.broadcast_to(s[None, :], (K_POW2, NB)),
-                         mask=valid[:, None] & (cols < H // 32)[None, :])
+                sp = sbase[:, None] + blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
+                if NB % 4 == 0:  # blocked layout: 4 column blocks of a row are 4 contiguous bytes
+                    sp = tl.max_contiguous(tl.multiple_of(sp, [4, 4]), [1, 4])
+                tl.store(sp, tl.broadcast_to(s[None, :], (K_POW2, NB)), mask=valid[:, None] & (cols < H // 32)[None, :])
             else:
                 tl.store(dst, tl.broadcast_to(x[None, :], (K_POW2, CHUNK)), mask=m2)
         t += G
@@ -200,11 +207,15 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
                 else:
                     q3, s = mx_quantize_tile(tl.reshape(x, (BR, NB, 32)), MODE, INT_ROUND, 2)
                     q2 = tl.reshape(q3, (BR, CHUNK))
-                tl.store(qbase[:, None] + (pos * (2 * H) + c0)[:, None] + offs[None, :], q2, mask=m2)
-                tl.store(sbase[:, None] + (pos * (H // 32))[:, None] + cols[None, :], s,
-                         mask=valid[:, None] & (cols < H // 32)[None, :])
+                dq = qbase[:, None] + (pos * (2 * H) + c0)[:, None] + offs[None, :]
+                tl.store(tl.max_contiguous(tl.multiple_of(dq, [16, 16]), [1, 16]), q2, mask=m2)  # 16-byte stores
+                sp = sbase[:, None] + (pos * (H // 32))[:, None] + cols[None, :]
+                if (H // 32) % 16 == 0:  # scale rows 16-byte aligned
+                    sp = tl.max_contiguous(tl.multiple_of(sp, [16, 16]), [1, 16])
+                tl.store(sp, s, mask=valid[:, None] & (cols < H // 32)[None, :])
             else:
-                tl.store(qbase[:, None] + (pos * H + c0)[:, None] + offs[None, :], x, mask=m2)
+                dq = qbase[:, None] + (pos * H + c0)[:, None] + offs[None, :]
+                tl.store(tl.max_contiguous(tl.multiple_of(dq, [16, 16]), [1, 16]), x, mask=m2)
         r0 += G * BR
     _arrive_all(flags_peers, 2, me, W)
 

@@ -156,6 +156,8 @@ class SymmetricHeap:
             raw = nvshmem_core.tensor((spec.nbytes,), dtype=torch.uint8)
         except nvshmem_core.NvshmemError as exc:
             raise TransportError(self._oom_message(spec, exc)) from exc
+        if raw.data_ptr() % 16:  # the EP kernels promise the compiler 16-byte aligned rows
+            raise TransportError(f"NVSHMEM returned a buffer not 16-byte aligned for {spec} ({raw.data_ptr():#x})")
         local = raw.view(spec.dtype).view(spec.shape)
         peers: list[torch.Tensor | None] = []
         for p in range(self.ctx.world):
