@@ -52,8 +52,15 @@ def _rel(a, b) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
 
 
+OPS = ("dispatch", "combine", "combine_bwd", "dispatch_bwd")
+# a2a / vdev2d are timed for the forward ops only; a backward op is compared with the forward op moving the same rows.
+TWIN = {"dispatch": "dispatch", "combine": "combine", "combine_bwd": "dispatch", "dispatch_bwd": "combine"}
+BASELINE_KEYS = {"vs_reference": ("reference", "mxfp8"), "vs_a2a": ("a2a", "bf16"), "vs_vdev2d": ("vdev2d", "bf16"),
+                 "vs_mxcomm_bf16": ("mxcomm", "bf16")}
+
+
 def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int, iters: int,
-                 precisions=("mxfp8", "bf16")) -> None:
+                 precisions=("mxfp8", "bf16"), ops=OPS) -> None:
     """Everything a report must satisfy, whatever machine produced it."""
     assert rep["schema"] == "mxcomm.bench/1"
     assert rep["ep_size"] == ranks and rep["config"]["ranks"] == ranks
@@ -62,11 +69,20 @@ def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int,
     assert rep["versions"]["torch"] == torch.__version__ and rep["versions"]["mxcomm"]
     assert set(rep["byte_conventions"]) == {"dedup", "per_selection"}
     assert rep["timing"]["whole_call_measured"] is True
+    assert rep["config"]["ops"] == list(ops)
+    assert rep["conventions"]["backward_baselines"]["a2a"] == {"combine_bwd": "dispatch", "dispatch_bwd": "combine"}
     names = {c["name"] for c in rep["cases"]}
+    impls = rep["config"]["impls"]
     for T in tokens:
-        for op in ("dispatch", "combine"):
+        for op in ops:
             for p in precisions:
                 assert f"mxcomm/{p}/{op}/T{T}" in names
+            if "reference" in impls:
+                assert f"reference/mxfp8/{op}/T{T}" in names
+            if "a2a" in impls:  # timed once per direction, backward ops included
+                assert f"a2a/bf16/{TWIN[op]}/T{T}" in names
+    assert {c["op"] for c in rep["cases"] if c["impl"] in ("a2a", "vdev2d")} <= {"dispatch", "combine"}
+    assert {c["op"] for c in rep["cases"]} <= set(ops) | {TWIN[op] for op in ops}
     by = {(c["impl"], c["precision"], c["op"], c["tokens"]): c for c in rep["cases"]}
     for c in rep["cases"]:
         assert c["status"] == "ok", (c["name"], c.get("reason"))
@@ -90,18 +106,18 @@ def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int,
                 g = c["gbps"][conv][timing]
                 assert g > 0 and _rel(g, b[conv] / (st["median"] * 1e-6) / 1e9) < 1e-9
         for name, r in c["ratios"].items():
-            key = {"vs_reference": ("reference", "mxfp8"), "vs_a2a": ("a2a", "bf16"), "vs_vdev2d": ("vdev2d", "bf16"),
-                   "vs_mxcomm_bf16": ("mxcomm", "bf16")}[name]
-            base = by[(key[0], key[1], c["op"], c["tokens"])]
+            key = BASELINE_KEYS[name]
+            base = by[(key[0], key[1], TWIN[c["op"]] if key[0] in ("a2a", "vdev2d") else c["op"], c["tokens"])]
             for timing, v in r.items():
                 if v is None:
                     continue
                 want = base["stats_us"][timing]["median"] / c["stats_us"][timing]["median"]
                 assert _rel(v, want) < 1e-9
     # Every mxcomm case is compared to the baselines measured in the same run.
+    want = {f"vs_{b}" for b in ("reference", "a2a") if b in impls}
     for c in rep["cases"]:
         if c["impl"] == "mxcomm" and c["precision"] == "mxfp8":
-            assert {"vs_reference", "vs_a2a"} <= set(c["ratios"])
+            assert want <= set(c["ratios"]), (c["name"], c["ratios"])
 
 
 # --------------------------------------------------------------------------------- end to end ----
@@ -118,10 +134,21 @@ def test_bench_cpu_launcher_end_to_end(tmp_path):
     assert rep["config"]["backend"] == "torch" and rep["timing"]["kernel_measured"] is False
     assert any(s["impl"] == "vdev2d" and s["reason"] for s in rep["skipped"])
     assert rep["ceilings"]["host_copy"]["gbps"] > 0
-    impls = {(c["impl"], c["precision"]) for c in rep["cases"]}
-    assert impls == {("mxcomm", "mxfp8"), ("mxcomm", "bf16"), ("reference", "mxfp8"), ("a2a", "bf16")}
+    impl_ops = {(c["impl"], c["precision"], c["op"]) for c in rep["cases"]}
+    assert impl_ops == ({(i, p, op) for i, p in (("mxcomm", "mxfp8"), ("mxcomm", "bf16"), ("reference", "mxfp8"))
+                         for op in OPS} | {("a2a", "bf16", "dispatch"), ("a2a", "bf16", "combine")})
+    # The backward ops against a2a: the forward case of the same direction (checked generally in check_report).
+    by = {(c["impl"], c["precision"], c["op"], c["tokens"]): c for c in rep["cases"]}
+    for T in (16, 32):
+        for op, fwd in (("combine_bwd", "dispatch"), ("dispatch_bwd", "combine")):
+            c, base = by[("mxcomm", "mxfp8", op, T)], by[("a2a", "bf16", fwd, T)]
+            want = base["stats_us"]["whole_call"]["median"] / c["stats_us"]["whole_call"]["median"]
+            assert c["ratios"]["vs_a2a"]["whole_call"] == pytest.approx(want, rel=1e-12)
+            assert c["bytes"] == by[("mxcomm", "mxfp8", fwd, T)]["bytes"]  # same rows, same payload
     table = (out / "ep_bench_e2e.txt").read_text()
-    assert "dispatch" in table and "combine" in table and "GB/s dedup" in table
+    assert "GB/s dedup" in table and "backward ops: x a2a" in table
+    ops_in_table = [ln.split()[0] for ln in table.splitlines() if ln.split() and ln.split()[0] in OPS]
+    assert sorted(set(ops_in_table), key=ops_in_table.index) == list(OPS)  # table order
     assert "GB/s dedup" in r.stdout and str(out / "ep_bench_e2e.json") in r.stdout
     try:
         import matplotlib  # noqa: F401
@@ -145,7 +172,7 @@ def test_bench_joins_torchrun_style_world(tmp_path):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "mxcomm", "bench", *TINY, "--tokens", "24", "--precision", "mxfp8",
-             "--out", str(out), "--label", "joined", "--no-plot"],
+             "--ops", "dispatch", "--out", str(out), "--label", "joined", "--no-plot"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -155,8 +182,9 @@ def test_bench_joins_torchrun_style_world(tmp_path):
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     rep = _load(out, "joined")
-    check_report(rep, ranks=2, tokens=[24], hidden=64, topk=2, iters=3, precisions=("mxfp8",))
+    check_report(rep, ranks=2, tokens=[24], hidden=64, topk=2, iters=3, precisions=("mxfp8",), ops=("dispatch",))
     assert rep["world"]["launch"] == "torchrun"
+    assert {c["op"] for c in rep["cases"]} == {"dispatch"}  # --ops dispatch: nothing else timed
     assert "GB/s dedup" in outs[0] and "GB/s dedup" not in outs[1]
 
 
@@ -222,6 +250,10 @@ def test_info_reports_environment_and_buffer_sizes():
     (["--backend", "nvshmem"], "--backend nvshmem needs a CUDA GPU"),
     (["--ranks-per-gpu", "2"], "--ranks-per-gpu needs a GPU"),
     (["--impls", "mxcomm,nccl"], "--impls 'nccl' is unknown"),
+    (["--ops", "dispatch,backward"], "--ops 'backward' is unknown; choose from dispatch, combine, combine_bwd, "
+                                     "dispatch_bwd"),
+    (["--ops", "combine_bwd,dispatch,combine_bwd"], "--ops lists 'combine_bwd' more than once"),
+    (["--ops", ","], "argument --ops: empty list"),
     (["--iters", "0"], "--iters must be >= 1"),
     (["--num-sms", "0"], "--num-sms must be a positive integer"),
     (["--side-channel", "nccl"], "--side-channel nccl needs a GPU"),
@@ -281,6 +313,24 @@ def test_cpu_defaults_and_modes():
 
     with pytest.raises(OptionError, match="--ranks 3 disagrees with the launcher's world size 2"):
         options_from_args(_args("--ranks", "3"), world_size=2)
+
+
+def test_ops_option_and_steps():
+    """--ops picks the timed ops (run in the fixed op order); a2a/vdev2d time the forward op of each direction."""
+    from mxcomm.bench.harness import steps_for
+    from mxcomm.bench.options import options_from_args
+
+    assert options_from_args(_args()).ops == list(OPS)
+    o = options_from_args(_args("--ops", "dispatch_bwd,combine_bwd", "--tokens", "8", "--precision", "mxfp8"))
+    assert o.ops == ["dispatch_bwd", "combine_bwd"] and o.to_dict()["ops"] == o.ops
+    steps = steps_for(o, ["mxcomm", "reference", "a2a", "vdev2d"])
+    assert [(impl, op) for _, impl, _, op in steps] == [
+        ("mxcomm", "combine_bwd"), ("mxcomm", "dispatch_bwd"), ("reference", "combine_bwd"),
+        ("reference", "dispatch_bwd"), ("a2a", "dispatch"), ("a2a", "combine"), ("vdev2d", "dispatch"),
+        ("vdev2d", "combine")]
+    o.ops = ["dispatch"]
+    assert [(impl, op) for _, impl, _, op in steps_for(o, ["mxcomm", "a2a"])] == [("mxcomm", "dispatch"),
+                                                                                 ("a2a", "dispatch")]
 
 
 def test_child_env_sets_rank_and_nvshmem_vars_without_touching_os_environ(monkeypatch):
@@ -416,10 +466,13 @@ def _check_worker(rank, world):
 
 
 def _failing_backend_worker(rank, world, opts_dict):
-    """run_phase when the mxcomm groups cannot be built: those cases fail with the reason, baselines still run."""
+    """run_phase when the mxcomm groups cannot be built and the reference backend lacks combine_backward (the
+    group raises NotImplementedError): those cases fail with the reason, the others still run."""
     from mxcomm.bench.harness import run_phase
+    from mxcomm.ep.reference import TorchBackend
 
-    return run_phase(BenchOptions.from_dict(opts_dict), _bench_world(rank, world), ["mxcomm", "a2a"])
+    del TorchBackend.combine_backward  # this spawned rank only
+    return run_phase(BenchOptions.from_dict(opts_dict), _bench_world(rank, world), ["mxcomm", "reference", "a2a"])
 
 
 def test_check_against_reference_in_a_world():
@@ -436,18 +489,26 @@ def test_phase_survives_a_backend_that_cannot_start(tmp_path):
 
     from mxcomm.bench.report import build_report, format_table
 
-    opts = BenchOptions(tokens=[8], hidden=64, topk=2, experts=4, precisions=["mxfp8"], mode="throughput",
+    opts = BenchOptions(tokens=[4, 8], hidden=64, topk=2, experts=4, precisions=["mxfp8"], mode="throughput",
                         backend="nvshmem", device="cpu", ranks=2, ranks_per_gpu=1, side_channel="gloo", iters=2,
                         warmup=0, out=str(tmp_path), label="x", progress=False)
     res = run_world(2, _failing_backend_worker, opts.to_dict(), timeout=120)[0]
-    st = {(c["impl"], c["op"]): c for c in res["cases"]}
-    for op in ("dispatch", "combine"):
-        assert st[("mxcomm", op)]["status"] == "failed" and "nvshmem" in st[("mxcomm", op)]["reason"]
-        assert st[("a2a", op)]["status"] == "ok" and len(st[("a2a", op)]["samples_us"]["whole_call"]) == 2
+    st = {(c["impl"], c["op"], c["tokens"]): c for c in res["cases"]}
+    for T in (4, 8):
+        for op in OPS:
+            assert st[("mxcomm", op, T)]["status"] == "failed" and "nvshmem" in st[("mxcomm", op, T)]["reason"]
+        for impl, op in [("a2a", "dispatch"), ("a2a", "combine"), ("reference", "dispatch"), ("reference", "combine"),
+                         ("reference", "dispatch_bwd")]:
+            assert st[(impl, op, T)]["status"] == "ok" and len(st[(impl, op, T)]["samples_us"]["whole_call"]) == 2
+    bwd = st[("reference", "combine_bwd", 4)]
+    assert bwd["status"] == "failed" and "NotImplementedError" in bwd["reason"] and "combine_backward" in bwd["reason"]
+    later = st[("reference", "combine_bwd", 8)]  # later token counts of that op only are skipped
+    assert later["status"] == "skipped" and "NotImplementedError" in later["reason"]
     res.update(world=dict(ranks_per_gpu=1, side_channel="gloo"))
     rep = build_report(options=opts.to_dict(), world=res["world"], meta={}, phases=[res], command=["t"])
     table = format_table(rep)
     assert "failed: EPGroup(backend='nvshmem'" in table and "a2a" in table
+    assert "skipped: an earlier reference mxfp8 combine_bwd case failed" in table
 
 
 def _ranks_of(parent_pid: int) -> set:

@@ -1,9 +1,10 @@
-"""The timed calls of one benchmark case: this library's dispatch/combine, the reference path and the
-plain BF16 all-to-all baseline (torch's ``all_to_all_vdev_2d`` lives in :mod:`mxcomm.bench.symm`).
+"""The timed calls of one benchmark case: this library's dispatch/combine and their backward passes, the
+reference path and the plain BF16 all-to-all baseline (torch's ``all_to_all_vdev_2d`` lives in
+:mod:`mxcomm.bench.symm`).
 
-Each ``*_case`` function builds everything a call needs OUTSIDE the timed region (send buffers,
-a dispatch handle for combine, random expert outputs) and returns a zero-argument callable that
-performs exactly the call being measured.
+Each ``*_case`` function builds everything a call needs OUTSIDE the timed region (send buffers, a
+dispatch handle for combine and the backward ops, random expert outputs and gradients) and returns a
+zero-argument callable that performs exactly the call being measured.
 """
 from __future__ import annotations
 
@@ -52,15 +53,47 @@ def ep_dispatch_case(group: EPGroup, inputs: BenchInputs, world) -> CaseCall:
     return CaseCall(fn=lambda: group.dispatch(x, idx, w), transport=ep_transport(group, world))
 
 
+def _dispatched(group: EPGroup, inputs: BenchInputs, world, seed: int) -> tuple:
+    """One untimed dispatch: ``(handle, rows)``, ``rows`` random bfloat16 ``[R, H]`` in the dispatch output's
+    layout (``R = handle.num_rows``; stand-in expert outputs or gradients of the dispatch output)."""
+    res, handle = group.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
+    rows = random_rows(res.num_rows, group.config.hidden, inputs.x.device, seed, world.rank)
+    return handle, rows
+
+
 def ep_combine_case(group: EPGroup, inputs: BenchInputs, world, *, seed: int) -> CaseCall:
-    """``group.combine(expert_out, handle)`` with the handle of one untimed dispatch and random expert rows.
+    """``group.combine(expert_out, handle)`` with the handle of one untimed dispatch and random expert rows
+    ``expert_out`` bfloat16 ``[R, H]``.
 
     Quantized transport follows the config (MXFP8 when ``precision == "mxfp8"``).
     """
-    res, handle = group.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
-    out = random_rows(res.num_rows, group.config.hidden, inputs.x.device, seed, world.rank)
-    del res
+    handle, out = _dispatched(group, inputs, world, seed)
     return CaseCall(fn=lambda: group.combine(out, handle), transport=ep_transport(group, world))
+
+
+def ep_combine_bwd_case(group: EPGroup, inputs: BenchInputs, world, *, seed: int) -> CaseCall:
+    """``group.combine_backward(grad_y, handle, saved)``: route-weighted gradients to the experts (the rows travel
+    like dispatch's) plus the route-weight gradient from ``saved``.
+
+    Built untimed: one dispatch, one ``combine_for_backward`` of random expert rows ``[R, H]`` (its
+    ``CombineSaved``), ``grad_y`` random bfloat16 ``[T, H]``. Transport follows the config (MXFP8 with
+    ``precision == "mxfp8"``); returns a ``CombineGrads`` (``grad_expert_out`` ``[R, H]``, ``grad_weights``
+    float32 ``[T, k]``).
+    """
+    handle, out = _dispatched(group, inputs, world, seed)
+    _, saved = group.combine_for_backward(out, handle)
+    grad_y = random_rows(inputs.x.shape[0], group.config.hidden, inputs.x.device, seed + 1, world.rank)
+    return CaseCall(fn=lambda: group.combine_backward(grad_y, handle, saved), transport=ep_transport(group, world))
+
+
+def ep_dispatch_bwd_case(group: EPGroup, inputs: BenchInputs, world, *, seed: int) -> CaseCall:
+    """``group.dispatch_backward(grad_recv, handle)``: each row's gradient back to its origin, summed over k (the
+    rows travel like combine's); ``grad_recv`` random bfloat16 ``[R, H]`` in the layout of one untimed dispatch.
+
+    Transport follows the config (MXFP8 with ``precision == "mxfp8"``); returns bfloat16 ``[T, H]``.
+    """
+    handle, grad_recv = _dispatched(group, inputs, world, seed)
+    return CaseCall(fn=lambda: group.dispatch_backward(grad_recv, handle), transport=ep_transport(group, world))
 
 
 def _a2a(world) -> Callable:
@@ -123,5 +156,6 @@ def check_against_reference(group: EPGroup, ref: EPGroup, inputs: BenchInputs, *
     return dict(dispatch_equal=bool(same), combine_max_abs_diff=diff)
 
 
-__all__ = ["CaseCall", "random_rows", "ep_dispatch_case", "ep_combine_case", "a2a_dispatch_case", "a2a_combine_case",
-           "check_against_reference", "ep_transport", "a2a_transport"]
+__all__ = ["CaseCall", "random_rows", "ep_dispatch_case", "ep_combine_case", "ep_combine_bwd_case",
+           "ep_dispatch_bwd_case", "a2a_dispatch_case", "a2a_combine_case", "check_against_reference", "ep_transport",
+           "a2a_transport"]

@@ -15,18 +15,20 @@ from typing import Optional
 import torch
 
 from . import symm
-from .cases import (CaseCall, a2a_combine_case, a2a_dispatch_case, check_against_reference, ep_combine_case,
-                    ep_dispatch_case)
+from .cases import (CaseCall, a2a_combine_case, a2a_dispatch_case, check_against_reference, ep_combine_bwd_case,
+                    ep_combine_case, ep_dispatch_bwd_case, ep_dispatch_case)
 from .ceiling import measure_ceilings
-from .options import BenchOptions
+from .options import OPS, BenchOptions, ops_for
 from .routing import bytes_per_row, exchange_routing, make_inputs
 from .timing import L2Flusher, measure
 
-OPS = ("dispatch", "combine")
+# EPGroup cases taking a seed (random expert rows / gradients); dispatch takes none.
+_EP_SEEDED_CASES = {"combine": ep_combine_case, "combine_bwd": ep_combine_bwd_case,
+                    "dispatch_bwd": ep_dispatch_bwd_case}
 
 
 def steps_for(opts: BenchOptions, impls) -> list[tuple]:
-    """``(tokens, impl, payload precision, op)`` in run order."""
+    """``(tokens, impl, payload precision, op)`` in run order (ops per impl: :func:`mxcomm.bench.options.ops_for`)."""
     out = []
     for T in opts.tokens:
         for impl in ("mxcomm", "reference", "a2a", "vdev2d"):
@@ -34,7 +36,7 @@ def steps_for(opts: BenchOptions, impls) -> list[tuple]:
                 continue
             precs = opts.precisions if impl == "mxcomm" else (["mxfp8"] if impl == "reference" else ["bf16"])
             for p in precs:
-                for op in OPS:
+                for op in ops_for(opts, impl):
                     out.append((T, impl, p, op))
     return out
 
@@ -101,9 +103,11 @@ def run_phase(opts: BenchOptions, world, impls, *, phase: str = "main") -> dict:
     """Run the cases of ``impls`` (subset of mxcomm/reference/a2a/vdev2d) for every token count (collective).
 
     Returns ``{"phase", "cases": [raw record...], "checks": [...], "ceilings": {...}, "skipped": [...]}``.
-    A raw record: impl, op, precision (payload), tokens, status (``ok``/``failed``/``skipped``), reason,
-    transport, notes, bytes_per_row, rows_dedup / rows_sel (per destination rank), samples_us
-    (``whole_call`` and ``kernel`` per-iteration lists, max over ranks).
+    A raw record: impl, op (one of :data:`OPS`), precision (payload), tokens, status
+    (``ok``/``failed``/``skipped``), reason, transport, notes, bytes_per_row, rows_dedup / rows_sel (per
+    destination rank), samples_us (``whole_call`` and ``kernel`` per-iteration lists, max over ranks).
+    A failing case (an exception on any rank, e.g. a backend's NotImplementedError for a backward op) is
+    recorded ``failed`` with the reason; later token counts of that impl, precision and op are ``skipped``.
     """
     impls = [i for i in impls]
     steps = steps_for(opts, impls)
@@ -129,7 +133,7 @@ def run_phase(opts: BenchOptions, world, impls, *, phase: str = "main") -> dict:
     flush = L2Flusher(world.device)
     result["l2_flush_bytes"] = flush.buf.numel() if flush.active else 0
     prog = _Progress(len(steps), opts.progress and world.rank == 0, f"mxcomm bench [{phase}]")
-    broken: dict = {}  # (impl, precision) -> first failure; its later cases are skipped
+    broken: dict = {}  # (impl, precision, op) -> first failure; that op's later cases are skipped
     alias_ref = opts.backend == "torch" and "mxcomm" in impls and "mxfp8" in opts.precisions
     try:
         for T in opts.tokens:
@@ -157,12 +161,13 @@ def run_phase(opts: BenchOptions, world, impls, *, phase: str = "main") -> dict:
                                notes=["--backend torch: the library runs the reference path itself; measured once"])
                 elif (impl, prec) in failures:
                     rec.update(status="failed", reason=failures[(impl, prec)])
-                elif (impl, prec) in broken:
-                    rec.update(status="skipped", reason=f"an earlier {impl} {prec} case failed: {broken[(impl, prec)]}")
+                elif (impl, prec, op) in broken:
+                    rec.update(status="skipped",
+                               reason=f"an earlier {impl} {prec} {op} case failed: {broken[(impl, prec, op)]}")
                 else:
                     _run_case(rec, world, opts, groups, inputs, routing, bufs, flush)
                     if rec["status"] == "failed":
-                        broken[(impl, prec)] = rec["reason"].splitlines()[0] if rec["reason"] else "failed"
+                        broken[(impl, prec, op)] = rec["reason"].splitlines()[0] if rec["reason"] else "failed"
                 result["cases"].append(rec)
                 prog.step(f"{impl} {prec} {op} T={T}")
             del inputs, routing
@@ -177,8 +182,9 @@ def _make_call(rec, world, opts, groups, inputs, routing, bufs) -> CaseCall:
     impl, op, p = rec["impl"], rec["op"], rec["precision"]
     if impl in ("mxcomm", "reference"):
         g = groups[impl][p]
-        return ep_dispatch_case(g, inputs, world) if op == "dispatch" else ep_combine_case(g, inputs, world,
-                                                                                            seed=opts.seed)
+        if op == "dispatch":
+            return ep_dispatch_case(g, inputs, world)
+        return _EP_SEEDED_CASES[op](g, inputs, world, seed=opts.seed)
     if impl == "a2a":
         return (a2a_dispatch_case(inputs, routing, world) if op == "dispatch"
                 else a2a_combine_case(inputs, routing, world, seed=opts.seed))

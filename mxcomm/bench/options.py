@@ -18,6 +18,11 @@ from typing import Optional
 from ..ep.config import ALIGNS, BACKENDS, PRECISIONS
 
 IMPLS = ("mxcomm", "reference", "a2a", "vdev2d")
+OPS = ("dispatch", "combine", "combine_bwd", "dispatch_bwd")
+# The BF16 all-to-all baselines (a2a, vdev2d) are direction-symmetric: they are timed for the forward ops only,
+# and a backward op is compared with the forward op that moves the same rows the same way.
+BACKWARD_TWIN = {"combine_bwd": "dispatch", "dispatch_bwd": "combine"}
+FORWARD_ONLY_IMPLS = ("a2a", "vdev2d")
 MODES = ("throughput", "latency")
 SIDE_CHANNELS = ("auto", "nccl", "gloo")
 
@@ -63,6 +68,29 @@ def _label(text: str) -> str:
     return text
 
 
+def _check_names(flag: str, names: list, allowed: tuple) -> None:
+    """OptionError unless every value of a comma-list option is known and none is repeated."""
+    for n in names:
+        if n not in allowed:
+            raise OptionError(f"{flag} {n!r} is unknown; choose from {', '.join(allowed)}")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise OptionError(f"{flag} lists {', '.join(map(repr, dup))} more than once: {','.join(names)}")
+
+
+def ops_for(opts: "BenchOptions", impl: str) -> list[str]:
+    """The ops timed for ``impl``, in :data:`OPS` order.
+
+    The EP groups (``mxcomm``, ``reference``) time ``opts.ops``; the direction-symmetric BF16 baselines
+    (``a2a``, ``vdev2d``) time the forward op of every direction the selected ops use
+    (``combine_bwd`` -> ``dispatch``, ``dispatch_bwd`` -> ``combine``; see :data:`BACKWARD_TWIN`).
+    """
+    if impl not in FORWARD_ONLY_IMPLS:
+        return [op for op in OPS if op in opts.ops]
+    need = {BACKWARD_TWIN.get(op, op) for op in opts.ops}
+    return [op for op in OPS if op in need]
+
+
 @dataclass
 class BenchOptions:
     """One benchmark run, all defaults resolved.
@@ -71,7 +99,9 @@ class BenchOptions:
     What runs: ``precisions`` (payloads of the library's dispatch/combine), ``impls`` (``mxcomm``:
     this library with ``backend``; ``reference``: EPConfig backend ``torch`` with MXFP8 payload;
     ``a2a``: plain BF16 ``all_to_all_single`` of the routed rows; ``vdev2d``: torch's NVSHMEM
-    ``all_to_all_vdev_2d``), ``mode`` (only picks default token counts and iterations).
+    ``all_to_all_vdev_2d``), ``ops`` (subset of :data:`OPS`: forward ``dispatch``/``combine`` and
+    backward ``combine_bwd``/``dispatch_bwd``; the a2a/vdev2d baselines time the forward op of each
+    direction, see :func:`ops_for`), ``mode`` (only picks default token counts and iterations).
     World: ``device`` (``cpu``/``cuda``), ``ranks`` (EP size), ``ranks_per_gpu``, ``side_channel``
     (torch.distributed backend of the world group: ``nccl`` needs one rank per GPU).
     Timing: ``iters``, ``warmup``. Output: ``out`` folder, ``label``, ``plot``.
@@ -93,6 +123,7 @@ class BenchOptions:
     out: str
     label: str
     impls: list[str] = field(default_factory=lambda: list(IMPLS))
+    ops: list[str] = field(default_factory=lambda: list(OPS))
     num_sms: Optional[int] = None
     align: int = 32
     seed: int = 0
@@ -141,14 +172,9 @@ class BenchOptions:
             bad(f"--topk must be positive, got {self.topk}")
         if self.topk > self.experts:
             bad(f"--topk {self.topk} must not exceed --experts {self.experts}")
-        for p in self.precisions:
-            if p not in PRECISIONS:
-                bad(f"--precision {p!r} is unknown; choose from {', '.join(PRECISIONS)}")
-        if len(set(self.precisions)) != len(self.precisions):
-            bad(f"--precision lists a precision twice: {self.precisions}")
-        for i in self.impls:
-            if i not in IMPLS:
-                bad(f"--impls {i!r} is unknown; choose from {', '.join(IMPLS)}")
+        for flag, names, allowed in (("--precision", self.precisions, PRECISIONS), ("--impls", self.impls, IMPLS),
+                                     ("--ops", self.ops, OPS)):
+            _check_names(flag, names, allowed)
         if self.mode not in MODES:
             bad(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.backend not in BACKENDS:
@@ -202,6 +228,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--impls", type=_str_list, default=list(IMPLS),
                    help=f"what to measure, comma list of {','.join(IMPLS)} (default all; baselines skip with a "
                         "stated reason where they cannot run)")
+    w.add_argument("--ops", type=_str_list, default=list(OPS),
+                   help=f"ops to time, comma list of {','.join(OPS)} (default all; *_bwd are the backward passes: "
+                        "combine_bwd moves rows like dispatch, dispatch_bwd like combine, and the a2a/vdev2d "
+                        "baselines are timed once per direction)")
     w.add_argument("--backend", choices=BACKENDS, help="mxcomm backend (GPU default nvshmem, CPU torch)")
     w.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if visible")
     w.add_argument("--ranks", type=int, help="EP size (GPU default: GPUs x --ranks-per-gpu; CPU default 4)")
@@ -288,9 +318,9 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
         precisions=list(args.precision), mode=args.mode,
         backend=args.backend or ("nvshmem" if device == "cuda" else "torch"),
         device=device, ranks=ranks, ranks_per_gpu=rpg, side_channel=args.side_channel,
-        iters=iters, warmup=warmup, out=out, label=label, impls=list(args.impls), num_sms=args.num_sms,
-        align=args.align, seed=args.seed, plot=not args.no_plot, quick=quick, check=not args.no_check,
-        exact_sizes=not args.no_exact_sizes,
+        iters=iters, warmup=warmup, out=out, label=label, impls=list(args.impls), ops=list(args.ops),
+        num_sms=args.num_sms, align=args.align, seed=args.seed, plot=not args.no_plot, quick=quick,
+        check=not args.no_check, exact_sizes=not args.no_exact_sizes,
         timeout_s=args.timeout if args.timeout is not None else (900.0 if device == "cuda" else 300.0),
         pg_timeout_s=args.pg_timeout, progress=not args.no_progress,
     )
@@ -300,4 +330,5 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
     return opts
 
 
-__all__ = ["BenchOptions", "OptionError", "add_bench_arguments", "options_from_args", "IMPLS", "MODES"]
+__all__ = ["BenchOptions", "OptionError", "add_bench_arguments", "options_from_args", "ops_for", "IMPLS", "MODES",
+           "OPS", "BACKWARD_TWIN", "FORWARD_ONLY_IMPLS"]

@@ -1,13 +1,17 @@
 """PNG plots of a benchmark report (matplotlib, Agg backend; skipped with a message when not installed).
 
 * ``<stem>_bandwidth.png``: GB/s (dedup convention, whole call; dashed: CUDA-event time) against tokens
-  per rank, one panel per op, one line per implementation and payload precision.
+  per rank, one panel per op (forward and backward, two panels a row), one line per implementation and
+  payload precision.
 * ``<stem>_compare.png``: median time with p10-p90 bars at the largest token count, one panel per op:
-  MXFP8 vs BF16 vs the baselines.
+  MXFP8 vs BF16 vs the baselines (a2a/vdev2d appear in the forward panels only: they are not timed again
+  for the backward ops).
 """
 from __future__ import annotations
 
 from typing import Optional
+
+from .options import OPS
 
 _COLORS = {("mxcomm", "mxfp8"): "tab:blue", ("mxcomm", "bf16"): "tab:cyan", ("reference", "mxfp8"): "tab:orange",
            ("a2a", "bf16"): "tab:green", ("vdev2d", "bf16"): "tab:red"}
@@ -27,13 +31,13 @@ def make_plots(report: dict, stem: str) -> tuple[list, Optional[str]]:
     ok = [c for c in report["cases"] if c.get("status") == "ok"]
     if not ok:
         return [], "plots skipped: no successful case"
-    ops = [op for op in ("dispatch", "combine") if any(c["op"] == op for c in ok)]
+    ops = [op for op in OPS if any(c["op"] == op for c in ok)]
     title = (f"{report['label']}: EP={report['ep_size']}, H={report['config']['hidden']}, "
              f"top-{report['config']['topk']}, {report['config']['experts']} experts")
     paths = []
 
-    fig, axes = plt.subplots(1, len(ops), figsize=(6.5 * len(ops), 4.5), squeeze=False)
-    for ax, op in zip(axes[0], ops):
+    fig, axes = _panels(plt, len(ops))
+    for ax, op in zip(axes, ops):
         series = sorted({(c["impl"], c["precision"]) for c in ok if c["op"] == op})
         for s in series:
             pts = sorted((c["tokens"], c["gbps"]["dedup"]) for c in ok if c["op"] == op and (c["impl"], c["precision"]) == s)
@@ -48,16 +52,11 @@ def make_plots(report: dict, stem: str) -> tuple[list, Optional[str]]:
         ax.set_title(op)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    p = stem + "_bandwidth.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(plt, fig, title, stem + "_bandwidth.png"))
 
     tmax = max(c["tokens"] for c in ok)
-    fig, axes = plt.subplots(1, len(ops), figsize=(6.5 * len(ops), 4.5), squeeze=False)
-    for ax, op in zip(axes[0], ops):
+    fig, axes = _panels(plt, len(ops))
+    for ax, op in zip(axes, ops):
         cs = sorted((c for c in ok if c["op"] == op and c["tokens"] == tmax), key=lambda c: (c["impl"], c["precision"]))
         names = [f"{c['impl']}\n{c['precision']}" for c in cs]
         med = [c["stats_us"]["whole_call"]["median"] for c in cs]
@@ -70,13 +69,28 @@ def make_plots(report: dict, stem: str) -> tuple[list, Optional[str]]:
         ax.set_ylabel("µs (median, p10-p90; whole call)")
         ax.set_title(f"{op}, {tmax} tokens per rank")
         ax.grid(True, axis="y", alpha=0.3)
+    paths.append(_save(plt, fig, title, stem + "_compare.png"))
+    return paths, None
+
+
+def _panels(plt, n: int) -> tuple:
+    """``(figure, [n axes])``: one panel per op, two a row (one row for n <= 2); spare panels hidden."""
+    cols = min(n, 2)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.5 * rows), squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def _save(plt, fig, title: str, path: str) -> str:
+    """Title, lay out, write ``path`` (PNG) and close ``fig``; return ``path``."""
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    p = stem + "_compare.png"
-    fig.savefig(p, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    paths.append(p)
-    return paths, None
+    return path
 
 
 __all__ = ["make_plots"]

@@ -7,10 +7,14 @@ Definitions (also written into the JSON under ``conventions`` and ``timing``):
 * ``bytes.dedup`` = mean over ranks of (rows a rank receives counting a token once per destination
   rank, local included) x bytes per row (DeepEP's convention);
 * ``bytes.per_selection`` = mean over ranks of (token, expert) rows received x bytes per row;
-* bytes per row: MXFP8 ``H + H/32``, BF16 ``2H``; combine counts the same rows (returned);
+* bytes per row: MXFP8 ``H + H/32``, BF16 ``2H``; combine counts the same rows (returned); the backward
+  ops count the rows of the forward op moving the same way (``combine_bwd`` as dispatch,
+  ``dispatch_bwd`` as combine), at their payload's bytes per row;
 * ``gbps[conv][timing] = bytes[conv] / (stats_us[timing].median * 1e-6) / 1e9``;
 * ``ratios["vs_<baseline>"][timing] = baseline median / this case's median`` (speed-up, > 1 = faster),
-  same op and token count, same run.
+  same token count, same run, same op - except that the direction-symmetric BF16 all-to-alls (a2a,
+  vdev2d) are timed for the forward ops only and a backward op is compared with their forward twin
+  (``conventions["backward_baselines"]``).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import json
 import os
 from typing import Optional
 
+from .options import BACKWARD_TWIN, FORWARD_ONLY_IMPLS, OPS
 from .timing import KERNEL_DESC, WHOLE_CALL_DESC, summarize
 
 SCHEMA = "mxcomm.bench/1"
@@ -30,15 +35,28 @@ CONVENTIONS = {
                      "mean over ranks",
     "bytes_per_row": {"mxfp8": "H + H/32 (E4M3 payload + E8M0 scale bytes)", "bf16": "2H"},
     "combine": "combine counts the same rows as dispatch (returned to their origins), at its payload's bytes per row",
+    "backward": "combine_bwd (route-weighted output gradients, token's rank -> expert ranks) counts the rows of "
+                "dispatch, dispatch_bwd (input-row gradients back to their origins, summed over k) the rows of "
+                "combine, at the op's payload bytes per row (MXFP8 transport with precision mxfp8, BF16 with bf16)",
     "gbps": "1e9 bytes per second: bytes / median time",
-    "ratios": "speed-up = baseline median time / this case's median time (same op, tokens, run); > 1 = faster",
+    "ratios": "speed-up = baseline median time / this case's median time (same tokens and run; same op except "
+              "backward_baselines); > 1 = faster",
+    "backward_baselines": {
+        "note": "a2a and vdev2d are direction-symmetric BF16 all-to-alls, timed for the forward ops only: a "
+                "backward op is compared with the forward case moving the same rows the same way (same tokens); "
+                "reference and mxcomm_bf16 are compared op for op",
+        **{b: dict(BACKWARD_TWIN) for b in FORWARD_ONLY_IMPLS},
+    },
 }
 IMPL_DESC = {
     "mxcomm": "this library: EPGroup.dispatch / combine (whole API call: routing plan, transfer, expert-major "
-              "layout, MXFP8 scales in grouped-along-M layout; combine incl. weighted reduction)",
+              "layout, MXFP8 scales in grouped-along-M layout; combine incl. weighted reduction); combine_bwd: "
+              "EPGroup.combine_backward with the CombineSaved of an untimed combine_for_backward (route weighting, "
+              "gradient quantization, transfer to the experts, route-weight gradient); dispatch_bwd: "
+              "EPGroup.dispatch_backward of a BF16 gradient (quantize, transfer to origins, sum over k)",
     "reference": "reference path: EPConfig(backend='torch', precision='mxfp8'): quantize + all_gather counts + "
                  "all_to_all_single of payload and scales + permute to expert-major (combine: gather, quantize, "
-                 "reverse all_to_all_single, dequantize, weighted reduction)",
+                 "reverse all_to_all_single, dequantize, weighted reduction; backward ops: the same API as mxcomm)",
     "a2a": "plain BF16 all_to_all_single of the routed rows (what a plain MoE does); send buffer built outside "
            "the timed region; no permute, no reduction",
     "vdev2d": "torch NVSHMEM all_to_all_vdev_2d (dispatch) / all_to_all_vdev_2d_offset (combine), BF16, splits on "
@@ -51,8 +69,11 @@ def _case_key(c) -> tuple:
 
 
 def _baseline(cases_by_key: dict, name: str, op: str, tokens: int) -> Optional[dict]:
+    """The ok case of baseline ``name`` that ``op`` at ``tokens`` is compared with (``backward_baselines``), or None."""
     key = {"reference": ("reference", "mxfp8"), "a2a": ("a2a", "bf16"), "vdev2d": ("vdev2d", "bf16"),
            "mxcomm_bf16": ("mxcomm", "bf16")}[name]
+    if key[0] in FORWARD_ONLY_IMPLS:
+        op = BACKWARD_TWIN.get(op, op)
     c = cases_by_key.get((key[0], key[1], op, tokens))
     return c if c is not None and c.get("status") == "ok" else None
 
@@ -195,7 +216,7 @@ def format_table(report: dict) -> str:
         hdr += ["kern GB/s dedup"]
     hdr += ["x ref", "x a2a", "x vdev2d", "x bf16"]
     rows = []
-    order = {"dispatch": 0, "combine": 1}
+    order = {op: i for i, op in enumerate(OPS)}
     impl_order = {"mxcomm": 0, "reference": 1, "a2a": 2, "vdev2d": 3}
     for c in sorted(report["cases"], key=lambda c: (order[c["op"]], c["tokens"], impl_order.get(c["impl"], 9),
                                                     c["precision"])):
@@ -232,9 +253,12 @@ def format_table(report: dict) -> str:
             f"hidden={cfg['hidden']} topk={cfg['topk']} experts={cfg['experts']}  backend={cfg['backend']}  "
             f"side channel={report['world'].get('side_channel')}  iters={cfg['iters']}")
     gpus = (report.get("machine") or {}).get("gpu_names") or ["cpu"]
-    out = [head, f"device: {', '.join(gpus)}; {report['world_note']}",
-           "times: median over iterations of the slowest rank (us); GB/s at the median whole-call time; "
-           "x <baseline> = baseline time / this time (> 1 = faster)", "",
+    notes = ["times: median over iterations of the slowest rank (us); GB/s at the median whole-call time; "
+             "x <baseline> = baseline time / this time (> 1 = faster)"]
+    if any(c["op"] in BACKWARD_TWIN for c in report["cases"]):
+        twins = ", ".join(f"{op} vs {fwd}" for op, fwd in BACKWARD_TWIN.items())
+        notes.append(f"backward ops: x a2a / x vdev2d compare with the forward op moving the same rows ({twins})")
+    out = [head, f"device: {', '.join(gpus)}; {report['world_note']}", *notes, "",
            line(hdr), line(["-" * w for w in widths])]
     prev = None
     for r in rows:
