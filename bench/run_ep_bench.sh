@@ -7,6 +7,7 @@
 #   shared2:  2 ranks on one GPU (gloo side channel, no MPS): protocol check, NOT an NVLink measurement
 #   shared4:  4 ranks on one GPU under MPS (25 % of the SMs each): protocol check, NOT an NVLink measurement
 #   multi:    one rank per visible GPU (NVLink), 4096 and 8192 tokens
+#   latency:  one rank per visible GPU, latency mode (128 tokens)
 #   gputest:  the nvshmem-marked CLI tests (tests/test_cli.py)
 #   all:      loopback, shared2, shared4 (and multi when there are 2+ GPUs)
 #
@@ -60,6 +61,9 @@ case $what in
       echo "multi: needs 2+ GPUs (found $ngpu)"; rc=1
     fi ;;
 esac
+if [[ $what == latency ]]; then
+  bench "h200x${ngpu}-ep${ngpu}-latency" 540 --mode latency "$@"
+fi
 if [[ $what == gputest ]]; then
   timeout 560 python3 -m pytest -q -m nvshmem -p no:cacheprovider tests/test_cli.py 2>&1 | tee "$OUT/cli_gpu_tests.log" | tail -30
   rc=${PIPESTATUS[0]}

@@ -254,6 +254,7 @@ def test_info_reports_environment_and_buffer_sizes():
                                      "dispatch_bwd"),
     (["--ops", "combine_bwd,dispatch,combine_bwd"], "--ops lists 'combine_bwd' more than once"),
     (["--ops", ","], "argument --ops: empty list"),
+    (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs the nvshmem backend on a GPU"),
     (["--iters", "0"], "--iters must be >= 1"),
     (["--num-sms", "0"], "--num-sms must be a positive integer"),
     (["--side-channel", "nccl"], "--side-channel nccl needs a GPU"),
@@ -404,13 +405,14 @@ def test_finalize_cases_bandwidth_and_ratios():
 # ------------------------------------------------------------------------------------ GPU runs ----
 
 @pytest.mark.nvshmem
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_bench_gpu_small(tmp_path, ranks):
-    """The CLI on a GPU (nvshmem backend), small sizes: 1 rank, and 2 ranks (on one GPU if there is one)."""
+@pytest.mark.parametrize("ranks, graph", [(1, False), (2, False), (2, True)])
+def test_bench_gpu_small(tmp_path, ranks, graph):
+    """The CLI on a GPU (nvshmem backend), small sizes: 1 rank, and 2 ranks (on two GPUs when there are two,
+    else sharing one); with --cuda-graph the mxcomm calls are timed as graph replays."""
     out = tmp_path / "gpu"
     r = _run(["bench", "--ranks", str(ranks), "--tokens", "128,256", "--hidden", "1024", "--experts", "16",
               "--topk", "4", "--iters", "5", "--warmup", "2", "--out", str(out), "--label", f"gpu{ranks}",
-              "--no-progress", "--timeout", "400"], timeout=500)
+              "--no-progress", "--timeout", "400", *(["--cuda-graph"] if graph else [])], timeout=500)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rep = _load(out, f"gpu{ranks}")
     ok = [c for c in rep["cases"] if c["impl"] != "vdev2d" or c["status"] == "ok"]
@@ -423,6 +425,8 @@ def test_bench_gpu_small(tmp_path, ranks):
     assert vd or any(s["impl"] == "vdev2d" and s["reason"] for s in rep["skipped"])
     if rep["ranks_per_gpu"] > 1:
         assert rep["measures_nvlink"] is False and "share" in rep["world_note"]
+    mine = [c for c in rep["cases"] if c["impl"] == "mxcomm"]
+    assert mine and all(c["status"] == "ok" and c.get("cuda_graph") is graph for c in mine)
 
 
 def test_mpirun_rendezvous_choices(monkeypatch):

@@ -131,6 +131,7 @@ class BenchOptions:
     quick: bool = False
     check: bool = True
     exact_sizes: bool = True
+    cuda_graph: bool = False
     timeout_s: float = 900.0
     pg_timeout_s: float = 300.0
     progress: bool = True
@@ -154,7 +155,8 @@ class BenchOptions:
         return EPConfig(
             num_experts=self.experts, hidden=self.hidden, topk=self.topk, max_tokens_per_rank=self.max_tokens,
             align=self.align, precision=precision, backend=backend or self.backend, num_sms=self.num_sms,
-            exact_sizes=self.exact_sizes,
+            # CUDA graphs need the no-host-sync mode (the reference backend is never captured)
+            exact_sizes=self.exact_sizes and not (self.cuda_graph and (backend or self.backend) == "nvshmem"),
         )
 
     def validate(self) -> None:
@@ -193,6 +195,8 @@ class BenchOptions:
             bad(f"--side-channel must be one of {', '.join(SIDE_CHANNELS)}, got {self.side_channel!r}")
         if self.side_channel == "nccl" and (self.device != "cuda" or self.ranks_per_gpu > 1):
             bad("--side-channel nccl needs a GPU and one rank per GPU (NCCL refuses two ranks on one GPU); use gloo")
+        if self.cuda_graph and (self.backend != "nvshmem" or self.device != "cuda"):
+            bad("--cuda-graph needs the nvshmem backend on a GPU (the reference backend syncs with the host)")
         if self.num_sms is not None and self.num_sms < 1:
             bad(f"--num-sms must be a positive integer, got {self.num_sms}")
         if self.align not in ALIGNS:
@@ -242,6 +246,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-sms", type=int, help="SMs the mxcomm GPU kernels may use (default: all)")
     w.add_argument("--no-exact-sizes", action="store_true",
                    help="EPConfig(exact_sizes=False): worst-case output sizes, no host sync in the GPU backend")
+    w.add_argument("--cuda-graph", action="store_true",
+                   help="capture each mxcomm call (nvshmem backend, no-host-sync mode) into a CUDA graph and time "
+                        "its replays: the call without Python/launch overhead (baselines stay eager)")
     t = p.add_argument_group("timing")
     t.add_argument("--iters", type=int, help="timed iterations per case (GPU 50 / 200 latency; CPU 10 / 20)")
     t.add_argument("--warmup", type=int, help="untimed iterations per case (GPU 10, CPU 2)")
@@ -320,7 +327,7 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
         device=device, ranks=ranks, ranks_per_gpu=rpg, side_channel=args.side_channel,
         iters=iters, warmup=warmup, out=out, label=label, impls=list(args.impls), ops=list(args.ops),
         num_sms=args.num_sms, align=args.align, seed=args.seed, plot=not args.no_plot, quick=quick,
-        check=not args.no_check, exact_sizes=not args.no_exact_sizes,
+        check=not args.no_check, exact_sizes=not args.no_exact_sizes, cuda_graph=args.cuda_graph,
         timeout_s=args.timeout if args.timeout is not None else (900.0 if device == "cuda" else 300.0),
         pg_timeout_s=args.pg_timeout, progress=not args.no_progress,
     )

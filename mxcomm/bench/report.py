@@ -255,6 +255,8 @@ def format_table(report: dict) -> str:
     gpus = (report.get("machine") or {}).get("gpu_names") or ["cpu"]
     notes = ["times: median over iterations of the slowest rank (us); GB/s at the median whole-call time; "
              "x <baseline> = baseline time / this time (> 1 = faster)"]
+    if cfg.get("cuda_graph"):
+        notes.append("mxcomm rows: CUDA graph replays of each call (no-host-sync mode); baselines eager")
     if any(c["op"] in BACKWARD_TWIN for c in report["cases"]):
         twins = ", ".join(f"{op} vs {fwd}" for op, fwd in BACKWARD_TWIN.items())
         notes.append(f"backward ops: x a2a / x vdev2d compare with the forward op moving the same rows ({twins})")
