@@ -214,7 +214,7 @@ def profile(args, sets) -> int:
                 grp.combine(out, h)
             torch.cuda.synchronize()
         print(f"--- {precision}: 3 x (dispatch + combine)")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
     from mxcomm import transport as tp
 
