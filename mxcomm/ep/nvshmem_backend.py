@@ -139,7 +139,8 @@ class NvshmemBackend:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:  # Triton interpreter (tests of the data path on CPU)
             sms = 1
-        self.programs = sms * _PROGRAMS_PER_SM
+        self.programs = sms * _PROGRAMS_PER_SM  # persistent programs of the sending kernels (same on all ranks)
+        self.send_warps = 8  # warps per program of the sending kernels (dispatch, combine send)
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W)}
         self.nslot = config.max_tokens_per_rank * config.topk
@@ -147,6 +148,7 @@ class NvshmemBackend:
         self.comb_q, self.comb_s = bufs["ep.comb_q"], bufs["ep.comb_s"]  # 2 copies: see nvshmem_kernels
         self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
         self.epoch = torch.zeros(2, dtype=torch.int64, device=self.device)  # [dispatch, combine]
+        self.expect = torch.zeros(3, W, dtype=torch.int64, device=self.device)  # arrivals expected per flags[i, s]
         self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
@@ -331,9 +333,9 @@ class NvshmemBackend:
             x, T, plan.dest_rank, plan.dest_row, srow,
             self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W, self.n_col_tiles,
             x, H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk), MX=self.mx, MODE=self.mode_id,
-            INT_ROUND=self.int_round, WEIGHTED=False, num_warps=8,
+            INT_ROUND=self.int_round, WEIGHTED=False, num_warps=self.send_warps,
         )
-        wait_arrivals_kernel[(W,)](self.flags.local[1], self.epoch[0:1], self.programs, self.err, self.timeout_ns)
+        wait_arrivals_kernel[(W,)](self.flags.local[1], self.expect[1], self.programs, self.err, self.timeout_ns)
         if cfg.exact_sizes:
             R = int(plan.num_rows.item())
             self._check("dispatch arrivals")
@@ -376,9 +378,9 @@ class NvshmemBackend:
             payload, st.num_rows_dev, st.origins.src, st.origins.pos,
             self.comb_q.peer_ptrs, self.comb_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W,
             self.epoch[1:2], self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)), MX=mx,
-            MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, num_warps=8,
+            MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, num_warps=self.send_warps,
         )
-        wait_arrivals_kernel[(W,)](self.flags.local[2], self.epoch[1:2], self.programs, self.err, self.timeout_ns)
+        wait_arrivals_kernel[(W,)](self.flags.local[2], self.expect[2], self.programs, self.err, self.timeout_ns)
         T = handle.num_tokens
         y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         w = weights.to(torch.float32).contiguous()
@@ -456,9 +458,9 @@ class NvshmemBackend:
             g, T, plan.dest_rank, plan.dest_row, srow,
             self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W, self.n_col_tiles,
             w, H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk),
-            MX=quantize_rows, MODE=self.mode_id, INT_ROUND=self.int_round, WEIGHTED=True, num_warps=8,
+            MX=quantize_rows, MODE=self.mode_id, INT_ROUND=self.int_round, WEIGHTED=True, num_warps=self.send_warps,
         )
-        wait_arrivals_kernel[(W,)](self.flags.local[1], self.epoch[0:1], self.programs, self.err, self.timeout_ns)
+        wait_arrivals_kernel[(W,)](self.flags.local[1], self.expect[1], self.programs, self.err, self.timeout_ns)
         R = handle.num_rows
         if cfg.exact_sizes:
             self._check("combine-backward arrivals")

@@ -20,8 +20,9 @@ copy: every dispatch starts with the counts exchange, and nobody writes before s
   arrivals; entry ``[i, s]`` is written by rank ``s``. Flags only grow (epochs), never reset.
 
 Arrival protocol: every program of a sending kernel, after all its stores, adds 1 to
-``flags[i, me]`` on every peer (release, sys). A receiver waits for ``epoch * programs``.
-All ranks launch the same number of programs (``programs`` is part of the config).
+``flags[i, me]`` on every peer (release, sys). A receiver keeps the running total it expects per
+(row, sender) on the device (``expect``) and waits for it. All ranks launch the same number of
+programs in a call (it follows from the config).
 """
 from __future__ import annotations
 
@@ -56,10 +57,13 @@ def exchange_counts_kernel(my_counts_ptr, counts_peers, flags_peers, flags_local
 
 
 @triton.jit
-def wait_arrivals_kernel(flags_row_ptr, epoch_ptr, per_epoch, err_ptr, timeout_ns):
-    """Program ``s``: wait (bounded) until ``flags_row[s] >= epoch * per_epoch``. Grid: (W,)."""
+def wait_arrivals_kernel(flags_row_ptr, expect_row_ptr, per_call, err_ptr, timeout_ns):
+    """Program ``s``: add ``per_call`` (the sender's program count) to ``expect_row[s]``, then wait
+    (bounded) until ``flags_row[s]`` reaches it. The running total lives on the device, so the program
+    count may change between calls and CUDA graph replays stay correct. Grid: (W,)."""
     s = tl.program_id(0)
-    expected = tl.load(epoch_ptr) * per_epoch
+    expected = tl.load(expect_row_ptr + s) + per_call
+    tl.store(expect_row_ptr + s, expected)
     wait_flag_geq(flags_row_ptr + s, expected, deadline_after(timeout_ns), err_ptr, s)
 
 

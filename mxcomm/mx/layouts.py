@@ -131,12 +131,14 @@ def to_grouped_m(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def from_grouped_m(blocked: torch.Tensor, offs: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`to_grouped_m` for the rows inside groups; rows past ``offs[-1]`` come back as 0."""
+    """Inverse of :func:`to_grouped_m` for the rows inside groups; rows past ``offs[-1]`` come back as 0.
+    No host sync and no data-dependent shapes (a clamped gather, then a select), so it can be captured
+    in a CUDA graph."""
     row_of = grouped_m_row_map(offs, rows)
-    keep = row_of >= 0
-    out = torch.zeros(rows, cols, dtype=torch.uint8, device=blocked.device)
-    out[keep] = _gather_blocked(blocked.view(torch.uint8), row_of[keep], cols)
-    return out
+    if blocked.numel() == 0 or rows == 0:
+        return torch.zeros(rows, cols, dtype=torch.uint8, device=blocked.device)
+    got = _gather_blocked(blocked.view(torch.uint8), row_of.clamp(min=0), cols)
+    return torch.where((row_of >= 0).view(rows, 1), got, torch.zeros_like(got))
 
 
 def grouped_k_cols(k_blocks: int, groups: int) -> int:

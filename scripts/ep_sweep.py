@@ -1,0 +1,117 @@
+"""Launch-parameter sweep and kernel profile of the nvshmem EP backend across the local GPUs.
+
+    python3 -m torch.distributed.run --nproc-per-node 2 scripts/ep_sweep.py [--tokens 4096] [--profile]
+
+One EPGroup per precision (nvshmem backend, exact sizes); for every (programs, warps) pair of the sending
+kernels (patched on the backend instance between measurements, identical on every rank) it times
+dispatch, combine, combine backward and dispatch backward with CUDA events (median of --iters, the
+slowest rank), and with --profile prints rank 0's kernel-time table of one call of each op. Output:
+text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
+scripts/gpu_env.sh (nvshmem4py, multicast off, NVSHMEM_SYMMETRIC_SIZE).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mxcomm.ep import EPConfig, EPGroup  # noqa: E402
+
+
+def _inputs(T, H, E, k, rank, dev):
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k].to(torch.int32).to(dev)
+    w = torch.rand(T, k, generator=g).to(dev)
+    return x, idx, w
+
+
+def _ops(group, x, idx, w):
+    res, h = group.dispatch(x, idx, w)
+    out = torch.randn(res.num_rows, x.shape[1], device=x.device).to(torch.bfloat16)
+    _, saved = group.combine_for_backward(out, h)
+    gy = torch.randn_like(x)
+    return {
+        "dispatch": lambda: group.dispatch(x, idx, w),
+        "combine": lambda: group.combine(out, h),
+        "combine_bwd": lambda: group.combine_backward(gy, h, saved),
+        "dispatch_bwd": lambda: group.dispatch_backward(out, h),
+    }
+
+
+def _time(fn, iters):
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    med = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return float(med)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--programs", default="132,264,528,1056")
+    ap.add_argument("--warps", default="4,8,16")
+    ap.add_argument("--precision", default="mxfp8,bf16")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    rank = dist.get_rank()
+    x, idx, w = _inputs(a.tokens, a.hidden, a.experts, a.topk, rank, "cuda")
+    for prec in a.precision.split(","):
+        group = EPGroup(EPConfig(num_experts=a.experts, hidden=a.hidden, topk=a.topk, max_tokens_per_rank=a.tokens,
+                                 precision=prec, backend="nvshmem"))
+        be = group._backend
+        ops = _ops(group, x, idx, w)
+        for fn in ops.values():  # compile every kernel variant once
+            fn()
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for name, fn in ops.items():
+                fn()
+                torch.cuda.synchronize()
+                dist.barrier()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    fn()
+                    torch.cuda.synchronize()
+                if rank == 0:
+                    print(f"--- profile {prec} {name} T={a.tokens} programs={be.programs} warps={be.send_warps}")
+                    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
+                                                    max_name_column_width=45), flush=True)
+        for progs in [int(v) for v in a.programs.split(",")]:
+            for warps in [int(v) for v in a.warps.split(",")]:
+                be.programs, be.send_warps = progs, warps
+                for fn in ops.values():
+                    fn()
+                res = {name: _time(fn, a.iters) for name, fn in ops.items()}
+                if rank == 0:
+                    print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, programs=progs, warps=warps,
+                                                     world=dist.get_world_size(), us=res)), flush=True)
+    from mxcomm import transport as tp
+
+    dist.barrier()
+    tp.finalize()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
