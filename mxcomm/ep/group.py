@@ -258,6 +258,7 @@ class EPGroup:
             expert-major layout of the received rows.
         Collective: every rank of the group must call it.
         """
+        self._refuse_exact_capture()
         validate_dispatch_inputs(
             self.config, x, topk_idx, topk_weights,
             check_values=not getattr(self._backend, "device_side_checks", False),
@@ -277,10 +278,20 @@ class EPGroup:
             bfloat16 ``[T, H]``; reduced in fp32 with k ascending; dropped slots contribute 0.
         Collective: every rank of the group must call it.
         """
+        self._refuse_exact_capture()
         validate_combine_inputs(self.config, expert_out, handle)
         if quantize is None:
             quantize = self.config.precision == "mxfp8"
         return self._backend.combine(expert_out, handle, bool(quantize))
+
+    def _refuse_exact_capture(self) -> None:
+        """RuntimeError (before any CUDA work) when a call of an exact-size group is captured into a CUDA
+        graph: exact sizes and input checks read device values on the host, which capture forbids."""
+        if self.config.exact_sizes and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "CUDA graph capture needs EPConfig(exact_sizes=False) (worst-case output sizes, errors checked on "
+                "the device and raised by EPGroup.check_errors); this group has exact_sizes=True"
+            )
 
     def check_errors(self) -> None:
         """Host sync: raise any error a GPU backend recorded on the device and not reported yet (a peer
@@ -311,6 +322,7 @@ class EPGroup:
             ``n_send * H * 2`` with BF16; ``n_send <= T*k``), for :meth:`combine_backward`.
         Collective.
         """
+        self._refuse_exact_capture()
         validate_combine_inputs(self.config, expert_out, handle)
         return self._backward_op("combine_for_backward")(expert_out, handle, self._quantize_default(quantize))
 
@@ -333,6 +345,7 @@ class EPGroup:
             ``[T, k]`` (0 for dropped slots) or None.
         Collective.
         """
+        self._refuse_exact_capture()
         validate_backward_handle(self.config, handle)
         _check_grad(self.config, "grad_y", grad_y, (handle.num_tokens, self.config.hidden), handle.device)
         if saved is not None:
@@ -360,6 +373,7 @@ class EPGroup:
             bfloat16 ``[T, H]``: ``grad_x[t] = sum_j grad_recv[row(t, j)]`` in fp32, j ascending.
         Collective.
         """
+        self._refuse_exact_capture()
         validate_backward_handle(self.config, handle)
         grad_recv = unwrap_mx(grad_recv)  # an MXFP8Tensor travels as its MXTensor
         shape = (handle.num_rows, self.config.hidden)

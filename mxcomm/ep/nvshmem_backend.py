@@ -39,7 +39,8 @@ from ..kernels.mx_device import SCALE_MODE_IDS
 from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
-from .backward_ref import CombineGrads, CombineSaved, route_weight_grad
+from ..kernels.route_grad import route_weight_grad
+from .backward_ref import CombineGrads, CombineSaved
 from .handle import DispatchResult, EPHandle
 from .plan import RoutingPlan, buffer_regions, local_counts, max_recv_rows, recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
@@ -467,7 +468,8 @@ class NvshmemBackend:
         else:
             self._check_async("combine-backward arrivals")
         grad_out = self._received(plan, st.origins, R, quantize_rows)
-        grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos)
+        # one Triton kernel reading the saved MXFP8/BF16 rows (the torch reference dequantizes them all first)
+        grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos, programs=self.programs)
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
 
 

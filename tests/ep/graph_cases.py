@@ -97,14 +97,16 @@ def graph_worker(rank: int, world: int, precision: str, replays: int = 4) -> dic
     # Capture of the exact-size mode must be refused with a clear error (it reads a size on the host).
     exact = EPGroup(EPConfig(num_experts=4 * world, hidden=256, topk=3, max_tokens_per_rank=40,
                              precision=precision, backend="nvshmem", exact_sizes=True))
-    g2 = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(g2):
+    g2, err = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(g2):
+        try:  # raised before any CUDA work, so the (empty) capture itself stays valid
             exact.dispatch(blk.x, blk.idx, blk.w)
+        except RuntimeError as e:
+            err = e
+    if err is None:
         fails.append(f"rank {rank}: capturing an exact_sizes=True dispatch did not raise")
-    except RuntimeError as e:
-        if "exact_sizes=False" not in str(e):
-            fails.append(f"rank {rank}: unclear error for exact-size capture: {e}")
+    elif "exact_sizes=False" not in str(err):
+        fails.append(f"rank {rank}: unclear error for exact-size capture: {err}")
     torch.cuda.synchronize()
     from mxcomm import transport as tp
 
