@@ -302,6 +302,7 @@ class MoECase:
     router: bool = False
     exact: bool = False
     grad_format: str = "dense"
+    combine_bf16: bool = False  # MXFP8 dispatch + its backward to the experts; BF16 combine + dispatch backward
     seed: int = 0
     device: str = "cpu"
     backend: str = "torch"
@@ -415,8 +416,8 @@ def moe_reference(case: MoECase, inp: dict, simulate: bool = False) -> dict:
     ident = (lambda t: t)
     if simulate:
         disp = (lambda t: _qdq(t, mode)) if mx else ident
-        disp_b = (lambda g: _qdq(_bf16(g), mode)) if mx else _bf16
-        comb = (lambda t: _qdq(t, mode)) if mx else ident
+        disp_b = (lambda g: _qdq(_bf16(g), mode)) if mx and not case.combine_bf16 else _bf16
+        comb = (lambda t: _qdq(t, mode)) if mx and not case.combine_bf16 else ident
         comb_b = (lambda g: _qdq(g, mode)) if mx else _bf16
         outr = _bf16
     else:
@@ -458,7 +459,7 @@ def moe_reference(case: MoECase, inp: dict, simulate: bool = False) -> dict:
 def moe_block(group: EPGroup, case: MoECase, x, idx, w, params):
     """The distributed MoE block: dispatch, plain-torch experts on the dense rows, combine."""
     El = case.experts_per_rank
-    d = dispatch(group, x, idx, w)
+    d = dispatch(group, x, idx, w, grad_quantize=False if case.combine_bf16 else None)
     h = d.dense(torch.float32)
     offs, counts = d.offs.tolist(), d.counts.tolist()
     pieces, start = [], 0
@@ -469,7 +470,8 @@ def moe_block(group: EPGroup, case: MoECase, x, idx, w, params):
         start = offs[le]
     pieces.append(h.new_zeros(d.num_rows - start, case.hidden))
     expert_out = torch.cat(pieces).to(torch.bfloat16)
-    y = combine(group, expert_out, d.handle, grad_format=case.grad_format)
+    y = combine(group, expert_out, d.handle, grad_format=case.grad_format,
+                quantize=False if case.combine_bf16 else None)
     return y, isinstance(d.x, MXFP8Tensor)
 
 
@@ -594,6 +596,8 @@ def moe_cases(world: int, seed: int = 0) -> list:
         MoECase("moe_swiglu_mx_floor_a128_gradmx", T(40, 33), 2, 64, 32, 2, scale_mode="floor", align=128,
                 grad_format="mx", seed=s + 2),
         MoECase("moe_swiglu_bf16", T(40, 24), 2, 64, 32, 2, precision="bf16", seed=s + 3),
+        MoECase("moe_swiglu_mx_dispatch_bf16_combine", T(48, 40), 2, 64, 64, 2, combine_bf16=True, router=True,
+                seed=s + 8),
         MoECase("moe_router_mx", T(40, 32), 2, 64, 32, 2, router=True, seed=s + 4),
         MoECase("moe_dropped_empty_zero_tokens", T(0, 36) if W > 1 else T(36), 3, 64, 32, 3, drop_p=0.3,
                 used_experts=max(3, 3 * W - 2), exact_sizes=False, seed=s + 5),
