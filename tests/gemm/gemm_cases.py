@@ -1,22 +1,10 @@
 """Shared helpers of the GEMM tests: import order (TRITON_INTERPRET only without a GPU), random MoE-like
 operands, the fp32 oracle on dequantized operands and the tolerance used against it."""
-import os
-import sys
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    import mxcomm.kernels  # noqa: E402,F401
-elif "mxcomm.kernels" not in sys.modules:
-    # with a GPU, build the kernels for it even if an earlier test module left TRITON_INTERPRET=1 set
-    _saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        import mxcomm.kernels  # noqa: E402,F401
-        import mxcomm.gemm  # noqa: E402,F401
-    finally:
-        if _saved is not None:
-            os.environ["TRITON_INTERPRET"] = _saved
+from _triton_mode import load_kernels  # noqa: E402
+
+load_kernels("mxcomm.kernels", "mxcomm.gemm")
 
 from mxcomm import mx  # noqa: E402
 from mxcomm.gemm import triton_gemm  # noqa: E402

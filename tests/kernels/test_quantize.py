@@ -11,17 +11,9 @@ import torch
 
 import sys  # noqa: E402
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    import mxcomm.kernels  # noqa: E402,F401
-elif "mxcomm.kernels" not in sys.modules:
-    # With a GPU, build the kernels for it even if an earlier test module left TRITON_INTERPRET=1 set.
-    _saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        import mxcomm.kernels  # noqa: E402,F401
-    finally:
-        if _saved is not None:
-            os.environ["TRITON_INTERPRET"] = _saved
+from _triton_mode import load_kernels  # noqa: E402
+
+load_kernels()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -2,22 +2,12 @@
 (mxcomm.ep.backward_ref.route_weight_grad): MXFP8 and BF16 rows, dropped slots, a NaN row, odd k, T = 0.
 CPU: Triton interpreter, small sizes; GPU: large sizes. fp32 sums in another order: compared to a
 tolerance scaled by the sum of |terms|; exact where every product and sum is exact (small integers)."""
-import os
-import sys
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    import mxcomm.kernels  # noqa: E402,F401
-elif "mxcomm.kernels" not in sys.modules:
-    _saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        import mxcomm.kernels  # noqa: E402,F401
-    finally:
-        if _saved is not None:
-            os.environ["TRITON_INTERPRET"] = _saved
+from _triton_mode import load_kernels  # noqa: E402
+
+load_kernels()
 
 from mxcomm import mx  # noqa: E402
 from mxcomm.ep.backward_ref import route_weight_grad as reference  # noqa: E402

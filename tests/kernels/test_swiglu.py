@@ -12,16 +12,9 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    import mxcomm.kernels  # noqa: E402,F401
-elif "mxcomm.kernels" not in sys.modules:
-    _saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        import mxcomm.kernels  # noqa: E402,F401
-    finally:
-        if _saved is not None:
-            os.environ["TRITON_INTERPRET"] = _saved
+from _triton_mode import load_kernels  # noqa: E402
+
+load_kernels()
 
 from mxcomm import mx  # noqa: E402
 from mxcomm.kernels.swiglu import (  # noqa: E402
