@@ -2,8 +2,9 @@
 
     python3 -m torch.distributed.run --nproc-per-node 2 scripts/ep_sweep.py [--tokens 4096] [--profile]
 
-One EPGroup per precision (nvshmem backend, exact sizes); for every (programs, warps) pair of the sending
-kernels (patched on the backend instance between measurements, identical on every rank) it times
+One EPGroup per precision (nvshmem backend, exact sizes); for every routing-plan implementation and
+(programs, warps) pair of the sending kernels (patched on the backend instance between measurements,
+identical on every rank) it times
 dispatch, combine, combine backward and dispatch backward with CUDA events (median of --iters, the
 slowest rank), and with --profile prints rank 0's kernel-time table of one call of each op. Output:
 text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
@@ -70,6 +71,7 @@ def main():
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--precision", default="mxfp8,bf16")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--plan-impl", default="torch,triton", help="routing plan implementations to time (backend.plan_impl)")
     a = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
@@ -97,15 +99,17 @@ def main():
                     print(f"--- profile {prec} {name} T={a.tokens} programs={be.programs} warps={be.send_warps}")
                     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
                                                     max_name_column_width=45), flush=True)
-        for progs in [int(v) for v in a.programs.split(",")]:
-            for warps in [int(v) for v in a.warps.split(",")]:
-                be.programs, be.send_warps = progs, warps
-                for fn in ops.values():
-                    fn()
-                res = {name: _time(fn, a.iters) for name, fn in ops.items()}
-                if rank == 0:
-                    print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, programs=progs, warps=warps,
-                                                     world=dist.get_world_size(), us=res)), flush=True)
+        for impl in a.plan_impl.split(","):
+            for progs in [int(v) for v in a.programs.split(",")]:
+                for warps in [int(v) for v in a.warps.split(",")]:
+                    be.programs, be.send_warps, be.plan_impl = progs, warps, impl
+                    for fn in ops.values():
+                        fn()
+                    res = {name: _time(fn, a.iters) for name, fn in ops.items()}
+                    if rank == 0:
+                        print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, programs=progs, warps=warps,
+                                                         plan_impl=impl, world=dist.get_world_size(), us=res)),
+                              flush=True)
     from mxcomm import transport as tp
 
     dist.barrier()

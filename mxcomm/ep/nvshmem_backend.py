@@ -40,6 +40,7 @@ from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
 from ..kernels.route_grad import route_weight_grad
+from . import plan_kernels
 from .backward_ref import CombineGrads, CombineSaved
 from .handle import DispatchResult, EPHandle
 from .plan import RoutingPlan, buffer_regions, local_counts, max_recv_rows, recv_rows
@@ -142,6 +143,9 @@ class NvshmemBackend:
             sms = 1
         self.programs = sms * _PROGRAMS_PER_SM  # persistent programs of the sending kernels (same on all ranks)
         self.send_warps = 8  # warps per program of the sending kernels (dispatch, combine send)
+        # routing plan: "torch" (torch ops; on the GPU replayed from a CUDA graph per token count) or "triton"
+        # (mxcomm.ep.plan_kernels: 3 kernels, bit-identical; tested on CPU, not yet timed on a GPU)
+        self.plan_impl = "torch"
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W)}
         self.nslot = config.max_tokens_per_rank * config.topk
@@ -283,6 +287,11 @@ class NvshmemBackend:
         """The routing plan of this call from the exchanged counts: replayed from a CUDA graph captured
         once per token count on the GPU (see plan_graph), computed eagerly elsewhere."""
         T, k = topk_idx.shape
+        if self.plan_impl == "triton" and T and plan_kernels.fits(self.world, self.config.num_experts):
+            out = plan_kernels.triton_plan(self.counts.local, topk_idx, self.rank, self.config.align, self.R_max)
+            extra = {"srow": out["srow"] if self.mx else out["plan"].dest_row,
+                     "origin_src": out["origin_src"], "origin_pos": out["origin_pos"]}
+            return PlanOutputs(plan=out["plan"], extra=extra)
         if self.device.type != "cuda" or T == 0 or self._capturing():  # an outer capture records the kernels
             return compute_plan(self.counts.local.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
         key = (T, topk_idx.dtype)

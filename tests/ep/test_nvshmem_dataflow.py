@@ -93,14 +93,16 @@ class LoopbackHeap:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
+@pytest.mark.parametrize("plan_impl", ["torch", "triton"])
 @pytest.mark.parametrize("precision,align,H", [("mxfp8", 32, 64), ("mxfp8", 128, 96), ("bf16", 32, 64)])
-def test_nvshmem_kernels_loopback_match_oracle(precision, align, H):
+def test_nvshmem_kernels_loopback_match_oracle(precision, align, H, plan_impl):
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
 
     E, k, T = 4, 2, 9
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=16, align=align, precision=precision,
                    backend="nvshmem", num_sms=1, timeout_s=5.0)
     be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap())
+    be.plan_impl = plan_impl
     g = torch.Generator().manual_seed(7)
     for it in range(2):  # second call reuses the buffers (epochs, stale scale bytes)
         x = (torch.randn(T, H, generator=g) * 4).to(torch.bfloat16)
@@ -145,8 +147,9 @@ def test_no_sync_mode_drops_bad_ids_and_raises():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU the nvshmem autograd tests run this path")
+@pytest.mark.parametrize("plan_impl", ["torch", "triton"])
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
-def test_nvshmem_backward_loopback_match_oracle(precision):
+def test_nvshmem_backward_loopback_match_oracle(precision, plan_impl):
     from mxcomm.ep.backward_ref import oracle_combine_backward, oracle_dispatch_backward
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
 
@@ -155,6 +158,7 @@ def test_nvshmem_backward_loopback_match_oracle(precision):
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=8, precision=precision,
                    backend="nvshmem", num_sms=1, timeout_s=5.0)
     be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap())
+    be.plan_impl = plan_impl
     g = torch.Generator().manual_seed(3)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     idx = _routing(1, T, E, k, g, drop=0.2)

@@ -1,0 +1,221 @@
+"""The routing plan of :func:`mxcomm.ep.plan.build_plan` (plus the nvshmem backend's scale rows and row
+origins) in three Triton kernels instead of ~60 small torch ops: the same int32 tensors, bit for bit
+(tested against ``build_plan`` / ``dest_scale_rows`` / ``row_origins``). No host sync, so it can be
+captured in a CUDA graph like the rest of the no-sync mode.
+
+1. :func:`plan_tables_kernel` (one program): every per-expert and per-source table from the counts
+   matrix ``[W, E]``, held as a ``[W_src, W_dst, El]`` tile (cumulative sums along each axis).
+2. :func:`plan_slots_kernel` (one program per expert id, plus one for dropped slots): each slot's
+   occurrence index among the slots of its expert in ``(t, j)`` order (a running ``cumsum``), hence its
+   send position, destination rank/row and destination scale row, and ``send_order``.
+3. :func:`row_origins_kernel`: for each expert-major receive row, its origin rank and position in that
+   origin's send order (-1 for padding rows and rows past the last group).
+
+Sizes: the tables tile holds ``W_POW2^2 * El_POW2`` values; :func:`fits` says whether a config fits
+(``MAX_TABLE``); callers use the torch plan otherwise.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .plan import RoutingPlan
+
+MAX_TABLE = 16384  # W_POW2 * W_POW2 * El_POW2 held by the one-program tables kernel
+_SLOT_BLOCK = 1024
+
+# rows of the per-expert scratch table [5, E] written by plan_tables_kernel
+_GSTART, _DSTBASE, _SENDBASE, _SSTART, _NSEL = range(5)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def fits(world: int, num_experts: int) -> bool:
+    """True when the tables of ``world`` ranks x ``num_experts`` experts fit the one-program kernel."""
+    return _pow2(world) ** 2 * _pow2(num_experts // world) <= MAX_TABLE
+
+
+@triton.jit
+def plan_tables_kernel(counts_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, me, align, W, El,
+                       W_POW2: tl.constexpr, EL_POW2: tl.constexpr):
+    """Per-expert and per-source tables of the plan from ``counts [W, E]`` (int32, E = W * El).
+
+    Writes (int32): ``tab [5, E]``: group start on its rank, row base of this rank's rows in that
+    group, this rank's send position base, scale-group start, this rank's row count (per global expert);
+    ``recv [El + 2W + 4]``: offs [El], expert_counts [El] ... see :func:`triton_plan`;
+    ``srp [W, El]`` src_row_start; ``ssp [W, El]`` src_send_pos.
+    """
+    s = tl.arange(0, W_POW2)[:, None, None]   # source rank
+    d = tl.arange(0, W_POW2)[None, :, None]   # destination rank
+    lo = tl.arange(0, EL_POW2)[None, None, :]  # local expert on d
+    E = W * El
+    ok = (s < W) & (d < W) & (lo < El)
+    c = tl.load(counts_ptr + s * E + d * El + lo, mask=ok, other=0)                 # [Ws, Wd, El]
+    n = tl.sum(c, axis=0)                                                            # [Wd, El] rows per expert
+    p = (n + align - 1) // align * align                                             # padded group rows
+    gstart = tl.cumsum(p, axis=1) - p                                                # group start on rank d
+    p128 = (p + 127) // 128 * 128
+    sstart = tl.cumsum(p128, axis=1) - p128                                          # scale-group start
+    src_excl = tl.cumsum(c, axis=0) - c                                              # rows of lower sources
+    # send_excl[s, d, l]: rows s sends to experts before (d, l) in global expert order
+    blk = tl.sum(c, axis=2)                                                          # [Ws, Wd]
+    blk_excl = tl.cumsum(blk, axis=1) - blk
+    send_excl = blk_excl[:, :, None] + tl.cumsum(c, axis=2) - c
+    mine = s == me                                                                   # [Ws, 1, 1]
+    my_src_excl = tl.sum(tl.where(mine, src_excl, 0), axis=0)                        # [Wd, El]
+    my_send_excl = tl.sum(tl.where(mine, send_excl, 0), axis=0)
+    my_c = tl.sum(tl.where(mine, c, 0), axis=0)
+    d2 = tl.arange(0, W_POW2)[:, None]
+    l2 = tl.arange(0, EL_POW2)[None, :]
+    ok2 = (d2 < W) & (l2 < El)
+    e2 = d2 * El + l2
+    tl.store(tab_ptr + 0 * E + e2, gstart, mask=ok2)
+    tl.store(tab_ptr + 1 * E + e2, gstart + my_src_excl, mask=ok2)
+    tl.store(tab_ptr + 2 * E + e2, my_send_excl, mask=ok2)
+    tl.store(tab_ptr + 3 * E + e2, sstart, mask=ok2)
+    tl.store(tab_ptr + 4 * E + e2, my_c, mask=ok2)
+    # receive side: my local experts (d == me)
+    dme = d2 == me                                                                   # [Wd, 1]
+    p_me = tl.sum(tl.where(dme, p, 0), axis=0)                                       # [El]
+    n_me = tl.sum(tl.where(dme, n, 0), axis=0)
+    offs = tl.cumsum(p_me, axis=0)
+    l1 = tl.arange(0, EL_POW2)
+    lm = l1 < El
+    tl.store(recv_ptr + l1, offs, mask=lm)
+    tl.store(recv_ptr + El + l1, n_me, mask=lm)
+    dsel = d == me                                                                   # [1, Wd, 1]
+    c_to_me = tl.sum(tl.where(dsel, c, 0), axis=1)                                   # [Ws, El]
+    srcx_me = tl.sum(tl.where(dsel, src_excl, 0), axis=1)
+    sendx_me = tl.sum(tl.where(dsel, send_excl, 0), axis=1)
+    s2 = tl.arange(0, W_POW2)[:, None]
+    oks = (s2 < W) & (l2 < El)
+    tl.store(srp_ptr + s2 * El + l2, (offs - p_me)[None, :] + srcx_me, mask=oks)
+    tl.store(ssp_ptr + s2 * El + l2, sendx_me, mask=oks)
+    w1 = tl.arange(0, W_POW2)
+    wm = w1 < W
+    recv_splits = tl.sum(c_to_me, axis=1)                                            # [Ws]
+    send_splits = tl.sum(tl.sum(tl.where(mine, c, 0), axis=0), axis=1)               # [Wd]
+    tl.store(recv_ptr + 2 * El + w1, recv_splits, mask=wm)
+    tl.store(recv_ptr + 2 * El + W + w1, send_splits, mask=wm)
+    tail = recv_ptr + 2 * El + 2 * W
+    tl.store(tail + 0, tl.sum(tl.where(lm, p_me, 0), axis=0))  # num_rows (= offs[-1])
+    tl.store(tail + 1, tl.sum(recv_splits, axis=0))             # num_recv
+    tl.store(tail + 2, tl.sum(send_splits, axis=0))             # num_send
+
+
+@triton.jit
+def plan_slots_kernel(idx_ptr, tab_ptr, recv_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr, srow_ptr,
+                      order_ptr, n_slots, E, El, W, BLOCK: tl.constexpr):
+    """Program ``e < E``: the slots routed to expert ``e``; program ``E``: the dropped slots (id -1).
+
+    A slot's occurrence index among its expert's slots in ``(t, j)`` order is a running cumsum; from it
+    and the tables: send position, destination rank and row, destination scale row, ``send_order``.
+    Every slot is written by exactly one program. idx_ptr: int32 ``[T*k]``.
+    """
+    e = tl.program_id(0)
+    dropped = e == E
+    ec = tl.minimum(e, E - 1)
+    dst_base = tl.load(tab_ptr + 1 * E + ec)
+    send_base = tl.load(tab_ptr + 2 * E + ec)
+    s_base = tl.load(tab_ptr + 3 * E + ec) - tl.load(tab_ptr + 0 * E + ec) + dst_base
+    num_send = tl.load(recv_ptr + 2 * El + 2 * W + 2)
+    offs = tl.arange(0, BLOCK)
+    seen = tl.sum(offs * 0, axis=0)  # int32 scalar 0
+    b = 0
+    while b < n_slots:  # (a while: the interpreter rejects range() over a runtime bound)
+        sl = b + offs
+        inb = sl < n_slots
+        key = tl.load(idx_ptr + sl, mask=inb, other=-2)
+        key = tl.where(key == -1, E, key)
+        hit = inb & (key == e)
+        h = hit.to(tl.int32)
+        occ = seen + tl.cumsum(h, axis=0) - h
+        if dropped:
+            tl.store(order_ptr + num_send + occ, sl, mask=hit)
+            neg = tl.full((BLOCK,), -1, tl.int32)
+            tl.store(dest_rank_ptr + sl, neg, mask=hit)
+            tl.store(dest_row_ptr + sl, neg, mask=hit)
+            tl.store(send_pos_ptr + sl, neg, mask=hit)
+            tl.store(srow_ptr + sl, neg, mask=hit)
+        else:
+            tl.store(order_ptr + send_base + occ, sl, mask=hit)
+            tl.store(dest_rank_ptr + sl, tl.zeros((BLOCK,), tl.int32) + e // El, mask=hit)
+            tl.store(dest_row_ptr + sl, dst_base + occ, mask=hit)
+            tl.store(send_pos_ptr + sl, send_base + occ, mask=hit)
+            tl.store(srow_ptr + sl, s_base + occ, mask=hit)
+        seen += tl.sum(h, axis=0)
+        b += BLOCK
+
+
+@triton.jit
+def row_origins_kernel(recv_ptr, srp_ptr, ssp_ptr, counts_ptr, src_ptr, pos_ptr, n_rows, me, E, El, W,
+                       BLOCK: tl.constexpr, EL_POW2: tl.constexpr, W_POW2: tl.constexpr):
+    """For each receive row ``r < n_rows``: origin rank and position in its send order (-1 = padding or
+    past the last group). One program per ``BLOCK`` rows; groups and source blocks found by comparison."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rin = r < n_rows
+    l1 = tl.arange(0, EL_POW2)
+    offs = tl.load(recv_ptr + l1, mask=l1 < El, other=2147483647)                    # [El] group ends
+    g = tl.sum((offs[None, :] <= r[:, None]).to(tl.int32), axis=1)                   # group of row r
+    in_group = rin & (g < El)
+    gc = tl.minimum(g, El - 1)
+    w1 = tl.arange(0, W_POW2)
+    wm = (w1 < W)[None, :]
+    start = tl.load(srp_ptr + w1[None, :] * El + gc[:, None], mask=wm, other=0)      # [B, W] block starts
+    cnt = tl.load(counts_ptr + w1[None, :] * E + me * El + gc[:, None], mask=wm, other=0)
+    inside = wm & (r[:, None] >= start) & (r[:, None] < start + cnt)                  # at most one source
+    real = in_group & (tl.sum(inside.to(tl.int32), axis=1) > 0)
+    s = tl.sum(tl.where(inside, w1[None, :], 0), axis=1)
+    sp = tl.load(ssp_ptr + w1[None, :] * El + gc[:, None], mask=wm, other=0)
+    pos = tl.sum(tl.where(inside, sp + r[:, None] - start, 0), axis=1)
+    tl.store(src_ptr + r, tl.where(real, s, -1), mask=rin)
+    tl.store(pos_ptr + r, tl.where(real, pos, -1), mask=rin)
+
+
+def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int, n_rows: int) -> dict:
+    """The plan with the Triton kernels: ``{"plan": RoutingPlan, "srow", "origin_src", "origin_pos"}``.
+
+    Args:
+        counts: int32 ``[W, E]`` (all ranks' counts; read, not kept). topk_idx: int32/int64 ``[T, k]``
+            (ids in ``[-1, E)``, no repeats within a token). rank, align: as :func:`build_plan`.
+        n_rows: rows of the row-origin maps (``R_max`` of the backend).
+    """
+    W, E = counts.shape
+    El = E // W
+    T, k = topk_idx.shape
+    dev = counts.device
+    n = T * k
+    ints = torch.empty(5 * E + 2 * El + 2 * W + 3 + 2 * W * El + 5 * n + 2 * n_rows + W * E,
+                       dtype=torch.int32, device=dev)
+    tab, rest = ints[:5 * E], ints[5 * E:]
+    recv, rest = rest[:2 * El + 2 * W + 3], rest[2 * El + 2 * W + 3:]
+    srp, ssp, rest = rest[:W * El], rest[W * El:2 * W * El], rest[2 * W * El:]
+    slots, rest = rest[:5 * n].view(5, n), rest[5 * n:]
+    osrc, opos, cnt = rest[:n_rows], rest[n_rows:2 * n_rows], rest[2 * n_rows:]
+    cnt.copy_(counts.reshape(-1))
+    plan_tables_kernel[(1,)](cnt, tab, recv, srp, ssp, rank, align, W, El, W_POW2=_pow2(W), EL_POW2=_pow2(El))
+    idx = topk_idx.reshape(-1).to(torch.int32)
+    if n:
+        plan_slots_kernel[(E + 1,)](idx, tab, recv, slots[0], slots[1], slots[2], slots[3], slots[4], n, E, El, W,
+                                    BLOCK=min(_SLOT_BLOCK, _pow2(n)))
+    if n_rows:
+        rb = 128
+        row_origins_kernel[(triton.cdiv(n_rows, rb),)](recv, srp, ssp, cnt, osrc, opos, n_rows, rank, E, El, W,
+                                                        BLOCK=rb, EL_POW2=_pow2(El), W_POW2=_pow2(W))
+    plan = RoutingPlan(
+        rank=rank, world_size=W, num_experts=E, num_local_experts=El, align=align, topk=k, num_tokens=T,
+        counts=cnt.view(W, E),
+        dest_rank=slots[0].view(T, k), dest_row=slots[1].view(T, k), send_pos=slots[2].view(T, k),
+        send_order=slots[4],
+        send_splits=recv[2 * El + W:2 * El + 2 * W], num_send=recv[2 * El + 2 * W + 2:2 * El + 2 * W + 3],
+        recv_splits=recv[2 * El:2 * El + W], expert_counts=recv[El:2 * El], offs=recv[:El],
+        src_row_start=srp.view(W, El), src_send_pos=ssp.view(W, El),
+        num_rows=recv[2 * El + 2 * W:2 * El + 2 * W + 1], num_recv=recv[2 * El + 2 * W + 1:2 * El + 2 * W + 2],
+    )
+    return {"plan": plan, "srow": slots[3].view(T, k), "origin_src": osrc, "origin_pos": opos}
+
+
+__all__ = ["triton_plan", "fits", "plan_tables_kernel", "plan_slots_kernel", "row_origins_kernel", "MAX_TABLE"]
