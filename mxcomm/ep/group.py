@@ -295,8 +295,8 @@ class EPGroup:
 
     def check_errors(self) -> None:
         """Host sync: raise any error a GPU backend recorded on the device and not reported yet (a peer
-        that never arrived: :class:`~mxcomm.transport.PeerTimeout`; expert ids out of range or repeated in
-        the no-host-sync mode: ValueError), then clear it. Calls replayed from a CUDA graph check nothing
+        that never arrived: :class:`~mxcomm.transport.PeerTimeout`, which stays set: the group is unusable
+        after it; expert ids out of range or repeated in the no-host-sync mode: ValueError, reported once). Calls replayed from a CUDA graph check nothing
         themselves: call this after replays (e.g. once per training step). The reference backend checks
         every call synchronously, so there it has nothing to do."""
         fn = getattr(self._backend, "check_errors", None)

@@ -227,19 +227,12 @@ class NvshmemBackend:
         """True while the current stream is being captured into a CUDA graph."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _require_capturable(self) -> None:
-        if self._capturing() and self.config.exact_sizes:
-            raise RuntimeError(
-                "CUDA graph capture of the nvshmem EP backend needs EPConfig(exact_sizes=False): exact output sizes "
-                "read the row count on the host (a sync, not allowed while capturing)"
-            )
-
     def check_errors(self) -> None:
-        """Host sync: raise any error the device recorded (peer timeout, bad expert ids) and clear it.
-        The only error report of calls replayed from a CUDA graph (nothing is checked inside the graph)."""
-        self._pending = None
+        """Host sync: raise any error the device recorded. Bad expert ids are reported once (cleared); a
+        peer timeout stays set (the group's protocol state is lost after it). The only error report of
+        calls replayed from a CUDA graph (nothing is checked inside the graph). Capture of exact-size
+        groups is refused by ``EPGroup`` before it gets here."""
         self._check("device error words")
-        self.err.zero_()
 
     def _check_async(self, what: str) -> None:
         """No-host-sync mode: raise an error recorded by an EARLIER call (if its copy has landed), and
@@ -323,7 +316,6 @@ class NvshmemBackend:
         cfg = self.config
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the nvshmem backend runs on {self.device}")
-        self._require_capturable()
         T, H = x.shape
         W, E = self.world, cfg.num_experts
         x = x.contiguous()
@@ -375,7 +367,6 @@ class NvshmemBackend:
         st: NvshmemState = handle.backend_state
         H, W = cfg.hidden, self.world
         plan = handle.plan
-        self._require_capturable()
         passthrough = isinstance(rows, MXTensor)
         mx = quantize_rows or passthrough
         if passthrough:
@@ -449,7 +440,6 @@ class NvshmemBackend:
                 f"the nvshmem backend's combine backward sends {'MXFP8' if self.mx else 'BF16'} rows (it reuses the "
                 f"dispatch buffers sized for precision={cfg.precision!r}); quantize={quantize_rows} is not supported"
             )
-        self._require_capturable()
         plan = handle.plan
         st: NvshmemState = handle.backend_state
         W, H, T = self.world, cfg.hidden, handle.num_tokens
