@@ -67,14 +67,9 @@ from ..mx.subclass import MXFP8Tensor
 from .backward_ref import CombineSaved
 from .group import EPGroup
 from .handle import EPHandle
-from .plan import RoutingPlan, max_recv_rows
+from .plan import PLAN_TENSORS, RoutingPlan, max_recv_rows  # PLAN_TENSORS: carried by an OpHandle
 from .registry import GROUPS
 
-# RoutingPlan tensors carried by an OpHandle, in this order (all int32).
-PLAN_TENSORS = (
-    "counts", "dest_rank", "dest_row", "send_pos", "send_order", "send_splits", "num_send", "recv_splits",
-    "expert_counts", "offs", "src_row_start", "src_send_pos", "num_rows", "num_recv",
-)
 # Backend handle state carried by an OpHandle, per backend (all int32).
 STATE_TENSORS = {"torch": (), "nvshmem": ("origin_src", "origin_pos", "num_rows_dev", "srow")}
 

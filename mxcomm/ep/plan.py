@@ -22,7 +22,7 @@ Terms (``W`` ranks, ``E`` experts, ``El = E / W`` local experts, ``T`` tokens, `
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -83,6 +83,10 @@ class RoutingPlan:
     @property
     def device(self) -> torch.device:
         return self.counts.device
+
+
+#: Names of the tensor fields of :class:`RoutingPlan`, in declaration order.
+PLAN_TENSORS = tuple(f.name for f in fields(RoutingPlan) if f.type in ("torch.Tensor", torch.Tensor))
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:

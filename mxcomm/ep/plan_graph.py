@@ -10,14 +10,13 @@ views into that clone (so it stays valid after later replays).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from .plan import RoutingPlan, build_plan
+from .plan import PLAN_TENSORS, RoutingPlan, build_plan
 
-_PLAN_TENSORS = [f.name for f in fields(RoutingPlan) if f.type in ("torch.Tensor", torch.Tensor)]
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,8 @@ class PlanGraph:
         with torch.cuda.stream(side):
             warm = body()  # warm-up outside capture (allocator, cub temp storage)
         torch.cuda.current_stream(dev).wait_stream(side)
-        names = [n for n in _PLAN_TENSORS] + sorted(warm.extra)
-        shapes = [tuple((getattr(warm.plan, n) if n in _PLAN_TENSORS else warm.extra[n]).shape) for n in names]
+        names = [n for n in PLAN_TENSORS] + sorted(warm.extra)
+        shapes = [tuple((getattr(warm.plan, n) if n in PLAN_TENSORS else warm.extra[n]).shape) for n in names]
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         self.flat = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
         self.layout = list(zip(names, shapes, sizes))
@@ -69,7 +68,7 @@ class PlanGraph:
             out = body()
             off = 0
             for n, shp, sz in self.layout:
-                t = getattr(out.plan, n) if n in _PLAN_TENSORS else out.extra[n]
+                t = getattr(out.plan, n) if n in PLAN_TENSORS else out.extra[n]
                 self.flat[off:off + sz].copy_(t.reshape(-1))
                 off += sz
 
@@ -82,8 +81,8 @@ class PlanGraph:
         for n, shp, sz in self.layout:
             vals[n] = flat[off:off + sz].view(shp)
             off += sz
-        plan = replace(self.template, **{n: vals[n] for n in _PLAN_TENSORS})
-        return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in _PLAN_TENSORS})
+        plan = replace(self.template, **{n: vals[n] for n in PLAN_TENSORS})
+        return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in PLAN_TENSORS})
 
 
 __all__ = ["PlanGraph", "PlanOutputs", "compute_plan"]

@@ -13,8 +13,7 @@ load_kernels("mxcomm.ep.plan_kernels")
 
 from mxcomm.ep import plan_kernels as pk  # noqa: E402
 from mxcomm.ep.nvshmem_backend import dest_scale_rows, row_origins  # noqa: E402
-from mxcomm.ep.plan import build_plan, local_counts  # noqa: E402
-from mxcomm.ep.plan_graph import _PLAN_TENSORS as PLAN_FIELDS  # noqa: E402
+from mxcomm.ep.plan import PLAN_TENSORS, build_plan, local_counts  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,7 +41,7 @@ def _compare(counts, idx, rank, align, R):
     want = build_plan(counts, idx, rank, align)
     got = pk.triton_plan(counts.to(DEV), idx.to(DEV), rank, align, R)
     bad = []
-    for f in PLAN_FIELDS:
+    for f in PLAN_TENSORS:
         a, b = getattr(got["plan"], f).cpu(), getattr(want, f)
         if a.dtype != torch.int32 or not a.is_contiguous() or a.shape != b.shape or not torch.equal(a, b):
             bad.append(f"{f}: got {a.shape} {a.flatten()[:12].tolist()} want {b.shape} {b.flatten()[:12].tolist()}")
