@@ -216,7 +216,7 @@ class NvshmemBackend:
         idx = topk_idx.to(torch.int64)
         bad = (idx < -1) | (idx >= E)
         if idx.shape[1] > 1:
-            srt, order = torch.sort(torch.where(bad, torch.full_like(idx, -1), idx), dim=1)
+            srt, order = torch.sort(torch.where(bad, torch.full_like(idx, -1), idx), dim=1, stable=True)
             dup_sorted = torch.zeros_like(bad)
             dup_sorted[:, 1:] = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
             bad = bad | torch.zeros_like(bad).scatter_(1, order, dup_sorted)
@@ -319,9 +319,13 @@ class NvshmemBackend:
         T, H = x.shape
         W, E = self.world, cfg.num_experts
         x = x.contiguous()
-        if self.device_side_checks:
-            topk_idx = self._sanitize(topk_idx)
-        my_counts = local_counts(topk_idx, E)
+        if self.plan_impl == "triton":
+            topk_idx, my_counts = plan_kernels.check_and_count(topk_idx, E, self.input_err,
+                                                               check=self.device_side_checks)
+        else:
+            if self.device_side_checks:
+                topk_idx = self._sanitize(topk_idx)
+            my_counts = local_counts(topk_idx, E)
         self.epoch[0] += 1
         if self.mx:
             self.recv_s.local.zero_()

@@ -3,6 +3,8 @@ origins) in three Triton kernels instead of ~60 small torch ops: the same int32 
 (tested against ``build_plan`` / ``dest_scale_rows`` / ``row_origins``). No host sync, so it can be
 captured in a CUDA graph like the rest of the no-sync mode.
 
+0. :func:`check_count_kernel`: the device-side id check of the no-sync mode (bad ids and repeats
+   dropped) fused with this rank's per-expert counts (one kernel instead of ~20 torch ops).
 1. :func:`plan_tables_kernel` (one program): every per-expert and per-source table from the counts
    matrix ``[W, E]``, held as a ``[W_src, W_dst, El]`` tile (cumulative sums along each axis).
 2. :func:`plan_slots_kernel` (one program per expert id, plus one for dropped slots): each slot's
@@ -175,6 +177,46 @@ def row_origins_kernel(recv_ptr, srp_ptr, ssp_ptr, counts_ptr, src_ptr, pos_ptr,
     tl.store(pos_ptr + r, tl.where(real, pos, -1), mask=rin)
 
 
+@triton.jit
+def check_count_kernel(idx_ptr, out_ptr, counts_ptr, err_ptr, T, E,
+                       K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr, CHECK: tl.constexpr):
+    """Per ``BLOCK_T`` tokens: with ``CHECK``, ids outside ``[-1, E)`` and repeats of an id within a token
+    (every occurrence after the first) become -1 in ``out`` and are counted into ``err``; then each
+    kept id adds 1 to ``counts[id]`` (int32, zeroed by the caller). idx/out: int32 ``[T, K]``."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    j = tl.arange(0, K_POW2)[None, :]
+    m = (t < T) & (j < K)
+    idx = tl.load(idx_ptr + t * K + j, mask=m, other=-1)
+    if CHECK:
+        bad = (idx < -1) | (idx >= E)
+        same = idx[:, :, None] == idx[:, None, :]                                    # [B, K, K]
+        earlier = tl.arange(0, K_POW2)[None, None, :] < tl.arange(0, K_POW2)[None, :, None]
+        rep = tl.sum((same & earlier & (idx[:, None, :] >= 0) & m[:, None, :]).to(tl.int32), axis=2) > 0
+        bad = m & (bad | (rep & (idx >= 0)))
+        idx = tl.where(bad, -1, idx)
+        nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+        if nbad > 0:
+            tl.atomic_add(err_ptr, nbad.to(tl.int64))
+        tl.store(out_ptr + t * K + j, idx, mask=m)
+    tl.atomic_add(counts_ptr + tl.maximum(idx, 0), tl.full(idx.shape, 1, tl.int32), mask=m & (idx >= 0))
+
+
+def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor, *, check: bool):
+    """``(idx int32 [T, k], counts int32 [E])``: the routing with bad slots dropped (``check``; each
+    dropped slot adds 1 to the int64 ``err[0]``) and the rows this rank sends to each expert, in one
+    kernel (the torch path: ``_sanitize`` + :func:`mxcomm.ep.plan.local_counts`)."""
+    T, k = topk_idx.shape
+    idx = topk_idx.to(torch.int32).contiguous()
+    out = torch.empty_like(idx) if check else idx
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=idx.device)
+    if T:
+        kp = _pow2(k)
+        bt = max(1, min(128, 4096 // (kp * kp)))
+        check_count_kernel[(triton.cdiv(T, bt),)](idx, out, counts, err, T, num_experts,
+                                                  K=k, K_POW2=kp, BLOCK_T=bt, CHECK=check)
+    return out, counts
+
+
 def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int, n_rows: int) -> dict:
     """The plan with the Triton kernels: ``{"plan": RoutingPlan, "srow", "origin_src", "origin_pos"}``.
 
@@ -218,4 +260,4 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
     return {"plan": plan, "srow": slots[3].view(T, k), "origin_src": osrc, "origin_pos": opos}
 
 
-__all__ = ["triton_plan", "fits", "plan_tables_kernel", "plan_slots_kernel", "row_origins_kernel", "MAX_TABLE"]
+__all__ = ["triton_plan", "check_and_count", "check_count_kernel", "fits", "plan_tables_kernel", "plan_slots_kernel", "row_origins_kernel", "MAX_TABLE"]

@@ -127,7 +127,8 @@ def test_nvshmem_kernels_loopback_match_oracle(precision, align, H, plan_impl):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
-def test_no_sync_mode_drops_bad_ids_and_raises():
+@pytest.mark.parametrize("plan_impl", ["torch", "triton"])
+def test_no_sync_mode_drops_bad_ids_and_raises(plan_impl):
     """exact_sizes=False checks ids on the device: a bad id is dropped (nothing written out of bounds),
     the rest of the rows arrive, and the error is raised (here at once: the interpreter is synchronous)."""
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
@@ -135,6 +136,7 @@ def test_no_sync_mode_drops_bad_ids_and_raises():
     cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=8, backend="nvshmem", num_sms=1,
                    exact_sizes=False, timeout_s=5.0)
     be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap())
+    be.plan_impl = plan_impl
     assert be.device_side_checks
     x = torch.randn(3, 64).to(torch.bfloat16)
     idx = torch.tensor([[0, 7], [1, 1], [2, 3]])

@@ -119,18 +119,21 @@ from mxcomm.ep import plan_kernels as pk
 def compile(fn, **consts):
     names = list(fn.arg_names)
     sig = {n: ("constexpr" if n in consts else ("*i32" if n.endswith("_ptr") else "i32")) for n in names}
+    sig.update({n: "*i64" for n in names if n == "err_ptr"})
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
 
 compile(pk.plan_tables_kernel, W_POW2=8, EL_POW2=32)
 compile(pk.plan_slots_kernel, BLOCK=1024)
 compile(pk.row_origins_kernel, BLOCK=128, EL_POW2=32, W_POW2=8)
+compile(pk.check_count_kernel, K=8, K_POW2=8, BLOCK_T=64, CHECK=True)
+compile(pk.check_count_kernel, K=6, K_POW2=8, BLOCK_T=64, CHECK=False)
 print("ok")
 '''
 
 
 def test_plan_kernels_compile_for_sm90(tmp_path):
-    """The three kernels compile for sm_90 (a fresh process without the interpreter)."""
+    """The plan kernels compile for sm_90 (a fresh process without the interpreter)."""
     import os
     import pathlib
     import subprocess
@@ -148,3 +151,39 @@ def test_plan_kernels_compile_for_sm90(tmp_path):
     script.write_text(_AOT)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def _check_reference(idx: torch.Tensor, E: int):
+    """Plain-Python reference of the no-sync id check: out-of-range ids and every repeat of an id after its
+    first occurrence in a token become -1; counts of the kept ids; number of dropped slots."""
+    out, counts, nbad = idx.clone(), torch.zeros(E, dtype=torch.int32), 0
+    for t in range(idx.shape[0]):
+        seen = set()
+        for j in range(idx.shape[1]):
+            v = int(idx[t, j])
+            if v == -1:
+                continue
+            if not 0 <= v < E or v in seen:
+                out[t, j] = -1
+                nbad += 1
+                continue
+            seen.add(v)
+            counts[v] += 1
+    return out, counts, nbad
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("T,k,E", [(0, 2, 4), (1, 1, 3), (37, 4, 8), (200, 8, 64), (50, 3, 5)])
+def test_check_and_count(T, k, E, check):
+    g = torch.Generator().manual_seed(T * 7 + k + E)
+    idx = torch.randint(-1, E, (T, k), generator=g, dtype=torch.int32)  # repeats happen at random
+    if check and T:
+        idx[0, 0] = E + 3
+        idx[-1, -1] = -5
+    if not check:  # without the check the ids must be valid and distinct per token
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32) if T else idx
+    err = torch.zeros(1, dtype=torch.int64, device=DEV)
+    out, counts = pk.check_and_count(idx.to(DEV), E, err, check=check)
+    want, want_counts, nbad = _check_reference(idx, E)
+    assert torch.equal(out.cpu(), want) and torch.equal(counts.cpu(), want_counts)
+    assert int(err) == nbad and (nbad > 0) == (check and T > 0)
