@@ -18,7 +18,6 @@ import torch
 from .plan import PLAN_TENSORS, RoutingPlan, build_plan
 
 
-
 @dataclass(frozen=True)
 class PlanOutputs:
     """What one replay produces: the plan and the backend's extra int32 maps (name -> tensor)."""
