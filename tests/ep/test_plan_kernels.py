@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from _triton_mode import load_kernels
+from _triton_mode import load_kernels, run_aot
 
 load_kernels("mxcomm.ep.plan_kernels")
 
@@ -134,23 +134,7 @@ print("ok")
 
 def test_plan_kernels_compile_for_sm90(tmp_path):
     """The plan kernels compile for sm_90 (a fresh process without the interpreter)."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    import triton.backends
-
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("triton has no nvidia backend here")
-    repo = pathlib.Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    script = tmp_path / "aot.py"
-    script.write_text(_AOT)
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    assert "ok" in run_aot(_AOT, tmp_path)
 
 
 def _check_reference(idx: torch.Tensor, E: int):

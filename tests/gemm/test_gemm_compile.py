@@ -1,12 +1,8 @@
 """Without a GPU: the Triton GEMM kernels compile for sm_90 (fresh process, no interpreter) and use Hopper's
 warpgroup MMA (wgmma) in BF16 with the hardware E4M3 -> f16 conversion in the MX load path."""
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-import pytest
+from _triton_mode import run_aot
 
 _AOT = r'''
 import json, sys
@@ -48,19 +44,8 @@ json.dump(out, sys.stdout)
 
 
 def test_gemm_kernels_compile_for_sm90(tmp_path):
-    import triton.backends
-
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("triton has no nvidia backend here")
-    repo = pathlib.Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    script = tmp_path / "aot.py"
-    script.write_text(_AOT)
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ptx = json.loads(r.stdout)
+    stdout = run_aot(_AOT, tmp_path)
+    ptx = json.loads(stdout)
     for name, p in ptx.items():
         if name.startswith(("mm", "wgrad")):
             assert "wgmma.mma_async" in p and ".bf16.bf16" in p, f"{name}: no BF16 warpgroup MMA"

@@ -4,14 +4,10 @@ Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, se
 mxcomm.kernels is imported) with integer E4M3 rounding. With a GPU the same small tests run on CUDA
 with both rounding paths, and the ``gpu``-marked tests add larger shapes.
 """
-import os
-
 import pytest
 import torch
 
-import sys  # noqa: E402
-
-from _triton_mode import load_kernels  # noqa: E402
+from _triton_mode import load_kernels, run_aot  # noqa: E402
 
 load_kernels()
 
@@ -574,23 +570,10 @@ def test_kernels_compile_for_sm90(tmp_path):
     """Without a GPU: the kernels compile to PTX for sm_90 (fresh process, no interpreter), with 16-byte
     vector loads/stores, the satfinite RNE cast on the hardware path, and no flush-to-zero multiplies."""
     import json
-    import pathlib
     import re
-    import subprocess
 
-    import triton.backends
-
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("triton has no nvidia backend here")
-    repo = pathlib.Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    script = tmp_path / "aot.py"
-    script.write_text(_AOT)
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ptx = json.loads(r.stdout)
+    stdout = run_aot(_AOT, tmp_path)
+    ptx = json.loads(stdout)
     for name, p in ptx.items():
         assert "ld.global.v4.b32" in p, f"{name}: global loads not vectorized to 16 bytes"
         assert not re.search(r"\bmul(\.rn)?\.ftz\.f32", p), f"{name}: flush-to-zero multiply"

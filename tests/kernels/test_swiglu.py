@@ -6,13 +6,10 @@ reference applied to the kernel's own bf16 ``h`` (``return_h=True``), and ``h`` 
 within one bf16 ulp. GPU: the kernel uses libdevice expf and an IEEE division like torch's CUDA silu, and the
 whole result is checked bit for bit against the reference computed on the GPU.
 """
-import os
-import sys
-
 import pytest
 import torch
 
-from _triton_mode import load_kernels  # noqa: E402
+from _triton_mode import load_kernels, run_aot  # noqa: E402
 
 load_kernels()
 
@@ -275,23 +272,10 @@ def test_kernels_compile_for_sm90(tmp_path):
     libdevice expf without flush-to-zero reflection (as torch's CUDA build), 16-byte loads and the satfinite
     E4M3 cast."""
     import json
-    import pathlib
     import re
-    import subprocess
 
-    import triton.backends
-
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("triton has no nvidia backend here")
-    repo = pathlib.Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    script = tmp_path / "aot.py"
-    script.write_text(_AOT)
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    for name, p in json.loads(r.stdout).items():
+    stdout = run_aot(_AOT, tmp_path)
+    for name, p in json.loads(stdout).items():
         assert "div.rn.f32" in p, f"{name}: no IEEE division"
         # libdevice expf itself is built on ex2.approx.ftz (as in nvcc's expf); nothing else may flush
         assert not re.search(r"(?<!ex2\.approx)\.ftz\.f32", p), f"{name}: flush-to-zero fp32 arithmetic"
