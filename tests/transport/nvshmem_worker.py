@@ -92,6 +92,7 @@ def _heap(ctx, tp, torch, res):
         has_peer_pointer=list(data.has_peer_pointer), own_ptr_ok=ptrs[ctx.rank] == data.local.data_ptr(),
         peer_ptrs_nonzero=[p != 0 for p in ptrs], zeroed=bool((data.local == 0).all() and (flags.local == 0).all()),
     )
+    ctx.barrier()  # every rank checked `zeroed` before any peer writes into its buffer
     # torch writes through every peer tensor: row `rank` of peer p's data gets 7 + rank + 10 p
     for p in range(ctx.world):
         data.peer(p)[ctx.rank].fill_(7.0 + ctx.rank + 10.0 * p)
