@@ -15,6 +15,7 @@ PRECISIONS = ("mxfp8", "bf16")
 SCALE_MODES = ("rceil", "floor")
 BACKENDS = ("torch", "nvshmem")
 ALIGNS = (32, 128)
+TRANSPORTS = ("auto", "put")
 
 
 def _is_int(v) -> bool:
@@ -43,6 +44,12 @@ class EPConfig:
             to the worst case (:func:`mxcomm.ep.plan.max_recv_rows`); real sizes only in the
             device tensors ``offs`` / ``counts`` (the GPU backend then does no host sync; the
             reference backend still syncs internally because all-to-all split sizes live on the host).
+        transport: how the ``nvshmem`` backend moves rows. ``"auto"``: peer-pointer stores from the
+            kernels when every peer has a peer pointer (one node, NVLink), the put-with-signal path
+            otherwise. ``"put"``: always the put-with-signal path (``csrc/put_signal.cu``: kernels
+            write into a local staging buffer, NVSHMEM puts one block per (destination, expert) and
+            signals), which is what peers on other nodes need; forcing it on one node tests that path
+            on a single GPU. Unused by ``torch``.
     """
 
     num_experts: int
@@ -56,6 +63,7 @@ class EPConfig:
     num_sms: Optional[int] = None
     timeout_s: float = 30.0
     exact_sizes: bool = True
+    transport: str = "auto"
 
     def num_local_experts(self, world_size: int) -> int:
         """Experts per rank, ``E / world`` (call :meth:`validate` first)."""
@@ -98,6 +106,8 @@ class EPConfig:
             errs.append(f"timeout_s must be a positive finite number, got {self.timeout_s!r}")
         if not isinstance(self.exact_sizes, bool):
             errs.append(f"exact_sizes must be a bool, got {self.exact_sizes!r}")
+        if self.transport not in TRANSPORTS:
+            errs.append(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if errs:
             raise ValueError("invalid EPConfig: " + "; ".join(errs))
 
@@ -126,4 +136,4 @@ class EPConfig:
         return out
 
 
-__all__ = ["EPConfig", "PRECISIONS", "SCALE_MODES", "BACKENDS", "ALIGNS"]
+__all__ = ["EPConfig", "PRECISIONS", "SCALE_MODES", "BACKENDS", "ALIGNS", "TRANSPORTS"]

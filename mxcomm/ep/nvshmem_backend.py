@@ -26,8 +26,13 @@ Buffer reuse without a global barrier: ops towards the experts (dispatch, combin
 with the counts / "ready" exchange, so nobody writes into a rank's receive buffer before that rank
 finished copying out the previous op (stream order); ops towards the origins (combine, dispatch
 backward) alternate between two copies of the return buffer by epoch parity (see nvshmem_kernels).
-Peers without a peer pointer (other nodes) are refused at construction: the put-with-signal path
-(:mod:`mxcomm.transport.put_signal`) exists but is not wired in yet.
+Put-with-signal path (:mod:`mxcomm.ep.put_path`): when a peer has no peer pointer (other nodes), or
+with ``EPConfig(transport="put")``, the same kernels write into this rank's staging buffer instead of
+peers' buffers, and NVSHMEM puts one block per (destination, expert) with a signal (``csrc/put_signal.cu``);
+counts and the "ready" handshake travel as puts too, the arrival waits become signal waits, and the
+receiver swizzles the row-major scale bytes that arrived into the blocked layout. Every rank, itself
+included, is reached through puts on this path (one mode per group: no mixing of peer pointers for
+NVLink peers with puts for the others yet).
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.mx_device import SCALE_MODE_IDS
-from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
+from ..mx import MXTensor, ScaleLayout, grouped_m_row_map, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
 from ..kernels.route_grad import route_weight_grad
@@ -45,6 +50,7 @@ from .backward_ref import CombineGrads, CombineSaved
 from .handle import DispatchResult, EPHandle
 from .plan import RoutingPlan, buffer_regions, local_counts, max_recv_rows, recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
+from . import put_path
 
 _CHUNK = 1024
 _PROGRAMS_PER_SM = 4
@@ -123,14 +129,14 @@ class NvshmemBackend:
 
     device_side_checks = False
 
-    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, heap=None):
+    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, heap=None, puts=None):
         self.config = config
         self.rank, self.world = rank, world_size
         if heap is None:
             heap = self._open_heap(group, rank, world_size)
         self.heap = heap
         self.device = heap.ctx.device
-        H, E, W = config.hidden, config.num_experts, world_size
+        H, W = config.hidden, world_size
         self.El = config.num_local_experts(W)
         self.R_max = max_recv_rows(config, W)
         self.mx = config.precision == "mxfp8"
@@ -147,7 +153,9 @@ class NvshmemBackend:
         # (mxcomm.ep.plan_kernels: 3 kernels, bit-identical; tested on CPU, not yet timed on a GPU)
         self.plan_impl = "torch"
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
-        bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W)}
+        # put-with-signal path: forced by the config, or needed because a peer has no peer pointer
+        self.put_mode = config.transport == "put" or not getattr(heap.ctx, "all_local", True)
+        bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
         self.nslot = config.max_tokens_per_rank * config.topk
         self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
         self.comb_q, self.comb_s = bufs["ep.comb_q"], bufs["ep.comb_s"]  # 2 copies: see nvshmem_kernels
@@ -164,6 +172,23 @@ class NvshmemBackend:
         # are dropped before anything is sent and the error is raised by a later call (see _sanitize).
         self.device_side_checks = not config.exact_sizes
         self.input_err = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.put_mode:
+            self._init_put_path(bufs, puts)
+
+    def _init_put_path(self, bufs: dict, puts) -> None:
+        """Staging buffers, their pointers as the kernels' ``*_peers`` (every entry = staging) and the
+        constant put batches of the count exchange and the ready handshake."""
+        W, E, dev = self.world, self.config.num_experts, self.device
+        self.puts = put_path.Puts() if puts is None else puts
+        self.put_chunks = 4  # pieces per put entry (same on every rank: the signal count depends on it)
+        self.stage_q, self.stage_s = bufs["ep.stage_q"], bufs["ep.stage_s"]
+        self.recv_srows = bufs["ep.recv_srows"]
+        self._stage_ptrs = torch.full((W,), self.stage_q.local.data_ptr(), dtype=torch.int64, device=dev)
+        self._stage_s_ptrs = torch.full((W,), self.stage_s.local.data_ptr(), dtype=torch.int64, device=dev)
+        self._counts_batch = put_path.row_batch(W, self.rank, 4 * E, dev)
+        self._ready_batch = put_path.row_batch(W, self.rank, 0, dev)
+        self._all_src = torch.arange(W, dtype=torch.int32, device=dev)
+        self._per_call = 2 * self.El * self.put_chunks  # signals per source and call (payload + scales)
 
     @staticmethod
     def _open_heap(group, rank: int, world_size: int):
@@ -178,11 +203,6 @@ class NvshmemBackend:
         if (ctx.rank, ctx.world) != (rank, world_size):
             raise RuntimeError(
                 f"NVSHMEM runs as PE {ctx.rank} of {ctx.world}, but the EP group is rank {rank} of {world_size}"
-            )
-        if not ctx.all_local:
-            raise NotImplementedError(
-                f"peers {ctx.remote_peers} have no peer pointer (other nodes); the EP backend does not use "
-                "the put-with-signal path (mxcomm.transport.put_signal) for them yet"
             )
         return tp.SymmetricHeap(ctx)
 
@@ -302,6 +322,14 @@ class NvshmemBackend:
         q = self._copy_out(plan, origins, R, H if mx else 2 * H)
         if not mx:
             return q.view(torch.bfloat16)
+        if self.put_mode and R:  # scale rows arrived row-major: into the blocked layout
+            from .nvshmem_kernels import scale_rows_to_blocked_kernel
+
+            brow = grouped_m_row_map(plan.offs, R).to(torch.int32)
+            scale_rows_to_blocked_kernel[(min(R, self.programs * 4),)](
+                self.recv_srows.local, self.recv_s.local, plan.num_rows, origins.src, brow, R, self.n_col_tiles,
+                C=H // 32, C_POW2=triton_next_pow2(H // 32), num_warps=1,
+            )
         ns = grouped_m_rows(R, self.El) * round_up(H // 32, 4)
         s = self.recv_s.local[:ns].clone().view(-1, round_up(H // 32, 4))
         return MXTensor(
@@ -309,15 +337,76 @@ class NvshmemBackend:
             mode=self.config.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
         )
 
-    # -- dispatch -------------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
-        from .nvshmem_kernels import dispatch_kernel, exchange_counts_kernel, wait_arrivals_kernel
+    # -- dispatch ----------------------------------------------------------------------------
+    def _refuse_put_capture(self) -> None:
+        if self.put_mode and self._capturing():
+            raise NotImplementedError(
+                "the put-with-signal path (transport='put' or peers on other nodes) has not been tested under "
+                "CUDA graph capture; capture is refused before any work"
+            )
 
+    def _exchange(self, my_counts: torch.Tensor | None) -> None:
+        """Publish this rank's int32 ``[E]`` counts to every rank and wait (bounded) for everybody's (``None``:
+        the "ready" handshake only). Epoch ``self.epoch[0]`` must already be advanced."""
+        from .nvshmem_kernels import exchange_counts_kernel
+
+        W = self.world
+        if self.put_mode:
+            if my_counts is not None:
+                self.counts.local[self.rank].copy_(my_counts)
+            batch = self._ready_batch if my_counts is None else self._counts_batch
+            sig = self.flags.local[0]
+            self.puts.put(self.counts.local, self.counts.local, batch, sig, self.rank, self.err, 1)
+            self.puts.wait(sig, self._all_src, self.epoch[0:1], 1, self.err, self.timeout_ns)
+            return
+        E = 0 if my_counts is None else self.config.num_experts
+        exchange_counts_kernel[(W,)](
+            self.err if my_counts is None else my_counts, self.counts.peer_ptrs, self.flags.peer_ptrs,
+            self.flags.local[0], self.epoch[0:1], self.err, self.timeout_ns, self.rank, E,
+            E_POW2=triton_next_pow2(max(E, 1)),
+        )
+
+    def _put_blocks(self, blocks: "put_path.BlockPuts", dst_q, dst_s, row: int, epoch: torch.Tensor) -> None:
+        """Put path: put the staged blocks (payload, scales), wait (bounded) for every source's blocks
+        of this epoch in ``flags[row]``, then quiet (the staging buffer may be rewritten after it)."""
+        sig, C = self.flags.local[row], self.put_chunks
+        self.puts.put(dst_q.local, self.stage_q.local, blocks.payload, sig, self.rank, self.err, C)
+        self.puts.put(dst_s.local, self.stage_s.local, blocks.scales, sig, self.rank, self.err, C)
+        self.puts.wait(sig, self._all_src, epoch, self._per_call, self.err, self.timeout_ns)
+        self.puts.quiet()
+
+    def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, srow: torch.Tensor, w: torch.Tensor,
+                         weighted: bool, mx: bool) -> None:
+        """Each row of ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) to its slots'
+        expert-major rows on the destinations (MXFP8 when ``mx``), then wait for every source's rows."""
+        from .nvshmem_kernels import dispatch_kernel, wait_arrivals_kernel
+
+        cfg = self.config
+        T, H = x.shape
+        if self.put_mode:  # staging rows = send positions, row-major scales, puts signal
+            rows, srows, q_ptrs, s_ptrs = plan.send_pos, plan.send_pos, self._stage_ptrs, self._stage_s_ptrs
+        else:
+            rows, srows, q_ptrs, s_ptrs = plan.dest_row, srow, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs
+        dispatch_kernel[(self.programs,)](
+            x, T, plan.dest_rank, rows, srows, q_ptrs, s_ptrs, self.flags.peer_ptrs, self.rank, self.world,
+            self.n_col_tiles, w, H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk),
+            MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, WEIGHTED=weighted, ROW_SCALES=self.put_mode,
+            ARRIVE=not self.put_mode, num_warps=self.send_warps,
+        )
+        if self.put_mode:
+            blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0)
+            self._put_blocks(blocks, self.recv_q, self.recv_srows if mx else self.recv_s, 1, self.epoch[0:1])
+        else:
+            wait_arrivals_kernel[(self.world,)](self.flags.local[1], self.expect[1], self.programs, self.err,
+                                                self.timeout_ns)
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         cfg = self.config
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the nvshmem backend runs on {self.device}")
+        self._refuse_put_capture()
         T, H = x.shape
-        W, E = self.world, cfg.num_experts
+        E = cfg.num_experts
         x = x.contiguous()
         if self.plan_impl == "triton":
             topk_idx, my_counts = plan_kernels.check_and_count(topk_idx, E, self.input_err,
@@ -329,19 +418,10 @@ class NvshmemBackend:
         self.epoch[0] += 1
         if self.mx:
             self.recv_s.local.zero_()
-        exchange_counts_kernel[(W,)](
-            my_counts, self.counts.peer_ptrs, self.flags.peer_ptrs, self.flags.local[0], self.epoch[0:1], self.err,
-            self.timeout_ns, self.rank, E, E_POW2=triton_next_pow2(E),
-        )
+        self._exchange(my_counts)
         po = self._plan(topk_idx)
         plan, srow = po.plan, po.extra["srow"]
-        dispatch_kernel[(self.programs,)](
-            x, T, plan.dest_rank, plan.dest_row, srow,
-            self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W, self.n_col_tiles,
-            x, H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk), MX=self.mx, MODE=self.mode_id,
-            INT_ROUND=self.int_round, WEIGHTED=False, num_warps=self.send_warps,
-        )
-        wait_arrivals_kernel[(W,)](self.flags.local[1], self.expect[1], self.programs, self.err, self.timeout_ns)
+        self._send_to_experts(x, plan, srow, x, weighted=False, mx=self.mx)
         if cfg.exact_sizes:
             R = int(plan.num_rows.item())
             self._check("dispatch arrivals")
@@ -367,6 +447,7 @@ class NvshmemBackend:
         """
         from .nvshmem_kernels import combine_reduce_kernel, combine_send_kernel, wait_arrivals_kernel
 
+        self._refuse_put_capture()
         cfg = self.config
         st: NvshmemState = handle.backend_state
         H, W = cfg.hidden, self.world
@@ -379,13 +460,22 @@ class NvshmemBackend:
         else:
             payload, in_scales = rows.contiguous(), self.err  # in_scales unused
         self.epoch[1] += 1
+        if self.put_mode:  # rows to staging at their own index; puts per (source, expert) block
+            q_ptrs, s_ptrs = self._stage_ptrs, self._stage_s_ptrs
+        else:
+            q_ptrs, s_ptrs = self.comb_q.peer_ptrs, self.comb_s.peer_ptrs
         combine_send_kernel[(self.programs,)](
-            payload, st.num_rows_dev, st.origins.src, st.origins.pos,
-            self.comb_q.peer_ptrs, self.comb_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W,
-            self.epoch[1:2], self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)), MX=mx,
-            MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, num_warps=self.send_warps,
+            payload, st.num_rows_dev, st.origins.src, st.origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
+            self.rank, W, self.epoch[1:2], self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)),
+            MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, STAGED=self.put_mode,
+            num_warps=self.send_warps,
         )
-        wait_arrivals_kernel[(W,)](self.flags.local[2], self.expect[2], self.programs, self.err, self.timeout_ns)
+        if self.put_mode:
+            slot0 = (self.epoch[1:2] % 2) * self.nslot
+            blocks = put_path.combine_blocks(plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
+            self._put_blocks(blocks, self.comb_q, self.comb_s, 2, self.epoch[1:2])
+        else:
+            wait_arrivals_kernel[(W,)](self.flags.local[2], self.expect[2], self.programs, self.err, self.timeout_ns)
         T = handle.num_tokens
         y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         w = weights.to(torch.float32).contiguous()
@@ -399,12 +489,14 @@ class NvshmemBackend:
         saved = None
         if save:  # the rows as they arrived, by send position (copy: the buffer is reused)
             # The copy this epoch used, chosen on the device (epoch parity), so a CUDA graph replay reads
-            # the right one: slots [par * nslot, par * nslot + n) of the flattened buffers.
+            # the right one: slots [par * nslot, par * nslot + n) (MX payload: H-byte rows, a copy = 2 nslot rows).
             n = T * cfg.topk
-            ids = (self.epoch[1:2] % 2) * self.nslot + torch.arange(n, device=self.device)
+            par = self.epoch[1:2] % 2
+            ids = par * self.nslot + torch.arange(n, device=self.device)
             if mx:
+                qids = par * (2 * self.nslot) + torch.arange(n, device=self.device)
                 saved = MXTensor(
-                    qdata=self.comb_q.local.view(2 * self.nslot, -1)[:, :H].index_select(0, ids).view(torch.float8_e4m3fn),
+                    qdata=self.comb_q.local.view(-1, H).index_select(0, qids).view(torch.float8_e4m3fn),
                     scales=self.comb_s.local.view(2 * self.nslot, -1).index_select(0, ids), axis=1,
                     layout=ScaleLayout.ROW, mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
                 )
@@ -436,8 +528,7 @@ class NvshmemBackend:
         """``g = w[t,j] * grad_y[t]`` quantized per slot in the sending kernel (route weighting fused with
         the gradient quantization) and stored at the slot's dispatch row on the expert rank; the
         route-weight gradient from the saved rows at home."""
-        from .nvshmem_kernels import dispatch_kernel, exchange_counts_kernel, wait_arrivals_kernel
-
+        self._refuse_put_capture()
         cfg = self.config
         if quantize_rows != self.mx:
             raise NotImplementedError(
@@ -446,25 +537,14 @@ class NvshmemBackend:
             )
         plan = handle.plan
         st: NvshmemState = handle.backend_state
-        W, H, T = self.world, cfg.hidden, handle.num_tokens
         g = grad_y.contiguous()
         self.epoch[0] += 1
         if quantize_rows:
             self.recv_s.local.zero_()
         # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
-        exchange_counts_kernel[(W,)](
-            self.err, self.counts.peer_ptrs, self.flags.peer_ptrs, self.flags.local[0], self.epoch[0:1], self.err,
-            self.timeout_ns, self.rank, 0, E_POW2=1,
-        )
+        self._exchange(None)
         w = handle.topk_weights.to(torch.float32).contiguous()
-        srow = st.srow if quantize_rows else plan.dest_row
-        dispatch_kernel[(self.programs,)](
-            g, T, plan.dest_rank, plan.dest_row, srow,
-            self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, self.flags.peer_ptrs, self.rank, W, self.n_col_tiles,
-            w, H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk),
-            MX=quantize_rows, MODE=self.mode_id, INT_ROUND=self.int_round, WEIGHTED=True, num_warps=self.send_warps,
-        )
-        wait_arrivals_kernel[(W,)](self.flags.local[1], self.expect[1], self.programs, self.err, self.timeout_ns)
+        self._send_to_experts(g, plan, st.srow if quantize_rows else plan.dest_row, w, weighted=True, mx=quantize_rows)
         R = handle.num_rows
         if cfg.exact_sizes:
             self._check("combine-backward arrivals")

@@ -7,7 +7,8 @@ Buffers (all symmetric, same layout on every rank; ``W`` ranks):
 * ``recv_q``  uint8 ``[R_max, H * B]`` (B = 1 for MXFP8, 2 for BF16): dispatched rows, expert-major.
 * ``recv_s``  uint8 flat grouped-along-M blocked scale bytes (MXFP8).
 * ``comb_q``  uint8 ``[2, T_max * k, 2H]``: rows returned by combine, at the origin's send position
-  (BF16: 2H bytes; MXFP8: H payload bytes). Two copies, used by alternate combine epochs.
+  (BF16: 2H bytes a row; MXFP8: H bytes a row, packed from the start of the copy, so a block of rows
+  is contiguous for the put path). Two copies, used by alternate combine epochs.
 * ``comb_s``  uint8 ``[2, T_max * k, H/32]``: their scale bytes (MXFP8 transport).
 
 Why two combine copies: combine has no handshake before it writes into its peers. Combine epoch
@@ -79,10 +80,21 @@ def _arrive_all(flags_peers, row, me, W):
 
 
 @triton.jit
+def _scale_offset(srow, cols, n_col_tiles, C, ROW_SCALES: tl.constexpr):
+    """Byte offset ``[K, NB]`` of scale column ``cols`` of rows ``srow`` ([K]): row-major ``[*, C]`` or the
+    128x4-blocked layout."""
+    if ROW_SCALES:
+        return srow[:, None] * C + cols[None, :]
+    else:
+        return blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
+
+
+@triton.jit
 def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
                     q_peers, s_peers, flags_peers, me, W, n_col_tiles, w_ptr,
                     H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
-                    MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr):
+                    MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr,
+                    ROW_SCALES: tl.constexpr = False, ARRIVE: tl.constexpr = True):
     """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
     straight into each destination rank's buffers at their final expert-major rows.
 
@@ -99,6 +111,10 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
         q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``recv_q`` / ``recv_s`` /
             ``flags`` on every rank.
         n_col_tiles: ``round_up(H/32, 4) / 4``.
+        ROW_SCALES: scales row-major (``srow * H/32 + col``) instead of blocked (the put path's staging).
+        ARRIVE: add 1 to ``flags[1, me]`` on every rank after the stores (False on the put path, whose
+            puts signal; there every ``*_peers`` entry is this rank's staging buffer and the rows are
+            send positions).
     Grid: any fixed number of programs (identical on every rank); persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -137,8 +153,8 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
                     q3, s3 = mx_quantize_tile(tl.reshape(xw, (K_POW2, NB, 32)), MODE, INT_ROUND, 2)
                     tl.store(dst, tl.reshape(q3, (K_POW2, CHUNK)), mask=m2)
                     cols = c0 // 32 + bcols
-                    sp = sbase[:, None] + blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
-                    if NB % 4 == 0:  # blocked layout: 4 column blocks of a row are 4 contiguous bytes
+                    sp = sbase[:, None] + _scale_offset(srow, cols, n_col_tiles, H // 32, ROW_SCALES)
+                    if NB % 4 == 0:  # 4 column blocks of a row are 4 contiguous bytes (both layouts)
                         sp = tl.max_contiguous(tl.multiple_of(sp, [4, 4]), [1, 4])
                     tl.store(sp, s3, mask=valid[:, None] & (cols < H // 32)[None, :])
                 elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even by integers
@@ -150,21 +166,23 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
                 q = tl.reshape(q2, (CHUNK,))
                 tl.store(dst, tl.broadcast_to(q[None, :], (K_POW2, CHUNK)), mask=m2)
                 cols = c0 // 32 + bcols
-                sp = sbase[:, None] + blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
-                if NB % 4 == 0:  # blocked layout: 4 column blocks of a row are 4 contiguous bytes
+                sp = sbase[:, None] + _scale_offset(srow, cols, n_col_tiles, H // 32, ROW_SCALES)
+                if NB % 4 == 0:  # 4 column blocks of a row are 4 contiguous bytes (both layouts)
                     sp = tl.max_contiguous(tl.multiple_of(sp, [4, 4]), [1, 4])
                 tl.store(sp, tl.broadcast_to(s[None, :], (K_POW2, NB)), mask=valid[:, None] & (cols < H // 32)[None, :])
             else:
                 tl.store(dst, tl.broadcast_to(x[None, :], (K_POW2, CHUNK)), mask=m2)
         t += G
-    _arrive_all(flags_peers, 1, me, W)
+    if ARRIVE:
+        _arrive_all(flags_peers, 1, me, W)
 
 
 @triton.jit
 def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, s_peers, flags_peers, me, W,
                         epoch_ptr, nslot, in_scales_ptr,
                         H: tl.constexpr, BR: tl.constexpr, CHUNK: tl.constexpr,
-                        MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, PASS: tl.constexpr):
+                        MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, PASS: tl.constexpr,
+                        STAGED: tl.constexpr = False):
     """Send each expert-major row back to its origin rank, at its position in the origin's send
     order (MX: quantized in registers, payload in ``comb_q``, scales in ``comb_s``; else BF16).
     ``BR`` rows are handled together as one ``[BR, CHUNK]`` tile (padding rows masked off).
@@ -177,6 +195,11 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
         PASS (with MX): ``out_ptr`` is uint8 E4M3 payload ``[R, H]`` and ``in_scales_ptr`` uint8 ROW
             scales ``[R, H/32]``: already-quantized rows travel as they are (dispatch backward of an
             MXFP8 gradient).
+        STAGED: the put path: every ``*_peers`` entry is this rank's staging buffer, row ``r`` is
+            written at row ``r`` (no copy offset), and no flag is raised (the puts signal).
+
+    Row ``pos`` of a copy starting at slot ``slot0``: payload at byte ``slot0 * 2H + pos * H`` (MX) or
+    bf16 element ``(slot0 + pos) * H``; scales at byte ``(slot0 + pos) * H/32``.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -186,13 +209,18 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
     br = tl.arange(0, BR)
     n_rows = tl.load(n_rows_ptr)
     slot0 = (tl.load(epoch_ptr) % 2) * nslot  # first slot of this epoch's copy
+    if STAGED:
+        slot0 = slot0 * 0
     r0 = pid * BR
     while r0 < n_rows:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
         rows = r0 + br
         src = tl.load(row_src_ptr + rows, mask=rows < n_rows, other=-1)
         valid = src >= 0
         srcc = tl.where(valid, src, 0)
-        pos = slot0 + tl.load(row_pos_ptr + rows, mask=valid, other=0).to(tl.int64)
+        if STAGED:
+            pos = rows.to(tl.int64)
+        else:
+            pos = tl.load(row_pos_ptr + rows, mask=valid, other=0).to(tl.int64)
         if MX:
             qbase = tl.load(q_peers + srcc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
             sbase = tl.load(s_peers + srcc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
@@ -211,17 +239,18 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
                 else:
                     q3, s = mx_quantize_tile(tl.reshape(x, (BR, NB, 32)), MODE, INT_ROUND, 2)
                     q2 = tl.reshape(q3, (BR, CHUNK))
-                dq = qbase[:, None] + (pos * (2 * H) + c0)[:, None] + offs[None, :]
+                dq = qbase[:, None] + (slot0 * (2 * H) + pos * H + c0)[:, None] + offs[None, :]
                 tl.store(tl.max_contiguous(tl.multiple_of(dq, [16, 16]), [1, 16]), q2, mask=m2)  # 16-byte stores
-                sp = sbase[:, None] + (pos * (H // 32))[:, None] + cols[None, :]
+                sp = sbase[:, None] + ((slot0 + pos) * (H // 32))[:, None] + cols[None, :]
                 if (H // 32) % 16 == 0:  # scale rows 16-byte aligned
                     sp = tl.max_contiguous(tl.multiple_of(sp, [16, 16]), [1, 16])
                 tl.store(sp, s, mask=valid[:, None] & (cols < H // 32)[None, :])
             else:
-                dq = qbase[:, None] + (pos * H + c0)[:, None] + offs[None, :]
+                dq = qbase[:, None] + ((slot0 + pos) * H + c0)[:, None] + offs[None, :]
                 tl.store(tl.max_contiguous(tl.multiple_of(dq, [16, 16]), [1, 16]), x, mask=m2)
         r0 += G * BR
-    _arrive_all(flags_peers, 2, me, W)
+    if not STAGED:
+        _arrive_all(flags_peers, 2, me, W)
 
 
 @triton.jit
@@ -234,8 +263,9 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
     without branches (masked), so they are all in flight together.
 
     Args:
-        comb_q_ptr: this rank's returned rows (``comb_q``, 2H bytes a row): MX: the uint8 buffer
-            (payload in the first H bytes of a row); BF16: the same buffer viewed as bf16 ``[T_max*K, H]``.
+        comb_q_ptr: this rank's returned rows (``comb_q``): MX: the uint8 buffer, row ``pos`` of the copy at
+            slot ``slot0`` at byte ``slot0 * 2H + pos * H``; BF16: the buffer viewed as bf16, row at
+            element ``(slot0 + pos) * H``.
         comb_s_ptr: uint8 ``[T_max*K, H/32]`` (MX only). Both hold two copies; the epoch's parity
             picks one (``epoch_ptr``, ``nslot = T_max*K`` slots a copy).
         send_pos_ptr: int32 ``[T, K]``; w_ptr: fp32 ``[T, K]``; y_ptr: bf16 ``[T, H]``.
@@ -261,7 +291,8 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
                 ok = pos >= 0
                 p64 = slot0 + tl.maximum(pos, 0).to(tl.int64)
                 if MX:
-                    q = tl.load(comb_q_ptr + p64 * (2 * H) + c0 + offs, mask=m & ok, other=0)
+                    q = tl.load(comb_q_ptr + slot0 * (2 * H) + tl.maximum(pos, 0).to(tl.int64) * H + c0 + offs,
+                                mask=m & ok, other=0)
                     cols = c0 // 32 + bcols
                     sb = tl.load(comb_s_ptr + p64 * (H // 32) + cols, mask=(cols < H // 32) & ok, other=127)
                     v = tl.reshape(e4m3_decode(q, INT_ROUND), (NB, 32)) * mx_scale_value(sb.to(tl.int32))[:, None]
@@ -303,4 +334,37 @@ def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
             m = (c0 + offs) < ROW_WORDS
             v = tl.load(src_ptr + base + c0 + offs, mask=m & real, other=0)
             tl.store(dst_ptr + base + c0 + offs, v, mask=m)
+        r += G
+
+
+@triton.jit
+def scale_rows_to_blocked_kernel(rows_ptr, blocked_ptr, n_rows_ptr, row_src_ptr, brow_ptr, R, n_col_tiles,
+                                 C: tl.constexpr, C_POW2: tl.constexpr):
+    """Put path, receiver: scale rows that arrived row-major at their payload rows into the grouped-along-M
+    blocked layout the grouped GEMM reads.
+
+    Row ``r < R`` that is real (``r < n_rows``, ``row_src[r] >= 0``): bytes ``rows[r, 0:C]`` go to blocked
+    row ``brow[r]`` (``mxcomm.mx.grouped_m_row_map``), columns ``0:C``. Padding bytes are not touched (the
+    blocked buffer was zeroed before the counts went out).
+
+    Args:
+        rows_ptr: uint8 ``[R, C]`` (``C = H/32``); blocked_ptr: uint8 flat blocked matrix with
+            ``n_col_tiles`` 4-column tiles; n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[R]``
+            origin rank (-1 = padding); brow_ptr: int32 ``[R]``.
+    Grid: any; persistent over rows.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, C_POW2)
+    cm = cols < C
+    n_rows = tl.load(n_rows_ptr)
+    r = pid
+    while r < R:
+        real = r < n_rows
+        if real:
+            real = tl.load(row_src_ptr + r) >= 0
+        if real:
+            v = tl.load(rows_ptr + r.to(tl.int64) * C + cols, mask=cm, other=0)
+            br = tl.load(brow_ptr + r).to(tl.int64)
+            tl.store(blocked_ptr + blocked_scale_offset(br, cols, n_col_tiles), v, mask=cm)
         r += G

@@ -243,22 +243,33 @@ class BufferRegion:
         return n * self.dtype.itemsize
 
 
-def buffer_regions(config: EPConfig, world_size: int) -> list[BufferRegion]:
+def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = None) -> list[BufferRegion]:
     """The symmetric buffers the ``nvshmem`` backend allocates per rank (the single source of their sizes).
 
     * ``ep.recv_q`` uint8 ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes): received rows, expert-major.
     * ``ep.recv_s`` uint8 ``[grouped_m_rows(R_max, El) * round_up(H/32, 4)]``: grouped-along-M scales (mxfp8; 1 byte for bf16).
-    * ``ep.comb_q`` uint8 ``[2, T_max*k, 2H]``: rows returned by combine (two copies, alternate epochs).
+    * ``ep.comb_q`` uint8 ``[2, T_max*k, 2H]``: rows returned by combine (two copies, alternate epochs; a BF16
+      row takes 2H bytes, MXFP8 rows are packed H bytes apart from the start of their copy).
     * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes.
     * ``ep.counts`` int32 ``[W, E]``; ``ep.flags`` int64 ``[3, W]``.
+
+    The put-with-signal path (``put_path``; default: ``config.transport == "put"``) adds:
+
+    * ``ep.stage_q`` uint8 ``[R_max, 2H]``: the sending kernels' rows before NVSHMEM puts them (dispatch: in
+      send order; combine: in this rank's expert-major order);
+    * ``ep.stage_s`` uint8 ``[R_max, H/32]``: their scale bytes, row-major;
+    * ``ep.recv_srows`` uint8 ``[R_max, H/32]`` (mxfp8): received scale rows, row-major at the payload rows,
+      swizzled into ``ep.recv_s`` by the receiver.
     """
     config.validate(world_size)
+    if put_path is None:
+        put_path = config.transport == "put"
     H = config.hidden
     El = config.num_local_experts(world_size)
     R = max_recv_rows(config, world_size)
     mx = config.precision == "mxfp8"
     nslot = config.max_tokens_per_rank * config.topk
-    return [
+    regions = [
         BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8),
         BufferRegion("ep.recv_s", (grouped_m_rows(R, El) * round_up(H // 32, 4) if mx else 1,), torch.uint8),
         BufferRegion("ep.comb_q", (2, nslot, 2 * H), torch.uint8),
@@ -266,6 +277,13 @@ def buffer_regions(config: EPConfig, world_size: int) -> list[BufferRegion]:
         BufferRegion("ep.counts", (world_size, config.num_experts), torch.int32),
         BufferRegion("ep.flags", (3, world_size), torch.int64),
     ]
+    if put_path:
+        regions += [
+            BufferRegion("ep.stage_q", (R, 2 * H), torch.uint8),
+            BufferRegion("ep.stage_s", (R, H // 32), torch.uint8),
+            BufferRegion("ep.recv_srows", ((R if mx else 1), H // 32), torch.uint8),
+        ]
+    return regions
 
 
 @dataclass(frozen=True)
@@ -275,6 +293,7 @@ class BufferSizes:
     dispatch_payload / dispatch_scales: received rows and their grouped-along-M scales.
     combine_payload: rows returned by combine, two copies (incl. their scale bytes).
     counts, flags: the counts matrix and the signal words.
+    put_staging: the put-with-signal path's staging and row-major scale buffers (0 without it).
     """
 
     dispatch_payload: int
@@ -282,21 +301,25 @@ class BufferSizes:
     combine_payload: int
     counts: int
     flags: int
+    put_staging: int = 0
 
     @property
     def total(self) -> int:
-        return self.dispatch_payload + self.dispatch_scales + self.combine_payload + self.counts + self.flags
+        return (self.dispatch_payload + self.dispatch_scales + self.combine_payload + self.counts + self.flags
+                + self.put_staging)
 
 
-def buffer_sizes(config: EPConfig, world_size: int) -> BufferSizes:
-    """Symmetric-buffer memory per rank the GPU backend allocates for ``config`` (see :class:`BufferSizes`)."""
-    b = {r.name: r.nbytes for r in buffer_regions(config, world_size)}
+def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None) -> BufferSizes:
+    """Symmetric-buffer memory per rank the GPU backend allocates for ``config`` (see :class:`BufferSizes`;
+    ``put_path`` as in :func:`buffer_regions`)."""
+    b = {r.name: r.nbytes for r in buffer_regions(config, world_size, put_path)}
     return BufferSizes(
         dispatch_payload=b["ep.recv_q"],
         dispatch_scales=b["ep.recv_s"],
         combine_payload=b["ep.comb_q"] + b["ep.comb_s"],
         counts=b["ep.counts"],
         flags=b["ep.flags"],
+        put_staging=sum(b.get(n, 0) for n in ("ep.stage_q", "ep.stage_s", "ep.recv_srows")),
     )
 
 

@@ -92,16 +92,60 @@ class LoopbackHeap:
         return sum(b.nbytes for b in self.bufs.values())
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
-@pytest.mark.parametrize("plan_impl", ["torch", "triton"])
-@pytest.mark.parametrize("precision,align,H", [("mxfp8", 32, 64), ("mxfp8", 128, 96), ("bf16", 32, 64)])
-def test_nvshmem_kernels_loopback_match_oracle(precision, align, H, plan_impl):
+class LoopbackPuts:
+    """World-of-1 stand-in for ``mxcomm.ep.put_path.Puts`` (the CUDA put-with-signal kernels): a put copies
+    each entry's bytes within this process after the same range check as ``mx_put_signal`` and adds
+    ``entries * chunks`` to the signal word; a wait records a timeout error word for a word still short
+    (nothing runs concurrently here, so a short word would never fill)."""
+
+    def __init__(self):
+        self.calls = {"put": 0, "wait": 0, "quiet": 0}
+
+    def put(self, dst, src, batch, signals, signal_index, err, chunks):
+        from mxcomm.transport.errors import error_word
+        from mxcomm.transport.put_signal import BAD_ENTRY_CODE
+
+        self.calls["put"] += 1
+        d, s_ = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+        for i in range(batch.n):
+            pe, n = int(batch.pes[i]), int(batch.nbytes[i])
+            do, so = int(batch.dst_offsets[i]), int(batch.src_offsets[i])
+            if pe != 0 or min(n, do, so) < 0 or do + n > d.numel() or so + n > s_.numel():
+                err[0] = max(int(err[0]), error_word(BAD_ENTRY_CODE, max(pe, 0)))
+                continue
+            d[do:do + n] = s_[so:so + n].clone()
+        signals[signal_index] += batch.n * chunks
+
+    def wait(self, signals, indices, epoch, per_epoch, err, timeout_ns):
+        from mxcomm.transport.errors import TIMEOUT_CODE, error_word
+
+        self.calls["wait"] += 1
+        for i in indices.tolist():
+            if int(signals[i]) < int(epoch.reshape(-1)[0]) * per_epoch:
+                err[0] = max(int(err[0]), error_word(TIMEOUT_CODE, i))
+
+    def quiet(self):
+        self.calls["quiet"] += 1
+
+
+def _loopback_backend(cfg):
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
 
+    puts = LoopbackPuts() if cfg.transport == "put" else None
+    be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(), puts=puts)
+    assert be.put_mode == (cfg.transport == "put")
+    return be
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
+@pytest.mark.parametrize("transport", ["auto", "put"])
+@pytest.mark.parametrize("plan_impl", ["torch", "triton"])
+@pytest.mark.parametrize("precision,align,H", [("mxfp8", 32, 64), ("mxfp8", 128, 96), ("bf16", 32, 64)])
+def test_nvshmem_kernels_loopback_match_oracle(precision, align, H, plan_impl, transport):
     E, k, T = 4, 2, 9
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=16, align=align, precision=precision,
-                   backend="nvshmem", num_sms=1, timeout_s=5.0)
-    be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap())
+                   backend="nvshmem", num_sms=1, timeout_s=5.0, transport=transport)
+    be = _loopback_backend(cfg)
     be.plan_impl = plan_impl
     g = torch.Generator().manual_seed(7)
     for it in range(2):  # second call reuses the buffers (epochs, stale scale bytes)
@@ -124,6 +168,9 @@ def test_nvshmem_kernels_loopback_match_oracle(precision, align, H, plan_impl):
             y = be.combine(out, handle, q)
             ref = oracle_combine(cfg, [out], routes, [w], q)[0]
             torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2, equal_nan=True)
+    if transport == "put":  # dispatch: counts + 2 data puts, 2 waits, 1 quiet; combine: 2 puts, 1 wait, 1 quiet
+        nd, nc = 2, 2 * (2 if precision == "mxfp8" else 1)
+        assert be.puts.calls == {"put": 3 * nd + 2 * nc, "wait": 2 * nd + nc, "quiet": nd + nc}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
@@ -149,17 +196,17 @@ def test_no_sync_mode_drops_bad_ids_and_raises(plan_impl):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU the nvshmem autograd tests run this path")
+@pytest.mark.parametrize("transport", ["auto", "put"])
 @pytest.mark.parametrize("plan_impl", ["torch", "triton"])
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
-def test_nvshmem_backward_loopback_match_oracle(precision, plan_impl):
+def test_nvshmem_backward_loopback_match_oracle(precision, plan_impl, transport):
     from mxcomm.ep.backward_ref import oracle_combine_backward, oracle_dispatch_backward
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
 
     E, k, T, H = 4, 2, 7, 64
     q = precision == "mxfp8"
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=8, precision=precision,
-                   backend="nvshmem", num_sms=1, timeout_s=5.0)
-    be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap())
+                   backend="nvshmem", num_sms=1, timeout_s=5.0, transport=transport)
+    be = _loopback_backend(cfg)
     be.plan_impl = plan_impl
     g = torch.Generator().manual_seed(3)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)

@@ -1,0 +1,139 @@
+"""The put-with-signal transfer of the ``nvshmem`` EP backend: the path for peers without a peer pointer
+(other nodes), forced on one node with ``EPConfig(transport="put")``.
+
+Instead of storing into peers' buffers, the sending kernels write into this rank's symmetric staging
+buffer (``ep.stage_q`` / ``ep.stage_s``) laid out so that every (destination, expert) block is
+contiguous on both sides; NVSHMEM then moves each block with one non-blocking put that signals the
+destination (``csrc/put_signal.cu`` through :mod:`mxcomm.transport.put_signal`):
+
+* dispatch direction (dispatch, combine backward): the kernel writes slot ``(t, j)`` at its send
+  position (send order = (global expert, t, j), so each expert's rows are one block); the block for
+  global expert ``g`` on rank ``p`` lands at its rows in ``p``'s expert-major ``recv_q``; its scale
+  bytes (row-major) land at the same rows of ``p``'s ``recv_srows`` and ``p`` swizzles them into the
+  grouped-along-M blocked layout after the wait;
+* combine direction (combine, dispatch backward): the kernel writes each expert-major row at its own
+  row index; the block of (source ``s``, local expert ``e``) goes to ``s``'s ``comb_q`` / ``comb_s`` at
+  that block's send position, in the copy the combine epoch's parity selects.
+
+Every rank puts exactly ``El`` payload entries and ``El`` scale entries (empty blocks only signal) to
+every rank per call, ``chunks`` pieces each, so a receiver expects ``2 * El * chunks`` signals per
+source and call: it waits (bounded) for ``epoch * 2 * El * chunks``. Counts (and the "ready"
+handshake of combine backward) travel the same way, one entry of ``E`` int32 (or 0 bytes) per rank.
+Self is treated like any other rank (NVSHMEM copies locally), so one GPU exercises the whole path.
+
+Everything here is plain torch on the plan's device (no host sync); :class:`Puts` is the seam
+between the backend and the CUDA kernels (tests on CPU substitute an in-process stand-in).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..transport.put_signal import PutBatch
+from .plan import RoutingPlan
+
+
+@dataclass(frozen=True)
+class BlockPuts:
+    """The two put batches of one call: ``payload`` (rows) and ``scales`` (row-major scale bytes; all
+    sizes 0 when the rows carry no scales). Entry ``i`` of both is the same block."""
+
+    payload: PutBatch
+    scales: PutBatch
+
+
+def _batch(dst_row: torch.Tensor, src_row: torch.Tensor, n: torch.Tensor, pes: torch.Tensor, row_bytes: int,
+           dst_base: torch.Tensor | int = 0) -> PutBatch:
+    rb = int(row_bytes)
+    return PutBatch(dst_offsets=(dst_base + dst_row * rb).contiguous(), src_offsets=(src_row * rb).contiguous(),
+                    nbytes=(n * rb).contiguous(), pes=pes.to(torch.int32).contiguous())
+
+
+def dispatch_blocks(plan: RoutingPlan, row_bytes: int, scale_bytes: int) -> BlockPuts:
+    """Put entries of the dispatch direction from this rank: one per global expert ``g`` (on rank
+    ``g // El``), in global expert order.
+
+    Block ``g``: ``counts[me, g]`` rows from staging row ``sum_{g' < g} counts[me, g']`` (the send order)
+    to the destination's expert-major row ``gstart[g] + sum_{s < me} counts[s, g]``.
+
+    Args:
+        plan: this rank's :class:`~mxcomm.ep.plan.RoutingPlan` (needs ``counts`` of the whole group).
+        row_bytes: bytes per payload row (H for MXFP8, 2H for BF16), same stride in staging and ``recv_q``.
+        scale_bytes: scale bytes per row (H/32 for MXFP8, 0 for BF16).
+    Returns:
+        :class:`BlockPuts` of ``E`` entries each (int64 offsets/sizes, int32 PEs, plan's device).
+    """
+    W, E, El, a, me = plan.world_size, plan.num_experts, plan.num_local_experts, plan.align, plan.rank
+    c = plan.counts.to(torch.int64)
+    n = c[me]
+    src_row = torch.cumsum(n, 0) - n
+    p_re = ((c.sum(0) + a - 1) // a * a).view(W, El)
+    gstart = (torch.cumsum(p_re, 1) - p_re).reshape(E)
+    dst_row = gstart + (torch.cumsum(c, 0) - c)[me]
+    pes = torch.arange(E, device=c.device) // El
+    return BlockPuts(payload=_batch(dst_row, src_row, n, pes, row_bytes),
+                     scales=_batch(dst_row, src_row, n, pes, scale_bytes))
+
+
+def combine_blocks(plan: RoutingPlan, slot0: torch.Tensor, copy_bytes: int, row_bytes: int,
+                   scale_bytes: int) -> BlockPuts:
+    """Put entries of the combine direction from this rank: one per (source ``s``, local expert ``e``),
+    ``s``-major.
+
+    Block ``(s, e)``: ``counts[s, me*El + e]`` rows from this rank's expert-major row
+    ``src_row_start[s, e]`` (staging holds the rows at their own index) to slot
+    ``slot0 + src_send_pos[s, e]`` of ``s``'s combine buffers.
+
+    Args:
+        plan: this rank's plan (of the dispatch being answered).
+        slot0: int64 ``[1]`` device tensor, first slot of this epoch's copy (``(epoch % 2) * T_max * k``).
+        copy_bytes: payload bytes per slot of a copy's stride in ``comb_q`` (2H): copy ``c`` starts at
+            ``c * T_max * k * copy_bytes``; payload rows inside a copy are ``row_bytes`` apart.
+        row_bytes: payload bytes per row (H MXFP8, 2H BF16); scale_bytes: H/32 or 0.
+    Returns:
+        :class:`BlockPuts` of ``W * El`` entries each.
+    """
+    W, El, me = plan.world_size, plan.num_local_experts, plan.rank
+    dev = plan.counts.device
+    n = plan.counts.to(torch.int64)[:, me * El:(me + 1) * El].reshape(-1)
+    src_row = plan.src_row_start.to(torch.int64).reshape(-1)
+    pos = plan.src_send_pos.to(torch.int64).reshape(-1)
+    pes = torch.arange(W, device=dev).repeat_interleave(El)
+    s0 = slot0.to(torch.int64)
+    return BlockPuts(payload=_batch(pos, src_row, n, pes, row_bytes, dst_base=s0 * int(copy_bytes)),
+                     scales=_batch(s0 + pos, src_row, n, pes, scale_bytes))
+
+
+def row_batch(world: int, rank: int, row_bytes: int, device) -> PutBatch:
+    """One entry per rank ``p``: ``row_bytes`` bytes at offset ``rank * row_bytes`` of a ``[W, *]`` buffer to
+    the same offset on ``p`` (0 bytes to self: the row is already there). ``row_bytes = 0``: signals only."""
+    off = torch.full((world,), rank * int(row_bytes), dtype=torch.int64, device=device)
+    nb = torch.full((world,), int(row_bytes), dtype=torch.int64, device=device)
+    nb[rank] = 0
+    return PutBatch(dst_offsets=off, src_offsets=off.clone(), nbytes=nb,
+                    pes=torch.arange(world, dtype=torch.int32, device=device))
+
+
+class Puts:
+    """The CUDA kernels of :mod:`mxcomm.transport.put_signal` on torch's current stream."""
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor, batch: PutBatch, signals: torch.Tensor, signal_index: int,
+            err: torch.Tensor, chunks: int) -> None:
+        from ..transport import put_signal as ps
+
+        ps.put_signal(dst, src, batch, signals, signal_index, err, chunks=chunks)
+
+    def wait(self, signals: torch.Tensor, indices: torch.Tensor, epoch: torch.Tensor, per_epoch: int,
+             err: torch.Tensor, timeout_ns: int) -> None:
+        from ..transport import put_signal as ps
+
+        ps.wait_signals(signals, indices, epoch, per_epoch, err, timeout_ns=timeout_ns)
+
+    def quiet(self) -> None:
+        from ..transport import put_signal as ps
+
+        ps.quiet()
+
+
+__all__ = ["BlockPuts", "dispatch_blocks", "combine_blocks", "row_batch", "Puts"]
