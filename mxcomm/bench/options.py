@@ -132,6 +132,7 @@ class BenchOptions:
     check: bool = True
     exact_sizes: bool = True
     cuda_graph: bool = False
+    transport: str = "auto"
     timeout_s: float = 900.0
     pg_timeout_s: float = 300.0
     progress: bool = True
@@ -157,6 +158,7 @@ class BenchOptions:
             align=self.align, precision=precision, backend=backend or self.backend, num_sms=self.num_sms,
             # CUDA graphs need the no-host-sync mode (the reference backend is never captured)
             exact_sizes=self.exact_sizes and not (self.cuda_graph and (backend or self.backend) == "nvshmem"),
+            transport=self.transport,
         )
 
     def validate(self) -> None:
@@ -197,6 +199,10 @@ class BenchOptions:
             bad("--side-channel nccl needs a GPU and one rank per GPU (NCCL refuses two ranks on one GPU); use gloo")
         if self.cuda_graph and (self.backend != "nvshmem" or self.device != "cuda"):
             bad("--cuda-graph needs the nvshmem backend on a GPU (the reference backend syncs with the host)")
+        if self.transport not in ("auto", "put"):
+            bad(f"--transport must be auto or put, got {self.transport!r}")
+        if self.transport == "put" and self.cuda_graph:
+            bad("--transport put cannot be combined with --cuda-graph (the put path refuses graph capture)")
         if self.num_sms is not None and self.num_sms < 1:
             bad(f"--num-sms must be a positive integer, got {self.num_sms}")
         if self.align not in ALIGNS:
@@ -246,6 +252,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-sms", type=int, help="SMs the mxcomm GPU kernels may use (default: all)")
     w.add_argument("--no-exact-sizes", action="store_true",
                    help="EPConfig(exact_sizes=False): worst-case output sizes, no host sync in the GPU backend")
+    w.add_argument("--transport", choices=("auto", "put"), default="auto",
+                   help="nvshmem backend: auto (peer-pointer stores on one node) or put (force the put-with-signal "
+                        "path that peers on other nodes use)")
     w.add_argument("--cuda-graph", action="store_true",
                    help="capture each mxcomm call (nvshmem backend, no-host-sync mode) into a CUDA graph and time "
                         "its replays: the call without Python/launch overhead (baselines stay eager)")
@@ -328,7 +337,7 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
         iters=iters, warmup=warmup, out=out, label=label, impls=list(args.impls), ops=list(args.ops),
         num_sms=args.num_sms, align=args.align, seed=args.seed, plot=not args.no_plot, quick=quick,
         check=not args.no_check, exact_sizes=not args.no_exact_sizes, cuda_graph=args.cuda_graph,
-        timeout_s=args.timeout if args.timeout is not None else (900.0 if device == "cuda" else 300.0),
+        transport=args.transport, timeout_s=args.timeout if args.timeout is not None else (900.0 if device == "cuda" else 300.0),
         pg_timeout_s=args.pg_timeout, progress=not args.no_progress,
     )
     if opts.side_channel == "auto":

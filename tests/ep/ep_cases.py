@@ -50,13 +50,14 @@ class Case:
     combine_modes: tuple = (None, True, False)  # quantize= values to run combine with
     device: str = "cpu"
     backend: str = "torch"
+    transport: str = "auto"
 
     def config(self) -> EPConfig:
         return EPConfig(
             num_experts=self.num_experts, hidden=self.hidden, topk=self.topk,
             max_tokens_per_rank=self.max_tokens or max(max(self.tokens), 1), align=self.align,
             precision=self.precision, scale_mode=self.scale_mode, exact_sizes=self.exact_sizes,
-            backend=self.backend, timeout_s=60.0,
+            backend=self.backend, timeout_s=60.0, transport=self.transport,
         )
 
 
@@ -436,14 +437,15 @@ def gpu_cases_worker(rank: int, world: int) -> dict:
     return run_cases(rank, world, cases)
 
 
-def nvshmem_cases_worker(rank: int, world: int, n_random: int = 0) -> dict:
+def nvshmem_cases_worker(rank: int, world: int, n_random: int = 0, transport: str = "auto") -> dict:
     """Worker for the nvshmem backend: rank r on GPU ``r % device_count`` (on one GPU the ranks share
-    it), the standard matrix plus ``n_random`` random cases, against the single-process oracle."""
+    it), the standard matrix plus ``n_random`` random cases, against the single-process oracle;
+    ``transport="put"`` forces the put-with-signal path."""
     from _dist import bind_rank_gpu
 
     dev = bind_rank_gpu(rank)
     cases = standard_cases(world, seed=7) + random_cases(world, n_random, seed=11)
-    cases = [replace(c, device=dev, backend="nvshmem") for c in cases]
+    cases = [replace(c, device=dev, backend="nvshmem", transport=transport) for c in cases]
     out = run_cases(rank, world, cases)
     from mxcomm import transport as tp
 

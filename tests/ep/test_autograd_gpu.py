@@ -51,3 +51,10 @@ def test_nvshmem_backward_one_rank():
 def test_nvshmem_backward_two_ranks_one_gpu():
     res = run_world(2, gpu_world_worker, "nvshmem", env=_nvshmem_env(), timeout=900)
     _check_world(res, moe_cases(2, seed=3))
+
+
+@pytest.mark.nvshmem
+def test_nvshmem_put_path_backward_two_ranks_one_gpu():
+    """The put-with-signal path (transport="put") through every backward op and the MoE block."""
+    res = run_world(2, gpu_world_worker, "nvshmem", None, "put", env=_nvshmem_env(), timeout=900)
+    _check_world(res, moe_cases(2, seed=3))

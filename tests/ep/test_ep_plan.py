@@ -62,7 +62,8 @@ def test_fingerprint_distinguishes_every_field():
     assert BASE.fingerprint() == EPConfig(8, 128, 2, 16).fingerprint()
     assert dict(BASE.fingerprint())["topk"] == 2
     changes = dict(num_experts=16, hidden=256, topk=3, max_tokens_per_rank=17, align=128, precision="bf16",
-                   scale_mode="floor", backend="nvshmem", num_sms=4, timeout_s=31.0, exact_sizes=False)
+                   scale_mode="floor", backend="nvshmem", num_sms=4, timeout_s=31.0, exact_sizes=False,
+                   transport="put")
     assert set(changes) == {n for n, _ in BASE.fingerprint()}
     base_codes = BASE.fingerprint_codes()
     for name, v in changes.items():
@@ -311,3 +312,19 @@ def test_oracle_combine_dropped_and_padding():
     ref = (wm[:, 0:1] * x.float() + wm[:, 1:2] * x.float()).to(torch.bfloat16)
     assert torch.equal(y, ref)
     assert bool((y[2] == 0).all())
+
+
+def test_transport_values():
+    replace(BASE, transport="put").validate(2)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        replace(BASE, transport="nvlink").validate(2)
+
+
+def test_put_path_buffers_are_counted_in_the_memory_report():
+    from mxcomm.ep.plan import buffer_sizes, max_recv_rows
+
+    auto, put = buffer_sizes(BASE, 2), buffer_sizes(replace(BASE, transport="put"), 2)
+    R, H = max_recv_rows(BASE, 2), BASE.hidden
+    assert auto.put_staging == 0
+    assert put.put_staging == R * 2 * H + 2 * R * (H // 32)  # stage rows, stage scales, row-major recv scales
+    assert put.total == auto.total + put.put_staging

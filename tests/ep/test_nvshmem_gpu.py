@@ -4,7 +4,6 @@ reduction-order tolerance. Run on the H200 with nvshmem4py importable:
 ``python -m pytest -m nvshmem tests/ep``."""
 import os
 import shutil
-import subprocess
 
 import pytest
 
@@ -44,3 +43,19 @@ def test_nvshmem_four_ranks_one_gpu_mps():
 
 def test_nvshmem_soak_1000_iterations_no_corruption_no_memory_growth():
     _assert_clean(run_world(1, nvshmem_soak_worker, 1000, env=ENV, timeout=900))
+
+
+# The put-with-signal path (EPConfig(transport="put")): the path for peers on other nodes, forced on one GPU.
+# Same cases, same single-process oracle: bit-exact dispatch, combine within fp32 reduction-order tolerance.
+def test_nvshmem_put_path_one_rank():
+    _assert_clean(run_world(1, nvshmem_cases_worker, 4, "put", env=ENV, timeout=900))
+
+
+def test_nvshmem_put_path_two_ranks_one_gpu():
+    _assert_clean(run_world(2, nvshmem_cases_worker, 4, "put", env=ENV, timeout=900))
+
+
+@pytest.mark.skipif(not _mps_running(), reason="4 ranks on one GPU need an MPS daemon (CUDA_MPS_PIPE_DIRECTORY)")
+def test_nvshmem_put_path_four_ranks_one_gpu_mps():
+    env = dict(ENV, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="25")
+    _assert_clean(run_world(4, nvshmem_cases_worker, 2, "put", env=env, timeout=900))

@@ -1,0 +1,130 @@
+"""The put path's block entries (mxcomm.ep.put_path) for several ranks, on CPU: staging buffers filled the
+way the sending kernels fill them, every rank's entries applied as plain byte copies, and the receivers'
+buffers compared with where the peer-pointer path stores each row (``dest_row`` / the origin's send
+position). Byte copies here stand in for NVSHMEM; the real kernels run in the GPU tests."""
+import pytest
+import torch
+
+from mxcomm.ep.plan import build_plan, local_counts
+from mxcomm.ep.put_path import combine_blocks, dispatch_blocks, row_batch
+
+RB, SB = 16, 2  # payload / scale bytes per row (small, distinct)
+
+
+def _routing(T, E, k, g, drop):
+    if T == 0:
+        return torch.zeros(0, k, dtype=torch.int64)
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k]
+    idx[torch.rand(T, k, generator=g) < drop] = -1
+    return idx
+
+
+def _tag(a: int, b: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` bytes that identify (a, b): little-endian a, b then a pattern."""
+    v = torch.arange(nbytes, dtype=torch.int64) * 7 + a * 31 + b * 131 + 1
+    return (v % 251).to(torch.uint8)
+
+
+def _apply(batch, src: torch.Tensor, dsts: list[torch.Tensor]) -> None:
+    for i in range(batch.n):
+        pe, n = int(batch.pes[i]), int(batch.nbytes[i])
+        do, so = int(batch.dst_offsets[i]), int(batch.src_offsets[i])
+        assert n >= 0 and 0 <= do and do + n <= dsts[pe].numel() and 0 <= so and so + n <= src.numel()
+        dsts[pe][do:do + n] = src[so:so + n]
+
+
+def _plans(W, E, k, align, Ts, seed, drop=0.2, hot=None):
+    g = torch.Generator().manual_seed(seed)
+    idxs = [_routing(T, E, k, g, drop) for T in Ts]
+    if hot is not None:  # every token of every rank sends slot 0 to one expert
+        for i in idxs:
+            if len(i):
+                rest = i[:, 1:]
+                rest[rest == hot] = -1
+                i[:, 0] = hot
+    counts = torch.stack([local_counts(i, E) for i in idxs])
+    return [build_plan(counts, idxs[r], r, align) for r in range(W)]
+
+
+CASES = [  # W, E, k, align, tokens per rank
+    (1, 4, 2, 32, (9,)),
+    (2, 8, 3, 32, (0, 17)),
+    (3, 6, 2, 128, (5, 40, 1)),
+    (4, 16, 4, 32, (33, 0, 7, 64)),
+    (4, 4, 4, 128, (20, 20, 3, 9)),
+]
+
+
+@pytest.mark.parametrize("W,E,k,align,Ts", CASES)
+@pytest.mark.parametrize("hot", [None, 1])
+def test_dispatch_blocks_land_every_slot_at_its_dest_row(W, E, k, align, Ts, hot):
+    plans = _plans(W, E, k, align, Ts, seed=W * 10 + E, hot=hot)
+    R = max(int(p.num_rows) for p in plans) + 3
+    recv_q = [torch.zeros(R * RB, dtype=torch.uint8) for _ in range(W)]
+    recv_s = [torch.zeros(R * SB, dtype=torch.uint8) for _ in range(W)]
+    for s, p in enumerate(plans):
+        nslot = max(p.send_pos.numel(), 1)
+        stage_q, stage_s = torch.zeros(nslot * RB, dtype=torch.uint8), torch.zeros(nslot * SB, dtype=torch.uint8)
+        for slot, pos in enumerate(p.send_pos.reshape(-1).tolist()):  # the dispatch kernel's staging writes
+            if pos >= 0:
+                stage_q[pos * RB:(pos + 1) * RB] = _tag(s, slot, RB)
+                stage_s[pos * SB:(pos + 1) * SB] = _tag(s, slot, SB)
+        b = dispatch_blocks(p, RB, SB)
+        assert b.payload.n == E and b.scales.n == E
+        assert int(b.payload.nbytes.sum()) == int(p.num_send) * RB  # bytes moved = rows sent
+        _apply(b.payload, stage_q, recv_q)
+        _apply(b.scales, stage_s, recv_s)
+    filled = [torch.zeros(R, dtype=torch.bool) for _ in range(W)]
+    for s, p in enumerate(plans):
+        for slot in range(p.dest_rank.numel()):
+            d, row = int(p.dest_rank.reshape(-1)[slot]), int(p.dest_row.reshape(-1)[slot])
+            if d < 0:
+                continue
+            assert torch.equal(recv_q[d][row * RB:(row + 1) * RB], _tag(s, slot, RB)), (s, slot, d, row)
+            assert torch.equal(recv_s[d][row * SB:(row + 1) * SB], _tag(s, slot, SB)), (s, slot, d, row)
+            filled[d][row] = True
+    for d in range(W):  # nothing else was written (padding rows and the tail stay zero)
+        rest = recv_q[d].view(R, RB)[~filled[d]]
+        assert int(rest.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("W,E,k,align,Ts", CASES)
+@pytest.mark.parametrize("parity", [0, 1])
+def test_combine_blocks_return_every_row_to_its_send_position(W, E, k, align, Ts, parity):
+    plans = _plans(W, E, k, align, Ts, seed=W * 7 + E + 1)
+    nslot = max(Ts) * k
+    copy_bytes = 2 * RB  # comb_q stride per slot of a copy (2H in the backend; payload rows RB apart)
+    comb_q = [torch.zeros(2 * nslot * copy_bytes, dtype=torch.uint8) for _ in range(W)]
+    comb_s = [torch.zeros(2 * nslot * SB, dtype=torch.uint8) for _ in range(W)]
+    slot0 = torch.tensor([parity * nslot])
+    for r, p in enumerate(plans):
+        R = int(p.num_rows)
+        stage_q, stage_s = torch.zeros(max(R, 1) * RB, dtype=torch.uint8), torch.zeros(max(R, 1) * SB, dtype=torch.uint8)
+        for row in range(R):  # the combine kernel's staging writes: row r at index r
+            stage_q[row * RB:(row + 1) * RB] = _tag(r, row, RB)
+            stage_s[row * SB:(row + 1) * SB] = _tag(r, row, SB)
+        b = combine_blocks(p, slot0, copy_bytes, RB, SB)
+        assert b.payload.n == W * p.num_local_experts
+        assert int(b.payload.nbytes.sum()) == int(p.num_recv) * RB
+        _apply(b.payload, stage_q, comb_q)
+        _apply(b.scales, stage_s, comb_s)
+    for s, p in enumerate(plans):
+        base_q, base_s = parity * nslot * copy_bytes, parity * nslot * SB
+        for slot in range(p.send_pos.numel()):
+            pos = int(p.send_pos.reshape(-1)[slot])
+            if pos < 0:
+                continue
+            d, row = int(p.dest_rank.reshape(-1)[slot]), int(p.dest_row.reshape(-1)[slot])
+            q = comb_q[s][base_q + pos * RB: base_q + (pos + 1) * RB]
+            assert torch.equal(q, _tag(d, row, RB)), (s, slot)
+            assert torch.equal(comb_s[s][base_s + pos * SB: base_s + (pos + 1) * SB], _tag(d, row, SB)), (s, slot)
+        other = comb_q[s][(1 - parity) * nslot * copy_bytes:(2 - parity) * nslot * copy_bytes]
+        assert int(other.count_nonzero()) == 0  # the other epoch's copy is untouched
+
+
+def test_row_batch_counts_and_ready():
+    b = row_batch(3, 1, 40, "cpu")
+    assert b.pes.tolist() == [0, 1, 2]
+    assert b.dst_offsets.tolist() == [40, 40, 40] and b.src_offsets.tolist() == [40, 40, 40]
+    assert b.nbytes.tolist() == [40, 0, 40]  # nothing to copy to itself; it still signals
+    assert row_batch(2, 0, 0, "cpu").nbytes.tolist() == [0, 0]
