@@ -104,7 +104,7 @@ PRESETS = {
     "tiny": dict(steps=5, batch=2, seq=32, d_model=32, n_layers=1, n_heads=2, ffn_dim=32, num_experts=4, topk=2,
                  corpus_bytes=200_000, eval_batches=1, warmup=1, tail=2, timing_skip=1, control_jitter=0.0),
     "gpu": dict(device="cuda", steps=1000, batch=32, seq=256, d_model=512, n_layers=6, n_heads=8, ffn_dim=1024,
-                num_experts=16, topk=2, shared_ffn_dim=512, lr=6e-4, warmup=100, corpus_bytes=20_000_000,
+                num_experts=16, topk=2, shared_ffn_dim=512, lr=6e-4, warmup=100, corpus_bytes=8_000_000,
                 eval_batches=32, amp=True),
 }
 
