@@ -42,6 +42,8 @@ def _parse():
                     help="also the backward ops and the exact MoE training cases of tests/ep/autograd_cases.py")
     ap.add_argument("--nvshmem-route", choices=("mpi", "group"), default="mpi",
                     help="nvshmem backend: NVSHMEM by unique id over MPI, or started by EPGroup over the torch group")
+    ap.add_argument("--transport", choices=("auto", "put"), default="auto",
+                    help="nvshmem backend: peer pointers (auto, one node) or the forced put-with-signal path")
     return ap.parse_args()
 
 
@@ -107,7 +109,7 @@ def _cases(args, world: int):
         cases = [c for c in cases if c.name in keep]
     if args.backend == "nvshmem":
         cases = cases + ep_cases.random_cases(world, args.n_random, seed=args.seed + 1)
-        cases = [replace(c, device=args.cuda_device, backend="nvshmem") for c in cases]
+        cases = [replace(c, device=args.cuda_device, backend="nvshmem", transport=args.transport) for c in cases]
     return cases
 
 
@@ -121,8 +123,9 @@ def _run_backward(args, rank: int, world: int, res: dict) -> None:
     ops = ac.backward_op_cases(world, seed=args.seed)
     moe = [c for c in ac.moe_cases(world, seed=args.seed) if c.exact]
     if args.backend == "nvshmem":
-        ops = [ac.matched_transport(replace(c, device=args.cuda_device, backend="nvshmem")) for c in ops]
-        moe = [replace(c, device=args.cuda_device, backend="nvshmem") for c in moe]
+        nv = dict(device=args.cuda_device, backend="nvshmem", transport=args.transport)
+        ops = [ac.matched_transport(replace(c, **nv)) for c in ops]
+        moe = [replace(c, **nv) for c in moe]
     a = ac.backward_ops_worker(rank, world, ops)
     b = ac.moe_worker(rank, world, moe)
     res["failures"] += a["failures"] + b["failures"]

@@ -99,11 +99,12 @@ def test_three_bootstraps_give_identical_bytes(mpirun_two, tmp_path):
 @pytest.mark.nvshmem
 @pytest.mark.mpi
 @needs_mpi
-@pytest.mark.parametrize("nvshmem_route", ["mpi", "group"])
-def test_mpirun_nvshmem_two_ranks_one_gpu(nvshmem_route, tmp_path):
+@pytest.mark.parametrize("nvshmem_route,transport", [("mpi", "auto"), ("group", "auto"), ("mpi", "put")])
+def test_mpirun_nvshmem_two_ranks_one_gpu(nvshmem_route, transport, tmp_path):
     """The nvshmem backend under mpirun, 2 ranks on GPU 0, torch.distributed from
     mxcomm.transport.mpi; NVSHMEM by unique id over MPI (``mpi``) or started by EPGroup over that
-    gloo group (``group``). Dispatch bit-exact, combine within tolerance of the oracle."""
+    gloo group (``group``); ``transport="put"``: the put-with-signal path multi-node peers use, forced.
+    Dispatch bit-exact, combine within tolerance of the oracle."""
     from mxcomm.transport import launcher_env
 
     env = mpi_launch.child_env(launcher_env(2 << 30))
@@ -112,8 +113,8 @@ def test_mpirun_nvshmem_two_ranks_one_gpu(nvshmem_route, tmp_path):
 
     backward = HAVE_BACKWARD and all(hasattr(NvshmemBackend, op) for op in
                                      ("combine_for_backward", "combine_backward", "dispatch_backward"))
-    args = ["--bootstrap", "mpi", "--backend", "nvshmem", "--nvshmem-route", nvshmem_route, "--suite", "quick",
-            *(["--backward"] if backward else [])]
+    args = ["--bootstrap", "mpi", "--backend", "nvshmem", "--nvshmem-route", nvshmem_route, "--transport", transport,
+            "--suite", "quick", *(["--backward"] if backward else [])]
     run = mpi_launch.mpirun(2, WORKER, args, env=env, outdir=tmp_path / "out", timeout_s=500,
                             forward=tuple(launcher_env(2 << 30)))
     _clean(run, 2, backward=backward)
