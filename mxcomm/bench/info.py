@@ -22,19 +22,21 @@ def add_info_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=_int_list, help="EP sizes, comma list (default: visible GPUs, else 1)")
     p.add_argument("--precision", type=_str_list, default=["mxfp8", "bf16"], help="comma list (default mxfp8,bf16)")
     p.add_argument("--align", type=int, default=32, help="expert group padding, 32 or 128")
+    p.add_argument("--transport", choices=("auto", "put"), default="auto",
+                   help="buffers of the peer-pointer path (auto) or of the put-with-signal path (put: adds staging)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--topo", action="store_true", help="also print `nvidia-smi topo -m` (if present)")
 
 
 def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: int, precision: str,
-                  align: int = 32) -> dict:
+                  align: int = 32, transport: str = "auto") -> dict:
     """Per-rank symmetric buffer bytes of the nvshmem backend for one config (ValueError if invalid)."""
     from ..ep.config import EPConfig
     from ..ep.plan import buffer_regions, buffer_sizes, max_recv_rows
     from ..transport import launcher_env, symmetric_size_for
 
     cfg = EPConfig(num_experts=experts, hidden=hidden, topk=topk, max_tokens_per_rank=tokens, align=align,
-                   precision=precision, backend="nvshmem")
+                   precision=precision, backend="nvshmem", transport=transport)
     cfg.validate(world)
     sizes = buffer_sizes(cfg, world)
     return dict(
@@ -43,7 +45,8 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
         regions=[dict(name=r.name, shape=list(r.shape), dtype=str(r.dtype).replace("torch.", ""), bytes=r.nbytes)
                  for r in buffer_regions(cfg, world)],
         by_purpose=dict(dispatch_payload=sizes.dispatch_payload, dispatch_scales=sizes.dispatch_scales,
-                        combine_payload=sizes.combine_payload, counts=sizes.counts, flags=sizes.flags),
+                        combine_payload=sizes.combine_payload, counts=sizes.counts, flags=sizes.flags,
+                        put_staging=sizes.put_staging),
         total=sizes.total,
         nvshmem_symmetric_size=symmetric_size_for(sizes.total),
         launcher_env=launcher_env(sizes.total),
@@ -83,7 +86,8 @@ def collect(args) -> dict:
         for p in args.precision:
             try:
                 bufs.append(buffer_report(tokens=args.tokens, hidden=args.hidden, topk=args.topk,
-                                          experts=args.experts, world=w, precision=p, align=args.align))
+                                          experts=args.experts, world=w, precision=p, align=args.align,
+                                          transport=getattr(args, "transport", "auto")))
             except ValueError as e:
                 errors.append(f"world {w}, {p}: {e}")
     symm = None
