@@ -308,6 +308,14 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
 
 
 @triton.jit
+def _real_row(r, n_rows, row_src_ptr):
+    """True for a received row of the expert-major buffer: ``r < n_rows`` and origin ``row_src[r] >= 0``
+    (padding rows and rows past ``n_rows`` are not; ``row_src`` is read only below ``n_rows``)."""
+    inside = r < n_rows
+    return inside & (tl.load(row_src_ptr + r, mask=inside, other=-1) >= 0)
+
+
+@triton.jit
 def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
                          ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
     """Copy the received rows out of the symmetric buffer into a fresh tensor.
@@ -326,9 +334,7 @@ def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
     n_rows = tl.load(n_rows_ptr)
     r = pid
     while r < R_out:
-        real = r < n_rows
-        if real:
-            real = tl.load(row_src_ptr + r) >= 0
+        real = _real_row(r, n_rows, row_src_ptr)
         base = r.to(tl.int64) * ROW_WORDS
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
@@ -360,10 +366,7 @@ def scale_rows_to_blocked_kernel(rows_ptr, blocked_ptr, n_rows_ptr, row_src_ptr,
     n_rows = tl.load(n_rows_ptr)
     r = pid
     while r < R:
-        real = r < n_rows
-        if real:
-            real = tl.load(row_src_ptr + r) >= 0
-        if real:
+        if _real_row(r, n_rows, row_src_ptr):
             v = tl.load(rows_ptr + r.to(tl.int64) * C + cols, mask=cm, other=0)
             br = tl.load(brow_ptr + r).to(tl.int64)
             tl.store(blocked_ptr + blocked_scale_offset(br, cols, n_col_tiles), v, mask=cm)
