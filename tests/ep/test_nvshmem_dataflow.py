@@ -93,12 +93,14 @@ class LoopbackHeap:
 
 
 class LoopbackPuts:
-    """World-of-1 stand-in for ``mxcomm.ep.put_path.Puts`` (the CUDA put-with-signal kernels): a put copies
-    each entry's bytes within this process after the same range check as ``mx_put_signal`` and adds
-    ``entries * chunks`` to the signal word; a wait records a timeout error word for a word still short
-    (nothing runs concurrently here, so a short word would never fill)."""
+    """In-process stand-in for ``mxcomm.ep.put_path.Puts`` (the CUDA put-with-signal kernels) seen from rank 0:
+    a put to PE 0 copies each entry's bytes after the same range check as ``mx_put_signal`` and adds
+    ``entries * chunks`` to the signal word; entries for other PEs (``world > 1``: ranks that never run) are
+    range-checked and dropped. A wait records a timeout error word for a word still short (nothing runs
+    concurrently here, so a short word would never fill)."""
 
-    def __init__(self):
+    def __init__(self, world: int = 1):
+        self.world = world
         self.calls = {"put": 0, "wait": 0, "quiet": 0}
 
     def put(self, dst, src, batch, signals, signal_index, err, chunks):
@@ -110,11 +112,12 @@ class LoopbackPuts:
         for i in range(batch.n):
             pe, n = int(batch.pes[i]), int(batch.nbytes[i])
             do, so = int(batch.dst_offsets[i]), int(batch.src_offsets[i])
-            if pe != 0 or min(n, do, so) < 0 or do + n > d.numel() or so + n > s_.numel():
+            if not 0 <= pe < self.world or min(n, do, so) < 0 or do + n > d.numel() or so + n > s_.numel():
                 err[0] = max(int(err[0]), error_word(BAD_ENTRY_CODE, max(pe, 0)))
                 continue
-            d[do:do + n] = s_[so:so + n].clone()
-        signals[signal_index] += batch.n * chunks
+            if pe == 0:
+                d[do:do + n] = s_[so:so + n].clone()
+        signals[signal_index] += int((batch.pes == 0).sum()) * chunks
 
     def wait(self, signals, indices, epoch, per_epoch, err, timeout_ns):
         from mxcomm.transport.errors import TIMEOUT_CODE, error_word
@@ -313,3 +316,20 @@ def test_ep_kernels_compile_for_sm90_both_paths(tmp_path):
     from _triton_mode import run_aot
 
     assert "ok" in run_aot(_AOT, tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU see tests/transport (bounded signal waits)")
+def test_put_path_peer_that_never_signals_raises_naming_it():
+    """Put path: rank 1 never runs, so no count signal arrives from it; rank 0's dispatch raises PeerTimeout
+    naming rank 1 (the signal wait records the source's index, the backend turns it into the error)."""
+    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.transport import PeerTimeout
+
+    cfg = EPConfig(num_experts=4, hidden=32, topk=2, max_tokens_per_rank=4, backend="nvshmem", num_sms=1,
+                   timeout_s=0.5, transport="put")
+    puts = LoopbackPuts(world=2)
+    be = NvshmemBackend(cfg, None, 0, 2, heap=TwoRankHeap(), puts=puts)
+    with pytest.raises(PeerTimeout) as ei:
+        be.dispatch(torch.randn(3, 32).to(torch.bfloat16), torch.tensor([[0, 2], [1, 3], [2, -1]]), torch.ones(3, 2))
+    assert ei.value.peer == 1
+    assert puts.calls["wait"] >= 1
