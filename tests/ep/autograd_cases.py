@@ -23,13 +23,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ep_cases import Case, _cmp_bytes, check_combine, check_dispatch, make_expert_outs, make_inputs
+from ep_cases import Case, _cmp_bytes, check_combine, check_dispatch, each_case, make_expert_outs, make_inputs
 from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.autograd import combine, dispatch
 from mxcomm.ep.backward_ref import CombineSaved, oracle_combine_backward, oracle_dispatch_backward
 from mxcomm.ep.handle import DispatchResult
 from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
-from mxcomm.mx import MXTensor, ScaleLayout, quantize
+from mxcomm.mx import MXTensor, quantize
 from mxcomm.mx.subclass import MXFP8Tensor
 
 try:  # present in the spawned ranks (tests/ is on sys.path)
@@ -248,19 +248,8 @@ def backward_op_cases(world: int, seed: int = 0) -> list:
 
 def backward_ops_worker(rank: int, world: int, cases: list, with_errors: bool = False) -> dict:
     fails, exact = [], []
-    groups = {}
-    for case in cases:
-        assert len(case.tokens) == world, case.name
-        progress(case.name)
-        cfg = case.config()
-        try:
-            if cfg not in groups:
-                groups[cfg] = EPGroup(cfg)
-            run_backward_case(groups[cfg], case, rank, fails, exact)
-        except Exception as e:  # noqa: BLE001 - keep ranks in lockstep; report
-            import traceback
-
-            fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    groups = each_case(rank, world, cases, fails,
+                       lambda group, case: run_backward_case(group, case, rank, fails, exact))
     mx_cases = [c for c in cases if c.precision == "mxfp8"]
     if mx_cases:
         progress("mx grad through autograd")
@@ -570,19 +559,8 @@ def run_moe_case(group: EPGroup, case: MoECase, rank: int, fails: list) -> dict:
 def moe_worker(rank: int, world: int, cases: list) -> dict:
     fails = []
     out = {}
-    groups = {}
-    for case in cases:
-        assert len(case.tokens) == world, case.name
-        progress(case.name)
-        cfg = case.config()
-        try:
-            if cfg not in groups:
-                groups[cfg] = EPGroup(cfg)
-            out[case.name] = run_moe_case(groups[cfg], case, rank, fails)
-        except Exception as e:  # noqa: BLE001
-            import traceback
-
-            fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    each_case(rank, world, cases, fails,
+              lambda group, case: out.__setitem__(case.name, run_moe_case(group, case, rank, fails)))
     return {"failures": fails, "cases": out}
 
 

@@ -239,9 +239,12 @@ def run_case(group: EPGroup, case: Case, rank: int, fails: list, exact: list) ->
         check_combine(f"{tag} combine(quantize={qmode})", y, y_exp, fails, exact)
 
 
-def run_cases(rank: int, world: int, cases: list) -> dict:
-    """Worker: run every case (building one EPGroup per distinct config)."""
-    fails, exact = [], []
+def each_case(rank: int, world: int, cases: list, fails: list, run) -> dict:
+    """Call ``run(group, case)`` for every case, one EPGroup per distinct config (built on first use, every
+    rank in the same order). An exception becomes a failure line with its traceback, so the ranks stay in
+    lockstep and the other cases still run. Returns the groups by config."""
+    import traceback
+
     groups = {}
     for case in cases:
         assert len(case.tokens) == world, case.name
@@ -250,9 +253,16 @@ def run_cases(rank: int, world: int, cases: list) -> dict:
         try:
             if cfg not in groups:
                 groups[cfg] = EPGroup(cfg)
-            run_case(groups[cfg], case, rank, fails, exact)
+            run(groups[cfg], case)
         except Exception as e:  # noqa: BLE001 - keep ranks in lockstep; report
-            fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}")
+            fails.append(f"{case.name}[rank {rank}]: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    return groups
+
+
+def run_cases(rank: int, world: int, cases: list) -> dict:
+    """Worker: run every case (building one EPGroup per distinct config)."""
+    fails, exact = [], []
+    each_case(rank, world, cases, fails, lambda group, case: run_case(group, case, rank, fails, exact))
     return {"failures": fails, "cases": len(cases), "combine_exact": sum(exact), "combine_checks": len(exact)}
 
 
@@ -496,7 +506,7 @@ def nvshmem_soak_worker(rank: int, world: int, iters: int, seed: int = 5) -> dic
 
 __all__ = [
     "nvshmem_soak_worker",
-    "nvshmem_cases_worker",
+    "nvshmem_cases_worker", "each_case",
     "Case", "make_inputs", "make_expert_outs", "standard_cases", "random_cases", "run_cases", "soak_worker",
     "bad_inputs_worker", "config_mismatch_worker", "gpu_cases_worker", "check_dispatch", "row_checksums",
 ]
