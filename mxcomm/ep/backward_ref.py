@@ -31,6 +31,7 @@ import torch
 
 from ..mx import MXTensor, ScaleLayout, quantize
 from .config import EPConfig
+from .oracle import routed_sum
 
 
 @dataclass(frozen=True)
@@ -180,21 +181,7 @@ def oracle_dispatch_backward(
         quantize_rows: MXFP8 transport of dense gradients.
     """
     vals = [transport_values(g, quantize_rows, config.scale_mode) for g in grad_recvs]
-    H = config.hidden
-    out = []
-    for s, d in enumerate(routes.dest):
-        T = d.shape[0]
-        dev = vals[0].device if vals else torch.device("cpu")
-        acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
-        for j in range(config.topk):
-            contrib = torch.zeros(T, H, dtype=torch.float32, device=dev)
-            for t in range(T):
-                r, row = int(d[t, j, 0]), int(d[t, j, 1])
-                if r >= 0:
-                    contrib[t] = vals[r][row].to(dev)
-            acc = acc + contrib
-        out.append(acc.to(torch.bfloat16))
-    return out
+    return routed_sum(config, routes, vals, None)
 
 
 __all__ = [

@@ -13,7 +13,7 @@ tests of any backend compare against something derived straight from the contrac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -128,22 +128,35 @@ def oracle_combine(
         vals = [quantize(o, mode=config.scale_mode).dequantize(torch.float32) for o in expert_outs]
     else:
         vals = [o.to(torch.float32) for o in expert_outs]
+    return routed_sum(config, routes, vals, topk_weights)
+
+
+def routed_sum(config: EPConfig, routes: OracleRoutes, vals: Sequence[torch.Tensor],
+               topk_weights: Optional[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """``y_s[t] = sum_j w_s[t, j] * vals[r][row]`` for every rank ``s``, over the slots ``(t, j)`` routed to
+    row ``row`` of rank ``r`` (dropped slots add nothing), in fp32 slot by slot in ``j`` order; bf16 out.
+
+    Args:
+        vals: per rank, fp32 ``[R_r, H]`` rows in the expert-major layout.
+        topk_weights: per rank, float ``[T_s, k]``; None: every weight 1 (dispatch backward).
+    """
     H = config.hidden
     ys = []
     for s, d in enumerate(routes.dest):
         T = d.shape[0]
-        w = topk_weights[s].to(torch.float32)
-        dev = w.device
+        w = None if topk_weights is None else topk_weights[s].to(torch.float32)
+        dev = w.device if w is not None else (vals[0].device if vals else torch.device("cpu"))
         acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
         for j in range(config.topk):
             contrib = torch.zeros(T, H, dtype=torch.float32, device=dev)
             for t in range(T):
                 r, row = int(d[t, j, 0]), int(d[t, j, 1])
                 if r >= 0:
-                    contrib[t] = w[t, j] * vals[r][row].to(dev)
+                    v = vals[r][row].to(dev)
+                    contrib[t] = v if w is None else w[t, j] * v
             acc = acc + contrib
         ys.append(acc.to(torch.bfloat16))
     return ys
 
 
-__all__ = ["oracle_dispatch", "oracle_combine", "OracleRoutes"]
+__all__ = ["oracle_dispatch", "oracle_combine", "routed_sum", "OracleRoutes"]
