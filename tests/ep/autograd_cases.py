@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ep_cases import Case, _cmp_bytes, check_combine, check_dispatch, each_case, make_expert_outs, make_inputs
+from ep_cases import (Case, _cmp_bytes, _expect, check_combine, check_dispatch, each_case, make_expert_outs,
+                      make_inputs)
 from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.autograd import combine, dispatch
 from mxcomm.ep.backward_ref import CombineSaved, oracle_combine_backward, oracle_dispatch_backward
@@ -163,19 +164,6 @@ def _mx_to(mx: MXTensor, dev) -> MXTensor:
         qdata=mx.qdata.to(dev), scales=mx.scales.to(dev), axis=mx.axis, layout=mx.layout, mode=mx.mode,
         orig_dtype=mx.orig_dtype, group_offs=None if mx.group_offs is None else mx.group_offs.to(dev),
     )
-
-
-def _expect(fails, what, exc, needle, fn):
-    try:
-        fn()
-    except exc as e:
-        if needle.lower() not in str(e).lower():
-            fails.append(f"{what}: {exc.__name__} message {str(e)!r} lacks {needle!r}")
-        return
-    except Exception as e:  # noqa: BLE001
-        fails.append(f"{what}: raised {type(e).__name__}: {e} (expected {exc.__name__})")
-        return
-    fails.append(f"{what}: did not raise {exc.__name__}")
 
 
 def bad_backward_inputs(rank: int, world: int, fails: list) -> None:
