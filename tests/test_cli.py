@@ -236,6 +236,14 @@ def test_info_reports_environment_and_buffer_sizes():
         assert b["launcher_env"]["NVSHMEM_SYMMETRIC_SIZE"] == b["nvshmem_symmetric_size"]
     text = _run(["info", "--world", "2"], timeout=60)
     assert text.returncode == 0 and "ep.recv_q" in text.stdout and "NVSHMEM_SYMMETRIC_SIZE=" in text.stdout
+    put = _run(["info", "--world", "4", "--tokens", "128", "--precision", "mxfp8", "--transport", "put", "--json"],
+               timeout=60)
+    assert put.returncode == 0, put.stderr[-2000:]
+    (b,) = json.loads(put.stdout)["buffers"]
+    cfg = EPConfig(num_experts=256, hidden=7168, topk=8, max_tokens_per_rank=128, transport="put")
+    assert b["by_purpose"]["put_staging"] == buffer_sizes(cfg, 4).put_staging > 0
+    assert b["total"] == sum(reg["bytes"] for reg in b["regions"]) == buffer_sizes(cfg, 4).total
+    assert {"ep.stage_q", "ep.stage_s", "ep.recv_srows"} <= {reg["name"] for reg in b["regions"]}
 
 
 # --------------------------------------------------------------------------------- bad options ----
@@ -255,6 +263,8 @@ def test_info_reports_environment_and_buffer_sizes():
     (["--ops", "combine_bwd,dispatch,combine_bwd"], "--ops lists 'combine_bwd' more than once"),
     (["--ops", ","], "argument --ops: empty list"),
     (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs the nvshmem backend on a GPU"),
+    (["--transport", "put"], "--transport put needs the nvshmem backend on a GPU"),
+    (["--transport", "ib"], "argument --transport: invalid choice"),
     (["--iters", "0"], "--iters must be >= 1"),
     (["--num-sms", "0"], "--num-sms must be a positive integer"),
     (["--side-channel", "nccl"], "--side-channel nccl needs a GPU"),

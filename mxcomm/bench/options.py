@@ -201,6 +201,8 @@ class BenchOptions:
             bad("--cuda-graph needs the nvshmem backend on a GPU (the reference backend syncs with the host)")
         if self.transport not in ("auto", "put"):
             bad(f"--transport must be auto or put, got {self.transport!r}")
+        if self.transport == "put" and (self.backend != "nvshmem" or self.device != "cuda"):
+            bad("--transport put needs the nvshmem backend on a GPU (the reference backend has no put path)")
         if self.transport == "put" and self.cuda_graph:
             bad("--transport put cannot be combined with --cuda-graph (the put path refuses graph capture)")
         if self.num_sms is not None and self.num_sms < 1:
