@@ -237,14 +237,18 @@ class EPGroup:
         self.config = config
         self.num_local_experts = config.num_local_experts(self.world_size)
         self.local_experts = range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
-        self.memory_bytes = EPGroup.buffer_bytes(config, self.world_size)
         self._backend = _make_backend(config, group, self.rank, self.world_size)
+        # the put path (forced, or chosen because a peer is on another node) adds its staging buffers
+        self.memory_bytes = EPGroup.buffer_bytes(config, self.world_size,
+                                                 put_path=getattr(self._backend, "put_mode", None))
         self.op_id: int = GROUPS.register(self)  # how torch.library ops (mxcomm.ep.ops) name this group
 
     @staticmethod
-    def buffer_bytes(config: EPConfig, world_size: int) -> int:
-        """Symmetric-buffer bytes per rank a GPU backend needs (:func:`mxcomm.ep.plan.buffer_sizes`)."""
-        return buffer_sizes(config, world_size).total
+    def buffer_bytes(config: EPConfig, world_size: int, put_path: bool | None = None) -> int:
+        """Symmetric-buffer bytes per rank a GPU backend needs (:func:`mxcomm.ep.plan.buffer_sizes`). ``put_path``:
+        size for the put-with-signal path (default: only when ``config.transport == "put"``); pass True to
+        plan a multi-node job with ``transport="auto"``, which takes that path when peers are on other nodes."""
+        return buffer_sizes(config, world_size, put_path).total
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         """Send each token's row to the ranks of its top-k experts.
