@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mxcomm.ep import EPConfig
+from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.nvshmem_backend import dest_scale_rows, row_origins
 from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
 from mxcomm.ep.plan import build_plan, local_counts
@@ -137,6 +137,7 @@ def _loopback_backend(cfg):
     puts = LoopbackPuts() if cfg.transport == "put" else None
     be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(), puts=puts)
     assert be.put_mode == (cfg.transport == "put")
+    assert be.memory_bytes == EPGroup.buffer_bytes(cfg, 1, put_path=be.put_mode)  # the report is what it allocates
     return be
 
 
