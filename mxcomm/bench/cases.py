@@ -36,6 +36,9 @@ def random_rows(rows: int, hidden: int, device: torch.device, seed: int, rank: i
 
 def ep_transport(group: EPGroup, world) -> str:
     if group.config.backend == "nvshmem":
+        if group.path == "put_signal":
+            return ("nvshmem symmetric buffers, Triton kernels into a staging buffer, NVSHMEM put-with-signal "
+                    "per (destination, expert) block")
         return "nvshmem symmetric buffers, Triton kernels with peer stores"
     return a2a_transport(world)
 

@@ -243,6 +243,14 @@ class EPGroup:
                                                  put_path=getattr(self._backend, "put_mode", None))
         self.op_id: int = GROUPS.register(self)  # how torch.library ops (mxcomm.ep.ops) name this group
 
+    @property
+    def path(self) -> str:
+        """How this group moves rows: ``"all_to_all"`` (torch backend), ``"peer_stores"`` (nvshmem kernels storing
+        into peers' buffers) or ``"put_signal"`` (nvshmem put-with-signal path: forced, or peers on other nodes)."""
+        if self.config.backend == "torch":
+            return "all_to_all"
+        return "put_signal" if getattr(self._backend, "put_mode", False) else "peer_stores"
+
     @staticmethod
     def buffer_bytes(config: EPConfig, world_size: int, put_path: bool | None = None) -> int:
         """Symmetric-buffer bytes per rank a GPU backend needs (:func:`mxcomm.ep.plan.buffer_sizes`). ``put_path``:
