@@ -1,0 +1,246 @@
+"""The nvshmem backend's put-with-signal path with several ranks on CPU: one thread per rank, each running
+the real ``NvshmemBackend`` (its Triton kernels under the interpreter, one kernel at a time) over its own
+in-process "symmetric heap", with NVSHMEM's put-with-signal / signal wait / quiet replaced by byte copies
+between the ranks' buffers and a condition variable. Everything else is the backend's own code: the count
+exchange, the block entries, the signal counts per epoch, the combine copies by parity, the receiver's
+scale swizzle. Results are compared with the single-process oracle (dispatch bit-exact, combine within
+fp32 reduction-order tolerance). The CUDA kernels themselves run in the GPU tests."""
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from mxcomm.ep import EPConfig
+from mxcomm.ep.backward_ref import oracle_combine_backward, oracle_dispatch_backward
+from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU tests run this path")
+
+
+@dataclass
+class _Ctx:
+    device: torch.device
+    rank: int
+    world: int
+
+
+@dataclass
+class _Buf:
+    local: torch.Tensor
+    peer_ptrs: torch.Tensor
+
+    @property
+    def nbytes(self):
+        return self.local.numel() * self.local.element_size()
+
+
+class RankHeap:
+    """One rank's buffers (CPU tensors). Peer pointers are unused on the put path (all point to itself).
+    ``alloc`` is collective like NVSHMEM's: it returns once every rank has allocated that buffer."""
+
+    def __init__(self, rank: int, world: int, barrier: threading.Barrier):
+        self.ctx = _Ctx(torch.device("cpu"), rank, world)
+        self.bufs = {}
+        self.barrier = barrier
+
+    def alloc(self, name, shape, dtype):
+        t = torch.zeros(shape, dtype=dtype)
+        self.bufs[name] = _Buf(t, torch.full((self.ctx.world,), t.data_ptr(), dtype=torch.int64))
+        self.barrier.wait(timeout=60)
+        return self.bufs[name]
+
+    @property
+    def nbytes(self):
+        return sum(b.nbytes for b in self.bufs.values())
+
+    def locate(self, t: torch.Tensor) -> tuple[str, int]:
+        """(buffer name, byte offset) of a tensor (or view) inside this heap."""
+        p = t.data_ptr()
+        for name, b in self.bufs.items():
+            base = b.local.data_ptr()
+            if base <= p < base + b.nbytes:
+                return name, p - base
+        raise AssertionError("a put/wait argument outside the symmetric heap")
+
+    def flat(self, name: str) -> torch.Tensor:
+        return self.bufs[name].local.reshape(-1).view(torch.uint8)
+
+
+class ThreadWorld:
+    """The ranks' heaps and the stand-in for NVSHMEM between them (one lock for all copies and signals)."""
+
+    def __init__(self, world: int):
+        barrier = threading.Barrier(world)
+        self.heaps = [RankHeap(r, world, barrier) for r in range(world)]
+        self.cv = threading.Condition()
+
+    def puts(self, rank: int) -> "ThreadPuts":
+        return ThreadPuts(self, rank)
+
+
+class ThreadPuts:
+    """``mxcomm.ep.put_path.Puts`` for rank ``rank`` of a :class:`ThreadWorld` (same arguments and semantics:
+    range-checked entries, ``entries * chunks`` added to the destination's signal word, bounded waits)."""
+
+    def __init__(self, world: ThreadWorld, rank: int):
+        self.w, self.rank = world, rank
+
+    def put(self, dst, src, batch, signals, signal_index, err, chunks):
+        from mxcomm.transport.errors import error_word
+        from mxcomm.transport.put_signal import BAD_ENTRY_CODE
+
+        heaps = self.w.heaps
+        dname, doff = heaps[self.rank].locate(dst)
+        sname, soff = heaps[self.rank].locate(signals)
+        cap = dst.numel() * dst.element_size()
+        srcb = src.reshape(-1).view(torch.uint8)
+        with self.w.cv:
+            per_pe = {}
+            for i in range(batch.n):
+                pe, n = int(batch.pes[i]), int(batch.nbytes[i])
+                do, so = int(batch.dst_offsets[i]), int(batch.src_offsets[i])
+                if not 0 <= pe < len(heaps) or min(n, do, so) < 0 or do + n > cap or so + n > srcb.numel():
+                    err[0] = max(int(err[0]), error_word(BAD_ENTRY_CODE, max(pe, 0)))
+                    continue
+                heaps[pe].flat(dname)[doff + do:doff + do + n] = srcb[so:so + n]
+                per_pe[pe] = per_pe.get(pe, 0) + 1
+            for pe, cnt in per_pe.items():
+                words = heaps[pe].bufs[sname].local.reshape(-1)
+                words[soff // 8 + signal_index] += cnt * chunks
+            self.w.cv.notify_all()
+
+    def wait(self, signals, indices, epoch, per_epoch, err, timeout_ns):
+        from mxcomm.transport.errors import TIMEOUT_CODE, error_word
+
+        want = int(epoch.reshape(-1)[0]) * per_epoch
+        deadline = time.monotonic() + timeout_ns * 1e-9
+        with self.w.cv:
+            while True:
+                short = [i for i in indices.tolist() if int(signals[i]) < want]
+                if not short:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    err[0] = max(int(err[0]), error_word(TIMEOUT_CODE, short[0]))
+                    return
+                self.w.cv.wait(left)
+
+    def quiet(self):
+        pass
+
+
+@pytest.fixture
+def one_kernel_at_a_time(monkeypatch):
+    """The Triton interpreter patches module state while a kernel runs: serialise launches across threads."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    lock = threading.Lock()
+    run = InterpretedFunction.run
+
+    def locked(self, *a, **k):
+        with lock:
+            return run(self, *a, **k)
+
+    monkeypatch.setattr(InterpretedFunction, "run", locked)
+
+
+def _inputs(W, T, E, k, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for r in range(W):
+        t = T[r]
+        x = (torch.randn(t, H, generator=g) * 3).to(torch.bfloat16)
+        idx = torch.argsort(torch.rand(t, E, generator=g), dim=1)[:, :k] if t else torch.zeros(0, k, dtype=torch.int64)
+        if t:
+            idx[torch.rand(t, k, generator=g) < 0.15] = -1
+        xs.append(x)
+        idxs.append(idx)
+        ws.append(torch.rand(t, k, generator=g))
+    return xs, idxs, ws
+
+
+def _run_ranks(world: ThreadWorld, fn, W: int, timeout_s: float = 240.0) -> list:
+    out, errs = [None] * W, [None] * W
+
+    def body(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - reported below with the rank
+            import traceback
+
+            errs[r] = f"rank {r}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), f"ranks still running after {timeout_s} s"
+    bad = [e for e in errs if e]
+    assert not bad, "\n".join(bad)
+    return out
+
+
+@pytest.mark.parametrize("W,E,k,H,T,precision,align", [
+    (2, 4, 2, 64, (9, 6), "mxfp8", 32),
+    (3, 6, 3, 96, (5, 0, 11), "mxfp8", 128),
+    (2, 4, 2, 64, (7, 7), "bf16", 32),
+])
+def test_put_path_several_ranks_forward_and_backward_match_oracle(one_kernel_at_a_time, W, E, k, H, T, precision,
+                                                                  align):
+    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), align=align, precision=precision,
+                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport="put")
+    mx = precision == "mxfp8"
+    world = ThreadWorld(W)
+    calls = []  # two rounds: buffers, epochs and combine copies reused
+    for it in range(2):
+        xs, idxs, ws = _inputs(W, T, E, k, H, seed=100 * W + it)
+        wants, routes = oracle_dispatch(cfg, xs, idxs)
+        g = torch.Generator().manual_seed(7 + it)
+        outs = [torch.randn(wants[r].num_rows, H, generator=g).to(torch.bfloat16) for r in range(W)]
+        gys = [torch.randn(T[r], H, generator=g).to(torch.bfloat16) for r in range(W)]
+        calls.append((xs, idxs, ws, wants, routes, outs, gys))
+    backends = [None] * W
+
+    def rank_fn(r):
+        be = backends[r] = NvshmemBackend(cfg, None, r, W, heap=world.heaps[r], puts=world.puts(r))
+        assert be.put_mode
+        res = []
+        for xs, idxs, ws, _, _, outs, gys in calls:
+            d, h = be.dispatch(xs[r], idxs[r], ws[r])
+            y, saved = be.combine_for_backward(outs[r], h, mx)
+            y_bf16 = be.combine(outs[r], h, False)
+            cb = be.combine_backward(gys[r], h, saved, mx)
+            gx = be.dispatch_backward(outs[r], h, mx)
+            res.append((d, y, y_bf16, cb, gx))
+        return res
+
+    got = _run_ranks(world, rank_fn, W)
+    for it, (xs, idxs, ws, wants, routes, outs, gys) in enumerate(calls):
+        ys = oracle_combine(cfg, outs, routes, ws, mx)
+        ys_bf16 = oracle_combine(cfg, outs, routes, ws, False)
+        cbs = oracle_combine_backward(cfg, gys, routes, ws, outs, wants, mx)
+        gxs = oracle_dispatch_backward(cfg, outs, routes, mx)
+        for r in range(W):
+            d, y, y_bf16, cb, gx = got[r][it]
+            tag = f"round {it} rank {r}"
+            assert torch.equal(d.offs, wants[r].offs) and torch.equal(d.counts, wants[r].counts), tag
+            if mx:
+                assert torch.equal(d.x.qdata.view(torch.uint8), wants[r].x.qdata.view(torch.uint8)), tag
+                assert torch.equal(d.x.scales, wants[r].x.scales), tag
+                assert torch.equal(cb.grad_expert_out.qdata.view(torch.uint8),
+                                   cbs[r].grad_expert_out.qdata.view(torch.uint8)), tag
+                assert torch.equal(cb.grad_expert_out.scales, cbs[r].grad_expert_out.scales), tag
+            else:
+                assert torch.equal(d.x.view(torch.int16), wants[r].x.view(torch.int16)), tag
+                assert torch.equal(cb.grad_expert_out.view(torch.int16), cbs[r].grad_expert_out.view(torch.int16)), tag
+            torch.testing.assert_close(y.float(), ys[r].float(), rtol=1e-2, atol=1e-2, msg=tag)
+            torch.testing.assert_close(y_bf16.float(), ys_bf16[r].float(), rtol=1e-2, atol=1e-2, msg=tag)
+            torch.testing.assert_close(cb.grad_weights, cbs[r].grad_weights, rtol=1e-3, atol=1e-3, msg=tag)
+            torch.testing.assert_close(gx.float(), gxs[r].float(), rtol=1e-2, atol=1e-2, msg=tag)
+    for be in backends:  # every wait was satisfied: no error word set
+        assert int(be.err[0]) == 0
