@@ -5,11 +5,11 @@ The interpreter test runs the real dispatch/combine kernels of the nvshmem backe
 the tensors' addresses, flags and bounded waits run as on the GPU. Multi-rank and real-NVSHMEM runs
 are GPU tests (tests/ep/test_nvshmem_gpu.py).
 """
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from heap_fakes import FakeBuf, FakeCtx
 from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.nvshmem_backend import dest_scale_rows, row_origins
 from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
@@ -58,33 +58,16 @@ def test_row_origins_and_scale_rows_invert_the_send_side(W, E, k, align):
             assert int(srow.reshape(-1)[slot]) == int(want)
 
 
-@dataclass
-class _Ctx:
-    device: torch.device
-    rank: int = 0
-    world: int = 1
-
-
-@dataclass
-class _Buf:
-    local: torch.Tensor
-    peer_ptrs: torch.Tensor
-
-    @property
-    def nbytes(self):
-        return self.local.numel() * self.local.element_size()
-
-
 class LoopbackHeap:
     """World-of-1 stand-in for SymmetricHeap: CPU tensors, peer pointer = own address."""
 
     def __init__(self):
-        self.ctx = _Ctx(torch.device("cpu"))
+        self.ctx = FakeCtx(torch.device("cpu"))
         self.bufs = {}
 
     def alloc(self, name, shape, dtype):
         t = torch.zeros(shape, dtype=dtype)
-        self.bufs[name] = _Buf(t, torch.tensor([t.data_ptr()], dtype=torch.int64))
+        self.bufs[name] = FakeBuf(t, torch.tensor([t.data_ptr()], dtype=torch.int64))
         return self.bufs[name]
 
     @property
@@ -243,13 +226,13 @@ class TwoRankHeap(LoopbackHeap):
 
     def __init__(self):
         super().__init__()
-        self.ctx = _Ctx(torch.device("cpu"), rank=0, world=2)
+        self.ctx = FakeCtx(torch.device("cpu"), rank=0, world=2)
         self.peer_side = {}
 
     def alloc(self, name, shape, dtype):
         mine, theirs = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         self.peer_side[name] = theirs
-        self.bufs[name] = _Buf(mine, torch.tensor([mine.data_ptr(), theirs.data_ptr()], dtype=torch.int64))
+        self.bufs[name] = FakeBuf(mine, torch.tensor([mine.data_ptr(), theirs.data_ptr()], dtype=torch.int64))
         return self.bufs[name]
 
 

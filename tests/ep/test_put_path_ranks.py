@@ -7,11 +7,11 @@ scale swizzle. Results are compared with the single-process oracle (dispatch bit
 fp32 reduction-order tolerance). The CUDA kernels themselves run in the GPU tests."""
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from heap_fakes import FakeBuf, FakeCtx
 from mxcomm.ep import EPConfig
 from mxcomm.ep.backward_ref import oracle_combine_backward, oracle_dispatch_backward
 from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
@@ -19,35 +19,18 @@ from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU tests run this path")
 
 
-@dataclass
-class _Ctx:
-    device: torch.device
-    rank: int
-    world: int
-
-
-@dataclass
-class _Buf:
-    local: torch.Tensor
-    peer_ptrs: torch.Tensor
-
-    @property
-    def nbytes(self):
-        return self.local.numel() * self.local.element_size()
-
-
 class RankHeap:
     """One rank's buffers (CPU tensors). Peer pointers are unused on the put path (all point to itself).
     ``alloc`` is collective like NVSHMEM's: it returns once every rank has allocated that buffer."""
 
     def __init__(self, rank: int, world: int, barrier: threading.Barrier):
-        self.ctx = _Ctx(torch.device("cpu"), rank, world)
+        self.ctx = FakeCtx(torch.device("cpu"), rank, world)
         self.bufs = {}
         self.barrier = barrier
 
     def alloc(self, name, shape, dtype):
         t = torch.zeros(shape, dtype=dtype)
-        self.bufs[name] = _Buf(t, torch.full((self.ctx.world,), t.data_ptr(), dtype=torch.int64))
+        self.bufs[name] = FakeBuf(t, torch.full((self.ctx.world,), t.data_ptr(), dtype=torch.int64))
         self.barrier.wait(timeout=60)
         return self.bufs[name]
 
