@@ -243,7 +243,7 @@ def test_info_reports_environment_and_buffer_sizes():
     cfg = EPConfig(num_experts=256, hidden=7168, topk=8, max_tokens_per_rank=128, transport="put")
     assert b["by_purpose"]["put_staging"] == buffer_sizes(cfg, 4).put_staging > 0
     assert b["total"] == sum(reg["bytes"] for reg in b["regions"]) == buffer_sizes(cfg, 4).total
-    assert {"ep.stage_q", "ep.stage_s", "ep.recv_srows"} <= {reg["name"] for reg in b["regions"]}
+    assert {"ep.stage_q", "ep.stage_s"} <= {reg["name"] for reg in b["regions"]}
 
 
 # --------------------------------------------------------------------------------- bad options ----

@@ -39,9 +39,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ..kernels.mx_device import SCALE_MODE_IDS
-from ..mx import MXTensor, ScaleLayout, grouped_m_row_map, grouped_m_rows, round_up
+from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
 from ..kernels.route_grad import route_weight_grad
@@ -53,7 +54,13 @@ from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from . import put_path
 
 _CHUNK = 1024
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 4  # combine send, copy-out
+# dispatch direction (dispatch_kernel) and combine's reduce: 16 programs per SM of 4 warps, row chunks of
+# 2048 (dispatch) / 4096 (reduce) values - the fastest measured on one H200 at 8192 x 7168, top-8
+# (bench/bench_ep_kernels.py; bench/results/h200/README.md)
+_DISPATCH_PROGRAMS_PER_SM = 16
+_DISPATCH_CHUNK = 2048
+_REDUCE_CHUNK = 4096
 _MAX_PLAN_GRAPHS = 8  # captured plan graphs kept per backend (least recently used dropped)
 
 
@@ -91,33 +98,13 @@ def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
     return RowOrigins(src=out_src[:n_rows].contiguous(), pos=out_pos[:n_rows].contiguous())
 
 
-def dest_scale_rows(plan: RoutingPlan, topk_idx: torch.Tensor) -> torch.Tensor:
-    """Row of each slot in its destination's grouped-along-M blocked scale matrix: int32 ``[T, k]``
-    (-1 for dropped slots).
-
-    On its rank, expert ``e``'s group (padded to ``align``) starts at payload row ``gstart[e]`` and at
-    scale row ``sstart[e] = sum_{h<e} round_up(padded_h, 128)`` (each group blocked on its own).
-    """
-    W, El, a = plan.world_size, plan.num_local_experts, plan.align
-    c = plan.counts.to(torch.int64)
-    p_e = ((c.sum(0) + a - 1) // a * a).view(W, El)
-    p128 = (p_e + 127) // 128 * 128
-    gstart = (torch.cumsum(p_e, 1) - p_e).reshape(-1)
-    sstart = (torch.cumsum(p128, 1) - p128).reshape(-1)
-    idx = topk_idx.to(torch.int64)
-    ic = torch.clamp(idx, min=0)
-    srow = sstart[ic] + plan.dest_row.to(torch.int64) - gstart[ic]
-    return torch.where(idx >= 0, srow, torch.full_like(srow, -1)).to(torch.int32).contiguous()
-
-
 @dataclass(frozen=True)
 class NvshmemState:
-    """Backend part of an :class:`EPHandle`: row origins of the dispatch output, its real row count on
-    the device, and each slot's destination scale row."""
+    """Backend part of an :class:`EPHandle`: row origins of the dispatch output and its real row count on
+    the device."""
 
     origins: RowOrigins
     num_rows_dev: torch.Tensor  # int32 [1] real rows (offs[-1])
-    srow: torch.Tensor  # int32 [T, k] destination scale row of each slot (combine backward reuses it)
 
 
 class NvshmemBackend:
@@ -136,22 +123,25 @@ class NvshmemBackend:
             heap = self._open_heap(group, rank, world_size)
         self.heap = heap
         self.device = heap.ctx.device
-        H, W = config.hidden, world_size
+        W = world_size
         self.El = config.num_local_experts(W)
         self.R_max = max_recv_rows(config, W)
         self.mx = config.precision == "mxfp8"
-        self.n_col_tiles = round_up(H // 32, 4) // 4
         if config.num_sms is not None:
             sms = config.num_sms
         elif self.device.type == "cuda":
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:  # Triton interpreter (tests of the data path on CPU)
             sms = 1
-        self.programs = sms * _PROGRAMS_PER_SM  # persistent programs of the sending kernels (same on all ranks)
-        self.send_warps = 8  # warps per program of the sending kernels (dispatch, combine send)
-        # routing plan: "torch" (torch ops; on the GPU replayed from a CUDA graph per token count) or "triton"
-        # (mxcomm.ep.plan_kernels: 3 kernels, bit-identical; slower on one H200 at 4096 tokens, so not the default)
-        self.plan_impl = "torch"
+        # persistent programs of the sending kernels (same on all ranks: receivers count their arrivals)
+        self.programs = sms * _PROGRAMS_PER_SM  # combine send
+        self.dispatch_programs = sms * _DISPATCH_PROGRAMS_PER_SM  # dispatch_kernel (dispatch, combine backward)
+        self.send_warps = 8  # warps per program of combine send
+        self.dispatch_warps = 4
+        # routing plan: "triton" (mxcomm.ep.plan_kernels: the id check + counts in one kernel, the plan in five,
+        # bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the GPU replayed
+        # from a CUDA graph captured per token count)
+        self.plan_impl = "triton" if plan_kernels.fits(W, config.num_experts) else "torch"
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
         # put-with-signal path: forced by the config, or needed because a peer has no peer pointer
         self.put_mode = config.transport == "put" or not getattr(heap.ctx, "all_local", True)
@@ -182,7 +172,6 @@ class NvshmemBackend:
         self.puts = put_path.Puts() if puts is None else puts
         self.put_chunks = 4  # pieces per put entry (same on every rank: the signal count depends on it)
         self.stage_q, self.stage_s = bufs["ep.stage_q"], bufs["ep.stage_s"]
-        self.recv_srows = bufs["ep.recv_srows"]
         self._stage_ptrs = torch.full((W,), self.stage_q.local.data_ptr(), dtype=torch.int64, device=dev)
         self._stage_s_ptrs = torch.full((W,), self.stage_s.local.data_ptr(), dtype=torch.int64, device=dev)
         self._counts_batch = put_path.row_batch(W, self.rank, 4 * E, dev)
@@ -207,9 +196,9 @@ class NvshmemBackend:
         return tp.SymmetricHeap(ctx)
 
     @staticmethod
-    def _chunk(H: int, k: int, tile: int = 8192) -> int:
-        """Row chunk of the kernels that hold a ``[k, CHUNK]`` tile of about ``tile`` elements."""
-        return max(32, min(_CHUNK, triton_next_pow2(H), tile // triton_next_pow2(k)))
+    def _chunk(H: int) -> int:
+        """Row chunk (values) of dispatch_kernel."""
+        return min(_DISPATCH_CHUNK, triton_next_pow2(H))
 
     @property
     def memory_bytes(self) -> int:
@@ -290,11 +279,25 @@ class NvshmemBackend:
             )
         return out
 
+    def _grouped_scales(self, plan: RoutingPlan, origins: "RowOrigins", R: int) -> torch.Tensor:
+        """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
+        received rows, from the row-major scale rows in ``recv_s`` (zeros for padding)."""
+        from .nvshmem_kernels import scale_rows_to_grouped_kernel
+
+        C = self.config.hidden // 32
+        rows, cp = grouped_m_rows(R, self.El), round_up(C, 4)
+        out = torch.empty(rows, cp, dtype=torch.uint8, device=self.device)
+        cb = min(32, triton_next_pow2(cp))
+        scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(cp, cb))](
+            self.recv_s.local, out, plan.offs, plan.num_rows, origins.src, self.El, cp // 4,
+            C=C, CB=cb, G_POW2=triton_next_pow2(self.El), num_warps=4,
+        )
+        return out
+
     def _plan_extra(self, plan: RoutingPlan, topk_idx: torch.Tensor) -> dict:
-        """Backend maps computed with the plan: destination scale rows and row origins (R_max rows)."""
+        """Backend maps computed with the plan: row origins (R_max rows)."""
         o = row_origins(plan, self.R_max)
-        srow = dest_scale_rows(plan, topk_idx) if self.mx else plan.dest_row
-        return {"srow": srow, "origin_src": o.src, "origin_pos": o.pos}
+        return {"origin_src": o.src, "origin_pos": o.pos}
 
     def _plan(self, topk_idx: torch.Tensor) -> PlanOutputs:
         """The routing plan of this call from the exchanged counts: replayed from a CUDA graph captured
@@ -302,8 +305,7 @@ class NvshmemBackend:
         T, k = topk_idx.shape
         if self.plan_impl == "triton" and T and plan_kernels.fits(self.world, self.config.num_experts):
             out = plan_kernels.triton_plan(self.counts.local, topk_idx, self.rank, self.config.align, self.R_max)
-            extra = {"srow": out["srow"] if self.mx else out["plan"].dest_row,
-                     "origin_src": out["origin_src"], "origin_pos": out["origin_pos"]}
+            extra = {"origin_src": out["origin_src"], "origin_pos": out["origin_pos"]}
             return PlanOutputs(plan=out["plan"], extra=extra)
         if self.device.type != "cuda" or T == 0 or self._capturing():  # an outer capture records the kernels
             return compute_plan(self.counts.local.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
@@ -322,16 +324,7 @@ class NvshmemBackend:
         q = self._copy_out(plan, origins, R, H if mx else 2 * H)
         if not mx:
             return q.view(torch.bfloat16)
-        if self.put_mode and R:  # scale rows arrived row-major: into the blocked layout
-            from .nvshmem_kernels import scale_rows_to_blocked_kernel
-
-            brow = grouped_m_row_map(plan.offs, R).to(torch.int32)
-            scale_rows_to_blocked_kernel[(min(R, self.programs * 4),)](
-                self.recv_srows.local, self.recv_s.local, plan.num_rows, origins.src, brow, R, self.n_col_tiles,
-                C=H // 32, C_POW2=triton_next_pow2(H // 32), num_warps=1,
-            )
-        ns = grouped_m_rows(R, self.El) * round_up(H // 32, 4)
-        s = self.recv_s.local[:ns].clone().view(-1, round_up(H // 32, 4))
+        s = self._grouped_scales(plan, origins, R)
         return MXTensor(
             qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1, layout=ScaleLayout.GROUPED_M,
             mode=self.config.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
@@ -375,29 +368,27 @@ class NvshmemBackend:
         self.puts.wait(sig, self._all_src, epoch, self._per_call, self.err, self.timeout_ns)
         self.puts.quiet()
 
-    def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, srow: torch.Tensor, w: torch.Tensor,
-                         weighted: bool, mx: bool) -> None:
+    def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, weighted: bool, mx: bool) -> None:
         """Each row of ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) to its slots'
         expert-major rows on the destinations (MXFP8 when ``mx``), then wait for every source's rows."""
         from .nvshmem_kernels import dispatch_kernel, wait_arrivals_kernel
 
         cfg = self.config
         T, H = x.shape
-        if self.put_mode:  # staging rows = send positions, row-major scales, puts signal
-            rows, srows, q_ptrs, s_ptrs = plan.send_pos, plan.send_pos, self._stage_ptrs, self._stage_s_ptrs
+        if self.put_mode:  # staging rows = send positions, puts signal
+            rows, q_ptrs, s_ptrs = plan.send_pos, self._stage_ptrs, self._stage_s_ptrs
         else:
-            rows, srows, q_ptrs, s_ptrs = plan.dest_row, srow, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs
-        dispatch_kernel[(self.programs,)](
-            x, T, plan.dest_rank, rows, srows, q_ptrs, s_ptrs, self.flags.peer_ptrs, self.rank, self.world,
-            self.n_col_tiles, w, H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=self._chunk(H, cfg.topk),
-            MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, WEIGHTED=weighted, ROW_SCALES=self.put_mode,
-            ARRIVE=not self.put_mode, num_warps=self.send_warps,
+            rows, q_ptrs, s_ptrs = plan.dest_row, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs
+        dispatch_kernel[(self.dispatch_programs,)](
+            x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, self.flags.peer_ptrs, self.rank, self.world, w,
+            H=H, K=cfg.topk, CHUNK=self._chunk(H), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
+            WEIGHTED=weighted, ARRIVE=not self.put_mode, num_warps=self.dispatch_warps,
         )
         if self.put_mode:
             blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0)
-            self._put_blocks(blocks, self.recv_q, self.recv_srows if mx else self.recv_s, 1, self.epoch[0:1])
+            self._put_blocks(blocks, self.recv_q, self.recv_s, 1, self.epoch[0:1])
         else:
-            wait_arrivals_kernel[(self.world,)](self.flags.local[1], self.expect[1], self.programs, self.err,
+            wait_arrivals_kernel[(self.world,)](self.flags.local[1], self.expect[1], self.dispatch_programs, self.err,
                                                 self.timeout_ns)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
@@ -416,12 +407,10 @@ class NvshmemBackend:
                 topk_idx = self._sanitize(topk_idx)
             my_counts = local_counts(topk_idx, E)
         self.epoch[0] += 1
-        if self.mx:
-            self.recv_s.local.zero_()
         self._exchange(my_counts)
         po = self._plan(topk_idx)
-        plan, srow = po.plan, po.extra["srow"]
-        self._send_to_experts(x, plan, srow, x, weighted=False, mx=self.mx)
+        plan = po.plan
+        self._send_to_experts(x, plan, x, weighted=False, mx=self.mx)
         if cfg.exact_sizes:
             R = int(plan.num_rows.item())
             self._check("dispatch arrivals")
@@ -433,7 +422,7 @@ class NvshmemBackend:
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
             config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,
-            device=x.device, backend_state=NvshmemState(origins=origins, num_rows_dev=plan.num_rows, srow=srow),
+            device=x.device, backend_state=NvshmemState(origins=origins, num_rows_dev=plan.num_rows),
         )
         return result, handle
 
@@ -481,9 +470,9 @@ class NvshmemBackend:
         w = weights.to(torch.float32).contiguous()
         comb = self.comb_q.local if mx else self.comb_q.local.view(torch.bfloat16)
         if T:
-            combine_reduce_kernel[(min(T, self.programs),)](
+            combine_reduce_kernel[(min(T, self.dispatch_programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.epoch[1:2], self.nslot,
-                H=H, K=cfg.topk, K_POW2=triton_next_pow2(cfg.topk), CHUNK=min(_CHUNK, triton_next_pow2(H)),
+                H=H, K=cfg.topk, CHUNK=min(_REDUCE_CHUNK, triton_next_pow2(H)),
                 MX=mx, INT_ROUND=self.int_round, num_warps=4,
             )
         saved = None
@@ -539,12 +528,10 @@ class NvshmemBackend:
         st: NvshmemState = handle.backend_state
         g = grad_y.contiguous()
         self.epoch[0] += 1
-        if quantize_rows:
-            self.recv_s.local.zero_()
         # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
         self._exchange(None)
         w = handle.topk_weights.to(torch.float32).contiguous()
-        self._send_to_experts(g, plan, st.srow if quantize_rows else plan.dest_row, w, weighted=True, mx=quantize_rows)
+        self._send_to_experts(g, plan, w, weighted=True, mx=quantize_rows)
         R = handle.num_rows
         if cfg.exact_sizes:
             self._check("combine-backward arrivals")
@@ -560,4 +547,4 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-__all__ = ["NvshmemBackend", "row_origins", "dest_scale_rows", "RowOrigins"]
+__all__ = ["NvshmemBackend", "row_origins", "RowOrigins"]

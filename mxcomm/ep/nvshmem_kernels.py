@@ -5,7 +5,8 @@ system scope. Every wait is bounded (``mxcomm.transport.flags.wait_flag_geq``).
 Buffers (all symmetric, same layout on every rank; ``W`` ranks):
 
 * ``recv_q``  uint8 ``[R_max, H * B]`` (B = 1 for MXFP8, 2 for BF16): dispatched rows, expert-major.
-* ``recv_s``  uint8 flat grouped-along-M blocked scale bytes (MXFP8).
+* ``recv_s``  uint8 ``[R_max, H/32]``: their scale bytes (MXFP8), row-major at the payload rows; the
+  receiver swizzles them into a fresh grouped-along-M blocked matrix (``scale_rows_to_grouped_kernel``).
 * ``comb_q``  uint8 ``[2, T_max * k, 2H]``: rows returned by combine, at the origin's send position
   (BF16: 2H bytes a row; MXFP8: H bytes a row, packed from the start of the copy, so a block of rows
   is contiguous for the put path). Two copies, used by alternate combine epochs.
@@ -80,38 +81,28 @@ def _arrive_all(flags_peers, row, me, W):
 
 
 @triton.jit
-def _scale_offset(srow, cols, n_col_tiles, C, ROW_SCALES: tl.constexpr):
-    """Byte offset ``[K, NB]`` of scale column ``cols`` of rows ``srow`` ([K]): row-major ``[*, C]`` or the
-    128x4-blocked layout."""
-    if ROW_SCALES:
-        return srow[:, None] * C + cols[None, :]
-    else:
-        return blocked_scale_offset(srow[:, None], cols[None, :], n_col_tiles)
-
-
-@triton.jit
-def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
-                    q_peers, s_peers, flags_peers, me, W, n_col_tiles, w_ptr,
-                    H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
+def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, flags_peers, me, W, w_ptr,
+                    H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                     MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr,
-                    ROW_SCALES: tl.constexpr = False, ARRIVE: tl.constexpr = True):
+                    ARRIVE: tl.constexpr = True):
     """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
     straight into each destination rank's buffers at their final expert-major rows.
 
-    Per token the routing of all K slots is loaded once (vectors of K), and each chunk of the row is
-    stored to all K destinations by one 2-D masked store (no per-slot branches, many stores in flight).
+    Per token and row chunk: one load and (MX) one quantization, then one 1-D store per valid slot
+    (a uniform branch per slot; the slot's routing and base pointers are scalar loads that hit L1).
+    Scales go out row-major, ``H/32`` contiguous bytes at the payload's row: the receiver swizzles them
+    into the grouped blocked layout afterwards (``scale_rows_to_grouped_kernel``). Storing each row's
+    scales straight into the blocked layout (4 bytes every 512) cost ~50 % more time on one H200
+    (``bench/bench_ep_kernels.py``, ``--scales row,blocked``).
 
     ``WEIGHTED`` (combine backward): slot ``j`` carries ``w[t, j] * x[t]`` (fp32 product), quantized per
     slot - the route weighting fused with the gradient quantization; ``w_ptr`` fp32 ``[T, K]``.
 
     Args:
         x_ptr: bf16 ``[T, H]`` contiguous.
-        dest_rank_ptr / dest_row_ptr / dest_srow_ptr: int32 ``[T, K]``: destination rank (-1 =
-            dropped), payload row there, and row in the grouped-along-M blocked scale matrix there.
-        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``recv_q`` / ``recv_s`` /
-            ``flags`` on every rank.
-        n_col_tiles: ``round_up(H/32, 4) / 4``.
-        ROW_SCALES: scales row-major (``srow * H/32 + col``) instead of blocked (the put path's staging).
+        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]``: destination rank (-1 = dropped) and row there.
+        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``recv_q`` (uint8 ``[*, H]`` MX,
+            bf16 ``[*, H]`` otherwise) / ``recv_s`` (uint8 ``[*, H/32]``) / ``flags`` on every rank.
         ARRIVE: add 1 to ``flags[1, me]`` on every rank after the stores (False on the put path, whose
             puts signal; there every ``*_peers`` entry is this rank's staging buffer and the rows are
             send positions).
@@ -120,58 +111,49 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, dest_srow_ptr,
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
-    kk = tl.arange(0, K_POW2)
-    kmask = kk < K
     t = pid
     while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
-        rk = tl.load(dest_rank_ptr + t * K + kk, mask=kmask, other=-1)
-        valid = rk >= 0
-        rkc = tl.where(valid, rk, 0)
-        row = tl.load(dest_row_ptr + t * K + kk, mask=valid, other=0).to(tl.int64)
-        if MX:
-            qbase = tl.load(q_peers + rkc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
-            srow = tl.load(dest_srow_ptr + t * K + kk, mask=valid, other=0).to(tl.int64)
-            sbase = tl.load(s_peers + rkc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
-        else:
-            qbase = tl.load(q_peers + rkc, mask=valid, other=0).to(tl.pointer_type(tl.bfloat16))
-        if WEIGHTED:
-            wv = tl.load(w_ptr + t * K + kk, mask=valid, other=0.0)
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
+            cols = c0 // 32 + bcols
+            cm = cols < C
             x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
-            m2 = valid[:, None] & m[None, :]
-            dst = qbase[:, None] + (row * H + c0)[:, None] + offs[None, :]
-            # 16-byte aligned contiguous row pieces (buffers 16-byte aligned, H % 32 == 0): 16-byte stores.
-            # Hints must be written inline (through a helper function they are lost); without them every
-            # peer store over NVLink is a single byte.
-            dst = tl.max_contiguous(tl.multiple_of(dst, [16, 16]), [1, 16])
-            if WEIGHTED:
-                xw = wv[:, None] * x.to(tl.float32)[None, :]  # [K, CHUNK]: one row per slot
-                if MX:
-                    q3, s3 = mx_quantize_tile(tl.reshape(xw, (K_POW2, NB, 32)), MODE, INT_ROUND, 2)
-                    tl.store(dst, tl.reshape(q3, (K_POW2, CHUNK)), mask=m2)
-                    cols = c0 // 32 + bcols
-                    sp = sbase[:, None] + _scale_offset(srow, cols, n_col_tiles, H // 32, ROW_SCALES)
-                    if NB % 4 == 0:  # 4 column blocks of a row are 4 contiguous bytes (both layouts)
-                        sp = tl.max_contiguous(tl.multiple_of(sp, [4, 4]), [1, 4])
-                    tl.store(sp, s3, mask=valid[:, None] & (cols < H // 32)[None, :])
-                elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even by integers
-                    tl.store(dst, bf16_rne_int(xw), mask=m2)
-                else:
-                    tl.store(dst, xw.to(tl.bfloat16), mask=m2)
-            elif MX:
+            if MX and not WEIGHTED:
                 q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
                 q = tl.reshape(q2, (CHUNK,))
-                tl.store(dst, tl.broadcast_to(q[None, :], (K_POW2, CHUNK)), mask=m2)
-                cols = c0 // 32 + bcols
-                sp = sbase[:, None] + _scale_offset(srow, cols, n_col_tiles, H // 32, ROW_SCALES)
-                if NB % 4 == 0:  # 4 column blocks of a row are 4 contiguous bytes (both layouts)
-                    sp = tl.max_contiguous(tl.multiple_of(sp, [4, 4]), [1, 4])
-                tl.store(sp, tl.broadcast_to(s[None, :], (K_POW2, NB)), mask=valid[:, None] & (cols < H // 32)[None, :])
-            else:
-                tl.store(dst, tl.broadcast_to(x[None, :], (K_POW2, CHUNK)), mask=m2)
+            for j in tl.static_range(K):
+                rk = tl.load(dest_rank_ptr + t * K + j)
+                row = tl.load(dest_row_ptr + t * K + j).to(tl.int64)  # both loads issued before the branch
+                if rk >= 0:  # dropped slots store nothing
+                    if WEIGHTED:
+                        xw = tl.load(w_ptr + t * K + j) * x.to(tl.float32)
+                        if MX:
+                            q2, s = mx_quantize_tile(tl.reshape(xw, (NB, 32)), MODE, INT_ROUND, 1)
+                            q = tl.reshape(q2, (CHUNK,))
+                        elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
+                            q = bf16_rne_int(xw)
+                        else:
+                            q = xw.to(tl.bfloat16)
+                    elif not MX:
+                        q = x
+                    if MX:
+                        qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.uint8))
+                    else:
+                        qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.bfloat16))
+                    # 16-byte aligned contiguous row pieces (buffers 16-byte aligned, H % 32 == 0). Hints must
+                    # be written inline (through a helper function they are lost); without them every peer
+                    # store over NVLink is a single byte.
+                    dst = qbase + tl.multiple_of(row * H + c0, 16) + offs
+                    tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), q, mask=m)
+                    if MX:
+                        sbase = tl.load(s_peers + rk).to(tl.pointer_type(tl.uint8))
+                        sp = sbase + row * C + cols
+                        if C % 16 == 0:  # scale rows 16-byte aligned
+                            sp = tl.max_contiguous(tl.multiple_of(sp, 16), 16)
+                        tl.store(sp, s, mask=cm)
         t += G
     if ARRIVE:
         _arrive_all(flags_peers, 1, me, W)
@@ -255,12 +237,12 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
 
 @triton.jit
 def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T, epoch_ptr, nslot,
-                          H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
+                          H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                           MX: tl.constexpr, INT_ROUND: tl.constexpr):
     """``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` in fp32 (dropped slots contribute 0), bf16 out.
 
-    The slot positions and weights of a token are loaded once; each chunk then issues the K row loads
-    without branches (masked), so they are all in flight together.
+    Per chunk the K slot positions and weights are scalar loads (L1 hits after the first chunk) and the K
+    row loads are masked, not branched, so they are all in flight together.
 
     Args:
         comb_q_ptr: this rank's returned rows (``comb_q``): MX: the uint8 buffer, row ``pos`` of the copy at
@@ -275,30 +257,25 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
     NB: tl.constexpr = CHUNK // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
-    kk = tl.arange(0, K_POW2)
-    kmask = kk < K
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
     t = pid
     while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
-        posv = tl.load(send_pos_ptr + t * K + kk, mask=kmask, other=-1)
-        wv = tl.load(w_ptr + t * K + kk, mask=posv >= 0, other=0.0)
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
+            cols = c0 // 32 + bcols
             acc = tl.zeros((CHUNK,), tl.float32)
-            for j in tl.static_range(K):  # no branches: K independent masked loads in flight
-                pos = tl.sum(tl.where(kk == j, posv, 0))
-                w = tl.sum(tl.where(kk == j, wv, 0.0))
+            for j in tl.static_range(K):  # scalar slot loads (L1 hits after the first chunk), masked row loads
+                pos = tl.load(send_pos_ptr + t * K + j)
                 ok = pos >= 0
-                p64 = slot0 + tl.maximum(pos, 0).to(tl.int64)
+                w = tl.load(w_ptr + t * K + j)
+                p64 = tl.maximum(pos, 0).to(tl.int64)
                 if MX:
-                    q = tl.load(comb_q_ptr + slot0 * (2 * H) + tl.maximum(pos, 0).to(tl.int64) * H + c0 + offs,
-                                mask=m & ok, other=0)
-                    cols = c0 // 32 + bcols
-                    sb = tl.load(comb_s_ptr + p64 * (H // 32) + cols, mask=(cols < H // 32) & ok, other=127)
+                    q = tl.load(comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs, mask=m & ok, other=0)
+                    sb = tl.load(comb_s_ptr + (slot0 + p64) * (H // 32) + cols, mask=(cols < H // 32) & ok, other=127)
                     v = tl.reshape(e4m3_decode(q, INT_ROUND), (NB, 32)) * mx_scale_value(sb.to(tl.int32))[:, None]
                     v = tl.reshape(v, (CHUNK,))
                 else:
-                    v = tl.load(comb_q_ptr + p64 * H + c0 + offs, mask=m & ok, other=0.0).to(tl.float32)
+                    v = tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0).to(tl.float32)
                 acc += tl.where(ok, w * v, 0.0)
             if INT_ROUND:
                 tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
@@ -344,30 +321,48 @@ def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
 
 
 @triton.jit
-def scale_rows_to_blocked_kernel(rows_ptr, blocked_ptr, n_rows_ptr, row_src_ptr, brow_ptr, R, n_col_tiles,
-                                 C: tl.constexpr, C_POW2: tl.constexpr):
-    """Put path, receiver: scale rows that arrived row-major at their payload rows into the grouped-along-M
-    blocked layout the grouped GEMM reads.
+def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_src_ptr, n_groups, n_col_tiles,
+                                 C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr):
+    """Receiver: the scale rows that arrived row-major at their payload rows -> a fresh grouped-along-M
+    blocked scale matrix (what the grouped GEMM reads), every byte written (zeros for padding).
 
-    Row ``r < R`` that is real (``r < n_rows``, ``row_src[r] >= 0``): bytes ``rows[r, 0:C]`` go to blocked
-    row ``brow[r]`` (``mxcomm.mx.grouped_m_row_map``), columns ``0:C``. Padding bytes are not touched (the
-    blocked buffer was zeroed before the counts went out).
+    Program ``(i, cb)`` fills output tile-row ``i`` (blocked rows ``128 i .. 128 i + 127``) for block
+    columns ``cb * CB .. cb * CB + CB - 1``. Each group (local expert) starts on a 128-row boundary of the
+    blocked matrix, so a tile-row lies in one group ``g``: blocked row ``128 i + r`` is payload row
+    ``start_g + 128 i + r - pstart_g``; it is copied when that row is real (inside the group, below
+    ``n_rows`` and ``row_src >= 0``), else 0.
 
     Args:
-        rows_ptr: uint8 ``[R, C]`` (``C = H/32``); blocked_ptr: uint8 flat blocked matrix with
-            ``n_col_tiles`` 4-column tiles; n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[R]``
-            origin rank (-1 = padding); brow_ptr: int32 ``[R]``.
-    Grid: any; persistent over rows.
+        rows_ptr: uint8 ``[*, C]`` (``C = H/32``), row-major scales at payload rows.
+        out_ptr: uint8 flat ``[tile_rows * 128 * n_col_tiles * 4]`` blocked matrix (``n_col_tiles`` 4-column
+            tiles per tile-row).
+        offs_ptr: int32 ``[n_groups]`` group END offsets in payload rows; n_rows_ptr: int32 scalar;
+        row_src_ptr: int32 ``[>= n_rows]`` origin rank per payload row, -1 = padding.
+    Grid: ``(tile_rows, cdiv(4 * n_col_tiles, CB))``.
     """
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    cols = tl.arange(0, C_POW2)
-    cm = cols < C
+    i = tl.program_id(0)
+    cb = tl.program_id(1)
+    g1 = tl.arange(0, G_POW2)
+    gm = g1 < n_groups
+    end = tl.load(offs_ptr + g1, mask=gm, other=0)
+    start = tl.load(offs_ptr + g1 - 1, mask=gm & (g1 > 0), other=0)
+    size = end - start
+    p128 = tl.where(gm, (size + 127) // 128 * 128, 0)
+    pend = tl.cumsum(p128, axis=0)
+    r0 = i * 128
+    g = tl.sum((gm & (pend <= r0)).to(tl.int32), axis=0)  # groups that end at or before this tile-row
+    sel = g1 == g
+    gstart = tl.sum(tl.where(sel, start, 0), axis=0)
+    gsize = tl.sum(tl.where(sel, size, 0), axis=0)
+    gpstart = tl.sum(tl.where(sel, pend - p128, 0), axis=0)
+    br = r0 + tl.arange(0, 128)
+    inside = (g < n_groups) & (br - gpstart < gsize)
+    prow = gstart + br - gpstart
     n_rows = tl.load(n_rows_ptr)
-    r = pid
-    while r < R:
-        if _real_row(r, n_rows, row_src_ptr):
-            v = tl.load(rows_ptr + r.to(tl.int64) * C + cols, mask=cm, other=0)
-            br = tl.load(brow_ptr + r).to(tl.int64)
-            tl.store(blocked_ptr + blocked_scale_offset(br, cols, n_col_tiles), v, mask=cm)
-        r += G
+    real = inside & (prow < n_rows)
+    real = real & (tl.load(row_src_ptr + prow, mask=real, other=-1) >= 0)
+    cols = cb * CB + tl.arange(0, CB)
+    v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * C + cols[None, :], mask=real[:, None] & (cols < C)[None, :],
+                other=0)
+    tl.store(out_ptr + blocked_scale_offset(br.to(tl.int64)[:, None], cols[None, :], n_col_tiles), v,
+             mask=(cols < 4 * n_col_tiles)[None, :])

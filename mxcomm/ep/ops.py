@@ -71,7 +71,7 @@ from .plan import PLAN_TENSORS, RoutingPlan, max_recv_rows  # PLAN_TENSORS: carr
 from .registry import GROUPS
 
 # Backend handle state carried by an OpHandle, per backend (all int32).
-STATE_TENSORS = {"torch": (), "nvshmem": ("origin_src", "origin_pos", "num_rows_dev", "srow")}
+STATE_TENSORS = {"torch": (), "nvshmem": ("origin_src", "origin_pos", "num_rows_dev")}
 
 
 # ---------------------------------------------------------------------------- registry ----
@@ -127,7 +127,7 @@ def _handle_shapes(cfg, W: int, El: int, R: int, T) -> list:
         "send_splits": (W,), "num_send": (1,), "recv_splits": (W,), "expert_counts": (El,), "offs": (El,),
         "src_row_start": (W, El), "src_send_pos": (W, El), "num_rows": (1,), "num_recv": (1,),
     }
-    state = {"origin_src": (R,), "origin_pos": (R,), "num_rows_dev": (1,), "srow": (T, k)}
+    state = {"origin_src": (R,), "origin_pos": (R,), "num_rows_dev": (1,)}
     return [plan[n] for n in PLAN_TENSORS] + [state[n] for n in STATE_TENSORS[cfg.backend]]
 
 
@@ -135,7 +135,7 @@ def _flatten_handle(h: EPHandle) -> list:
     out = [getattr(h.plan, n) for n in PLAN_TENSORS]
     if h.config.backend == "nvshmem":
         st = h.backend_state
-        out += [st.origins.src, st.origins.pos, st.num_rows_dev, st.srow]
+        out += [st.origins.src, st.origins.pos, st.num_rows_dev]
     # fresh, contiguous copies: op outputs must not alias each other (and backend buffers are reused)
     return [t.to(torch.int32).contiguous().clone() for t in out]
 
@@ -154,8 +154,8 @@ def _unflatten_handle(group: EPGroup, tensors, topk_idx, topk_weights) -> EPHand
     if cfg.backend == "nvshmem":
         from .nvshmem_backend import NvshmemState, RowOrigins
 
-        src, pos, nrd, srow = tensors[n:n + 4]
-        state = NvshmemState(origins=RowOrigins(src=src, pos=pos), num_rows_dev=nrd, srow=srow)
+        src, pos, nrd = tensors[n:n + 3]
+        state = NvshmemState(origins=RowOrigins(src=src, pos=pos), num_rows_dev=nrd)
     else:  # host split sizes of the reference backend's all-to-all (host sync, inside the op)
         splits = dict(send_splits_host=tuple(plan.send_splits.tolist()), recv_splits_host=tuple(plan.recv_splits.tolist()))
     return EPHandle(

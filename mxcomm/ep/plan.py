@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..mx.layouts import grouped_m_rows, round_up
+from ..mx.layouts import round_up
 from .config import EPConfig
 
 
@@ -247,7 +247,8 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     """The symmetric buffers the ``nvshmem`` backend allocates per rank (the single source of their sizes).
 
     * ``ep.recv_q`` uint8 ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes): received rows, expert-major.
-    * ``ep.recv_s`` uint8 ``[grouped_m_rows(R_max, El) * round_up(H/32, 4)]``: grouped-along-M scales (mxfp8; 1 byte for bf16).
+    * ``ep.recv_s`` uint8 ``[R_max, H/32]``: their scale bytes, row-major at the payload rows (mxfp8; 1 byte for
+      bf16); the receiver swizzles them into a fresh grouped-along-M blocked matrix.
     * ``ep.comb_q`` uint8 ``[2, T_max*k, 2H]``: rows returned by combine (two copies, alternate epochs; a BF16
       row takes 2H bytes, MXFP8 rows are packed H bytes apart from the start of their copy).
     * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes.
@@ -257,21 +258,18 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
 
     * ``ep.stage_q`` uint8 ``[R_max, 2H]``: the sending kernels' rows before NVSHMEM puts them (dispatch: in
       send order; combine: in this rank's expert-major order);
-    * ``ep.stage_s`` uint8 ``[R_max, H/32]``: their scale bytes, row-major;
-    * ``ep.recv_srows`` uint8 ``[R_max, H/32]`` (mxfp8): received scale rows, row-major at the payload rows,
-      swizzled into ``ep.recv_s`` by the receiver.
+    * ``ep.stage_s`` uint8 ``[R_max, H/32]``: their scale bytes, row-major.
     """
     config.validate(world_size)
     if put_path is None:
         put_path = config.transport == "put"
     H = config.hidden
-    El = config.num_local_experts(world_size)
     R = max_recv_rows(config, world_size)
     mx = config.precision == "mxfp8"
     nslot = config.max_tokens_per_rank * config.topk
     regions = [
         BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8),
-        BufferRegion("ep.recv_s", (grouped_m_rows(R, El) * round_up(H // 32, 4) if mx else 1,), torch.uint8),
+        BufferRegion("ep.recv_s", (R, H // 32) if mx else (1,), torch.uint8),
         BufferRegion("ep.comb_q", (2, nslot, 2 * H), torch.uint8),
         BufferRegion("ep.comb_s", (2, nslot, H // 32), torch.uint8),
         BufferRegion("ep.counts", (world_size, config.num_experts), torch.int32),
@@ -281,7 +279,6 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
         regions += [
             BufferRegion("ep.stage_q", (R, 2 * H), torch.uint8),
             BufferRegion("ep.stage_s", (R, H // 32), torch.uint8),
-            BufferRegion("ep.recv_srows", ((R if mx else 1), H // 32), torch.uint8),
         ]
     return regions
 
@@ -290,7 +287,7 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
 class BufferSizes:
     """Bytes per rank of the GPU backend's symmetric buffers, by purpose (see :func:`buffer_regions`).
 
-    dispatch_payload / dispatch_scales: received rows and their grouped-along-M scales.
+    dispatch_payload / dispatch_scales: received rows and their scale rows.
     combine_payload: rows returned by combine, two copies (incl. their scale bytes).
     counts, flags: the counts matrix and the signal words.
     put_staging: the put-with-signal path's staging and row-major scale buffers (0 without it).
@@ -319,7 +316,7 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
         combine_payload=b["ep.comb_q"] + b["ep.comb_s"],
         counts=b["ep.counts"],
         flags=b["ep.flags"],
-        put_staging=sum(b.get(n, 0) for n in ("ep.stage_q", "ep.stage_s", "ep.recv_srows")),
+        put_staging=sum(b.get(n, 0) for n in ("ep.stage_q", "ep.stage_s")),
     )
 
 

@@ -9,7 +9,7 @@ destination (``csrc/put_signal.cu`` through :mod:`mxcomm.transport.put_signal`):
 * dispatch direction (dispatch, combine backward): the kernel writes slot ``(t, j)`` at its send
   position (send order = (global expert, t, j), so each expert's rows are one block); the block for
   global expert ``g`` on rank ``p`` lands at its rows in ``p``'s expert-major ``recv_q``; its scale
-  bytes (row-major) land at the same rows of ``p``'s ``recv_srows`` and ``p`` swizzles them into the
+  bytes (row-major) land at the same rows of ``p``'s ``recv_s`` and ``p`` swizzles them into the
   grouped-along-M blocked layout after the wait;
 * combine direction (combine, dispatch backward): the kernel writes each expert-major row at its own
   row index; the block of (source ``s``, local expert ``e``) goes to ``s``'s ``comb_q`` / ``comb_s`` at

@@ -11,7 +11,7 @@ from mxcomm.ep.group import check_expert_ids, validate_dispatch_inputs
 from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
 from mxcomm.ep.plan import max_rows_per_source, send_tokens
 from mxcomm.ep.reference import weighted_combine
-from mxcomm.mx import grouped_m_rows, round_up
+from mxcomm.mx import round_up
 
 BASE = EPConfig(num_experts=8, hidden=128, topk=2, max_tokens_per_rank=16)
 
@@ -92,7 +92,7 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert max_rows_per_source(cfg, world) == 4096 * min(8, El)
     b = buffer_sizes(cfg, world)
     assert b.dispatch_payload == R * 7168 * (1 if precision == "mxfp8" else 2)
-    assert b.dispatch_scales == (grouped_m_rows(R, El) * 224 if precision == "mxfp8" else 1)
+    assert b.dispatch_scales == (R * 224 if precision == "mxfp8" else 1)  # scale rows at the payload rows
     assert b.combine_payload == 2 * 4096 * 8 * (7168 * 2 + 7168 // 32)
     assert b.total == EPGroup.buffer_bytes(cfg, world)
     assert b.total == b.dispatch_payload + b.dispatch_scales + b.combine_payload + b.counts + b.flags
@@ -326,5 +326,5 @@ def test_put_path_buffers_are_counted_in_the_memory_report():
     auto, put = buffer_sizes(BASE, 2), buffer_sizes(replace(BASE, transport="put"), 2)
     R, H = max_recv_rows(BASE, 2), BASE.hidden
     assert auto.put_staging == 0
-    assert put.put_staging == R * 2 * H + 2 * R * (H // 32)  # stage rows, stage scales, row-major recv scales
+    assert put.put_staging == R * 2 * H + R * (H // 32)  # stage rows, stage scales
     assert put.total == auto.total + put.put_staging

@@ -11,7 +11,7 @@ import torch
 
 from heap_fakes import FakeBuf, FakeCtx
 from mxcomm.ep import EPConfig, EPGroup
-from mxcomm.ep.nvshmem_backend import dest_scale_rows, row_origins
+from mxcomm.ep.nvshmem_backend import row_origins
 from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
 from mxcomm.ep.plan import build_plan, local_counts
 from mxcomm.mx import grouped_m_row_map
@@ -25,7 +25,7 @@ def _routing(W, T, E, k, g, drop=0.1):
 
 
 @pytest.mark.parametrize("W,E,k,align", [(1, 8, 2, 32), (2, 8, 3, 32), (4, 16, 4, 128), (4, 4, 4, 32)])
-def test_row_origins_and_scale_rows_invert_the_send_side(W, E, k, align):
+def test_row_origins_invert_the_send_side(W, E, k, align):
     g = torch.Generator().manual_seed(W * 100 + E)
     Ts = [int(torch.randint(0, 40, (1,), generator=g)) for _ in range(W)]
     Ts[0] = 0 if W > 1 else Ts[0]  # a rank with zero tokens
@@ -46,16 +46,7 @@ def test_row_origins_and_scale_rows_invert_the_send_side(W, E, k, align):
             assert int(ps.dest_rank.reshape(-1)[slot]) == r
             assert int(ps.dest_row.reshape(-1)[slot]) == row
         assert seen == int(plans[r].num_recv)
-    for s in range(W):
-        srow = dest_scale_rows(plans[s], idxs[s])
-        for slot in range(idxs[s].numel()):
-            d = int(plans[s].dest_rank.reshape(-1)[slot])
-            if d < 0:
-                assert int(srow.reshape(-1)[slot]) == -1
-                continue
-            row = int(plans[s].dest_row.reshape(-1)[slot])
-            want = grouped_m_row_map(plans[d].offs, int(plans[d].num_rows))[row]
-            assert int(srow.reshape(-1)[slot]) == int(want)
+
 
 
 class LoopbackHeap:
@@ -112,6 +103,41 @@ class LoopbackPuts:
 
     def quiet(self):
         self.calls["quiet"] += 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
+@pytest.mark.parametrize("El,C,align,n_rows_cut", [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)])
+def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_cut):
+    """The receiver's swizzle == mxcomm.mx.to_grouped_m of the real rows: empty groups, padding rows and
+    rows whose origin is -1 give zeros, rows past ``n_rows`` are ignored, every output byte is written."""
+    import triton
+    from mxcomm.ep.nvshmem_kernels import scale_rows_to_grouped_kernel
+    from mxcomm.mx import grouped_m_rows, round_up, to_grouped_m
+
+    g = torch.Generator().manual_seed(El * 1000 + C)
+    n = torch.randint(0, 300, (El,), generator=g)
+    n[0] = 0  # an empty group
+    padded = (n + align - 1) // align * align
+    offs = torch.cumsum(padded, 0).to(torch.int32)
+    R = int(offs[-1]) + 64  # rows past the last group (worst-case-sized buffers)
+    rows = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)  # garbage everywhere
+    src = torch.full((R,), -1, dtype=torch.int32)
+    starts = offs - padded.to(torch.int32)
+    for e in range(El):
+        src[int(starts[e]):int(starts[e]) + int(n[e])] = torch.randint(0, 4, (int(n[e]),), generator=g, dtype=torch.int32)
+    src[torch.rand(R, generator=g) < 0.05] = -1  # a few unreal rows inside groups
+    n_rows = int(offs[-1]) - n_rows_cut
+    want_rows = torch.where(((src >= 0) & (torch.arange(R) < n_rows))[:, None], rows, torch.zeros_like(rows))
+    want = to_grouped_m(want_rows[: int(offs[-1])], offs)
+    cp = round_up(C, 4)
+    out_rows = grouped_m_rows(R, El)
+    out = torch.full((out_rows, cp), 0xAB, dtype=torch.uint8)
+    cb = min(32, triton.next_power_of_2(cp))
+    scale_rows_to_grouped_kernel[(out_rows // 128, triton.cdiv(cp, cb))](
+        rows, out, offs, torch.tensor([n_rows], dtype=torch.int32), src, El, cp // 4,
+        C=C, CB=cb, G_POW2=triton.next_power_of_2(El))
+    assert torch.equal(out[: want.shape[0]], want)
+    assert not out[want.shape[0]:].any()  # rows past the groups: zeros (written, not left at 0xAB)
 
 
 def _loopback_backend(cfg):
@@ -269,12 +295,13 @@ def compile(fn, types, **consts):
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
 
 i32, i64, u8 = "*i32", "*i64", "*u8"
-disp = dict(x_ptr="*bf16", dest_rank_ptr=i32, dest_row_ptr=i32, dest_srow_ptr=i32, q_peers=i64, s_peers=i64,
-            flags_peers=i64, w_ptr="*fp32")
-for rs, arrive in ((False, True), (True, False)):  # peer-pointer path, put path
+disp = dict(x_ptr="*bf16", dest_rank_ptr=i32, dest_row_ptr=i32, q_peers=i64, s_peers=i64, flags_peers=i64,
+            w_ptr="*fp32")
+for arrive in (True, False):  # peer-pointer path, put path
     for weighted in (False, True):
-        compile(nk.dispatch_kernel, disp, H=256, K=8, K_POW2=8, CHUNK=256, MX=True, MODE=0, INT_ROUND=False,
-                WEIGHTED=weighted, ROW_SCALES=rs, ARRIVE=arrive)
+        for mx in (True, False):
+            compile(nk.dispatch_kernel, disp, H=7168, K=8, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False,
+                    WEIGHTED=weighted, ARRIVE=arrive)
 send = dict(out_ptr="*bf16", n_rows_ptr=i32, row_src_ptr=i32, row_pos_ptr=i32, q_peers=i64, s_peers=i64,
             flags_peers=i64, epoch_ptr=i64, in_scales_ptr=u8)
 for staged in (False, True):
@@ -284,9 +311,9 @@ for staged in (False, True):
 compile(nk.combine_send_kernel, dict(send, out_ptr=u8), H=256, BR=4, CHUNK=256, MX=True, MODE=0, INT_ROUND=False,
         PASS=True, STAGED=True)
 compile(nk.combine_reduce_kernel, dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, w_ptr="*fp32", y_ptr="*bf16",
-        epoch_ptr=i64), H=256, K=8, K_POW2=8, CHUNK=256, MX=True, INT_ROUND=False)
-compile(nk.scale_rows_to_blocked_kernel, dict(rows_ptr=u8, blocked_ptr=u8, n_rows_ptr=i32, row_src_ptr=i32,
-        brow_ptr=i32), C=224, C_POW2=256)
+        epoch_ptr=i64), H=7168, K=8, CHUNK=4096, MX=True, INT_ROUND=False)
+compile(nk.scale_rows_to_grouped_kernel, dict(rows_ptr=u8, out_ptr=u8, offs_ptr=i32, n_rows_ptr=i32,
+        row_src_ptr=i32), C=224, CB=32, G_POW2=256)
 compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
         CHUNK=512)
 print("ok")

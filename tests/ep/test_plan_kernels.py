@@ -1,7 +1,8 @@
 """The routing plan in Triton kernels (mxcomm.ep.plan_kernels) against the torch plan (build_plan,
-dest_scale_rows, row_origins): every tensor identical, on random routings with dropped slots, empty
-experts, all tokens on one expert, zero tokens, worlds 1-8, align 32/128. CPU: Triton interpreter;
-GPU: the same cases on CUDA plus a DeepSeek-sized one."""
+row_origins): every tensor identical, on random routings with dropped slots, empty
+experts, all tokens on one expert, all slots on one expert, all slots dropped, zero tokens, worlds 1-8,
+align 32/128, slots over several blocks of the slot kernels (also with small blocks and scan tiles).
+CPU: Triton interpreter; GPU: the same cases on CUDA plus a DeepSeek-sized one."""
 import random
 
 import pytest
@@ -12,7 +13,7 @@ from _triton_mode import load_kernels, run_aot
 load_kernels("mxcomm.ep.plan_kernels")
 
 from mxcomm.ep import plan_kernels as pk  # noqa: E402
-from mxcomm.ep.nvshmem_backend import dest_scale_rows, row_origins  # noqa: E402
+from mxcomm.ep.nvshmem_backend import row_origins  # noqa: E402
 from mxcomm.ep.plan import PLAN_TENSORS, build_plan, local_counts  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,6 +27,10 @@ def _routing(rng, T, k, E, drop_p, mode):
         idx[:, 1:] = torch.where(idx[:, 1:] == 0, torch.full_like(idx[:, 1:], -1), idx[:, 1:])
     if mode == "subset" and T:
         idx = torch.where(idx < max(k + 1, E // 4), idx, torch.full_like(idx, -1))
+    if mode == "all_one":  # every slot to expert E // 2 (k = 1)
+        idx = torch.full_like(idx, E // 2)
+    if mode == "all_dropped":
+        idx = torch.full_like(idx, -1)
     drop = torch.rand(T, k, generator=rng) < drop_p
     return torch.where(drop, torch.full_like(idx, -1), idx).to(torch.int32)
 
@@ -45,9 +50,6 @@ def _compare(counts, idx, rank, align, R):
         a, b = getattr(got["plan"], f).cpu(), getattr(want, f)
         if a.dtype != torch.int32 or not a.is_contiguous() or a.shape != b.shape or not torch.equal(a, b):
             bad.append(f"{f}: got {a.shape} {a.flatten()[:12].tolist()} want {b.shape} {b.flatten()[:12].tolist()}")
-    srow = dest_scale_rows(want, idx)
-    if not torch.equal(got["srow"].cpu(), srow):
-        bad.append("srow")
     o = row_origins(want, R)
     if not (torch.equal(got["origin_src"].cpu(), o.src) and torch.equal(got["origin_pos"].cpu(), o.pos)):
         bad.append("row origins")
@@ -69,6 +71,32 @@ CASES = [  # W, E, k, tokens per rank, align, drop_p, routing
 def test_triton_plan_equals_torch_plan(W, E, k, tokens, align, drop_p, mode):
     counts, idxs = _case(W, E, k, tokens, align, drop_p, mode, seed=W * 100 + E + k)
     R = sum(tokens) * k + (E // W) * align + 7  # more rows than any rank receives (tail rows: -1)
+    bad = []
+    for rank in range(W):
+        bad += [f"rank {rank}: {b}" for b in _compare(counts, idxs[rank], rank, align, R)]
+    assert not bad, "\n".join(bad[:20])
+
+
+STRESS = [  # several slot blocks, T*k mostly not a multiple of the block
+    (8, 256, 8, (300, 17, 0, 64, 5, 129, 1, 40), 32, 0.05, "random"),  # many experts
+    (4, 32, 4, (97, 64, 0, 33), 32, 0.2, "subset"),                    # few experts, each over many blocks
+    (2, 8, 1, (300, 7), 32, 0.0, "all_one"),                           # every slot to one expert
+    (2, 6, 3, (100, 50), 128, 0.0, "all_dropped"),
+    (2, 10, 2, (64, 3), 128, 0.3, "one_expert"),                       # T*k = one default block exactly
+]
+
+
+@pytest.mark.parametrize("block,scan_rows,scan_keys", [(None, None, None), (16, 32, 64)])
+@pytest.mark.parametrize("W,E,k,tokens,align,drop_p,mode", STRESS)
+def test_triton_plan_slot_blocks(monkeypatch, W, E, k, tokens, align, drop_p, mode, block, scan_rows, scan_keys):
+    """Slot kernels over many blocks: the default block, and blocks of 16 slots with a scan over 32
+    blocks x 64 keys at a time (several scan steps and key chunks with E = 256)."""
+    if block:
+        monkeypatch.setattr(pk, "_SLOT_BLOCK", block)
+        monkeypatch.setattr(pk, "_SCAN_ROWS", scan_rows)
+        monkeypatch.setattr(pk, "_SCAN_KEYS", scan_keys)
+    counts, idxs = _case(W, E, k, tokens, align, drop_p, mode, seed=W * 10 + E + k + 7)
+    R = sum(tokens) * k + (E // W) * align + 3
     bad = []
     for rank in range(W):
         bad += [f"rank {rank}: {b}" for b in _compare(counts, idxs[rank], rank, align, R)]
@@ -124,7 +152,9 @@ def compile(fn, **consts):
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
 
 compile(pk.plan_tables_kernel, W_POW2=8, EL_POW2=32)
-compile(pk.plan_slots_kernel, BLOCK=1024)
+compile(pk.slot_hist_kernel, BLOCK=128, ZERO_BLOCK=512)
+compile(pk.slot_scan_kernel, BLOCK_B=256, BLOCK_K=8)
+compile(pk.slot_place_kernel, BLOCK=128)
 compile(pk.row_origins_kernel, BLOCK=128, EL_POW2=32, W_POW2=8)
 compile(pk.check_count_kernel, K=8, K_POW2=8, BLOCK_T=64, CHECK=True)
 compile(pk.check_count_kernel, K=6, K_POW2=8, BLOCK_T=64, CHECK=False)

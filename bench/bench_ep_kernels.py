@@ -1,0 +1,321 @@
+"""The EP data kernels alone on one GPU - dispatch (quantize + scatter) and combine's reduce - against
+the device copy ceiling and, for dispatch, a naive baseline kernel.
+
+    python3 bench/bench_ep_kernels.py [--tokens 8192] [--hidden 7168] [--topk 8] [--experts 256]
+                                      [--impls mxcomm.ep.nvshmem_kernels,other.module]
+
+No NVSHMEM: with one rank every slot stays on this GPU, so the kernels are launched with one-entry pointer
+tables that point at plain CUDA tensors (what the backend passes in loopback, minus the symmetric heap).
+The routing plan is the library's (``mxcomm.ep.plan.build_plan``; random top-k routing, every expert
+local), built once outside the timed region. ``--impls`` names modules providing ``dispatch_kernel`` and
+``combine_reduce_kernel`` with the library's signatures (to compare an implementation against another in
+the same run).
+
+Timed (CUDA-event median per launch, after warm-up), for each module and (programs, warps, chunk):
+
+* ``dispatch``: BF16 read once per token (``T*H*2``) + MXFP8 payload and scales written once per valid
+  selection (``S*(H + H/32)``). Checked: payload and blocked scales equal the plain-torch reference
+  (``mxcomm.mx.reference.quantize``) placed at the plan's rows.
+* ``naive`` (dispatch baseline, this file's kernel): one program per token loads the row once, quantizes
+  it once and stores it to each destination row, scales row-major. Same bytes, same check.
+* ``reduce``: ``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` from MXFP8 rows: ``S*(H + H/32)`` read +
+  ``T*H*2`` written. Checked against a plain-torch fp32 sum of the dequantized rows (bf16 output;
+  max |diff| reported, must be within bf16 rounding).
+* ``ceiling``: ``dst.copy_(src)`` of 1 GiB (read + write counted).
+
+Writes JSON to ``--out``; exits non-zero if any output is wrong.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from mxcomm.bench.env_info import machine, versions  # noqa: E402
+from mxcomm.ep.plan import build_plan, local_counts  # noqa: E402
+from mxcomm.kernels.mx_device import blocked_scale_offset, mx_quantize_tile  # noqa: E402
+from mxcomm.mx import round_up  # noqa: E402
+from mxcomm.mx.layouts import blocked_index, grouped_m_row_map, grouped_m_rows  # noqa: E402
+from mxcomm.mx.reference import quantize  # noqa: E402
+from mxcomm.mx.scales import scale_value  # noqa: E402
+
+
+@triton.jit
+def naive_dispatch_kernel(x_ptr, T, dest_row_ptr, srow_ptr, q_ptr, s_ptr, n_col_tiles, H: tl.constexpr,
+                          K: tl.constexpr, CHUNK: tl.constexpr, INT_ROUND: tl.constexpr, BLOCKED: tl.constexpr):
+    """Baseline: program ``t`` (persistent over tokens) loads bf16 row ``x[t, :]`` once (``CHUNK`` at a
+    time), quantizes it once (rceil) and stores payload row ``q[dest_row[t, j]]`` (uint8 ``[*, H]``) for
+    each valid slot ``j`` (``dest_row >= 0``), its scales row-major at ``s[dest_row[t, j]]`` (uint8
+    ``[*, H/32]``) or, with ``BLOCKED``, at row ``srow[t, j]`` of the 128x4-blocked layout."""
+    NB: tl.constexpr = CHUNK // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    t = tl.program_id(0).to(tl.int64)
+    while t < T:
+        for c0 in tl.static_range(0, H, CHUNK):
+            m = (c0 + offs) < H
+            x = tl.load(x_ptr + t * H + c0 + offs, mask=m, other=0.0)
+            q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), 0, INT_ROUND, 1)
+            q = tl.reshape(q2, (CHUNK,))
+            cols = c0 // 32 + bcols
+            for j in tl.static_range(K):
+                row = tl.load(dest_row_ptr + t * K + j).to(tl.int64)
+                if row >= 0:
+                    tl.store(q_ptr + row * H + c0 + offs, q, mask=m)
+                    if BLOCKED:
+                        srow = tl.load(srow_ptr + t * K + j).to(tl.int64)
+                        tl.store(s_ptr + blocked_scale_offset(srow, cols, n_col_tiles), s, mask=cols < H // 32)
+                    else:
+                        tl.store(s_ptr + row * (H // 32) + cols, s, mask=cols < H // 32)
+        t += tl.num_programs(0)
+
+
+def _event_median_us(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(times)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+class Lab:
+    """Inputs, plan and reference outputs of one configuration; ``record`` times and checks a launch."""
+
+    def __init__(self, args):
+        self.args = args
+        self.interp = os.environ.get("TRITON_INTERPRET") == "1"
+        dev = self.dev = torch.device("cpu" if self.interp else "cuda")
+        T, H, k, E = self.T, self.H, self.k, self.E = args.tokens, args.hidden, args.topk, args.experts
+        C = self.C = H // 32
+        g = torch.Generator().manual_seed(0)
+        idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k].to(torch.int32)
+        if args.drop:  # some dropped slots (-1), as a capacity limit would leave them
+            idx[torch.rand(T, k, generator=g) < args.drop] = -1
+        self.idx = idx.to(dev)
+        self.x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+        self.plan = build_plan(local_counts(self.idx, E)[None], self.idx, 0, args.align)
+        dr = self.plan.dest_row.long()  # each slot's row in the grouped blocked scale matrix
+        rmap = grouped_m_row_map(self.plan.offs, max(int(self.plan.num_rows), 1))
+        self.srow = torch.where(dr >= 0, rmap[dr.clamp(min=0)], -1).to(torch.int32)
+        self.R = R = int(self.plan.num_rows)
+        self.n_col_tiles = round_up(C, 4) // 4
+        self.s_bytes = (round_up(R + 128 * E, 128) // 128) * self.n_col_tiles * 512
+        self.S = int((self.idx >= 0).sum())
+        self.sms = 1 if self.interp else torch.cuda.get_device_properties(dev).multi_processor_count
+        self.results = []
+        self.layouts = [{"row": False, "blocked": True}[v] for v in args.scales.split(",")]
+        # reference dispatch output: payload row and scales of each valid slot
+        ref = quantize(self.x)
+        keep = self.plan.dest_row.reshape(-1) >= 0
+        tok = torch.arange(T, device=dev).repeat_interleave(k)[keep]
+        self.slot_rows = self.plan.dest_row.reshape(-1)[keep].long()
+        self.slot_srows = self.srow.reshape(-1)[keep].long()
+        self.ref_q = ref.qdata.view(torch.uint8)[tok]
+        self.ref_s = ref.scales.view(torch.uint8).reshape(T, C)[tok]
+        cols = torch.arange(C, device=dev)
+        self.boff = blocked_index(self.slot_srows[:, None], cols[None, :], self.n_col_tiles)
+        # combine input: the reference rows at their send positions (both copies hold the same rows)
+        nslot = T * k
+        self.nslot = nslot
+        pos = self.plan.send_pos.reshape(-1)[keep].long()
+        self.comb_q = torch.zeros(2, nslot, 2 * H, dtype=torch.uint8, device=dev)
+        self.comb_s = torch.zeros(2, nslot, C, dtype=torch.uint8, device=dev)
+        for c in range(2):  # row pos of a copy at byte pos * H from the copy's start
+            self.comb_q[c].view(-1)[: nslot * H].view(nslot, H)[pos] = self.ref_q
+            self.comb_s[c][pos] = self.ref_s
+        self.w = torch.rand(T, k, generator=g).to(dev)
+        deq = (self.ref_q.view(torch.float8_e4m3fn).float().view(-1, C, 32)
+               * scale_value(self.ref_s.to(torch.int32)).view(-1, C, 1)).view(-1, H)
+        y = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        y.index_add_(0, tok, self.w.reshape(-1)[keep][:, None] * deq)
+        self.ref_y = y.to(torch.bfloat16)
+
+    def grids(self) -> list[int]:
+        """Program counts of the sweep: ``--programs`` per SM, or 'tokens' (one per token)."""
+        return [self.T if p == "tokens" else self.sms * int(p) for p in self.args.programs.split(",")]
+
+    def ptrs(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([t.data_ptr()], dtype=torch.int64, device=self.dev)
+
+    def record(self, op: str, impl: str, params: dict, fn, check, nbytes: int | None = None) -> None:
+        ok, detail = check(fn)
+        us = float("nan") if self.interp else _event_median_us(fn, self.args.iters)
+        T, H, C, S = self.T, self.H, self.C, self.S
+        if nbytes is None:  # the same count for dispatch and reduce (read/write swapped)
+            nbytes = T * H * 2 + S * (H + C)
+        res = dict(op=op, impl=impl, **params, us=us, gbps=nbytes / (us * 1e-6) / 1e9, bytes=nbytes, correct=ok,
+                   **detail)
+        self.results.append(res)
+        print(json.dumps(res), flush=True)
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def dispatch_check(self, q, s, row_major_scales: bool):
+        """Payload rows and scales equal the reference (row-major scales at the payload row, or blocked)."""
+        def check(fn):
+            q.zero_()
+            s.zero_()
+            fn()
+            ok_q = torch.equal(q[self.slot_rows], self.ref_q)
+            if row_major_scales:
+                got_s = s.view(-1)[: self.R * self.C].view(self.R, self.C)[self.slot_rows]
+            else:
+                got_s = s[self.boff]
+            ok_s = torch.equal(got_s, self.ref_s)
+            return bool(ok_q and ok_s), dict(payload_equal=bool(ok_q), scales_equal=bool(ok_s))
+        return check
+
+    def bench_dispatch(self, mod, impl: str) -> None:
+        """The module's ``dispatch_kernel`` (row-major scales at the payload rows) and, as ``swizzle``, its
+        ``scale_rows_to_grouped_kernel`` (those scale rows -> the grouped blocked matrix)."""
+        a, dev = self.args, self.dev
+        q = torch.empty(self.R, self.H, dtype=torch.uint8, device=dev)
+        s = torch.empty(self.R, self.C, dtype=torch.uint8, device=dev)
+        qp, sp = self.ptrs(q), self.ptrs(s)
+        flags = torch.zeros(3, 1, dtype=torch.int64, device=dev)
+        fp, w = self.ptrs(flags), torch.zeros(1, dtype=torch.float32, device=dev)
+        for programs in self.grids():
+            for warps in _ints(a.warps):
+                for chunk in _ints(a.chunks):
+                    fn = (lambda programs=programs, warps=warps, chunk=chunk: mod.dispatch_kernel[(programs,)](
+                        self.x, self.T, self.plan.dest_rank, self.plan.dest_row, qp, sp, fp, 0, 1, w, H=self.H,
+                        K=self.k, CHUNK=chunk, MX=True, MODE=0, INT_ROUND=self.interp, WEIGHTED=False,
+                        num_warps=warps))
+                    self.record("dispatch", impl, dict(programs=programs, warps=warps, chunk=chunk, scales="row"), fn,
+                                self.dispatch_check(q, s, True))
+        # the swizzle of the scale rows the last run wrote
+        cp = round_up(self.C, 4)
+        rows = grouped_m_rows(self.R, self.E)
+        out = torch.empty(rows, cp, dtype=torch.uint8, device=dev)
+        src = torch.full((max(self.R, 1),), -1, dtype=torch.int32, device=dev)  # origin rank of each row
+        src[self.slot_rows] = 0
+        cb = min(32, triton.next_power_of_2(cp))
+        fn = (lambda: mod.scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(cp, cb))](
+            s, out, self.plan.offs, self.plan.num_rows, src, self.E, cp // 4, C=self.C, CB=cb,
+            G_POW2=triton.next_power_of_2(self.E), num_warps=4))
+
+        def check(fn):
+            out.fill_(0xAB)
+            fn()
+            flat = out.view(-1)
+            ok = torch.equal(flat[self.boff], self.ref_s)
+            rest = torch.ones_like(flat, dtype=torch.bool)
+            rest[self.boff.reshape(-1)] = False
+            zero_pad = bool((flat[rest] == 0).all())  # padding written as zeros (0xAB = never written)
+            return bool(ok and zero_pad), dict(scales_equal=bool(ok), padding_zero=zero_pad)
+
+        self.record("swizzle", impl, dict(programs=rows // 128 * triton.cdiv(cp, cb), warps=4, chunk=cb), fn, check,
+                    nbytes=self.S * self.C + out.numel())
+
+    def bench_naive(self) -> None:
+        q = torch.empty(self.R, self.H, dtype=torch.uint8, device=self.dev)
+        s_rows = torch.empty(self.R * self.C, dtype=torch.uint8, device=self.dev)
+        s_blk = torch.empty(self.s_bytes, dtype=torch.uint8, device=self.dev)
+        for blocked in self.layouts:
+            s = s_blk if blocked else s_rows
+            for programs in self.grids():
+                for warps in _ints(self.args.warps):
+                    for chunk in _ints(self.args.chunks):
+                        fn = (lambda programs=programs, warps=warps, chunk=chunk, s=s, blocked=blocked:
+                              naive_dispatch_kernel[(programs,)](
+                                  self.x, self.T, self.plan.dest_row, self.srow, q, s, self.n_col_tiles, H=self.H,
+                                  K=self.k, CHUNK=chunk, INT_ROUND=self.interp, BLOCKED=blocked, num_warps=warps))
+                        self.record("dispatch", "naive", dict(programs=programs, warps=warps, chunk=chunk,
+                                                              scales="blocked" if blocked else "row"),
+                                    fn, self.dispatch_check(q, s, not blocked))
+
+    # -- combine reduce ------------------------------------------------------------------------
+    def bench_reduce(self, mod, impl: str) -> None:
+        a = self.args
+        y = torch.empty(self.T, self.H, dtype=torch.bfloat16, device=self.dev)
+        epoch = torch.zeros(1, dtype=torch.int64, device=self.dev)
+        kern = mod.combine_reduce_kernel
+
+        def check(fn):
+            y.zero_()
+            fn()
+            d = (y.float() - self.ref_y.float()).abs()
+            tol = self.ref_y.float().abs() * 2.0 ** -7 + 1e-30  # one bf16 rounding step
+            ok = bool((d <= tol).all())
+            return ok, dict(max_abs_diff=float(d.max()) if d.numel() else 0.0)
+
+        for programs in self.grids():
+            for warps in _ints(a.warps):
+                for chunk in _ints(a.chunks):
+                    fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
+                        self.comb_q, self.comb_s, self.plan.send_pos, self.w, y, self.T, epoch, self.nslot,
+                        H=self.H, K=self.k, CHUNK=chunk, MX=True, INT_ROUND=self.interp, num_warps=warps))
+                    self.record("reduce", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--align", type=int, default=32)
+    ap.add_argument("--drop", type=float, default=0.0, help="fraction of slots dropped (-1)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--ops", default="dispatch,naive,reduce")
+    ap.add_argument("--impls", default="mxcomm.ep.nvshmem_kernels")
+    ap.add_argument("--programs", default="4,tokens", help="programs per SM, or 'tokens' (one per token)")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--chunks", default="1024")
+    ap.add_argument("--scales", default="row,blocked", help="scale layouts of the naive kernel: row,blocked")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "ep_kernels.json"))
+    args = ap.parse_args()
+    lab = Lab(args)
+    ops = args.ops.split(",")
+    for name in args.impls.split(","):
+        mod = importlib.import_module(name)
+        if "dispatch" in ops:
+            lab.bench_dispatch(mod, name)
+        if "reduce" in ops:
+            lab.bench_reduce(mod, name)
+    if "naive" in ops:
+        lab.bench_naive()
+    out = dict(benchmark="ep_kernels", machine=machine(), versions=versions(),
+               config=dict(tokens=lab.T, hidden=lab.H, topk=lab.k, experts=lab.E, align=args.align, drop=args.drop,
+                           selections=lab.S, rows=lab.R),
+               byte_accounting="T*H*2 (bf16 tokens) + S*(H + H/32) (MXFP8 rows, one per selection): dispatch reads "
+                               "the first and writes the second, reduce the reverse",
+               results=lab.results)
+    if not lab.interp:
+        src = torch.empty(1 << 29, dtype=torch.int16, device=lab.dev)
+        dst = torch.empty_like(src)
+        cus = _event_median_us(lambda: dst.copy_(src), args.iters)
+        out["copy_ceiling_gbps"] = 2 * src.numel() * 2 / (cus * 1e-6) / 1e9
+        for r in lab.results:
+            r["vs_copy_ceiling"] = r["gbps"] / out["copy_ceiling_gbps"]
+        print(f"copy ceiling {out['copy_ceiling_gbps']:.0f} GB/s", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    bad = [r for r in lab.results if not r["correct"]]
+    if bad:
+        raise SystemExit(f"{len(bad)} run(s) gave wrong output: {bad}")
+
+
+if __name__ == "__main__":
+    main()
