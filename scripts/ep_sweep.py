@@ -3,8 +3,9 @@
     python3 -m torch.distributed.run --nproc-per-node 2 scripts/ep_sweep.py [--tokens 4096] [--profile]
 
 One EPGroup per precision (nvshmem backend, exact sizes); for every routing-plan implementation and
-(programs, warps) pair of the sending kernels (patched on the backend instance between measurements,
-identical on every rank) it times
+(programs, warps) pair of combine's sending kernel (``backend.programs`` / ``send_warps``, patched on the
+backend instance between measurements, identical on every rank; the dispatch kernel keeps its own launch,
+``dispatch_programs`` / ``dispatch_warps``) it times
 dispatch, combine, combine backward and dispatch backward with CUDA events (median of --iters, the
 slowest rank), and with --profile prints rank 0's kernel-time table of one call of each op. Output:
 text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of

@@ -204,10 +204,16 @@ class NvshmemBackend:
     def memory_bytes(self) -> int:
         return self.heap.nbytes
 
-    def _check(self, what: str) -> None:
-        """Raise now if a bounded wait (or the device-side input check) recorded an error (host sync)."""
+    def _check(self, what: str, num_rows: torch.Tensor | None = None) -> int:
+        """Raise now if a bounded wait (or the device-side input check) recorded an error (one host sync).
+        Returns the int32 ``num_rows[0]`` read in the same transfer (0 without it)."""
         self._pending = None
-        self._raise_errors(torch.stack([self.err[0], self.input_err[0]]).cpu(), what)
+        words = [self.err[0], self.input_err[0]]
+        if num_rows is not None:
+            words.append(num_rows[0].to(torch.int64))
+        host = torch.stack(words).cpu()
+        self._raise_errors(host[:2], what)
+        return int(host[2]) if num_rows is not None else 0
 
     def _raise_errors(self, words: torch.Tensor, what: str) -> None:
         if int(words[1]):
@@ -299,20 +305,23 @@ class NvshmemBackend:
         o = row_origins(plan, self.R_max)
         return {"origin_src": o.src, "origin_pos": o.pos}
 
+    def _compute_plan(self, counts: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
+        """The plan (and row origins) from the counts matrix, with ``self.plan_impl``'s kernels."""
+        if self.plan_impl == "triton" and topk_idx.shape[0] and plan_kernels.fits(self.world, self.config.num_experts):
+            out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max)
+            return PlanOutputs(plan=out["plan"], extra={"origin_src": out["origin_src"], "origin_pos": out["origin_pos"]})
+        return compute_plan(counts.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
+
     def _plan(self, topk_idx: torch.Tensor) -> PlanOutputs:
         """The routing plan of this call from the exchanged counts: replayed from a CUDA graph captured
-        once per token count on the GPU (see plan_graph), computed eagerly elsewhere."""
+        once per token count and plan implementation on the GPU (see plan_graph), computed eagerly elsewhere."""
         T, k = topk_idx.shape
-        if self.plan_impl == "triton" and T and plan_kernels.fits(self.world, self.config.num_experts):
-            out = plan_kernels.triton_plan(self.counts.local, topk_idx, self.rank, self.config.align, self.R_max)
-            extra = {"origin_src": out["origin_src"], "origin_pos": out["origin_pos"]}
-            return PlanOutputs(plan=out["plan"], extra=extra)
         if self.device.type != "cuda" or T == 0 or self._capturing():  # an outer capture records the kernels
-            return compute_plan(self.counts.local.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
-        key = (T, topk_idx.dtype)
+            return self._compute_plan(self.counts.local, topk_idx)
+        key = (T, topk_idx.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:
-            g = PlanGraph(self.counts.local, T, k, topk_idx.dtype, self.rank, self.config.align, self._plan_extra)
+            g = PlanGraph(self.counts.local, T, k, topk_idx.dtype, self._compute_plan)
             while len(self._plan_graphs) >= _MAX_PLAN_GRAPHS:  # bounded: varying T must not grow memory
                 self._plan_graphs.pop(next(iter(self._plan_graphs)))
         self._plan_graphs[key] = g  # most recently used last
@@ -412,8 +421,7 @@ class NvshmemBackend:
         plan = po.plan
         self._send_to_experts(x, plan, x, weighted=False, mx=self.mx)
         if cfg.exact_sizes:
-            R = int(plan.num_rows.item())
-            self._check("dispatch arrivals")
+            R = self._check("dispatch arrivals", plan.num_rows)
         else:
             R = self.R_max
             self._check_async("dispatch arrivals")

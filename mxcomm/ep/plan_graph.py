@@ -1,7 +1,8 @@
-"""CUDA-graph replay of the routing plan (``build_plan`` + the nvshmem backend's row maps).
+"""CUDA-graph replay of the routing plan (``build_plan`` or the Triton plan, + the nvshmem backend's row maps).
 
-Building the plan is ~100 small torch ops; launching them one by one costs the host milliseconds per
-dispatch (measured on the H200: ~2.4 ms of host time against ~0.8 ms of GPU work for 8192 tokens).
+Building the plan is ~100 small torch ops, or five Triton kernels; launching them one by one costs the
+host more than the GPU work (measured on the H200: ~2.4 ms of host time against ~0.8 ms of GPU work for
+8192 tokens with the torch ops; ~40-60 µs of host time per Triton launch against ~2-9 µs of GPU time).
 The plan depends only on the exchanged counts matrix (a symmetric buffer: fixed address) and the
 (sanitised) ``topk_idx`` of this call, so it is captured once per token count ``T`` and replayed:
 the call copies ``topk_idx`` into the graph's static input, replays, and clones ONE flat int32
@@ -39,17 +40,17 @@ class PlanGraph:
     Args:
         counts_buf: the ``[W, E]`` int32 counts matrix (read at replay; fixed address).
         T, k, idx_dtype: shape/dtype of topk_idx.
-        rank, align: as for :func:`~mxcomm.ep.plan.build_plan`.
-        extra_fn: ``(plan, topk_idx) -> {name: int tensor}`` extra maps computed in the graph.
+        compute: ``(counts_buf, topk_idx) -> PlanOutputs``, what is captured (e.g. :func:`compute_plan` with
+            rank, align and the extra maps bound; it must not keep ``counts_buf`` itself in its outputs).
     """
 
-    def __init__(self, counts_buf: torch.Tensor, T: int, k: int, idx_dtype: torch.dtype, rank: int, align: int,
-                 extra_fn: Callable[[RoutingPlan, torch.Tensor], dict]):
+    def __init__(self, counts_buf: torch.Tensor, T: int, k: int, idx_dtype: torch.dtype,
+                 compute: Callable[[torch.Tensor, torch.Tensor], PlanOutputs]):
         dev = counts_buf.device
         self.idx = torch.full((T, k), -1, dtype=idx_dtype, device=dev)
 
         def body() -> PlanOutputs:
-            return compute_plan(counts_buf.clone(), self.idx, rank, align, extra_fn)
+            return compute(counts_buf, self.idx)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
