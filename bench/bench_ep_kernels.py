@@ -31,7 +31,6 @@ import argparse
 import importlib
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -41,6 +40,7 @@ import triton.language as tl
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from mxcomm.bench.ceiling import device_copy, event_median_ms  # noqa: E402
 from mxcomm.bench.env_info import machine, versions  # noqa: E402
 from mxcomm.ep.plan import build_plan, local_counts  # noqa: E402
 from mxcomm.kernels.mx_device import blocked_scale_offset, mx_quantize_tile  # noqa: E402
@@ -81,18 +81,7 @@ def naive_dispatch_kernel(x_ptr, T, dest_row_ptr, srow_ptr, q_ptr, s_ptr, n_col_
 
 
 def _event_median_us(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times)
+    return event_median_ms(fn, iters, torch.device("cuda")) * 1e3
 
 
 def _ints(text: str) -> list[int]:
@@ -302,10 +291,7 @@ def main() -> None:
                                "the first and writes the second, reduce the reverse",
                results=lab.results)
     if not lab.interp:
-        src = torch.empty(1 << 29, dtype=torch.int16, device=lab.dev)
-        dst = torch.empty_like(src)
-        cus = _event_median_us(lambda: dst.copy_(src), args.iters)
-        out["copy_ceiling_gbps"] = 2 * src.numel() * 2 / (cus * 1e-6) / 1e9
+        out["copy_ceiling_gbps"] = device_copy(lab.dev, iters=args.iters)["gbps"]
         for r in lab.results:
             r["vs_copy_ceiling"] = r["gbps"] / out["copy_ceiling_gbps"]
         print(f"copy ceiling {out['copy_ceiling_gbps']:.0f} GB/s", flush=True)

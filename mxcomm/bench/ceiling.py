@@ -17,7 +17,8 @@ import time
 import torch
 
 
-def _event_median_ms(fn, iters: int, device: torch.device) -> float:
+def event_median_ms(fn, iters: int, device: torch.device) -> float:
+    """Median CUDA-event time (ms) of ``fn()`` over ``iters`` runs after 3 warm-up runs."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize(device)
@@ -36,7 +37,7 @@ def device_copy(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) ->
     """Device-to-device copy ceiling on ``device`` (read + write counted)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = _event_median_ms(lambda: dst.copy_(src), iters, device)
+    ms = event_median_ms(lambda: dst.copy_(src), iters, device)
     del src, dst
     return dict(kind="device_copy", device=str(device), bytes_copied=nbytes, bytes_counted=2 * nbytes,
                 median_us=ms * 1e3, gbps=2 * nbytes / (ms * 1e-3) / 1e9,
@@ -48,7 +49,7 @@ def peer_copy(src_dev: int, dst_dev: int, nbytes: int = 1 << 29, iters: int = 20
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{src_dev}").normal_()
     dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{dst_dev}")
     with torch.cuda.device(src_dev):
-        ms = _event_median_ms(lambda: dst.copy_(src), iters, torch.device("cuda", src_dev))
+        ms = event_median_ms(lambda: dst.copy_(src), iters, torch.device("cuda", src_dev))
     torch.cuda.synchronize(dst_dev)
     del src, dst
     return dict(kind="peer_copy", src=f"cuda:{src_dev}", dst=f"cuda:{dst_dev}", bytes_counted=nbytes,
