@@ -3,19 +3,20 @@ peers' NVSHMEM symmetric buffers (peer pointers, release/acquire flags at system
 
 One call of :meth:`NvshmemBackend.dispatch` (all on the current CUDA stream):
 
-1. per-expert counts of this rank (torch), epoch += 1 (a device tensor: a CUDA graph can replay it);
+1. the id check (no-sync mode) and this rank's per-expert counts in one kernel
+   (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``), epoch += 1 (a
+   device tensor: a CUDA graph can replay it);
 2. ``exchange_counts_kernel``: publish counts into every peer's ``counts[me]`` + flag; wait for all;
-3. the shared :func:`mxcomm.ep.plan.build_plan` on the exchanged counts, plus each slot's scale row in
-   the destination's grouped-along-M blocked matrix and each received row's origin - replayed from a
-   CUDA graph captured once per token count (:mod:`mxcomm.ep.plan_graph`), no host sync;
-4. ``dispatch_kernel``: each BF16 row read once, quantized in registers, payload and scales stored
-   at their final expert-major positions in the destination's buffers; arrival flags;
+3. the shared routing plan on the exchanged counts (:func:`mxcomm.ep.plan_kernels.triton_plan`, or
+   :func:`mxcomm.ep.plan.build_plan`) plus each received row's origin - replayed from a CUDA graph
+   captured once per token count (:mod:`mxcomm.ep.plan_graph`), no host sync;
+4. ``dispatch_kernel``: each BF16 row read once, quantized in registers, payload and row-major scales
+   stored at their final expert-major rows in the destinations' buffers; arrival flags;
 5. ``wait_arrivals_kernel`` (bounded; raises :class:`mxcomm.transport.PeerTimeout` naming the peer);
-6. ``copy_out_rows_kernel``: the real rows into fresh tensors, padding rows zero (the symmetric
-   buffer is reused by the next call, so results must not alias it).
-
-The scale region of this rank's buffer is zeroed before this rank publishes its counts: no peer
-writes into it before it sees those counts, so padding scale bytes are zero without a race.
+6. ``copy_out_rows_kernel``: the real rows into fresh tensors, padding rows zero, and
+   ``scale_rows_to_grouped_kernel``: the received scale rows into a fresh grouped-along-M blocked
+   matrix, padding zero (the symmetric buffers are reused by the next call, so results must not alias
+   them).
 
 Combine (and dispatch backward) send each expert-major row back to its origin at its send position
 (quantized in registers, or an MXFP8 gradient as it is), then the origin reduces ``sum_k w * row`` in
@@ -29,8 +30,7 @@ backward) alternate between two copies of the return buffer by epoch parity (see
 Put-with-signal path (:mod:`mxcomm.ep.put_path`): when a peer has no peer pointer (other nodes), or
 with ``EPConfig(transport="put")``, the same kernels write into this rank's staging buffer instead of
 peers' buffers, and NVSHMEM puts one block per (destination, expert) with a signal (``csrc/put_signal.cu``);
-counts and the "ready" handshake travel as puts too, the arrival waits become signal waits, and the
-receiver swizzles the row-major scale bytes that arrived into the blocked layout. Every rank, itself
+counts and the "ready" handshake travel as puts too, and the arrival waits become signal waits. Every rank, itself
 included, is reached through puts on this path (one mode per group: no mixing of peer pointers for
 NVLink peers with puts for the others yet).
 """
