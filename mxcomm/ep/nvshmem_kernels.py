@@ -151,7 +151,7 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                     if MX:
                         sbase = tl.load(s_peers + rk).to(tl.pointer_type(tl.uint8))
                         sp = sbase + row * C + cols
-                        if C % 16 == 0:  # scale rows 16-byte aligned
+                        if C % 16 == 0 and (NB % 16 == 0 or CHUNK >= H):  # 16 aligned, contiguous bytes
                             sp = tl.max_contiguous(tl.multiple_of(sp, 16), 16)
                         tl.store(sp, s, mask=cm)
         t += G
