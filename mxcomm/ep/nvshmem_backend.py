@@ -56,8 +56,8 @@ from . import put_path
 _CHUNK = 1024
 _PROGRAMS_PER_SM = 4  # combine send, copy-out
 # dispatch direction (dispatch_kernel) and combine's reduce: 16 programs per SM of 4 warps, row chunks of
-# 2048 (dispatch) / 4096 (reduce) values - the fastest measured on one H200 at 8192 x 7168, top-8
-# (bench/bench_ep_kernels.py; bench/results/h200/README.md)
+# 2048 (dispatch) / 4096 (reduce) values - among the fastest settings measured on one H200 at 8192 x 7168,
+# top-8 (bench/bench_ep_kernels.py; bench/results/h200/README.md; the spread between calls is ~10 %)
 _DISPATCH_PROGRAMS_PER_SM = 16
 _DISPATCH_CHUNK = 2048
 _REDUCE_CHUNK = 4096
