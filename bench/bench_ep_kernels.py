@@ -16,6 +16,12 @@ Timed (CUDA-event median per launch, after warm-up), for each module and (progra
 * ``dispatch``: BF16 read once per token (``T*H*2``) + MXFP8 payload and scales written once per valid
   selection (``S*(H + H/32)``). Checked: payload and blocked scales equal the plain-torch reference
   (``mxcomm.mx.reference.quantize``) placed at the plan's rows.
+* the receivers of the push dispatch: ``copyout`` (the received rows out of the symmetric buffer into a fresh
+  tensor, padding zero) and ``swizzle`` (row-major scale rows -> the grouped blocked matrix), each checked;
+* the pull dispatch: ``pack`` (each token row quantized once into the send buffer), ``gather`` and
+  ``gather_scales`` (the receiver reads its rows and their scales from the send buffer into fresh tensors);
+* ``push_path`` (dispatch + copyout + swizzle) and ``pull_path`` (pack + gather + gather_scales): each path's
+  three launches timed together, with the dispatch byte count;
 * ``naive`` (dispatch baseline, this file's kernel): one program per token loads the row once, quantizes
   it once and stores it to each destination row, scales row-major. Same bytes, same check.
 * ``reduce``: ``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` from MXFP8 rows: ``S*(H + H/32)`` read +
@@ -119,6 +125,9 @@ class Lab:
         keep = self.plan.dest_row.reshape(-1) >= 0
         tok = torch.arange(T, device=dev).repeat_interleave(k)[keep]
         self.slot_rows = self.plan.dest_row.reshape(-1)[keep].long()
+        self.slot_tok = tok
+        self.ref_q_tok = ref.qdata.view(torch.uint8)  # each token row quantized once (the pull path's send rows)
+        self.ref_s_tok = ref.scales.view(torch.uint8).reshape(T, C)
         self.slot_srows = self.srow.reshape(-1)[keep].long()
         self.ref_q = ref.qdata.view(torch.uint8)[tok]
         self.ref_s = ref.scales.view(torch.uint8).reshape(T, C)[tok]
@@ -175,46 +184,119 @@ class Lab:
         return check
 
     def bench_dispatch(self, mod, impl: str) -> None:
-        """The module's ``dispatch_kernel`` (row-major scales at the payload rows) and, as ``swizzle``, its
-        ``scale_rows_to_grouped_kernel`` (those scale rows -> the grouped blocked matrix)."""
+        """The module's push dispatch (``dispatch_kernel``: row-major scales at the payload rows), the receiver's
+        ``copyout`` (``copy_out_rows_kernel``) and ``swizzle`` (``scale_rows_to_grouped_kernel``), and the pull
+        dispatch (``pack`` = ``pack_rows_kernel``, then ``gather`` / ``gather_scales`` = the same two receiver
+        kernels with ``PULL``); ``push_path`` / ``pull_path`` time each path's three launches in sequence (what
+        a dispatch call runs besides its plan and handshakes; 602 MB counted as for ``dispatch``)."""
         a, dev = self.args, self.dev
-        q = torch.empty(self.R, self.H, dtype=torch.uint8, device=dev)
-        s = torch.empty(self.R, self.C, dtype=torch.uint8, device=dev)
+        T, H, C, R, E = self.T, self.H, self.C, self.R, self.E
+        q = torch.empty(R, H, dtype=torch.uint8, device=dev)
+        s = torch.empty(R, C, dtype=torch.uint8, device=dev)
         qp, sp = self.ptrs(q), self.ptrs(s)
         flags = torch.zeros(3, 1, dtype=torch.int64, device=dev)
         fp, w = self.ptrs(flags), torch.zeros(1, dtype=torch.float32, device=dev)
+        chunk0 = _ints(a.chunks)[0]
+
+        def push(programs, warps, chunk):
+            mod.dispatch_kernel[(programs,)](
+                self.x, T, self.plan.dest_rank, self.plan.dest_row, qp, sp, fp, 0, 1, w, H=H, K=self.k, CHUNK=chunk,
+                MX=True, MODE=0, INT_ROUND=self.interp, WEIGHTED=False, num_warps=warps)
+
         for programs in self.grids():
             for warps in _ints(a.warps):
                 for chunk in _ints(a.chunks):
-                    fn = (lambda programs=programs, warps=warps, chunk=chunk: mod.dispatch_kernel[(programs,)](
-                        self.x, self.T, self.plan.dest_rank, self.plan.dest_row, qp, sp, fp, 0, 1, w, H=self.H,
-                        K=self.k, CHUNK=chunk, MX=True, MODE=0, INT_ROUND=self.interp, WEIGHTED=False,
-                        num_warps=warps))
-                    self.record("dispatch", impl, dict(programs=programs, warps=warps, chunk=chunk, scales="row"), fn,
+                    self.record("dispatch", impl, dict(programs=programs, warps=warps, chunk=chunk, scales="row"),
+                                lambda programs=programs, warps=warps, chunk=chunk: push(programs, warps, chunk),
                                 self.dispatch_check(q, s, True))
-        # the swizzle of the scale rows the last run wrote
-        cp = round_up(self.C, 4)
-        rows = grouped_m_rows(self.R, self.E)
-        out = torch.empty(rows, cp, dtype=torch.uint8, device=dev)
-        src = torch.full((max(self.R, 1),), -1, dtype=torch.int32, device=dev)  # origin rank of each row
+        # receiver side: origin rank (0) and source token of each real row, -1 / 0 elsewhere
+        src = torch.full((max(R, 1),), -1, dtype=torch.int32, device=dev)
         src[self.slot_rows] = 0
+        tok = torch.zeros(max(R, 1), dtype=torch.int32, device=dev)
+        tok[self.slot_rows] = self.slot_tok.to(torch.int32)
+        epoch = torch.zeros(1, dtype=torch.int64, device=dev)  # parity 0: send copy 0
+        send_q = torch.zeros(2, T, H, dtype=torch.uint8, device=dev)
+        send_s = torch.zeros(2, T, C, dtype=torch.uint8, device=dev)
+        sqp, ssp = self.ptrs(send_q), self.ptrs(send_s)
+        out_q = torch.empty(R, H, dtype=torch.uint8, device=dev)
+        cp = round_up(C, 4)
+        rows = grouped_m_rows(R, E)
+        out_s = torch.empty(rows, cp, dtype=torch.uint8, device=dev)
         cb = min(32, triton.next_power_of_2(cp))
-        fn = (lambda: mod.scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(cp, cb))](
-            s, out, self.plan.offs, self.plan.num_rows, src, self.E, cp // 4, C=self.C, CB=cb,
-            G_POW2=triton.next_power_of_2(self.E), num_warps=4))
+        words = H // 8
+        progs = self.sms * 16
 
-        def check(fn):
-            out.fill_(0xAB)
+        def pack(programs=progs, warps=4, chunk=chunk0):
+            mod.pack_rows_kernel[(min(T, programs),)](
+                self.x, T, send_q, send_s, epoch, T, H=H, CHUNK=chunk, MX=True, MODE=0, INT_ROUND=self.interp,
+                num_warps=warps)
+
+        def copy_rows(pull):
+            mod.copy_out_rows_kernel[(min(R, self.sms * 16),)](
+                q.view(torch.int64), out_q.view(torch.int64), self.plan.num_rows, src, R, sqp, tok, epoch, T,
+                ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), PULL=pull, num_warps=4)
+
+        def scales(pull):
+            mod.scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(cp, cb))](
+                s, out_s, self.plan.offs, self.plan.num_rows, src, E, cp // 4, ssp, tok, epoch, T, C=C, CB=cb,
+                G_POW2=triton.next_power_of_2(E), PULL=pull, num_warps=4)
+
+        def rows_check(fn):
+            out_q.fill_(0xAB)
             fn()
-            flat = out.view(-1)
+            ok = torch.equal(out_q[self.slot_rows], self.ref_q)
+            pad = torch.ones(R, dtype=torch.bool, device=dev)
+            pad[self.slot_rows] = False
+            zero = bool((out_q[pad] == 0).all())
+            return bool(ok and zero), dict(payload_equal=bool(ok), padding_zero=zero)
+
+        def scales_check(fn):
+            out_s.fill_(0xAB)
+            fn()
+            flat = out_s.view(-1)
             ok = torch.equal(flat[self.boff], self.ref_s)
             rest = torch.ones_like(flat, dtype=torch.bool)
             rest[self.boff.reshape(-1)] = False
-            zero_pad = bool((flat[rest] == 0).all())  # padding written as zeros (0xAB = never written)
-            return bool(ok and zero_pad), dict(scales_equal=bool(ok), padding_zero=zero_pad)
+            zero = bool((flat[rest] == 0).all())  # padding written as zeros (0xAB = never written)
+            return bool(ok and zero), dict(scales_equal=bool(ok), padding_zero=zero)
 
-        self.record("swizzle", impl, dict(programs=rows // 128 * triton.cdiv(cp, cb), warps=4, chunk=cb), fn, check,
-                    nbytes=self.S * self.C + out.numel())
+        def pack_check(fn):
+            send_q.zero_()
+            send_s.zero_()
+            fn()
+            ok_q = torch.equal(send_q[0], self.ref_q_tok)
+            ok_s = torch.equal(send_s[0], self.ref_s_tok)
+            return bool(ok_q and ok_s), dict(payload_equal=bool(ok_q), scales_equal=bool(ok_s))
+
+        def both(check_a, check_b):
+            def check(fn):
+                ok_a, da = check_a(fn)
+                ok_b, db = check_b(fn)
+                return ok_a and ok_b, {**{f"rows_{k}": v for k, v in da.items()}, **{f"scales_{k}": v for k, v in db.items()}}
+            return check
+
+        n_rows_bytes = self.S * H + R * H  # real rows read, every output row written
+        n_scale_bytes = self.S * C + out_s.numel()
+        push(self.grids()[0], _ints(a.warps)[0], chunk0)  # recv_q / recv_s hold this plan's rows
+        self.record("copyout", impl, dict(programs=min(R, progs)), lambda: copy_rows(False), rows_check,
+                    nbytes=n_rows_bytes)
+        self.record("swizzle", impl, dict(programs=rows // 128 * triton.cdiv(cp, cb), warps=4, chunk=cb),
+                    lambda: scales(False), scales_check, nbytes=n_scale_bytes)
+        for warps in _ints(a.warps):
+            for chunk in _ints(a.chunks):
+                self.record("pack", impl, dict(programs=min(T, progs), warps=warps, chunk=chunk),
+                            lambda warps=warps, chunk=chunk: pack(progs, warps, chunk), pack_check,
+                            nbytes=T * H * 2 + T * (H + C))
+        pack()
+        self.record("gather", impl, dict(programs=min(R, progs)), lambda: copy_rows(True), rows_check,
+                    nbytes=n_rows_bytes)
+        self.record("gather_scales", impl, dict(programs=rows // 128 * triton.cdiv(cp, cb)), lambda: scales(True),
+                    scales_check, nbytes=n_scale_bytes)
+        g0, w0 = self.grids()[0], _ints(a.warps)[0]
+        self.record("push_path", impl, dict(programs=g0, warps=w0, chunk=chunk0),
+                    lambda: (push(g0, w0, chunk0), copy_rows(False), scales(False)), both(rows_check, scales_check))
+        self.record("pull_path", impl, dict(programs=progs, warps=4, chunk=chunk0),
+                    lambda: (pack(), copy_rows(True), scales(True)), both(rows_check, scales_check))
 
     def bench_naive(self) -> None:
         q = torch.empty(self.R, self.H, dtype=torch.uint8, device=self.dev)

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 
 from .env_info import machine, nvshmem_importable, peer_matrix, relevant_env, versions
+from ..ep.config import TRANSPORTS
 from .options import _int_list, _str_list
 
 
@@ -22,8 +23,9 @@ def add_info_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=_int_list, help="EP sizes, comma list (default: visible GPUs, else 1)")
     p.add_argument("--precision", type=_str_list, default=["mxfp8", "bf16"], help="comma list (default mxfp8,bf16)")
     p.add_argument("--align", type=int, default=32, help="expert group padding, 32 or 128")
-    p.add_argument("--transport", choices=("auto", "put"), default="auto",
-                   help="buffers of the peer-pointer path (auto) or of the put-with-signal path (put: adds staging)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="buffers of the one-node paths (auto: adds the pull dispatch's send buffers; push) or of the "
+                        "put-with-signal path (put: adds staging)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--topo", action="store_true", help="also print `nvidia-smi topo -m` (if present)")
 
@@ -46,7 +48,7 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
                  for r in buffer_regions(cfg, world)],
         by_purpose=dict(dispatch_payload=sizes.dispatch_payload, dispatch_scales=sizes.dispatch_scales,
                         combine_payload=sizes.combine_payload, counts=sizes.counts, flags=sizes.flags,
-                        put_staging=sizes.put_staging),
+                        put_staging=sizes.put_staging, pull_send=sizes.pull_send),
         total=sizes.total,
         nvshmem_symmetric_size=symmetric_size_for(sizes.total),
         launcher_env=launcher_env(sizes.total),

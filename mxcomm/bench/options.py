@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..ep.config import ALIGNS, BACKENDS, PRECISIONS
+from ..ep.config import ALIGNS, BACKENDS, PRECISIONS, TRANSPORTS
 
 IMPLS = ("mxcomm", "reference", "a2a", "vdev2d")
 OPS = ("dispatch", "combine", "combine_bwd", "dispatch_bwd")
@@ -199,10 +199,11 @@ class BenchOptions:
             bad("--side-channel nccl needs a GPU and one rank per GPU (NCCL refuses two ranks on one GPU); use gloo")
         if self.cuda_graph and (self.backend != "nvshmem" or self.device != "cuda"):
             bad("--cuda-graph needs the nvshmem backend on a GPU (the reference backend syncs with the host)")
-        if self.transport not in ("auto", "put"):
-            bad(f"--transport must be auto or put, got {self.transport!r}")
-        if self.transport == "put" and (self.backend != "nvshmem" or self.device != "cuda"):
-            bad("--transport put needs the nvshmem backend on a GPU (the reference backend has no put path)")
+        if self.transport not in TRANSPORTS:
+            bad(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport != "auto" and (self.backend != "nvshmem" or self.device != "cuda"):
+            bad(f"--transport {self.transport} needs the nvshmem backend on a GPU (the reference backend has no "
+                "transport choice)")
         if self.transport == "put" and self.cuda_graph:
             bad("--transport put cannot be combined with --cuda-graph (the put path refuses graph capture)")
         if self.num_sms is not None and self.num_sms < 1:
@@ -254,9 +255,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-sms", type=int, help="SMs the mxcomm GPU kernels may use (default: all)")
     w.add_argument("--no-exact-sizes", action="store_true",
                    help="EPConfig(exact_sizes=False): worst-case output sizes, no host sync in the GPU backend")
-    w.add_argument("--transport", choices=("auto", "put"), default="auto",
-                   help="nvshmem backend: auto (peer-pointer stores on one node) or put (force the put-with-signal "
-                        "path that peers on other nodes use)")
+    w.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="nvshmem backend: auto (one node: dispatch pulls rows through peer pointers, combine pushes), "
+                        "push (dispatch stores into the receivers' buffers too: the earlier design) or put (force "
+                        "the put-with-signal path that peers on other nodes use)")
     w.add_argument("--cuda-graph", action="store_true",
                    help="capture each mxcomm call (nvshmem backend, no-host-sync mode) into a CUDA graph and time "
                         "its replays: the call without Python/launch overhead (baselines stay eager)")

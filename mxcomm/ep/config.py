@@ -15,7 +15,7 @@ PRECISIONS = ("mxfp8", "bf16")
 SCALE_MODES = ("rceil", "floor")
 BACKENDS = ("torch", "nvshmem")
 ALIGNS = (32, 128)
-TRANSPORTS = ("auto", "put")
+TRANSPORTS = ("auto", "push", "put")
 
 
 def _is_int(v) -> bool:
@@ -44,9 +44,14 @@ class EPConfig:
             to the worst case (:func:`mxcomm.ep.plan.max_recv_rows`); real sizes only in the
             device tensors ``offs`` / ``counts`` (the GPU backend then does no host sync; the
             reference backend still syncs internally because all-to-all split sizes live on the host).
-        transport: how the ``nvshmem`` backend moves rows. ``"auto"``: peer-pointer stores from the
-            kernels when every peer has a peer pointer (one node, NVLink), the put-with-signal path
-            otherwise. ``"put"``: always the put-with-signal path (``csrc/put_signal.cu``: kernels
+        transport: how the ``nvshmem`` backend moves rows. ``"auto"``: when every peer has a peer pointer
+            (one node, NVLink) dispatch *pulls* (each rank quantizes its token rows once into its own
+            symmetric send buffer, the sources tell each receiver which token fills each of its rows, and the
+            receiver reads them through peer pointers straight into its fresh output tensors) and
+            combine and combine backward *push* (kernels store into the peers' buffers); the
+            put-with-signal path otherwise. ``"push"``: peer-pointer stores for dispatch too (quantized rows
+            stored into the receivers' symmetric buffers, then copied out on the receiver; the earlier
+            design, kept to compare). ``"put"``: always the put-with-signal path (``csrc/put_signal.cu``: kernels
             write into a local staging buffer, NVSHMEM puts one block per (destination, expert) and
             signals), which is what peers on other nodes need; forcing it on one node tests that path
             on a single GPU. Unused by ``torch``.

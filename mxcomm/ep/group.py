@@ -48,6 +48,7 @@ from ..mx.subclass import unwrap_mx
 from .backward_ref import CombineGrads, CombineSaved
 from .config import EPConfig
 from .handle import DispatchResult, EPHandle
+from .ids import check_expert_ids
 from .plan import buffer_sizes
 from .registry import GROUPS
 
@@ -138,28 +139,6 @@ def validate_dispatch_inputs(
     _check_device("topk_weights", topk_weights, x.device)
     if check_values and topk_idx.numel():
         check_expert_ids(topk_idx, config.num_experts)
-
-
-def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
-    """ValueError if an id is outside ``[-1, num_experts)`` or a token lists one expert twice (one host sync)."""
-    idx = topk_idx.to(torch.int64)
-    bad = (idx < -1) | (idx >= num_experts)
-    checks = [bad.any()]
-    if idx.shape[1] > 1:
-        s = torch.sort(idx, dim=1).values
-        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-        checks.append(dup.any())
-    flags = torch.stack(checks).tolist()  # the one host sync
-    if flags[0]:
-        pos = torch.nonzero(bad)[0].tolist()
-        v = int(idx[pos[0], pos[1]])
-        raise ValueError(
-            f"topk_idx[{pos[0]}, {pos[1]}] = {v} is not a valid expert id (must be in [-1, {num_experts}), "
-            "-1 = dropped)"
-        )
-    if len(flags) > 1 and flags[1]:
-        t, j = torch.nonzero(dup)[0].tolist()
-        raise ValueError(f"token {t} lists expert {int(s[t, j + 1])} more than once in topk_idx")
 
 
 def validate_combine_inputs(config: EPConfig, expert_out, handle) -> None:

@@ -1,22 +1,30 @@
 """The ``nvshmem`` EP backend: dispatch/combine kernels that quantize in registers and write into
 peers' NVSHMEM symmetric buffers (peer pointers, release/acquire flags at system scope, bounded waits).
 
-One call of :meth:`NvshmemBackend.dispatch` (all on the current CUDA stream):
+One call of :meth:`NvshmemBackend.dispatch` (all on the current CUDA stream), with the default pull
+dispatch (``transport="auto"`` on one node):
 
 1. the id check (no-sync mode) and this rank's per-expert counts in one kernel
    (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``), epoch += 1 (a
    device tensor: a CUDA graph can replay it);
-2. ``exchange_counts_kernel``: publish counts into every peer's ``counts[me]`` + flag; wait for all;
-3. the shared routing plan on the exchanged counts (:func:`mxcomm.ep.plan_kernels.triton_plan`, or
+2. ``pack_rows_kernel``: each BF16 token row read once, quantized once in registers, into this rank's
+   symmetric send buffer (copy ``epoch % 2``);
+3. ``exchange_counts_kernel``: publish counts into every peer's ``counts[me]`` + flag; wait for all;
+4. the shared routing plan on the exchanged counts (:func:`mxcomm.ep.plan_kernels.triton_plan`, or
    :func:`mxcomm.ep.plan.build_plan`) plus each received row's origin - replayed from a CUDA graph
    captured once per token count (:mod:`mxcomm.ep.plan_graph`), no host sync;
-4. ``dispatch_kernel``: each BF16 row read once, quantized in registers, payload and row-major scales
-   stored at their final expert-major rows in the destinations' buffers; arrival flags;
-5. ``wait_arrivals_kernel`` (bounded; raises :class:`mxcomm.transport.PeerTimeout` naming the peer);
-6. ``copy_out_rows_kernel``: the real rows into fresh tensors, padding rows zero, and
-   ``scale_rows_to_grouped_kernel``: the received scale rows into a fresh grouped-along-M blocked
-   matrix, padding zero (the symmetric buffers are reused by the next call, so results must not alias
-   them).
+5. ``push_tokens_kernel``: each valid slot's token index stored into its expert-major row of the
+   destination's ``recv_tok`` (4 bytes a row), arrival flags; ``wait_arrivals_kernel`` (bounded; raises
+   :class:`mxcomm.transport.PeerTimeout` naming the peer);
+6. ``copy_out_rows_kernel`` (``PULL``): every real row read from its source's send buffer through the peer
+   pointer straight into a fresh output tensor, padding rows zero, and ``scale_rows_to_grouped_kernel``
+   (``PULL``): the rows' scales into a fresh grouped-along-M blocked matrix, padding zero.
+
+Why pull: pushing the quantized rows into the receiver's symmetric buffer (``transport="push"``, the earlier
+design: ``dispatch_kernel`` stores payload and scales at their expert-major rows on the receiver) still
+needs a copy out of that buffer, because it is reused by the next call and results must not alias it.
+Pulling folds that copy into the transfer: the rows cross the link once and land in the fresh tensors.
+One H200, loopback 8192 x 7168, top-8: see ``bench/results/h200/README.md``.
 
 Combine (and dispatch backward) send each expert-major row back to its origin at its send position
 (quantized in registers, or an MXFP8 gradient as it is), then the origin reduces ``sum_k w * row`` in
@@ -49,6 +57,7 @@ from ..kernels.route_grad import route_weight_grad
 from . import plan_kernels
 from .backward_ref import CombineGrads, CombineSaved
 from .handle import DispatchResult, EPHandle
+from .ids import check_expert_ids
 from .plan import RoutingPlan, buffer_regions, local_counts, max_recv_rows, recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from . import put_path
@@ -114,7 +123,7 @@ class NvshmemBackend:
     existing initialisation). The symmetric buffers are allocated once here.
     """
 
-    device_side_checks = False
+    device_side_checks = True  # expert ids are checked here (see _checked_ids), not by the group
 
     def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, heap=None, puts=None):
         self.config = config
@@ -145,6 +154,8 @@ class NvshmemBackend:
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
         # put-with-signal path: forced by the config, or needed because a peer has no peer pointer
         self.put_mode = config.transport == "put" or not getattr(heap.ctx, "all_local", True)
+        # pull dispatch (the default on one node): receivers read the packed rows through peer pointers
+        self.pull = not self.put_mode and config.transport == "auto"
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
         self.nslot = config.max_tokens_per_rank * config.topk
         self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
@@ -158,10 +169,10 @@ class NvshmemBackend:
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
         self._plan_graphs: dict = {}  # (T, idx dtype) -> PlanGraph, least recently used first
-        # exact_sizes=False never syncs with the host, so expert ids are checked on the device: bad slots
-        # are dropped before anything is sent and the error is raised by a later call (see _sanitize).
-        self.device_side_checks = not config.exact_sizes
         self.input_err = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.pull:
+            self.send_q, self.send_s, self.recv_tok = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.recv_tok"]
+            self.push_programs = sms  # push_tokens_kernel (same on all ranks: receivers count their arrivals)
         if self.put_mode:
             self._init_put_path(bufs, puts)
 
@@ -238,6 +249,25 @@ class NvshmemBackend:
         self.input_err.add_(bad.any().to(torch.int64))
         return torch.where(bad, torch.full_like(idx, -1), idx).to(topk_idx.dtype)
 
+    def _checked_ids(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, counts)``: the expert ids checked on the device (bad ids and repeats within a token become
+        -1: nothing is sent for them, ``input_err`` records them) and this rank's int32 ``[E]`` counts.
+
+        Exact-size mode: one small host sync reads ``input_err`` and raises the detailed ValueError of
+        :func:`mxcomm.ep.ids.check_expert_ids` before anything is sent. No-sync mode: a later call raises it
+        (see :meth:`_check_async`)."""
+        E = self.config.num_experts
+        if self.plan_impl == "triton":
+            ids, counts = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True)
+        else:
+            ids = self._sanitize(topk_idx)
+            counts = local_counts(ids, E)
+        if self.config.exact_sizes and topk_idx.numel() and int(self.input_err[0]):  # the host sync
+            self.input_err.zero_()
+            check_expert_ids(topk_idx, E)  # raises the detailed error
+            raise AssertionError("the device id check and check_expert_ids disagree")  # not reached
+        return ids, counts
+
     def _capturing(self) -> bool:
         """True while the current stream is being captured into a CUDA graph."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -271,8 +301,17 @@ class NvshmemBackend:
             ev.record()
             self._pending = (host, ev, what)
 
-    def _copy_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int) -> torch.Tensor:
-        """Fresh uint8 ``[R, row_bytes]`` copy of the received rows, padding and tail rows zero."""
+    def _pull_args(self, pull: bool, q: bool) -> tuple:
+        """``(src_peers, row_tok, epoch, T_max)`` of the receiver kernels: the pull dispatch reads rows
+        ``epoch % 2 * T_max + recv_tok[r]`` of the sources' ``send_q`` (``q``) or ``send_s``; unused otherwise."""
+        if not pull:
+            return self.err, self.err, self.err, 0
+        bufs = self.send_q if q else self.send_s
+        return bufs.peer_ptrs, self.recv_tok.local, self.epoch[0:1], self.config.max_tokens_per_rank
+
+    def _copy_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int, pull: bool) -> torch.Tensor:
+        """Fresh uint8 ``[R, row_bytes]`` of the received rows, padding and tail rows zero: copied out of
+        ``recv_q``, or (``pull``) read from the sources' send buffers."""
         from .nvshmem_kernels import copy_out_rows_kernel
 
         src = self.recv_q.local.view(-1)[: self.R_max * row_bytes].view(self.R_max, row_bytes)
@@ -281,13 +320,15 @@ class NvshmemBackend:
         if R:
             copy_out_rows_kernel[(min(R, self.programs * 4),)](
                 src.view(torch.int64), out.view(torch.int64), plan.num_rows, origins.src, R,
-                ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), num_warps=4,
+                *self._pull_args(pull, True), ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), PULL=pull,
+                num_warps=4,
             )
         return out
 
-    def _grouped_scales(self, plan: RoutingPlan, origins: "RowOrigins", R: int) -> torch.Tensor:
+    def _grouped_scales(self, plan: RoutingPlan, origins: "RowOrigins", R: int, pull: bool) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
-        received rows, from the row-major scale rows in ``recv_s`` (zeros for padding)."""
+        received rows (zeros for padding), from the row-major scale rows in ``recv_s`` or (``pull``) in the
+        sources' ``send_s``."""
         from .nvshmem_kernels import scale_rows_to_grouped_kernel
 
         C = self.config.hidden // 32
@@ -296,7 +337,7 @@ class NvshmemBackend:
         cb = min(32, triton_next_pow2(cp))
         scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(cp, cb))](
             self.recv_s.local, out, plan.offs, plan.num_rows, origins.src, self.El, cp // 4,
-            C=C, CB=cb, G_POW2=triton_next_pow2(self.El), num_warps=4,
+            *self._pull_args(pull, False), C=C, CB=cb, G_POW2=triton_next_pow2(self.El), PULL=pull, num_warps=4,
         )
         return out
 
@@ -327,13 +368,14 @@ class NvshmemBackend:
         self._plan_graphs[key] = g  # most recently used last
         return g(topk_idx)
 
-    def _received(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool):
-        """The rows in this rank's receive buffers as the dispatch-layout output (fresh tensors)."""
+    def _received(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool, pull: bool = False):
+        """The received rows as the dispatch-layout output (fresh tensors): out of this rank's receive
+        buffers, or (``pull``) read from the sources' send buffers."""
         H = self.config.hidden
-        q = self._copy_out(plan, origins, R, H if mx else 2 * H)
+        q = self._copy_out(plan, origins, R, H if mx else 2 * H, pull)
         if not mx:
             return q.view(torch.bfloat16)
-        s = self._grouped_scales(plan, origins, R)
+        s = self._grouped_scales(plan, origins, R, pull)
         return MXTensor(
             qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1, layout=ScaleLayout.GROUPED_M,
             mode=self.config.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
@@ -400,33 +442,56 @@ class NvshmemBackend:
             wait_arrivals_kernel[(self.world,)](self.flags.local[1], self.expect[1], self.dispatch_programs, self.err,
                                                 self.timeout_ns)
 
+    def _pack(self, x: torch.Tensor) -> None:
+        """Pull dispatch: this rank's token rows, quantized once (MX), into this epoch's send copy."""
+        from .nvshmem_kernels import pack_rows_kernel
+
+        T, H = x.shape
+        if T:
+            q = self.send_q.local if self.mx else self.send_q.local.view(torch.bfloat16)
+            pack_rows_kernel[(min(T, self.dispatch_programs),)](
+                x, T, q, self.send_s.local, self.epoch[0:1], self.config.max_tokens_per_rank,
+                H=H, CHUNK=self._chunk(H), MX=self.mx, MODE=self.mode_id, INT_ROUND=self.int_round,
+                num_warps=self.dispatch_warps,
+            )
+
+    def _push_tokens(self, plan: RoutingPlan) -> None:
+        """Pull dispatch: each valid slot's token index into its row of the destination's ``recv_tok``, then
+        wait (bounded) for every source's."""
+        from .nvshmem_kernels import push_tokens_kernel, wait_arrivals_kernel
+
+        push_tokens_kernel[(self.push_programs,)](
+            plan.dest_rank, plan.dest_row, plan.dest_rank.numel(), self.recv_tok.peer_ptrs, self.flags.peer_ptrs,
+            self.rank, self.world, K=self.config.topk, BLOCK=1024, num_warps=4,
+        )
+        wait_arrivals_kernel[(self.world,)](self.flags.local[1], self.expect[1], self.push_programs, self.err,
+                                            self.timeout_ns)
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         cfg = self.config
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the nvshmem backend runs on {self.device}")
         self._refuse_put_capture()
         T, H = x.shape
-        E = cfg.num_experts
         x = x.contiguous()
-        if self.plan_impl == "triton":
-            topk_idx, my_counts = plan_kernels.check_and_count(topk_idx, E, self.input_err,
-                                                               check=self.device_side_checks)
-        else:
-            if self.device_side_checks:
-                topk_idx = self._sanitize(topk_idx)
-            my_counts = local_counts(topk_idx, E)
+        topk_idx, my_counts = self._checked_ids(topk_idx)
         self.epoch[0] += 1
+        if self.pull:  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
+            self._pack(x)
         self._exchange(my_counts)
         po = self._plan(topk_idx)
         plan = po.plan
-        self._send_to_experts(x, plan, x, weighted=False, mx=self.mx)
+        if self.pull:
+            self._push_tokens(plan)
+        else:
+            self._send_to_experts(x, plan, x, weighted=False, mx=self.mx)
         if cfg.exact_sizes:
             R = self._check("dispatch arrivals", plan.num_rows)
         else:
             R = self.R_max
             self._check_async("dispatch arrivals")
         origins = RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
-        out_x = self._received(plan, origins, R, self.mx)
+        out_x = self._received(plan, origins, R, self.mx, pull=self.pull)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
             config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,

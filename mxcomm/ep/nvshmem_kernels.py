@@ -16,7 +16,17 @@ Why two combine copies: combine has no handshake before it writes into its peers
 ``e+1`` of rank A may start while rank B still reduces epoch ``e``; it writes the other copy. It
 cannot lap B: A's epoch ``e+1`` began after A received B's epoch-``e`` rows, which B sent after it
 finished reducing epoch ``e-1`` (stream order), the copy ``e+1`` uses. Dispatch needs no second
-copy: every dispatch starts with the counts exchange, and nobody writes before seeing all counts.
+copy of ``recv_q``: every dispatch starts with the counts exchange, and nobody writes before seeing all
+counts. The pull dispatch's ``send_q`` has two copies for the same reason as combine: a rank packs its
+rows before the counts exchange, while a peer may still be reading the previous dispatch's rows; the
+copy it writes was last read two dispatch-direction epochs ago, and every peer finished that read
+before it published the counts of the epoch in between.
+* ``send_q``  uint8 ``[2, T_max, H * B]``, ``send_s`` uint8 ``[2, T_max, H/32]`` (pull dispatch, the default
+  on one node): each token row of this rank quantized once (``pack_rows_kernel``), row ``t`` of the copy
+  picked by the dispatch epoch's parity; the receivers read the rows they need from here
+  (``copy_out_rows_kernel`` / ``scale_rows_to_grouped_kernel`` with ``PULL``).
+* ``recv_tok`` int32 ``[R_max]`` (pull dispatch): the source token of each expert-major row, stored by
+  the source (``push_tokens_kernel``).
 * ``counts``  int32 ``[W, E]``: row ``s`` = rows rank ``s`` sends to each expert.
 * ``flags``   int64 ``[3, W]``: row 0 counts published, row 1 dispatch arrivals, row 2 combine
   arrivals; entry ``[i, s]`` is written by rank ``s``. Flags only grow (epochs), never reset.
@@ -160,6 +170,73 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
 
 
 @triton.jit
+def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max,
+                     H: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
+                     INT_ROUND: tl.constexpr):
+    """Pull dispatch, sender: every token row read once and (MX) quantized once into this rank's send copy
+    ``par = epoch % 2``, row ``t``; the receivers read the rows they need from there.
+
+    Args:
+        x_ptr: bf16 ``[T, H]`` contiguous.
+        send_q_ptr: this rank's ``send_q``: uint8 ``[2, T_max, H]`` (MX) or bf16 ``[2, T_max, H]``.
+        send_s_ptr: uint8 ``[2, T_max, H/32]`` row-major scales (MX only).
+        epoch_ptr: int64 dispatch epoch (already advanced for this call).
+    Grid: any; persistent over tokens.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    row0 = (tl.load(epoch_ptr) % 2) * T_max
+    t = pid
+    while t < T:
+        drow = row0 + t
+        for c0 in tl.static_range(0, H, CHUNK):
+            m = (c0 + offs) < H
+            x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
+            dst = send_q_ptr + tl.multiple_of(drow * H + c0, 16) + offs
+            if MX:
+                q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
+                tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
+                cols = c0 // 32 + bcols
+                tl.store(send_s_ptr + drow * C + cols, s, mask=cols < C)
+            else:
+                tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), x, mask=m)
+        t += G
+
+
+@triton.jit
+def push_tokens_kernel(dest_rank_ptr, dest_row_ptr, n_slots, tok_peers, flags_peers, me, W,
+                       K: tl.constexpr, BLOCK: tl.constexpr):
+    """Pull dispatch, sender: for each valid slot ``s = t * K + j`` store ``t`` into ``recv_tok[dest_row[s]]``
+    on rank ``dest_rank[s]`` (4 bytes a row: the receiver then reads the row itself), then add 1 to
+    ``flags[1, me]`` on every rank (release, sys).
+
+    Args:
+        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan; rank -1 = dropped slot), n_slots = ``T * K``.
+        tok_peers / flags_peers: int64 ``[W]`` base pointers of ``recv_tok`` (int32 ``[R_max]``) / ``flags``.
+    Grid: any fixed number of programs (identical on every rank: receivers count arrivals); persistent over
+    blocks of ``BLOCK`` slots.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    b = pid * BLOCK
+    while b < n_slots:
+        s = b + offs
+        m = s < n_slots
+        rk = tl.load(dest_rank_ptr + s, mask=m, other=-1)
+        row = tl.load(dest_row_ptr + s, mask=m, other=0)
+        ok = m & (rk >= 0)
+        base = tl.load(tok_peers + tl.where(ok, rk, 0), mask=ok, other=0).to(tl.pointer_type(tl.int32))
+        tl.store(base + row, s // K, mask=ok)
+        b += G * BLOCK
+    _arrive_all(flags_peers, 1, me, W)
+
+
+@triton.jit
 def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, s_peers, flags_peers, me, W,
                         epoch_ptr, nslot, in_scales_ptr,
                         H: tl.constexpr, BR: tl.constexpr, CHUNK: tl.constexpr,
@@ -293,36 +370,50 @@ def _real_row(r, n_rows, row_src_ptr):
 
 
 @triton.jit
-def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
-                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
-    """Copy the received rows out of the symmetric buffer into a fresh tensor.
+def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out, src_peers, row_tok_ptr, epoch_ptr, T_max,
+                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, PULL: tl.constexpr = False):
+    """The received rows into a fresh tensor: out of this rank's symmetric buffer (push), or read straight
+    from the source ranks' send buffers (``PULL``: the pull dispatch's gather).
 
-    Row ``r < R_out`` of ``dst`` gets row ``r`` of ``src`` when it is a real row (``r < n_rows`` and
-    ``row_src[r] >= 0``), else zeros (padding rows, and rows past ``n_rows`` in the worst-case-sized
-    mode). Reads only real rows.
+    Row ``r < R_out`` of ``dst`` gets its row when it is a real row (``r < n_rows`` and ``row_src[r] >= 0``),
+    else zeros (padding rows, and rows past ``n_rows`` in the worst-case-sized mode). Reads only real rows.
+    Push: the row is row ``r`` of ``src``. Pull: it is row ``par * T_max + row_tok[r]`` of source
+    ``row_src[r]``'s ``send_q`` (``par = epoch % 2``; base pointers ``src_peers``).
 
     Args:
-        src_ptr / dst_ptr: int64 views of ``[*, ROW_WORDS]`` rows (row bytes / 8).
+        src_ptr / dst_ptr: int64 views of ``[*, ROW_WORDS]`` rows (row bytes / 8); ``src_ptr`` unused with PULL.
         n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[>= n_rows]`` origin rank, -1 = padding.
+        src_peers: int64 ``[W]`` ``send_q`` base pointers; row_tok_ptr: int32 ``[>= n_rows]`` source token
+            (``recv_tok``); epoch_ptr: int64 dispatch epoch; T_max: rows of a send copy (PULL only).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, CHUNK)
     n_rows = tl.load(n_rows_ptr)
+    if PULL:
+        row0 = (tl.load(epoch_ptr) % 2) * T_max
     r = pid
     while r < R_out:
         real = _real_row(r, n_rows, row_src_ptr)
         base = r.to(tl.int64) * ROW_WORDS
+        if PULL:
+            src = tl.load(row_src_ptr + r, mask=real, other=0)
+            sbase = tl.load(src_peers + src, mask=real, other=0).to(tl.pointer_type(tl.int64))
+            srow = row0 + tl.load(row_tok_ptr + r, mask=real, other=0)
+            sbase = sbase + srow.to(tl.int64) * ROW_WORDS
+        else:
+            sbase = src_ptr + base
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
-            v = tl.load(src_ptr + base + c0 + offs, mask=m & real, other=0)
+            v = tl.load(sbase + c0 + offs, mask=m & real, other=0)
             tl.store(dst_ptr + base + c0 + offs, v, mask=m)
         r += G
 
 
 @triton.jit
 def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_src_ptr, n_groups, n_col_tiles,
-                                 C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr):
+                                 src_peers, row_tok_ptr, epoch_ptr, T_max,
+                                 C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr, PULL: tl.constexpr = False):
     """Receiver: the scale rows that arrived row-major at their payload rows -> a fresh grouped-along-M
     blocked scale matrix (what the grouped GEMM reads), every byte written (zeros for padding).
 
@@ -338,6 +429,9 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_sr
             tiles per tile-row).
         offs_ptr: int32 ``[n_groups]`` group END offsets in payload rows; n_rows_ptr: int32 scalar;
         row_src_ptr: int32 ``[>= n_rows]`` origin rank per payload row, -1 = padding.
+        PULL (the pull dispatch): payload row ``p``'s scales are row ``par * T_max + row_tok[p]`` of source
+            ``row_src[p]``'s ``send_s`` (uint8 ``[2, T_max, C]``; base pointers ``src_peers``, ``par =
+            epoch % 2``) instead of row ``p`` of ``rows_ptr``.
     Grid: ``(tile_rows, cdiv(4 * n_col_tiles, CB))``.
     """
     i = tl.program_id(0)
@@ -362,7 +456,13 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_sr
     real = inside & (prow < n_rows)
     real = real & (tl.load(row_src_ptr + prow, mask=real, other=-1) >= 0)
     cols = cb * CB + tl.arange(0, CB)
-    v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * C + cols[None, :], mask=real[:, None] & (cols < C)[None, :],
-                other=0)
+    vm = real[:, None] & (cols < C)[None, :]
+    if PULL:
+        src = tl.load(row_src_ptr + prow, mask=real, other=0)
+        sbase = tl.load(src_peers + src, mask=real, other=0).to(tl.pointer_type(tl.uint8))
+        srow = (tl.load(epoch_ptr) % 2) * T_max + tl.load(row_tok_ptr + prow, mask=real, other=0)
+        v = tl.load(sbase[:, None] + (srow.to(tl.int64) * C)[:, None] + cols[None, :], mask=vm, other=0)
+    else:
+        v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * C + cols[None, :], mask=vm, other=0)
     tl.store(out_ptr + blocked_scale_offset(br.to(tl.int64)[:, None], cols[None, :], n_col_tiles), v,
              mask=(cols < 4 * n_col_tiles)[None, :])

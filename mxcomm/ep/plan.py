@@ -254,6 +254,13 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes.
     * ``ep.counts`` int32 ``[W, E]``; ``ep.flags`` int64 ``[3, W]``.
 
+    The pull dispatch (``config.transport == "auto"`` off the put path) adds:
+
+    * ``ep.send_q`` uint8 ``[2, T_max, H]`` (mxfp8) or ``[2, T_max, 2H]`` (bf16): this rank's token rows,
+      quantized once, in two copies (alternate dispatch epochs); receivers read them through peer pointers;
+    * ``ep.send_s`` uint8 ``[2, T_max, H/32]``: their scale bytes (mxfp8; 1 byte for bf16);
+    * ``ep.recv_tok`` int32 ``[R_max]``: the source token of each expert-major row, stored by the source.
+
     The put-with-signal path (``put_path``; default: ``config.transport == "put"``) adds:
 
     * ``ep.stage_q`` uint8 ``[R_max, 2H]``: the sending kernels' rows before NVSHMEM puts them (dispatch: in
@@ -275,6 +282,13 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
         BufferRegion("ep.counts", (world_size, config.num_experts), torch.int32),
         BufferRegion("ep.flags", (3, world_size), torch.int64),
     ]
+    T = config.max_tokens_per_rank
+    if not put_path and config.transport == "auto":
+        regions += [
+            BufferRegion("ep.send_q", (2, T, H * (1 if mx else 2)), torch.uint8),
+            BufferRegion("ep.send_s", (2, T, H // 32) if mx else (1,), torch.uint8),
+            BufferRegion("ep.recv_tok", (R,), torch.int32),
+        ]
     if put_path:
         regions += [
             BufferRegion("ep.stage_q", (R, 2 * H), torch.uint8),
@@ -291,6 +305,7 @@ class BufferSizes:
     combine_payload: rows returned by combine, two copies (incl. their scale bytes).
     counts, flags: the counts matrix and the signal words.
     put_staging: the put-with-signal path's staging and row-major scale buffers (0 without it).
+    pull_send: the pull dispatch's send copies, their scales and the row-token map (0 without it).
     """
 
     dispatch_payload: int
@@ -299,11 +314,12 @@ class BufferSizes:
     counts: int
     flags: int
     put_staging: int = 0
+    pull_send: int = 0
 
     @property
     def total(self) -> int:
         return (self.dispatch_payload + self.dispatch_scales + self.combine_payload + self.counts + self.flags
-                + self.put_staging)
+                + self.put_staging + self.pull_send)
 
 
 def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None) -> BufferSizes:
@@ -317,6 +333,7 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
         counts=b["ep.counts"],
         flags=b["ep.flags"],
         put_staging=sum(b.get(n, 0) for n in ("ep.stage_q", "ep.stage_s")),
+        pull_send=sum(b.get(n, 0) for n in ("ep.send_q", "ep.send_s", "ep.recv_tok")),
     )
 
 

@@ -1,5 +1,6 @@
 """bench/bench_ep_kernels.py runs end to end under the CPU interpreter (tiny sizes, dropped slots): every
-kernel it times (dispatch, swizzle, reduce, the naive baselines) produced the reference output."""
+kernel it times (push and pull dispatch paths, their receivers, reduce, the naive baselines) produced the
+reference output."""
 import json
 import os
 import pathlib
@@ -23,8 +24,9 @@ def test_bench_ep_kernels_smoke(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
-    assert {(x["op"], x["impl"]) for x in res} == {
-        ("dispatch", "mxcomm.ep.nvshmem_kernels"), ("swizzle", "mxcomm.ep.nvshmem_kernels"),
-        ("reduce", "mxcomm.ep.nvshmem_kernels"), ("dispatch", "naive")}
-    assert len(res) == 2 + 1 + 2 + 4 and all(x["correct"] for x in res)
+    mod = "mxcomm.ep.nvshmem_kernels"
+    ops = ("dispatch", "copyout", "swizzle", "pack", "gather", "gather_scales", "push_path", "pull_path", "reduce")
+    assert {(x["op"], x["impl"]) for x in res} == {(op, mod) for op in ops} | {("dispatch", "naive")}
+    # dispatch and reduce: 2 grids; copyout, swizzle, pack, gather, gather_scales, the 2 paths: once; naive: 2 x 2
+    assert len(res) == 2 + 7 + 2 + 4 and all(x["correct"] for x in res)
     assert all(x.get("scales", "row") in ("row", "blocked") for x in res)

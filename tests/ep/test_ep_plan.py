@@ -94,8 +94,12 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert b.dispatch_payload == R * 7168 * (1 if precision == "mxfp8" else 2)
     assert b.dispatch_scales == (R * 224 if precision == "mxfp8" else 1)  # scale rows at the payload rows
     assert b.combine_payload == 2 * 4096 * 8 * (7168 * 2 + 7168 // 32)
+    # pull dispatch (transport "auto"): two send copies of the token rows (+ scales) and the row-token map
+    row = 7168 + 224 if precision == "mxfp8" else 2 * 7168
+    assert b.pull_send == 2 * 4096 * row + (0 if precision == "mxfp8" else 1) + 4 * R
+    assert buffer_sizes(replace(cfg, transport="push"), world).pull_send == 0
     assert b.total == EPGroup.buffer_bytes(cfg, world)
-    assert b.total == b.dispatch_payload + b.dispatch_scales + b.combine_payload + b.counts + b.flags
+    assert b.total == b.dispatch_payload + b.dispatch_scales + b.combine_payload + b.counts + b.flags + b.pull_send
     with pytest.raises(ValueError):
         buffer_sizes(replace(cfg, num_experts=33), world if world > 1 else 2)
 
@@ -327,4 +331,5 @@ def test_put_path_buffers_are_counted_in_the_memory_report():
     R, H = max_recv_rows(BASE, 2), BASE.hidden
     assert auto.put_staging == 0
     assert put.put_staging == R * 2 * H + R * (H // 32)  # stage rows, stage scales
-    assert put.total == auto.total + put.put_staging
+    assert put.pull_send == 0 < auto.pull_send  # the put path does not pull
+    assert put.total == auto.total - auto.pull_send + put.put_staging

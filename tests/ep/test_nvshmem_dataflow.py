@@ -133,8 +133,9 @@ def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_
     out_rows = grouped_m_rows(R, El)
     out = torch.full((out_rows, cp), 0xAB, dtype=torch.uint8)
     cb = min(32, triton.next_power_of_2(cp))
+    unused = torch.zeros(1, dtype=torch.int64)
     scale_rows_to_grouped_kernel[(out_rows // 128, triton.cdiv(cp, cb))](
-        rows, out, offs, torch.tensor([n_rows], dtype=torch.int32), src, El, cp // 4,
+        rows, out, offs, torch.tensor([n_rows], dtype=torch.int32), src, El, cp // 4, unused, unused, unused, 0,
         C=C, CB=cb, G_POW2=triton.next_power_of_2(El))
     assert torch.equal(out[: want.shape[0]], want)
     assert not out[want.shape[0]:].any()  # rows past the groups: zeros (written, not left at 0xAB)
@@ -146,12 +147,13 @@ def _loopback_backend(cfg):
     puts = LoopbackPuts() if cfg.transport == "put" else None
     be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(), puts=puts)
     assert be.put_mode == (cfg.transport == "put")
+    assert be.pull == (cfg.transport == "auto")
     assert be.memory_bytes == EPGroup.buffer_bytes(cfg, 1, put_path=be.put_mode)  # the report is what it allocates
     return be
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
-@pytest.mark.parametrize("transport", ["auto", "put"])
+@pytest.mark.parametrize("transport", ["auto", "push", "put"])
 @pytest.mark.parametrize("plan_impl", ["torch", "triton"])
 @pytest.mark.parametrize("precision,align,H", [("mxfp8", 32, 64), ("mxfp8", 128, 96), ("bf16", 32, 64)])
 def test_nvshmem_kernels_loopback_match_oracle(precision, align, H, plan_impl, transport):
@@ -209,7 +211,7 @@ def test_no_sync_mode_drops_bad_ids_and_raises(plan_impl):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU the nvshmem autograd tests run this path")
-@pytest.mark.parametrize("transport", ["auto", "put"])
+@pytest.mark.parametrize("transport", ["auto", "push", "put"])
 @pytest.mark.parametrize("plan_impl", ["torch", "triton"])
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
 def test_nvshmem_backward_loopback_match_oracle(precision, plan_impl, transport):
@@ -312,10 +314,17 @@ compile(nk.combine_send_kernel, dict(send, out_ptr=u8), H=256, BR=4, CHUNK=256, 
         PASS=True, STAGED=True)
 compile(nk.combine_reduce_kernel, dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, w_ptr="*fp32", y_ptr="*bf16",
         epoch_ptr=i64), H=7168, K=8, CHUNK=4096, MX=True, INT_ROUND=False)
-compile(nk.scale_rows_to_grouped_kernel, dict(rows_ptr=u8, out_ptr=u8, offs_ptr=i32, n_rows_ptr=i32,
-        row_src_ptr=i32), C=224, CB=32, G_POW2=256)
-compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
-        CHUNK=512)
+pull = dict(src_peers=i64, row_tok_ptr=i32, epoch_ptr=i64)
+for p in (False, True):  # push (copy out of recv_q/recv_s) and pull (read the sources' send buffers)
+    compile(nk.scale_rows_to_grouped_kernel, dict(pull, rows_ptr=u8, out_ptr=u8, offs_ptr=i32, n_rows_ptr=i32,
+            row_src_ptr=i32), C=224, CB=32, G_POW2=256, PULL=p)
+    compile(nk.copy_out_rows_kernel, dict(pull, src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32),
+            ROW_WORDS=896, CHUNK=512, PULL=p)
+for mx in (True, False):
+    compile(nk.pack_rows_kernel, dict(x_ptr="*bf16", send_q_ptr=u8 if mx else "*bf16", send_s_ptr=u8, epoch_ptr=i64),
+            H=7168, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False)
+compile(nk.push_tokens_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, tok_peers=i64, flags_peers=i64), K=8,
+        BLOCK=1024)
 print("ok")
 '''
 

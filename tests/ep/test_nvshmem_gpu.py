@@ -45,6 +45,12 @@ def test_nvshmem_soak_1000_iterations_no_corruption_no_memory_growth():
     _assert_clean(run_world(1, nvshmem_soak_worker, 1000, env=ENV, timeout=900))
 
 
+# The push dispatch (EPConfig(transport="push"): rows stored into the receivers' buffers, then copied out), the
+# design the default pull dispatch replaced; same cases, same oracle.
+def test_nvshmem_push_dispatch_two_ranks_one_gpu():
+    _assert_clean(run_world(2, nvshmem_cases_worker, 4, "push", env=ENV, timeout=900))
+
+
 # The put-with-signal path (EPConfig(transport="put")): the path for peers on other nodes, forced on one GPU.
 # Same cases, same single-process oracle: bit-exact dispatch, combine within fp32 reduction-order tolerance.
 def test_nvshmem_put_path_one_rank():
