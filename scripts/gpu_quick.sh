@@ -33,13 +33,16 @@ if [[ $what == *tests* ]]; then
   r=${PIPESTATUS[0]}; echo "tests rc=$r"; [[ $r -ne 0 ]] && rc=$r
 fi
 if [[ $what == *bench* ]]; then
-  for tr in ${BENCH_TRANSPORTS:-auto push}; do
-    impls=mxcomm; [[ $tr == auto ]] && impls=${BENCH_IMPLS:-mxcomm,reference,a2a}
+  # BENCH_TRANSPORTS: transports to run, each optionally with "+graph" (mxcomm calls timed as CUDA graph replays)
+  for run in ${BENCH_TRANSPORTS:-auto push auto+graph}; do
+    tr=${run%+graph}; extra=(); label=$tr
+    [[ $run == *+graph ]] && { extra=(--cuda-graph); label=$tr-graph; }
+    impls=mxcomm; [[ $run == auto ]] && impls=${BENCH_IMPLS:-mxcomm,reference,a2a}
     timeout 300 python3 -m mxcomm bench --ranks 1 --tokens 8192 --hidden 7168 --topk 8 --experts 256 \
         --ops ${BENCH_OPS:-dispatch,combine} --impls "$impls" --transport "$tr" --iters 10 --warmup 3 --no-progress \
-        --label "loopback-$tr" --out "$OUT/bench_$tr" ${BENCH_EXTRA:-} > "$OUT/bench_$tr.log" 2>&1
-    r=$?; echo "bench $tr rc=$r"; [[ $r -ne 0 ]] && rc=$r
-    grep -E "dispatch|combine|ceiling" "$OUT/bench_$tr.log" | grep -v "^#" | head -30
+        --label "loopback-$label" --out "$OUT/bench_$label" "${extra[@]}" > "$OUT/bench_$label.log" 2>&1
+    r=$?; echo "bench $run rc=$r"; [[ $r -ne 0 ]] && { rc=$r; tail -5 "$OUT/bench_$label.log"; }
+    grep -E "^(dispatch|combine)|ceiling|check vs" "$OUT/bench_$label.log" | head -30
   done
 fi
 exit $rc
