@@ -222,7 +222,7 @@ class Lab:
         cp = round_up(C, 4)
         rows = grouped_m_rows(R, E)
         out_s = torch.empty(rows, cp, dtype=torch.uint8, device=dev)
-        cb = min(32, triton.next_power_of_2(cp))
+        cb0 = min(_ints(a.scale_cbs)[0], triton.next_power_of_2(cp))
         words = H // 8
         progs = self.sms * 16
 
@@ -236,10 +236,10 @@ class Lab:
                 q.view(torch.int64), out_q.view(torch.int64), self.plan.num_rows, src, R, sqp, tok, epoch, T,
                 ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), PULL=pull, num_warps=4)
 
-        def scales(pull):
+        def scales(pull, cb=cb0, warps=4):
             mod.scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(cp, cb))](
                 s, out_s, self.plan.offs, self.plan.num_rows, src, E, cp // 4, ssp, tok, epoch, T, C=C, CB=cb,
-                G_POW2=triton.next_power_of_2(E), PULL=pull, num_warps=4)
+                G_POW2=triton.next_power_of_2(E), PULL=pull, num_warps=warps)
 
         def rows_check(fn):
             out_q.fill_(0xAB)
@@ -280,18 +280,23 @@ class Lab:
         push(self.grids()[0], _ints(a.warps)[0], chunk0)  # recv_q / recv_s hold this plan's rows
         self.record("copyout", impl, dict(programs=min(R, progs)), lambda: copy_rows(False), rows_check,
                     nbytes=n_rows_bytes)
-        self.record("swizzle", impl, dict(programs=rows // 128 * triton.cdiv(cp, cb), warps=4, chunk=cb),
-                    lambda: scales(False), scales_check, nbytes=n_scale_bytes)
-        for warps in _ints(a.warps):
-            for chunk in _ints(a.chunks):
-                self.record("pack", impl, dict(programs=min(T, progs), warps=warps, chunk=chunk),
-                            lambda warps=warps, chunk=chunk: pack(progs, warps, chunk), pack_check,
-                            nbytes=T * H * 2 + T * (H + C))
+        for op, pull in (("swizzle", False), ("gather_scales", True)):
+            if pull:
+                pack()
+            for cb in sorted({min(c, triton.next_power_of_2(cp)) for c in _ints(a.scale_cbs)}):
+                for warps in _ints(a.warps):
+                    self.record(op, impl, dict(programs=rows // 128 * triton.cdiv(cp, cb), warps=warps, chunk=cb),
+                                lambda pull=pull, cb=cb, warps=warps: scales(pull, cb, warps), scales_check,
+                                nbytes=n_scale_bytes)
+        for programs in self.grids():
+            for warps in _ints(a.warps):
+                for chunk in _ints(a.chunks):
+                    self.record("pack", impl, dict(programs=min(T, programs), warps=warps, chunk=chunk),
+                                lambda programs=programs, warps=warps, chunk=chunk: pack(programs, warps, chunk),
+                                pack_check, nbytes=T * H * 2 + T * (H + C))
         pack()
         self.record("gather", impl, dict(programs=min(R, progs)), lambda: copy_rows(True), rows_check,
                     nbytes=n_rows_bytes)
-        self.record("gather_scales", impl, dict(programs=rows // 128 * triton.cdiv(cp, cb)), lambda: scales(True),
-                    scales_check, nbytes=n_scale_bytes)
         g0, w0 = self.grids()[0], _ints(a.warps)[0]
         self.record("push_path", impl, dict(programs=g0, warps=w0, chunk=chunk0),
                     lambda: (push(g0, w0, chunk0), copy_rows(False), scales(False)), both(rows_check, scales_check))
@@ -353,6 +358,7 @@ def main() -> None:
     ap.add_argument("--programs", default="4,tokens", help="programs per SM, or 'tokens' (one per token)")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--chunks", default="1024")
+    ap.add_argument("--scale-cbs", default="32", help="scale columns per program of swizzle / gather_scales")
     ap.add_argument("--scales", default="row,blocked", help="scale layouts of the naive kernel: row,blocked")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ep_kernels.json"))
     args = ap.parse_args()

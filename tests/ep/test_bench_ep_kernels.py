@@ -27,6 +27,6 @@ def test_bench_ep_kernels_smoke(tmp_path):
     mod = "mxcomm.ep.nvshmem_kernels"
     ops = ("dispatch", "copyout", "swizzle", "pack", "gather", "gather_scales", "push_path", "pull_path", "reduce")
     assert {(x["op"], x["impl"]) for x in res} == {(op, mod) for op in ops} | {("dispatch", "naive")}
-    # dispatch and reduce: 2 grids; copyout, swizzle, pack, gather, gather_scales, the 2 paths: once; naive: 2 x 2
-    assert len(res) == 2 + 7 + 2 + 4 and all(x["correct"] for x in res)
+    # dispatch, pack and reduce: 2 grids; copyout, swizzle, gather, gather_scales, the 2 paths: once; naive: 2 x 2
+    assert len(res) == 2 + 2 + 6 + 2 + 4 and all(x["correct"] for x in res)
     assert all(x.get("scales", "row") in ("row", "blocked") for x in res)
