@@ -161,15 +161,20 @@ class NvshmemBackend:
         self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
         self.comb_q, self.comb_s = bufs["ep.comb_q"], bufs["ep.comb_s"]  # 2 copies: see nvshmem_kernels
         self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
+        self._flag_rows = tuple(self.flags.local[i] for i in range(3))
+        # views made once: each tensor index costs the host microseconds per call
         self.epoch = torch.zeros(2, dtype=torch.int64, device=self.device)  # [dispatch, combine]
+        self.d_epoch, self.c_epoch = self.epoch[0:1], self.epoch[1:2]
         self.expect = torch.zeros(3, W, dtype=torch.int64, device=self.device)  # arrivals expected per flags[i, s]
-        self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._expect_rows = tuple(self.expect[i] for i in range(3))
+        # error words: [0] a bounded wait's timeout (mxcomm.transport.errors), [1] bad expert ids seen on the device
+        self.err_words = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.err, self.input_err = self.err_words[0:1], self.err_words[1:2]
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
         self._plan_graphs: dict = {}  # (T, idx dtype) -> PlanGraph, least recently used first
-        self.input_err = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.pull:
             self.send_q, self.send_s, self.recv_tok = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.recv_tok"]
             self.push_programs = sms  # push_tokens_kernel (same on all ranks: receivers count their arrivals)
@@ -219,10 +224,10 @@ class NvshmemBackend:
         """Raise now if a bounded wait (or the device-side input check) recorded an error (one host sync).
         Returns the int32 ``num_rows[0]`` read in the same transfer (0 without it)."""
         self._pending = None
-        words = [self.err[0], self.input_err[0]]
-        if num_rows is not None:
-            words.append(num_rows[0].to(torch.int64))
-        host = torch.stack(words).cpu()
+        if num_rows is None:
+            host = self.err_words.cpu()
+        else:
+            host = torch.cat([self.err_words, num_rows.to(torch.int64)]).cpu()
         self._raise_errors(host[:2], what)
         return int(host[2]) if num_rows is not None else 0
 
@@ -262,7 +267,7 @@ class NvshmemBackend:
         else:
             ids = self._sanitize(topk_idx)
             counts = local_counts(ids, E)
-        if self.config.exact_sizes and topk_idx.numel() and int(self.input_err[0]):  # the host sync
+        if self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
             self.input_err.zero_()
             check_expert_ids(topk_idx, E)  # raises the detailed error
             raise AssertionError("the device id check and check_expert_ids disagree")  # not reached
@@ -296,7 +301,7 @@ class NvshmemBackend:
             if self._pinned is None:  # allocated once: pinned allocations cost milliseconds
                 self._pinned = torch.empty(2, dtype=torch.int64, pin_memory=True)
             host = self._pinned
-            host.copy_(torch.stack([self.err[0], self.input_err[0]]), non_blocking=True)
+            host.copy_(self.err_words, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             self._pending = (host, ev, what)
@@ -307,7 +312,7 @@ class NvshmemBackend:
         if not pull:
             return self.err, self.err, self.err, 0
         bufs = self.send_q if q else self.send_s
-        return bufs.peer_ptrs, self.recv_tok.local, self.epoch[0:1], self.config.max_tokens_per_rank
+        return bufs.peer_ptrs, self.recv_tok.local, self.d_epoch, self.config.max_tokens_per_rank
 
     def _copy_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int, pull: bool) -> torch.Tensor:
         """Fresh uint8 ``[R, row_bytes]`` of the received rows, padding and tail rows zero: copied out of
@@ -399,21 +404,21 @@ class NvshmemBackend:
             if my_counts is not None:
                 self.counts.local[self.rank].copy_(my_counts)
             batch = self._ready_batch if my_counts is None else self._counts_batch
-            sig = self.flags.local[0]
+            sig = self._flag_rows[0]
             self.puts.put(self.counts.local, self.counts.local, batch, sig, self.rank, self.err, 1)
-            self.puts.wait(sig, self._all_src, self.epoch[0:1], 1, self.err, self.timeout_ns)
+            self.puts.wait(sig, self._all_src, self.d_epoch, 1, self.err, self.timeout_ns)
             return
         E = 0 if my_counts is None else self.config.num_experts
         exchange_counts_kernel[(W,)](
             self.err if my_counts is None else my_counts, self.counts.peer_ptrs, self.flags.peer_ptrs,
-            self.flags.local[0], self.epoch[0:1], self.err, self.timeout_ns, self.rank, E,
+            self._flag_rows[0], self.d_epoch, self.err, self.timeout_ns, self.rank, E,
             E_POW2=triton_next_pow2(max(E, 1)),
         )
 
     def _put_blocks(self, blocks: "put_path.BlockPuts", dst_q, dst_s, row: int, epoch: torch.Tensor) -> None:
         """Put path: put the staged blocks (payload, scales), wait (bounded) for every source's blocks
         of this epoch in ``flags[row]``, then quiet (the staging buffer may be rewritten after it)."""
-        sig, C = self.flags.local[row], self.put_chunks
+        sig, C = self._flag_rows[row], self.put_chunks
         self.puts.put(dst_q.local, self.stage_q.local, blocks.payload, sig, self.rank, self.err, C)
         self.puts.put(dst_s.local, self.stage_s.local, blocks.scales, sig, self.rank, self.err, C)
         self.puts.wait(sig, self._all_src, epoch, self._per_call, self.err, self.timeout_ns)
@@ -437,9 +442,9 @@ class NvshmemBackend:
         )
         if self.put_mode:
             blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0)
-            self._put_blocks(blocks, self.recv_q, self.recv_s, 1, self.epoch[0:1])
+            self._put_blocks(blocks, self.recv_q, self.recv_s, 1, self.d_epoch)
         else:
-            wait_arrivals_kernel[(self.world,)](self.flags.local[1], self.expect[1], self.dispatch_programs, self.err,
+            wait_arrivals_kernel[(self.world,)](self._flag_rows[1], self._expect_rows[1], self.dispatch_programs, self.err,
                                                 self.timeout_ns)
 
     def _pack(self, x: torch.Tensor) -> None:
@@ -450,7 +455,7 @@ class NvshmemBackend:
         if T:
             q = self.send_q.local if self.mx else self.send_q.local.view(torch.bfloat16)
             pack_rows_kernel[(min(T, self.dispatch_programs),)](
-                x, T, q, self.send_s.local, self.epoch[0:1], self.config.max_tokens_per_rank,
+                x, T, q, self.send_s.local, self.d_epoch, self.config.max_tokens_per_rank,
                 H=H, CHUNK=self._chunk(H), MX=self.mx, MODE=self.mode_id, INT_ROUND=self.int_round,
                 num_warps=self.dispatch_warps,
             )
@@ -464,7 +469,7 @@ class NvshmemBackend:
             plan.dest_rank, plan.dest_row, plan.dest_rank.numel(), self.recv_tok.peer_ptrs, self.flags.peer_ptrs,
             self.rank, self.world, K=self.config.topk, BLOCK=1024, num_warps=4,
         )
-        wait_arrivals_kernel[(self.world,)](self.flags.local[1], self.expect[1], self.push_programs, self.err,
+        wait_arrivals_kernel[(self.world,)](self._flag_rows[1], self._expect_rows[1], self.push_programs, self.err,
                                             self.timeout_ns)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
@@ -475,7 +480,7 @@ class NvshmemBackend:
         T, H = x.shape
         x = x.contiguous()
         topk_idx, my_counts = self._checked_ids(topk_idx)
-        self.epoch[0] += 1
+        self.d_epoch.add_(1)
         if self.pull:  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
             self._pack(x)
         self._exchange(my_counts)
@@ -521,30 +526,30 @@ class NvshmemBackend:
             in_scales = rows.row_scales().contiguous()
         else:
             payload, in_scales = rows.contiguous(), self.err  # in_scales unused
-        self.epoch[1] += 1
+        self.c_epoch.add_(1)
         if self.put_mode:  # rows to staging at their own index; puts per (source, expert) block
             q_ptrs, s_ptrs = self._stage_ptrs, self._stage_s_ptrs
         else:
             q_ptrs, s_ptrs = self.comb_q.peer_ptrs, self.comb_s.peer_ptrs
         combine_send_kernel[(self.programs,)](
             payload, st.num_rows_dev, st.origins.src, st.origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
-            self.rank, W, self.epoch[1:2], self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)),
+            self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)),
             MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, STAGED=self.put_mode,
             num_warps=self.send_warps,
         )
         if self.put_mode:
-            slot0 = (self.epoch[1:2] % 2) * self.nslot
+            slot0 = (self.c_epoch % 2) * self.nslot
             blocks = put_path.combine_blocks(plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
-            self._put_blocks(blocks, self.comb_q, self.comb_s, 2, self.epoch[1:2])
+            self._put_blocks(blocks, self.comb_q, self.comb_s, 2, self.c_epoch)
         else:
-            wait_arrivals_kernel[(W,)](self.flags.local[2], self.expect[2], self.programs, self.err, self.timeout_ns)
+            wait_arrivals_kernel[(W,)](self._flag_rows[2], self._expect_rows[2], self.programs, self.err, self.timeout_ns)
         T = handle.num_tokens
         y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         w = weights.to(torch.float32).contiguous()
         comb = self.comb_q.local if mx else self.comb_q.local.view(torch.bfloat16)
         if T:
             combine_reduce_kernel[(min(T, self.dispatch_programs),)](
-                comb, self.comb_s.local, plan.send_pos, w, y, T, self.epoch[1:2], self.nslot,
+                comb, self.comb_s.local, plan.send_pos, w, y, T, self.c_epoch, self.nslot,
                 H=H, K=cfg.topk, CHUNK=min(_REDUCE_CHUNK, triton_next_pow2(H)),
                 MX=mx, INT_ROUND=self.int_round, num_warps=4,
             )
@@ -553,7 +558,7 @@ class NvshmemBackend:
             # The copy this epoch used, chosen on the device (epoch parity), so a CUDA graph replay reads
             # the right one: slots [par * nslot, par * nslot + n) (MX payload: H-byte rows, a copy = 2 nslot rows).
             n = T * cfg.topk
-            par = self.epoch[1:2] % 2
+            par = self.c_epoch % 2
             ids = par * self.nslot + torch.arange(n, device=self.device)
             if mx:
                 qids = par * (2 * self.nslot) + torch.arange(n, device=self.device)
@@ -600,7 +605,7 @@ class NvshmemBackend:
         plan = handle.plan
         st: NvshmemState = handle.backend_state
         g = grad_y.contiguous()
-        self.epoch[0] += 1
+        self.d_epoch.add_(1)
         # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
         self._exchange(None)
         w = handle.topk_weights.to(torch.float32).contiguous()
