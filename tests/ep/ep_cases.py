@@ -253,8 +253,9 @@ def each_case(rank: int, world: int, cases: list, fails: list, run) -> dict:
         try:
             if cfg not in groups:
                 groups[cfg] = EPGroup(cfg)
-                want = {"torch": "all_to_all"}.get(cfg.backend, "put_signal" if cfg.transport == "put" else "peer_stores")
-                if groups[cfg].path != want:  # one node: "auto" means peer stores
+                want = {"torch": "all_to_all"}.get(
+                    cfg.backend, {"put": "put_signal", "push": "peer_stores"}.get(cfg.transport, "peer_pull"))
+                if groups[cfg].path != want:  # one node: "auto" means the pull dispatch
                     fails.append(f"{case.name}[rank {rank}]: group path {groups[cfg].path!r}, expected {want!r}")
             run(groups[cfg], case)
         except Exception as e:  # noqa: BLE001 - keep ranks in lockstep; report
