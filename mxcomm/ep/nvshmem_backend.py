@@ -174,10 +174,13 @@ class NvshmemBackend:
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
-        self._plan_graphs: dict = {}  # (T, idx dtype) -> PlanGraph, least recently used first
+        self._plan_graphs: dict = {}  # ("plan" | "pull", T, idx dtype, plan impl) -> PlanGraph, LRU first
         if self.pull:
             self.send_q, self.send_s, self.recv_tok = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.recv_tok"]
             self.push_programs = sms  # push_tokens_kernel (same on all ranks: receivers count their arrivals)
+            # inputs of the captured middle of a pull dispatch (see _pull_rows): fixed addresses
+            self._x_slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # address of this call's x
+            self._counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
         if self.put_mode:
             self._init_put_path(bufs, puts)
 
@@ -364,13 +367,11 @@ class NvshmemBackend:
         T, k = topk_idx.shape
         if self.device.type != "cuda" or T == 0 or self._capturing():  # an outer capture records the kernels
             return self._compute_plan(self.counts.local, topk_idx)
-        key = (T, topk_idx.dtype, self.plan_impl)
+        key = ("plan", T, topk_idx.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:
             g = PlanGraph(self.counts.local, T, k, topk_idx.dtype, self._compute_plan)
-            while len(self._plan_graphs) >= _MAX_PLAN_GRAPHS:  # bounded: varying T must not grow memory
-                self._plan_graphs.pop(next(iter(self._plan_graphs)))
-        self._plan_graphs[key] = g  # most recently used last
+        self._remember_graph(key, g)
         return g(topk_idx)
 
     def _received(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool, pull: bool = False):
@@ -447,18 +448,58 @@ class NvshmemBackend:
             wait_arrivals_kernel[(self.world,)](self._flag_rows[1], self._expect_rows[1], self.dispatch_programs, self.err,
                                                 self.timeout_ns)
 
-    def _pack(self, x: torch.Tensor) -> None:
-        """Pull dispatch: this rank's token rows, quantized once (MX), into this epoch's send copy."""
+    def _pack(self, T: int) -> None:
+        """Pull dispatch: this rank's ``T`` token rows (bf16 ``[T, H]`` at the address in ``_x_slot``), quantized
+        once (MX), into this epoch's send copy."""
         from .nvshmem_kernels import pack_rows_kernel
 
-        T, H = x.shape
+        H = self.config.hidden
         if T:
             q = self.send_q.local if self.mx else self.send_q.local.view(torch.bfloat16)
             pack_rows_kernel[(min(T, self.dispatch_programs),)](
-                x, T, q, self.send_s.local, self.d_epoch, self.config.max_tokens_per_rank,
-                H=H, CHUNK=self._chunk(H), MX=self.mx, MODE=self.mode_id, INT_ROUND=self.int_round,
+                self._x_slot, T, q, self.send_s.local, self.d_epoch, self.config.max_tokens_per_rank,
+                H=H, CHUNK=self._chunk(H), MX=self.mx, MODE=self.mode_id, INT_ROUND=self.int_round, X_SLOT=True,
                 num_warps=self.dispatch_warps,
             )
+
+    def _pull_middle(self, counts_buf: torch.Tensor, ids: torch.Tensor) -> PlanOutputs:
+        """The middle of a pull dispatch, between the id check and the receivers' gather: epoch += 1, pack
+        (``x`` from ``_x_slot``), counts exchange (``_counts_in``), the plan of ``ids`` on the exchanged
+        ``counts_buf``, token ids to the receivers and the bounded wait for every source's."""
+        self.d_epoch.add_(1)
+        self._pack(ids.shape[0])  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
+        self._exchange(self._counts_in)
+        po = self._compute_plan(counts_buf, ids)
+        self._push_tokens(po.plan)
+        return po
+
+    def _pull_rows(self, x: torch.Tensor, ids: torch.Tensor, my_counts: torch.Tensor) -> PlanOutputs:
+        """Run :meth:`_pull_middle` for this call's ``x`` / checked ``ids`` / counts. On the GPU it is captured
+        into a CUDA graph per (token count, id dtype, plan implementation) after the first eager call with that
+        key and replayed afterwards (its ~7 launches cost the host more than its GPU work); its inputs go through
+        fixed-address buffers (``x`` by address). Eager on the interpreter, for T = 0, and inside an outer
+        capture (which records its kernels)."""
+        self._x_slot.fill_(x.data_ptr())
+        self._counts_in.copy_(my_counts)
+        T, k = ids.shape
+        if self.device.type != "cuda" or T == 0 or self._capturing():
+            return self._pull_middle(self.counts.local, ids)
+        key = ("pull", T, ids.dtype, self.plan_impl)
+        g = self._plan_graphs.pop(key, None)
+        if g is None:  # first call with this key: eager (compiles every kernel), then capture for the next ones
+            po = self._pull_middle(self.counts.local, ids)
+            g = PlanGraph(self.counts.local, T, k, ids.dtype, self._pull_middle, warmup=False)
+            self._remember_graph(key, g)
+            return po
+        self._remember_graph(key, g)
+        return g(ids)
+
+    def _remember_graph(self, key, g: PlanGraph) -> None:
+        """Keep ``g`` as the most recently used captured graph (at most ``_MAX_PLAN_GRAPHS``: varying token
+        counts must not grow memory)."""
+        while len(self._plan_graphs) >= _MAX_PLAN_GRAPHS:
+            self._plan_graphs.pop(next(iter(self._plan_graphs)))
+        self._plan_graphs[key] = g
 
     def _push_tokens(self, plan: RoutingPlan) -> None:
         """Pull dispatch: each valid slot's token index into its row of the destination's ``recv_tok``, then
@@ -480,16 +521,14 @@ class NvshmemBackend:
         T, H = x.shape
         x = x.contiguous()
         topk_idx, my_counts = self._checked_ids(topk_idx)
-        self.d_epoch.add_(1)
-        if self.pull:  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
-            self._pack(x)
-        self._exchange(my_counts)
-        po = self._plan(topk_idx)
-        plan = po.plan
         if self.pull:
-            self._push_tokens(plan)
+            po = self._pull_rows(x, topk_idx, my_counts)
         else:
-            self._send_to_experts(x, plan, x, weighted=False, mx=self.mx)
+            self.d_epoch.add_(1)
+            self._exchange(my_counts)
+            po = self._plan(topk_idx)
+            self._send_to_experts(x, po.plan, x, weighted=False, mx=self.mx)
+        plan = po.plan
         if cfg.exact_sizes:
             R = self._check("dispatch arrivals", plan.num_rows)
         else:

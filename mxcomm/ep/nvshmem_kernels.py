@@ -172,12 +172,13 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
 @triton.jit
 def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max,
                      H: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
-                     INT_ROUND: tl.constexpr):
+                     INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr = False):
     """Pull dispatch, sender: every token row read once and (MX) quantized once into this rank's send copy
     ``par = epoch % 2``, row ``t``; the receivers read the rows they need from there.
 
     Args:
-        x_ptr: bf16 ``[T, H]`` contiguous.
+        x_ptr: bf16 ``[T, H]`` contiguous; with ``X_SLOT``, an int64 word holding that tensor's address (so a
+            CUDA graph captured once replays with each call's ``x``).
         send_q_ptr: this rank's ``send_q``: uint8 ``[2, T_max, H]`` (MX) or bf16 ``[2, T_max, H]``.
         send_s_ptr: uint8 ``[2, T_max, H/32]`` row-major scales (MX only).
         epoch_ptr: int64 dispatch epoch (already advanced for this call).
@@ -190,6 +191,8 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max,
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
     row0 = (tl.load(epoch_ptr) % 2) * T_max
+    if X_SLOT:
+        x_ptr = tl.load(x_ptr).to(tl.pointer_type(tl.bfloat16))
     t = pid
     while t < T:
         drow = row0 + t

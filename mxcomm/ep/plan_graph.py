@@ -42,31 +42,35 @@ class PlanGraph:
         T, k, idx_dtype: shape/dtype of topk_idx.
         compute: ``(counts_buf, topk_idx) -> PlanOutputs``, what is captured (e.g. :func:`compute_plan` with
             rank, align and the extra maps bound; it must not keep ``counts_buf`` itself in its outputs).
+        warmup: run ``compute`` once eagerly before capturing (lazy initialisation outside the capture). False
+            when ``compute`` has side effects that must happen only at replays (a collective: its kernels
+            must already have run eagerly for this shape, so nothing compiles during the capture).
     """
 
     def __init__(self, counts_buf: torch.Tensor, T: int, k: int, idx_dtype: torch.dtype,
-                 compute: Callable[[torch.Tensor, torch.Tensor], PlanOutputs]):
+                 compute: Callable[[torch.Tensor, torch.Tensor], PlanOutputs], warmup: bool = True):
         dev = counts_buf.device
         self.idx = torch.full((T, k), -1, dtype=idx_dtype, device=dev)
 
         def body() -> PlanOutputs:
             return compute(counts_buf, self.idx)
 
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            warm = body()  # warm-up outside capture (allocator, cub temp storage)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        names = [n for n in PLAN_TENSORS] + sorted(warm.extra)
-        shapes = [tuple((getattr(warm.plan, n) if n in PLAN_TENSORS else warm.extra[n]).shape) for n in names]
-        sizes = [int(torch.Size(s).numel()) for s in shapes]
-        self.flat = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
-        self.layout = list(zip(names, shapes, sizes))
-        self.sizes = sizes
-        self.template = warm.plan
+        if warmup:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                body()  # warm-up outside capture (allocator, cub temp storage)
+            torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             out = body()
+            names = [n for n in PLAN_TENSORS] + sorted(out.extra)
+            shapes = [tuple((getattr(out.plan, n) if n in PLAN_TENSORS else out.extra[n]).shape) for n in names]
+            sizes = [int(torch.Size(s).numel()) for s in shapes]
+            self.flat = torch.empty(sum(sizes), dtype=torch.int32, device=dev)  # from the graph's pool: kept
+            self.layout = list(zip(names, shapes, sizes))
+            self.sizes = sizes
+            self.template = out.plan
             off = 0
             for n, shp, sz in self.layout:
                 t = getattr(out.plan, n) if n in PLAN_TENSORS else out.extra[n]

@@ -321,8 +321,9 @@ for p in (False, True):  # push (copy out of recv_q/recv_s) and pull (read the s
     compile(nk.copy_out_rows_kernel, dict(pull, src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32),
             ROW_WORDS=896, CHUNK=512, PULL=p)
 for mx in (True, False):
-    compile(nk.pack_rows_kernel, dict(x_ptr="*bf16", send_q_ptr=u8 if mx else "*bf16", send_s_ptr=u8, epoch_ptr=i64),
-            H=7168, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False)
+    for slot in (True, False):  # x by address (the backend), x as a tensor (the kernel lab)
+        compile(nk.pack_rows_kernel, dict(x_ptr=i64 if slot else "*bf16", send_q_ptr=u8 if mx else "*bf16",
+                send_s_ptr=u8, epoch_ptr=i64), H=7168, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False, X_SLOT=slot)
 compile(nk.push_tokens_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, tok_peers=i64, flags_peers=i64), K=8,
         BLOCK=1024)
 print("ok")
