@@ -322,12 +322,13 @@ class NvshmemBackend:
         ``recv_q``, or (``pull``) read from the sources' send buffers."""
         from .nvshmem_kernels import copy_out_rows_kernel
 
-        src = self.recv_q.local.view(-1)[: self.R_max * row_bytes].view(self.R_max, row_bytes)
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
         words = row_bytes // 8
         if R:
+            # push: rows of recv_q, row_bytes apart; pull reads the sources' send_q instead (src unused)
+            src = self.err if pull else self.recv_q.local.view(-1)[: self.R_max * row_bytes].view(torch.int64)
             copy_out_rows_kernel[(min(R, self.programs * 4),)](
-                src.view(torch.int64), out.view(torch.int64), plan.num_rows, origins.src, R,
+                src, out.view(torch.int64), plan.num_rows, origins.src, R,
                 *self._pull_args(pull, True), ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), PULL=pull,
                 num_warps=4,
             )
