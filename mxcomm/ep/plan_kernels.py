@@ -3,8 +3,9 @@ Triton kernels instead of ~60 small torch ops: the same int32 tensors, bit for b
 ``build_plan`` and ``row_origins``). No host sync, so it can be
 captured in a CUDA graph like the rest of the no-sync mode.
 
-0. :func:`check_count_kernel`: the device-side id check of the no-sync mode (bad ids and repeats
-   dropped) fused with this rank's per-expert counts (one kernel instead of ~20 torch ops).
+0. :func:`check_count_kernel`: the device-side id check (bad ids and repeats dropped; the nvshmem backend
+   runs it in both size modes, and exact-size mode raises on what it found before sending) fused with this
+   rank's per-expert counts (one kernel instead of ~20 torch ops).
 1. :func:`plan_tables_kernel` (one program): every per-expert and per-source table from the counts
    matrix ``[W, E]``, held as a ``[W_src, W_dst, El]`` tile (cumulative sums along each axis).
 2. The slots ``t*k + j``, in blocks of ``_SLOT_BLOCK``, through a table ``hist [blocks, E + 1]`` (key =
