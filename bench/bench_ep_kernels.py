@@ -18,9 +18,10 @@ Timed (CUDA-event median per launch, after warm-up), for each module and (progra
   (``mxcomm.mx.reference.quantize``) placed at the plan's rows.
 * the receivers of the push dispatch: ``copyout`` (the received rows out of the symmetric buffer into a fresh
   tensor, padding zero) and ``swizzle`` (row-major scale rows -> the grouped blocked matrix), each checked;
-* the pull dispatch: ``pack`` (each token row quantized once into the send buffer), ``gather`` and
-  ``gather_scales`` (the receiver reads its rows and their scales from the send buffer into fresh tensors);
-* ``push_path`` (dispatch + copyout + swizzle) and ``pull_path`` (pack + gather + gather_scales): each path's
+* the pull dispatch: ``pack`` (each token row quantized once into the send buffer) and ``gather``
+  (``pull_rows_kernel``: the receiver reads each listed token row and scale row once and stores them at all the
+  token's rows: payload into a fresh tensor, scale rows into the staging rows the swizzle reads);
+* ``push_path`` (dispatch + copyout + swizzle) and ``pull_path`` (pack + gather + swizzle): each path's
   three launches timed together, with the dispatch byte count;
 * ``naive`` (dispatch baseline, this file's kernel): one program per token loads the row once, quantizes
   it once and stores it to each destination row, scales row-major. Same bytes, same check.
@@ -48,7 +49,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from mxcomm.bench.ceiling import device_copy, event_median_ms  # noqa: E402
 from mxcomm.bench.env_info import machine, versions  # noqa: E402
-from mxcomm.ep.plan import build_plan, local_counts  # noqa: E402
+from mxcomm.ep.plan import build_plan, local_counts, pull_entry_words  # noqa: E402
 from mxcomm.kernels.mx_device import blocked_scale_offset, mx_quantize_tile  # noqa: E402
 from mxcomm.mx import round_up  # noqa: E402
 from mxcomm.mx.layouts import blocked_index, grouped_m_row_map, grouped_m_rows  # noqa: E402
@@ -185,10 +186,11 @@ class Lab:
 
     def bench_dispatch(self, mod, impl: str) -> None:
         """The module's push dispatch (``dispatch_kernel``: row-major scales at the payload rows), the receiver's
-        ``copyout`` (``copy_out_rows_kernel``) and ``swizzle`` (``scale_rows_to_grouped_kernel``), and the pull
-        dispatch (``pack`` = ``pack_rows_kernel``, then ``gather`` / ``gather_scales`` = the same two receiver
-        kernels with ``PULL``); ``push_path`` / ``pull_path`` time each path's three launches in sequence (what
-        a dispatch call runs besides its plan and handshakes; 602 MB counted as for ``dispatch``)."""
+        ``copyout`` (``copy_out_rows_kernel``) and ``swizzle`` (``scale_rows_to_grouped_kernel``, byte and word
+        columns), and the pull dispatch (``pack`` = ``pack_rows_kernel``, then ``gather`` = ``pull_rows_kernel``
+        over the pull list of ``push_entries_kernel``); ``push_path`` / ``pull_path`` time each path's three
+        launches in sequence (what a dispatch call runs besides its plan and handshakes; 602 MB counted as for
+        ``dispatch``)."""
         a, dev = self.args, self.dev
         T, H, C, R, E = self.T, self.H, self.C, self.R, self.E
         q = torch.empty(R, H, dtype=torch.uint8, device=dev)
@@ -209,20 +211,21 @@ class Lab:
                     self.record("dispatch", impl, dict(programs=programs, warps=warps, chunk=chunk, scales="row"),
                                 lambda programs=programs, warps=warps, chunk=chunk: push(programs, warps, chunk),
                                 self.dispatch_check(q, s, True))
-        # receiver side: origin rank (0) and source token of each real row, -1 / 0 elsewhere
+        # receiver side: origin rank (0) of each real row, -1 elsewhere
         src = torch.full((max(R, 1),), -1, dtype=torch.int32, device=dev)
         src[self.slot_rows] = 0
-        tok = torch.zeros(max(R, 1), dtype=torch.int32, device=dev)
-        tok[self.slot_rows] = self.slot_tok.to(torch.int32)
-        epoch = torch.zeros(1, dtype=torch.int64, device=dev)  # parity 0: send copy 0
+        epoch = torch.ones(1, dtype=torch.int64, device=dev)  # tag 1, parity 1: send copy 1
         send_q = torch.zeros(2, T, H, dtype=torch.uint8, device=dev)
         send_s = torch.zeros(2, T, C, dtype=torch.uint8, device=dev)
         sqp, ssp = self.ptrs(send_q), self.ptrs(send_s)
+        ew = pull_entry_words(self.k)
+        plist = torch.zeros(1, T, ew, dtype=torch.int32, device=dev)
         out_q = torch.empty(R, H, dtype=torch.uint8, device=dev)
         cp = round_up(C, 4)
         rows = grouped_m_rows(R, E)
         out_s = torch.empty(rows, cp, dtype=torch.uint8, device=dev)
         cb0 = min(_ints(a.scale_cbs)[0], triton.next_power_of_2(cp))
+        word = C % 4 == 0
         words = H // 8
         progs = self.sms * 16
 
@@ -231,15 +234,28 @@ class Lab:
                 self.x, T, send_q, send_s, epoch, T, H=H, CHUNK=chunk, MX=True, MODE=0, INT_ROUND=self.interp,
                 num_warps=warps)
 
-        def copy_rows(pull):
-            mod.copy_out_rows_kernel[(min(R, self.sms * 16),)](
-                q.view(torch.int64), out_q.view(torch.int64), self.plan.num_rows, src, R, sqp, tok, epoch, T,
-                ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), PULL=pull, num_warps=4)
+        # the pull list of this plan (one entry per token; the entry kernel is part of the plan step, not timed)
+        mod.push_entries_kernel[(self.sms,)](self.plan.dest_rank, self.plan.dest_row, T, self.ptrs(plist), fp, epoch,
+                                             0, 1, T, K=self.k, EW=ew, BLOCK=64, num_warps=4)
 
-        def scales(pull, cb=cb0, warps=4):
-            mod.scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(cp, cb))](
-                s, out_s, self.plan.offs, self.plan.num_rows, src, E, cp // 4, ssp, tok, epoch, T, C=C, CB=cb,
-                G_POW2=triton.next_power_of_2(E), PULL=pull, num_warps=warps)
+        def copy_rows():
+            mod.copy_out_rows_kernel[(min(R, self.sms * 16),)](
+                q.view(torch.int64), out_q.view(torch.int64), self.plan.num_rows, src, R,
+                ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), num_warps=4)
+
+        def pull_rows(programs=progs):
+            mod.pull_rows_kernel[(min(max(R, T), programs),)](
+                out_q.view(torch.int64), s, self.plan.num_rows, src, R, sqp, ssp, plist, epoch, T, 1,
+                ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), C=C, C_POW2=triton.next_power_of_2(C),
+                K=self.k, EW=ew, MX=True, num_warps=4)
+
+        def scales(wordwise=word, cb=cb0, warps=4):
+            ncols = cp // 4 if wordwise else cp
+            cb = min(cb, triton.next_power_of_2(ncols))
+            mod.scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(ncols, cb))](
+                s.view(torch.int32) if wordwise else s, out_s.view(torch.int32) if wordwise else out_s,
+                self.plan.offs, self.plan.num_rows, src, E, cp // 4, C=C, CB=cb,
+                G_POW2=triton.next_power_of_2(E), WORD=wordwise, num_warps=warps)
 
         def rows_check(fn):
             out_q.fill_(0xAB)
@@ -264,8 +280,8 @@ class Lab:
             send_q.zero_()
             send_s.zero_()
             fn()
-            ok_q = torch.equal(send_q[0], self.ref_q_tok)
-            ok_s = torch.equal(send_s[0], self.ref_s_tok)
+            ok_q = torch.equal(send_q[1], self.ref_q_tok)  # epoch 1: copy 1
+            ok_s = torch.equal(send_s[1], self.ref_s_tok)
             return bool(ok_q and ok_s), dict(payload_equal=bool(ok_q), scales_equal=bool(ok_s))
 
         def both(check_a, check_b):
@@ -278,15 +294,13 @@ class Lab:
         n_rows_bytes = self.S * H + R * H  # real rows read, every output row written
         n_scale_bytes = self.S * C + out_s.numel()
         push(self.grids()[0], _ints(a.warps)[0], chunk0)  # recv_q / recv_s hold this plan's rows
-        self.record("copyout", impl, dict(programs=min(R, progs)), lambda: copy_rows(False), rows_check,
-                    nbytes=n_rows_bytes)
-        for op, pull in (("swizzle", False), ("gather_scales", True)):
-            if pull:
-                pack()
+        self.record("copyout", impl, dict(programs=min(R, progs)), copy_rows, rows_check, nbytes=n_rows_bytes)
+        for wordwise in sorted({False, word}):
             for cb in sorted({min(c, triton.next_power_of_2(cp)) for c in _ints(a.scale_cbs)}):
                 for warps in _ints(a.warps):
-                    self.record(op, impl, dict(programs=rows // 128 * triton.cdiv(cp, cb), warps=warps, chunk=cb),
-                                lambda pull=pull, cb=cb, warps=warps: scales(pull, cb, warps), scales_check,
+                    self.record("swizzle", impl, dict(programs=rows // 128 * triton.cdiv(cp, cb), warps=warps, chunk=cb,
+                                                      word=wordwise),
+                                lambda wordwise=wordwise, cb=cb, warps=warps: scales(wordwise, cb, warps), scales_check,
                                 nbytes=n_scale_bytes)
         for programs in self.grids():
             for warps in _ints(a.warps):
@@ -295,13 +309,17 @@ class Lab:
                                 lambda programs=programs, warps=warps, chunk=chunk: pack(programs, warps, chunk),
                                 pack_check, nbytes=T * H * 2 + T * (H + C))
         pack()
-        self.record("gather", impl, dict(programs=min(R, progs)), lambda: copy_rows(True), rows_check,
-                    nbytes=n_rows_bytes)
+        s.zero_()  # the gather stages the scale rows here again
+        # pull gather: each token row (and scale row) read once, stored at every selection's row; padding zeroed
+        for programs in self.grids():
+            self.record("gather", impl, dict(programs=min(max(R, T), programs)),
+                        lambda programs=programs: pull_rows(programs), both(rows_check, lambda fn: scales_check(
+                            lambda: (fn(), scales()))), nbytes=T * (H + C) + R * H + self.S * C)
         g0, w0 = self.grids()[0], _ints(a.warps)[0]
         self.record("push_path", impl, dict(programs=g0, warps=w0, chunk=chunk0),
-                    lambda: (push(g0, w0, chunk0), copy_rows(False), scales(False)), both(rows_check, scales_check))
+                    lambda: (push(g0, w0, chunk0), copy_rows(), scales()), both(rows_check, scales_check))
         self.record("pull_path", impl, dict(programs=progs, warps=4, chunk=chunk0),
-                    lambda: (pack(), copy_rows(True), scales(True)), both(rows_check, scales_check))
+                    lambda: (pack(), pull_rows(), scales()), both(rows_check, scales_check))
 
     def bench_naive(self) -> None:
         q = torch.empty(self.R, self.H, dtype=torch.uint8, device=self.dev)
@@ -358,7 +376,7 @@ def main() -> None:
     ap.add_argument("--programs", default="4,tokens", help="programs per SM, or 'tokens' (one per token)")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--chunks", default="1024")
-    ap.add_argument("--scale-cbs", default="32", help="scale columns per program of swizzle / gather_scales")
+    ap.add_argument("--scale-cbs", default="32", help="scale columns per program of the swizzle (bytes; the word variant covers a row)")
     ap.add_argument("--scales", default="row,blocked", help="scale layouts of the naive kernel: row,blocked")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ep_kernels.json"))
     args = ap.parse_args()

@@ -23,7 +23,7 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print(f"copy ceiling {d.get('copy_ceiling_gbps', 0):.0f} GB/s")
 for r in d["results"]:
-    p = ",".join(f"{k}={r[k]}" for k in ("programs", "warps", "chunk", "scales") if k in r)
+    p = ",".join(f"{k}={r[k]}" for k in ("programs", "warps", "chunk", "scales", "word") if k in r)
     print(f"{r['op']:14s} {r['impl'][-14:]:14s} {p:40s} {r['us']:8.1f} us {100 * r.get('vs_copy_ceiling', 0):5.1f}% ok={r['correct']}")
 PY
 fi

@@ -13,17 +13,20 @@ dispatch (``transport="auto"`` on one node):
 4. the shared routing plan on the exchanged counts (:func:`mxcomm.ep.plan_kernels.triton_plan`, or
    :func:`mxcomm.ep.plan.build_plan`) plus each received row's origin - replayed from a CUDA graph
    captured once per token count (:mod:`mxcomm.ep.plan_graph`), no host sync;
-5. ``push_tokens_kernel``: each valid slot's token index stored into its expert-major row of the
-   destination's ``recv_tok`` (4 bytes a row), arrival flags; ``wait_arrivals_kernel`` (bounded; raises
+5. ``push_entries_kernel``: one pull-list entry per (token, destination rank) on the destination - the
+   token's expert-major rows there - and arrival flags; ``wait_arrivals_kernel`` (bounded; raises
    :class:`mxcomm.transport.PeerTimeout` naming the peer);
-6. ``copy_out_rows_kernel`` (``PULL``): every real row read from its source's send buffer through the peer
-   pointer straight into a fresh output tensor, padding rows zero, and ``scale_rows_to_grouped_kernel``
-   (``PULL``): the rows' scales into a fresh grouped-along-M blocked matrix, padding zero.
+6. ``pull_rows_kernel``: each listed token's row read once from its source's send buffer through the peer
+   pointer and stored at all its rows of a fresh output tensor (its scale row into ``recv_s``), padding rows
+   zero; ``scale_rows_to_grouped_kernel``: the scale rows into a fresh grouped-along-M blocked matrix.
 
 Why pull: pushing the quantized rows into the receiver's symmetric buffer (``transport="push"``, the earlier
 design: ``dispatch_kernel`` stores payload and scales at their expert-major rows on the receiver) still
 needs a copy out of that buffer, because it is reused by the next call and results must not alias it.
 Pulling folds that copy into the transfer: the rows cross the link once and land in the fresh tensors.
+And a token row crosses the link once per destination RANK, not once per selected expert (DeepEP's
+deduplicated count): with top-8 of 256 experts a token picks ~4 experts on each of 2 ranks, ~1.5 on each
+of 8; the receiver fans the row out to its expert groups with local stores.
 One H200, loopback 8192 x 7168, top-8: see ``bench/results/h200/README.md``.
 
 Combine (and dispatch backward) send each expert-major row back to its origin at its send position
@@ -176,8 +179,9 @@ class NvshmemBackend:
         self._pinned = None
         self._plan_graphs: dict = {}  # ("plan" | "pull", T, idx dtype, plan impl) -> PlanGraph, LRU first
         if self.pull:
-            self.send_q, self.send_s, self.recv_tok = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.recv_tok"]
-            self.push_programs = sms  # push_tokens_kernel (same on all ranks: receivers count their arrivals)
+            self.send_q, self.send_s, self.pull_list = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.pull_list"]
+            self.push_programs = sms  # push_entries_kernel (same on all ranks: receivers count their arrivals)
+            self.pull_programs = sms * _DISPATCH_PROGRAMS_PER_SM  # pull_rows_kernel
             # inputs of the captured middle of a pull dispatch (see _pull_rows): fixed addresses
             self._x_slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # address of this call's x
             self._counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
@@ -309,44 +313,57 @@ class NvshmemBackend:
             ev.record()
             self._pending = (host, ev, what)
 
-    def _pull_args(self, pull: bool, q: bool) -> tuple:
-        """``(src_peers, row_tok, epoch, T_max)`` of the receiver kernels: the pull dispatch reads rows
-        ``epoch % 2 * T_max + recv_tok[r]`` of the sources' ``send_q`` (``q``) or ``send_s``; unused otherwise."""
-        if not pull:
-            return self.err, self.err, self.err, 0
-        bufs = self.send_q if q else self.send_s
-        return bufs.peer_ptrs, self.recv_tok.local, self.d_epoch, self.config.max_tokens_per_rank
-
-    def _copy_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int, pull: bool) -> torch.Tensor:
-        """Fresh uint8 ``[R, row_bytes]`` of the received rows, padding and tail rows zero: copied out of
-        ``recv_q``, or (``pull``) read from the sources' send buffers."""
+    def _copy_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int) -> torch.Tensor:
+        """Fresh uint8 ``[R, row_bytes]`` of the received rows, copied out of ``recv_q``; padding and tail rows
+        zero (push dispatch, combine backward)."""
         from .nvshmem_kernels import copy_out_rows_kernel
 
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
         words = row_bytes // 8
         if R:
-            # push: rows of recv_q, row_bytes apart; pull reads the sources' send_q instead (src unused)
-            src = self.err if pull else self.recv_q.local.view(-1)[: self.R_max * row_bytes].view(torch.int64)
+            src = self.recv_q.local.view(-1)[: self.R_max * row_bytes].view(torch.int64)
             copy_out_rows_kernel[(min(R, self.programs * 4),)](
                 src, out.view(torch.int64), plan.num_rows, origins.src, R,
-                *self._pull_args(pull, True), ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), PULL=pull,
+                ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), num_warps=4,
+            )
+        return out
+
+    def _pull_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int) -> torch.Tensor:
+        """Pull dispatch: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read once from
+        its source's send copy and stored at all its rows (scale rows into ``recv_s``); padding and tail rows
+        zero."""
+        from .nvshmem_kernels import pull_rows_kernel
+
+        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
+        words = row_bytes // 8
+        C = self.config.hidden // 32
+        if R:
+            n_entries = self.world * self.config.max_tokens_per_rank
+            pull_rows_kernel[(min(max(R, n_entries), self.pull_programs),)](
+                out.view(torch.int64), self.recv_s.local, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
+                self.send_s.peer_ptrs, self.pull_list.local, self.d_epoch, self.config.max_tokens_per_rank,
+                self.world, ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), C=C,
+                C_POW2=triton_next_pow2(C), K=self.config.topk, EW=self.pull_list.local.shape[-1], MX=self.mx,
                 num_warps=4,
             )
         return out
 
-    def _grouped_scales(self, plan: RoutingPlan, origins: "RowOrigins", R: int, pull: bool) -> torch.Tensor:
+    def _grouped_scales(self, plan: RoutingPlan, origins: "RowOrigins", R: int) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
-        received rows (zeros for padding), from the row-major scale rows in ``recv_s`` or (``pull``) in the
-        sources' ``send_s``."""
+        received rows (zeros for padding), from the row-major scale rows in ``recv_s``."""
         from .nvshmem_kernels import scale_rows_to_grouped_kernel
 
         C = self.config.hidden // 32
         rows, cp = grouped_m_rows(R, self.El), round_up(C, 4)
         out = torch.empty(rows, cp, dtype=torch.uint8, device=self.device)
-        cb = min(32, triton_next_pow2(cp))
-        scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(cp, cb))](
-            self.recv_s.local, out, plan.offs, plan.num_rows, origins.src, self.El, cp // 4,
-            *self._pull_args(pull, False), C=C, CB=cb, G_POW2=triton_next_pow2(self.El), PULL=pull, num_warps=4,
+        word = C % 4 == 0  # 4-byte columns (H a multiple of 128)
+        ncols = cp // 4 if word else cp
+        cb = triton_next_pow2(ncols) if word else min(32, triton_next_pow2(cp))
+        src = self.recv_s.local.view(-1)[: self.R_max * C]
+        scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(ncols, cb))](
+            src.view(torch.int32) if word else src, out.view(torch.int32) if word else out, plan.offs,
+            plan.num_rows, origins.src, self.El, cp // 4, C=C, CB=cb, G_POW2=triton_next_pow2(self.El), WORD=word,
+            num_warps=4,
         )
         return out
 
@@ -379,10 +396,10 @@ class NvshmemBackend:
         """The received rows as the dispatch-layout output (fresh tensors): out of this rank's receive
         buffers, or (``pull``) read from the sources' send buffers."""
         H = self.config.hidden
-        q = self._copy_out(plan, origins, R, H if mx else 2 * H, pull)
+        q = (self._pull_out if pull else self._copy_out)(plan, origins, R, H if mx else 2 * H)
         if not mx:
             return q.view(torch.bfloat16)
-        s = self._grouped_scales(plan, origins, R, pull)
+        s = self._grouped_scales(plan, origins, R)
         return MXTensor(
             qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1, layout=ScaleLayout.GROUPED_M,
             mode=self.config.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
@@ -471,7 +488,7 @@ class NvshmemBackend:
         self._pack(ids.shape[0])  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
         self._exchange(self._counts_in)
         po = self._compute_plan(counts_buf, ids)
-        self._push_tokens(po.plan)
+        self._push_entries(po.plan)
         return po
 
     def _pull_rows(self, x: torch.Tensor, ids: torch.Tensor, my_counts: torch.Tensor) -> PlanOutputs:
@@ -502,14 +519,16 @@ class NvshmemBackend:
             self._plan_graphs.pop(next(iter(self._plan_graphs)))
         self._plan_graphs[key] = g
 
-    def _push_tokens(self, plan: RoutingPlan) -> None:
-        """Pull dispatch: each valid slot's token index into its row of the destination's ``recv_tok``, then
-        wait (bounded) for every source's."""
-        from .nvshmem_kernels import push_tokens_kernel, wait_arrivals_kernel
+    def _push_entries(self, plan: RoutingPlan) -> None:
+        """Pull dispatch: one pull-list entry per (token, destination rank) on the destination, then wait
+        (bounded) for every source's."""
+        from .nvshmem_kernels import push_entries_kernel, wait_arrivals_kernel
 
-        push_tokens_kernel[(self.push_programs,)](
-            plan.dest_rank, plan.dest_row, plan.dest_rank.numel(), self.recv_tok.peer_ptrs, self.flags.peer_ptrs,
-            self.rank, self.world, K=self.config.topk, BLOCK=1024, num_warps=4,
+        T = plan.dest_rank.shape[0]
+        push_entries_kernel[(self.push_programs,)](
+            plan.dest_rank, plan.dest_row, T, self.pull_list.peer_ptrs, self.flags.peer_ptrs, self.d_epoch,
+            self.rank, self.world, self.config.max_tokens_per_rank, K=self.config.topk,
+            EW=self.pull_list.local.shape[-1], BLOCK=64, num_warps=4,
         )
         wait_arrivals_kernel[(self.world,)](self._flag_rows[1], self._expect_rows[1], self.push_programs, self.err,
                                             self.timeout_ns)

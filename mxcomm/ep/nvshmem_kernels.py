@@ -7,6 +7,7 @@ Buffers (all symmetric, same layout on every rank; ``W`` ranks):
 * ``recv_q``  uint8 ``[R_max, H * B]`` (B = 1 for MXFP8, 2 for BF16): dispatched rows, expert-major.
 * ``recv_s``  uint8 ``[R_max, H/32]``: their scale bytes (MXFP8), row-major at the payload rows; the
   receiver swizzles them into a fresh grouped-along-M blocked matrix (``scale_rows_to_grouped_kernel``).
+  The pull dispatch's receiver stages the scale rows it pulled here itself (local stores).
 * ``comb_q``  uint8 ``[2, T_max * k, 2H]``: rows returned by combine, at the origin's send position
   (BF16: 2H bytes a row; MXFP8: H bytes a row, packed from the start of the copy, so a block of rows
   is contiguous for the put path). Two copies, used by alternate combine epochs.
@@ -23,10 +24,11 @@ copy it writes was last read two dispatch-direction epochs ago, and every peer f
 before it published the counts of the epoch in between.
 * ``send_q``  uint8 ``[2, T_max, H * B]``, ``send_s`` uint8 ``[2, T_max, H/32]`` (pull dispatch, the default
   on one node): each token row of this rank quantized once (``pack_rows_kernel``), row ``t`` of the copy
-  picked by the dispatch epoch's parity; the receivers read the rows they need from here
-  (``copy_out_rows_kernel`` / ``scale_rows_to_grouped_kernel`` with ``PULL``).
-* ``recv_tok`` int32 ``[R_max]`` (pull dispatch): the source token of each expert-major row, stored by
-  the source (``push_tokens_kernel``).
+  picked by the dispatch epoch's parity; the receivers read the rows they need from here (``pull_rows_kernel``).
+* ``pull_list`` int32 ``[W, T_max, EW]`` (pull dispatch): entry ``[s, t]`` = source ``s``'s token ``t`` is
+  received here, with its expert-major rows (``push_entries_kernel``); tagged with the epoch, so entries
+  of earlier calls are skipped without clearing. The same reasoning as for ``recv_q`` keeps it race-free:
+  a source writes it only after the counts exchange, which the receiver joins after its previous gather.
 * ``counts``  int32 ``[W, E]``: row ``s`` = rows rank ``s`` sends to each expert.
 * ``flags``   int64 ``[3, W]``: row 0 counts published, row 1 dispatch arrivals, row 2 combine
   arrivals; entry ``[i, s]`` is written by rank ``s``. Flags only grow (epochs), never reset.
@@ -211,32 +213,104 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max,
 
 
 @triton.jit
-def push_tokens_kernel(dest_rank_ptr, dest_row_ptr, n_slots, tok_peers, flags_peers, me, W,
-                       K: tl.constexpr, BLOCK: tl.constexpr):
-    """Pull dispatch, sender: for each valid slot ``s = t * K + j`` store ``t`` into ``recv_tok[dest_row[s]]``
-    on rank ``dest_rank[s]`` (4 bytes a row: the receiver then reads the row itself), then add 1 to
-    ``flags[1, me]`` on every rank (release, sys).
+def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers, epoch_ptr, me, W, T_max,
+                        K: tl.constexpr, EW: tl.constexpr, BLOCK: tl.constexpr):
+    """Pull dispatch, sender: for each token ``t`` and each rank ``d`` that receives it, one pull-list entry
+    ``[s, t]`` (``s = me``) on ``d``: ``[tag, row_0, ..., row_{K-1}]`` with ``row_j = dest_row[t, j]`` for the
+    slots going to ``d`` and -1 for the others; ``tag`` = the low 32 bits of the dispatch epoch. Then add 1 to
+    ``flags[1, me]`` on every rank (release, sys). One entry per (token, rank): the receiver reads the row
+    once, however many of its experts the token selected.
 
     Args:
-        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan; rank -1 = dropped slot), n_slots = ``T * K``.
-        tok_peers / flags_peers: int64 ``[W]`` base pointers of ``recv_tok`` (int32 ``[R_max]``) / ``flags``.
-    Grid: any fixed number of programs (identical on every rank: receivers count arrivals); persistent over
-    blocks of ``BLOCK`` slots.
+        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan; rank -1 = dropped slot).
+        list_peers / flags_peers: int64 ``[W]`` base pointers of ``pull_list`` (int32 ``[W, T_max, EW]``) /
+            ``flags``. epoch_ptr: int64 dispatch epoch (already advanced for this call).
+        EW: int32 words per entry (a power of two > K).
+    Grid: any fixed number of programs (identical on every rank: receivers count their arrivals);
+    persistent over blocks of ``BLOCK`` tokens.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK)
+    tag = tl.load(epoch_ptr).to(tl.int32)
+    jj = tl.arange(0, EW)
+    slot = (jj >= 1) & (jj <= K)  # entry word 1 + j holds slot j's row
     b = pid * BLOCK
-    while b < n_slots:
-        s = b + offs
-        m = s < n_slots
-        rk = tl.load(dest_rank_ptr + s, mask=m, other=-1)
-        row = tl.load(dest_row_ptr + s, mask=m, other=0)
-        ok = m & (rk >= 0)
-        base = tl.load(tok_peers + tl.where(ok, rk, 0), mask=ok, other=0).to(tl.pointer_type(tl.int32))
-        tl.store(base + row, s // K, mask=ok)
+    while b < T:
+        t = b + tl.arange(0, BLOCK)
+        m2 = (t < T)[:, None] & slot[None, :]
+        sidx = t.to(tl.int64)[:, None] * K + (jj - 1)[None, :]
+        rk = tl.load(dest_rank_ptr + sidx, mask=m2, other=-1)  # [BLOCK, EW]: slot ranks at words 1..K
+        rw = tl.load(dest_row_ptr + sidx, mask=m2, other=-1)
+        for j in tl.static_range(K):
+            d = tl.sum(tl.where(jj[None, :] == j + 1, rk, 0), axis=1)  # slot j's rank, [BLOCK]
+            same = rk == d[:, None]
+            # slot j leads its rank's entry when no earlier slot of the token goes there
+            lead = (d >= 0) & (tl.sum((same & (jj[None, :] <= j)).to(tl.int32), axis=1) == 0)
+            base = tl.load(list_peers + tl.where(lead, d, 0), mask=lead, other=0).to(tl.pointer_type(tl.int32))
+            entry = base + (me * T_max + t).to(tl.int64) * EW  # [BLOCK]
+            words = tl.where(jj[None, :] == 0, tag, tl.where(same, rw, -1))
+            tl.store(entry[:, None] + jj[None, :], words, mask=lead[:, None] & (jj <= K)[None, :])
         b += G * BLOCK
     _arrive_all(flags_peers, 1, me, W)
+
+
+@triton.jit
+def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers, s_peers, list_ptr, epoch_ptr,
+                     T_max, W, ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
+                     K: tl.constexpr, EW: tl.constexpr, MX: tl.constexpr):
+    """Pull dispatch, receiver: every token listed in this rank's pull list for this epoch is read ONCE from
+    its source's send copy (through the peer pointer) and stored at each of its expert-major rows here: the
+    payload into the fresh output ``dst``, the scale row (MX) into ``dst_s`` (row-major at the payload row;
+    ``scale_rows_to_grouped_kernel`` then builds the blocked matrix). Then every row ``r < R_out`` that is not
+    a real row (padding, and rows past ``n_rows`` in the worst-case-sized mode) is zeroed in ``dst``.
+
+    Args:
+        dst_ptr: int64 view of the fresh ``[R_out, ROW_WORDS]`` output (row bytes / 8).
+        dst_s_ptr: uint8 ``[>= n_rows, C]`` row-major scale rows (this rank's ``recv_s``; MX only).
+        n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[>= R_out]`` origin rank, -1 = padding (the plan's).
+        q_peers / s_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as int64 rows of
+            ``ROW_WORDS``) / ``send_s`` (uint8 rows of ``C``).
+        list_ptr: this rank's ``pull_list``, int32 ``[W, T_max, EW]``; entry ``[s, t]`` belongs to this call
+            when its word 0 equals the low 32 bits of the epoch (others are older: skipped).
+        epoch_ptr: int64 dispatch epoch; the rows are in send copy ``epoch % 2`` (row ``par * T_max + t``).
+    Grid: any; persistent over entries, then over output rows.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs = tl.arange(0, CHUNK)
+    ep = tl.load(epoch_ptr)
+    tag = ep.to(tl.int32)
+    row0 = (ep % 2) * T_max
+    scols = tl.arange(0, C_POW2)
+    i = pid
+    while i < W * T_max:
+        e = list_ptr + i.to(tl.int64) * EW
+        ok = tl.load(e) == tag
+        s = i // T_max
+        srow = (row0 + i % T_max).to(tl.int64)
+        sbase = tl.load(q_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.int64)) + srow * ROW_WORDS
+        for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
+            m = (c0 + offs) < ROW_WORDS
+            v = tl.load(sbase + c0 + offs, mask=m & ok, other=0)  # once over the link
+            for j in tl.static_range(K):
+                r = tl.load(e + 1 + j, mask=ok, other=-1)
+                tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, v, mask=m & (r >= 0))
+        if MX:
+            sb = tl.load(s_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.uint8)) + srow * C
+            sv = tl.load(sb + scols, mask=(scols < C) & ok, other=0)
+            for j in tl.static_range(K):
+                r = tl.load(e + 1 + j, mask=ok, other=-1)
+                tl.store(dst_s_ptr + r.to(tl.int64) * C + scols, sv, mask=(scols < C) & (r >= 0))
+        i += G
+    n_rows = tl.load(n_rows_ptr)
+    zero = tl.zeros([CHUNK], dtype=tl.int64)
+    r = pid
+    while r < R_out:
+        pad = ~_real_row(r, n_rows, row_src_ptr)
+        for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
+            m = (c0 + offs) < ROW_WORDS
+            tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=m & pad)
+        r += G
 
 
 @triton.jit
@@ -373,52 +447,38 @@ def _real_row(r, n_rows, row_src_ptr):
 
 
 @triton.jit
-def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out, src_peers, row_tok_ptr, epoch_ptr, T_max,
-                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, PULL: tl.constexpr = False):
-    """The received rows into a fresh tensor: out of this rank's symmetric buffer (push), or read straight
-    from the source ranks' send buffers (``PULL``: the pull dispatch's gather).
+def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
+                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
+    """Push dispatch, receiver: the received rows out of this rank's symmetric buffer into a fresh tensor.
 
-    Row ``r < R_out`` of ``dst`` gets its row when it is a real row (``r < n_rows`` and ``row_src[r] >= 0``),
-    else zeros (padding rows, and rows past ``n_rows`` in the worst-case-sized mode). Reads only real rows.
-    Push: the row is row ``r`` of ``src``. Pull: it is row ``par * T_max + row_tok[r]`` of source
-    ``row_src[r]``'s ``send_q`` (``par = epoch % 2``; base pointers ``src_peers``).
+    Row ``r < R_out`` of ``dst`` gets row ``r`` of ``src`` when it is a real row (``r < n_rows`` and
+    ``row_src[r] >= 0``), else zeros (padding rows, and rows past ``n_rows`` in the worst-case-sized mode).
+    Reads only real rows.
 
     Args:
-        src_ptr / dst_ptr: int64 views of ``[*, ROW_WORDS]`` rows (row bytes / 8); ``src_ptr`` unused with PULL.
+        src_ptr / dst_ptr: int64 views of ``[*, ROW_WORDS]`` rows (row bytes / 8).
         n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[>= n_rows]`` origin rank, -1 = padding.
-        src_peers: int64 ``[W]`` ``send_q`` base pointers; row_tok_ptr: int32 ``[>= n_rows]`` source token
-            (``recv_tok``); epoch_ptr: int64 dispatch epoch; T_max: rows of a send copy (PULL only).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, CHUNK)
     n_rows = tl.load(n_rows_ptr)
-    if PULL:
-        row0 = (tl.load(epoch_ptr) % 2) * T_max
     r = pid
     while r < R_out:
         real = _real_row(r, n_rows, row_src_ptr)
         base = r.to(tl.int64) * ROW_WORDS
-        if PULL:
-            src = tl.load(row_src_ptr + r, mask=real, other=0)
-            sbase = tl.load(src_peers + src, mask=real, other=0).to(tl.pointer_type(tl.int64))
-            srow = row0 + tl.load(row_tok_ptr + r, mask=real, other=0)
-            sbase = sbase + srow.to(tl.int64) * ROW_WORDS
-        else:
-            sbase = src_ptr + base
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
-            v = tl.load(sbase + c0 + offs, mask=m & real, other=0)
+            v = tl.load(src_ptr + base + c0 + offs, mask=m & real, other=0)
             tl.store(dst_ptr + base + c0 + offs, v, mask=m)
         r += G
 
 
 @triton.jit
 def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_src_ptr, n_groups, n_col_tiles,
-                                 src_peers, row_tok_ptr, epoch_ptr, T_max,
-                                 C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr, PULL: tl.constexpr = False):
+                                 C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr, WORD: tl.constexpr = False):
     """Receiver: the scale rows that arrived row-major at their payload rows -> a fresh grouped-along-M
-    blocked scale matrix (what the grouped GEMM reads), every byte written (zeros for padding).
+    blocked matrix (what the grouped GEMM reads), every byte written (zeros for padding).
 
     Program ``(i, cb)`` fills output tile-row ``i`` (blocked rows ``128 i .. 128 i + 127``) for block
     columns ``cb * CB .. cb * CB + CB - 1``. Each group (local expert) starts on a 128-row boundary of the
@@ -432,10 +492,10 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_sr
             tiles per tile-row).
         offs_ptr: int32 ``[n_groups]`` group END offsets in payload rows; n_rows_ptr: int32 scalar;
         row_src_ptr: int32 ``[>= n_rows]`` origin rank per payload row, -1 = padding.
-        PULL (the pull dispatch): payload row ``p``'s scales are row ``par * T_max + row_tok[p]`` of source
-            ``row_src[p]``'s ``send_s`` (uint8 ``[2, T_max, C]``; base pointers ``src_peers``, ``par =
-            epoch % 2``) instead of row ``p`` of ``rows_ptr``.
-    Grid: ``(tile_rows, cdiv(4 * n_col_tiles, CB))``.
+        WORD (``C % 4 == 0``): ``rows_ptr`` / ``out_ptr`` are int32 views and a column is one 4-byte word (the 4
+            scale bytes of a 128x4 tile row, contiguous in both layouts): ``C // 4`` word columns, 4x fewer
+            memory operations.
+    Grid: ``(tile_rows, cdiv(columns, CB))`` with columns = ``4 * n_col_tiles`` (bytes) or ``n_col_tiles`` (WORD).
     """
     i = tl.program_id(0)
     cb = tl.program_id(1)
@@ -459,13 +519,14 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_sr
     real = inside & (prow < n_rows)
     real = real & (tl.load(row_src_ptr + prow, mask=real, other=-1) >= 0)
     cols = cb * CB + tl.arange(0, CB)
-    vm = real[:, None] & (cols < C)[None, :]
-    if PULL:
-        src = tl.load(row_src_ptr + prow, mask=real, other=0)
-        sbase = tl.load(src_peers + src, mask=real, other=0).to(tl.pointer_type(tl.uint8))
-        srow = (tl.load(epoch_ptr) % 2) * T_max + tl.load(row_tok_ptr + prow, mask=real, other=0)
-        v = tl.load(sbase[:, None] + (srow.to(tl.int64) * C)[:, None] + cols[None, :], mask=vm, other=0)
+    if WORD:
+        NW: tl.constexpr = C // 4
+        v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * NW + cols[None, :],
+                    mask=real[:, None] & (cols < NW)[None, :], other=0)
+        tl.store(out_ptr + blocked_scale_offset(br.to(tl.int64)[:, None], 4 * cols[None, :], n_col_tiles) // 4, v,
+                 mask=(cols < n_col_tiles)[None, :])
     else:
-        v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * C + cols[None, :], mask=vm, other=0)
-    tl.store(out_ptr + blocked_scale_offset(br.to(tl.int64)[:, None], cols[None, :], n_col_tiles), v,
-             mask=(cols < 4 * n_col_tiles)[None, :])
+        v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * C + cols[None, :],
+                    mask=real[:, None] & (cols < C)[None, :], other=0)
+        tl.store(out_ptr + blocked_scale_offset(br.to(tl.int64)[:, None], cols[None, :], n_col_tiles), v,
+                 mask=(cols < 4 * n_col_tiles)[None, :])

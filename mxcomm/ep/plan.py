@@ -243,6 +243,11 @@ class BufferRegion:
         return n * self.dtype.itemsize
 
 
+def pull_entry_words(topk: int) -> int:
+    """int32 words of one pull-list entry: an epoch tag and ``topk`` rows, padded to a power of two."""
+    return 1 << topk.bit_length()  # smallest power of two > topk
+
+
 def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = None) -> list[BufferRegion]:
     """The symmetric buffers the ``nvshmem`` backend allocates per rank (the single source of their sizes).
 
@@ -259,7 +264,10 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     * ``ep.send_q`` uint8 ``[2, T_max, H]`` (mxfp8) or ``[2, T_max, 2H]`` (bf16): this rank's token rows,
       quantized once, in two copies (alternate dispatch epochs); receivers read them through peer pointers;
     * ``ep.send_s`` uint8 ``[2, T_max, H/32]``: their scale bytes (mxfp8; 1 byte for bf16);
-    * ``ep.recv_tok`` int32 ``[R_max]``: the source token of each expert-major row, stored by the source.
+    * ``ep.pull_list`` int32 ``[W, T_max, pull_entry_words(k)]``: the receiver's pull list. Source ``s`` writes
+      entry ``[s, t]`` for each of its tokens ``t`` that this rank receives: ``[epoch tag, row of slot 0, ...,
+      row of slot k-1]`` (expert-major rows here, -1 for slots going elsewhere); the receiver reads each listed
+      token's row once and stores it at all its rows.
 
     The put-with-signal path (``put_path``; default: ``config.transport == "put"``) adds:
 
@@ -287,7 +295,7 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
         regions += [
             BufferRegion("ep.send_q", (2, T, H * (1 if mx else 2)), torch.uint8),
             BufferRegion("ep.send_s", (2, T, H // 32) if mx else (1,), torch.uint8),
-            BufferRegion("ep.recv_tok", (R,), torch.int32),
+            BufferRegion("ep.pull_list", (world_size, T, pull_entry_words(config.topk)), torch.int32),
         ]
     if put_path:
         regions += [
@@ -305,7 +313,7 @@ class BufferSizes:
     combine_payload: rows returned by combine, two copies (incl. their scale bytes).
     counts, flags: the counts matrix and the signal words.
     put_staging: the put-with-signal path's staging and row-major scale buffers (0 without it).
-    pull_send: the pull dispatch's send copies, their scales and the row-token map (0 without it).
+    pull_send: the pull dispatch's send copies, their scales and the pull list (0 without it).
     """
 
     dispatch_payload: int
@@ -333,11 +341,11 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
         counts=b["ep.counts"],
         flags=b["ep.flags"],
         put_staging=sum(b.get(n, 0) for n in ("ep.stage_q", "ep.stage_s")),
-        pull_send=sum(b.get(n, 0) for n in ("ep.send_q", "ep.send_s", "ep.recv_tok")),
+        pull_send=sum(b.get(n, 0) for n in ("ep.send_q", "ep.send_s", "ep.pull_list")),
     )
 
 
 __all__ = [
     "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
-    "max_rows_per_source", "max_recv_rows", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
+    "max_rows_per_source", "max_recv_rows", "pull_entry_words", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
 ]

@@ -17,7 +17,7 @@ def test_bench_ep_kernels_smoke(tmp_path):
     out = tmp_path / "k.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run(
-        [sys.executable, str(root / "bench" / "bench_ep_kernels.py"), "--tokens", "29", "--hidden", "96",
+        [sys.executable, str(root / "bench" / "bench_ep_kernels.py"), "--tokens", "29", "--hidden", "128",
          "--experts", "8", "--topk", "3", "--drop", "0.2", "--programs", "1,tokens", "--warps", "4",
          "--chunks", "64", "--out", str(out)],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
@@ -25,8 +25,10 @@ def test_bench_ep_kernels_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
     mod = "mxcomm.ep.nvshmem_kernels"
-    ops = ("dispatch", "copyout", "swizzle", "pack", "gather", "gather_scales", "push_path", "pull_path", "reduce")
+    ops = ("dispatch", "copyout", "swizzle", "pack", "gather", "push_path", "pull_path", "reduce")
     assert {(x["op"], x["impl"]) for x in res} == {(op, mod) for op in ops} | {("dispatch", "naive")}
-    # dispatch, pack and reduce: 2 grids; copyout, swizzle, gather, gather_scales, the 2 paths: once; naive: 2 x 2
-    assert len(res) == 2 + 2 + 6 + 2 + 4 and all(x["correct"] for x in res)
+    # dispatch, pack, gather and reduce: 2 grids; swizzle: byte and word columns (H/32 = 4); copyout and the
+    # 2 paths: once; naive: 2 x 2
+    assert len(res) == 2 + 2 + 2 + 2 + 2 + 3 + 4 and all(x["correct"] for x in res)
+    assert sorted(x["word"] for x in res if x["op"] == "swizzle") == [False, True]
     assert all(x.get("scales", "row") in ("row", "blocked") for x in res)

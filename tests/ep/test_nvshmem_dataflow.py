@@ -106,10 +106,77 @@ class LoopbackPuts:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
-@pytest.mark.parametrize("El,C,align,n_rows_cut", [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)])
-def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_cut):
+@pytest.mark.parametrize("W,E,k,mx", [(2, 8, 3, True), (3, 6, 4, True), (2, 4, 2, False)])
+def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
+    """The pull dispatch's entry exchange and gather, ranks simulated in one process (pointer tables to each
+    rank's tensors): every sender writes one entry per (token, receiving rank) listing that token's rows there;
+    each receiver's gather puts the sender's send-copy row (and scale row) at exactly those rows, zeroes padding
+    and the worst-case tail, and ignores entries of an older epoch (pre-filled garbage with an old tag). Ranks
+    with zero tokens, dropped slots, tokens with several experts on one rank; the odd epoch reads copy 1."""
+    import triton
+    from mxcomm.ep.nvshmem_kernels import pull_rows_kernel, push_entries_kernel
+    from mxcomm.ep.plan import pull_entry_words
+
+    g = torch.Generator().manual_seed(W * 10 + E + k)
+    H, T_max, align, epoch = 64, 7, 4, 5
+    C, B = H // 32, 1 if mx else 2
+    Ts = [0] + [T_max - r for r in range(1, W)]  # rank 0 sends nothing; rank 1 a full buffer
+    idxs = [_routing(W, T, E, k, g, drop=0.2) for T in Ts]
+    counts = torch.stack([local_counts(i, E) for i in idxs])
+    plans = [build_plan(counts, idxs[r], r, align) for r in range(W)]
+    EW = pull_entry_words(k)
+    send_q = [torch.randint(0, 256, (2, T_max, H * B), dtype=torch.uint8, generator=g) for _ in range(W)]
+    send_s = [torch.randint(0, 256, (2, T_max, C), dtype=torch.uint8, generator=g) for _ in range(W)]
+    lists = [torch.randint(-1, 50, (W, T_max, EW), dtype=torch.int32, generator=g) for _ in range(W)]
+    for lst in lists:
+        lst[:, :, 0] = epoch - 2  # entries of an earlier dispatch: must be skipped
+    flags = [torch.zeros(3, W, dtype=torch.int64) for _ in range(W)]
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    ep = torch.tensor([epoch], dtype=torch.int64)
+    for s in range(W):
+        push_entries_kernel[(2,)](plans[s].dest_rank, plans[s].dest_row, Ts[s], ptrs(lists), ptrs(flags), ep, s, W,
+                                  T_max, K=k, EW=EW, BLOCK=4)
+    for d in range(W):
+        assert flags[d][1].tolist() == [2] * W  # every sender's programs arrived
+        n_rows = int(plans[d].num_rows)
+        R = n_rows + 5  # worst-case-sized output: rows past n_rows must come out zero
+        o = row_origins(plans[d], R)
+        out = torch.randint(0, 256, (R, H * B), dtype=torch.uint8, generator=g)  # garbage everywhere
+        recv_s = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)
+        words = H * B // 8
+        pull_rows_kernel[(3,)](out.view(torch.int64), recv_s, plans[d].num_rows, o.src, R, ptrs(send_q), ptrs(send_s),
+                               lists[d], ep, T_max, W, ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
+                               C_POW2=triton.next_power_of_2(C), K=k, EW=EW, MX=mx)
+        want = torch.zeros(R, H * B, dtype=torch.uint8)
+        real = torch.zeros(R, dtype=torch.bool)
+        for s in range(W):  # row dest_row[t, j] of every slot going to d holds token t of source s (copy 1)
+            for t in range(Ts[s]):
+                for j in range(k):
+                    if int(plans[s].dest_rank[t, j]) == d:
+                        r = int(plans[s].dest_row[t, j])
+                        want[r] = send_q[s][1, t]
+                        real[r] = True
+                        if mx:
+                            assert torch.equal(recv_s[r], send_s[s][1, t])
+        assert int(real.sum()) == int(plans[d].num_recv)
+        assert torch.equal(out, want)
+        # one entry per (source, token) received here, however many of d's experts the token picked
+        for s in range(W):
+            fresh = lists[d][s, :, 0] == epoch
+            goes = (plans[s].dest_rank == d).any(dim=1) if Ts[s] else torch.zeros(0, dtype=torch.bool)
+            assert fresh[: Ts[s]].tolist() == goes.tolist() and not fresh[Ts[s]:].any()
+
+
+_SCALE_CASES = [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
+@pytest.mark.parametrize("El,C,align,n_rows_cut,word",
+                         [c + (False,) for c in _SCALE_CASES] + [c + (True,) for c in _SCALE_CASES if c[1] % 4 == 0])
+def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_cut, word):
     """The receiver's swizzle == mxcomm.mx.to_grouped_m of the real rows: empty groups, padding rows and
-    rows whose origin is -1 give zeros, rows past ``n_rows`` are ignored, every output byte is written."""
+    rows whose origin is -1 give zeros, rows past ``n_rows`` are ignored, every output byte is written.
+    ``word``: the 4-byte-column variant (what the backend runs when ``C % 4 == 0``)."""
     import triton
     from mxcomm.ep.nvshmem_kernels import scale_rows_to_grouped_kernel
     from mxcomm.mx import grouped_m_rows, round_up, to_grouped_m
@@ -132,11 +199,12 @@ def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_
     cp = round_up(C, 4)
     out_rows = grouped_m_rows(R, El)
     out = torch.full((out_rows, cp), 0xAB, dtype=torch.uint8)
-    cb = min(32, triton.next_power_of_2(cp))
-    unused = torch.zeros(1, dtype=torch.int64)
-    scale_rows_to_grouped_kernel[(out_rows // 128, triton.cdiv(cp, cb))](
-        rows, out, offs, torch.tensor([n_rows], dtype=torch.int32), src, El, cp // 4, unused, unused, unused, 0,
-        C=C, CB=cb, G_POW2=triton.next_power_of_2(El))
+    ncols = cp // 4 if word else cp
+    cb = triton.next_power_of_2(ncols) if word else min(32, triton.next_power_of_2(cp))
+    scale_rows_to_grouped_kernel[(out_rows // 128, triton.cdiv(ncols, cb))](
+        rows.view(torch.int32) if word else rows, out.view(torch.int32) if word else out, offs,
+        torch.tensor([n_rows], dtype=torch.int32), src, El, cp // 4, C=C, CB=cb,
+        G_POW2=triton.next_power_of_2(El), WORD=word)
     assert torch.equal(out[: want.shape[0]], want)
     assert not out[want.shape[0]:].any()  # rows past the groups: zeros (written, not left at 0xAB)
 
@@ -314,18 +382,21 @@ compile(nk.combine_send_kernel, dict(send, out_ptr=u8), H=256, BR=4, CHUNK=256, 
         PASS=True, STAGED=True)
 compile(nk.combine_reduce_kernel, dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, w_ptr="*fp32", y_ptr="*bf16",
         epoch_ptr=i64), H=7168, K=8, CHUNK=4096, MX=True, INT_ROUND=False)
-pull = dict(src_peers=i64, row_tok_ptr=i32, epoch_ptr=i64)
-for p in (False, True):  # push (copy out of recv_q/recv_s) and pull (read the sources' send buffers)
-    compile(nk.scale_rows_to_grouped_kernel, dict(pull, rows_ptr=u8, out_ptr=u8, offs_ptr=i32, n_rows_ptr=i32,
-            row_src_ptr=i32), C=224, CB=32, G_POW2=256, PULL=p)
-    compile(nk.copy_out_rows_kernel, dict(pull, src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32),
-            ROW_WORDS=896, CHUNK=512, PULL=p)
+sc = dict(offs_ptr=i32, n_rows_ptr=i32, row_src_ptr=i32)
+compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=u8, out_ptr=u8), C=228, CB=32, G_POW2=256, WORD=False)
+compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=i32, out_ptr=i32), C=224, CB=64, G_POW2=256, WORD=True)
+compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
+        CHUNK=512)
+for mx in (True, False):
+    compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, n_rows_ptr=i32, row_src_ptr=i32, q_peers=i64,
+            s_peers=i64, list_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792, CHUNK=512, C=224, C_POW2=256,
+            K=8, EW=16, MX=mx)
 for mx in (True, False):
     for slot in (True, False):  # x by address (the backend), x as a tensor (the kernel lab)
         compile(nk.pack_rows_kernel, dict(x_ptr=i64 if slot else "*bf16", send_q_ptr=u8 if mx else "*bf16",
                 send_s_ptr=u8, epoch_ptr=i64), H=7168, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False, X_SLOT=slot)
-compile(nk.push_tokens_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, tok_peers=i64, flags_peers=i64), K=8,
-        BLOCK=1024)
+compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, list_peers=i64, flags_peers=i64,
+        epoch_ptr=i64), K=8, EW=16, BLOCK=64)
 print("ok")
 '''
 
