@@ -249,9 +249,12 @@ class Lab:
                 ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), C=C, C_POW2=triton.next_power_of_2(C),
                 K=self.k, EW=ew, MX=True, num_warps=4)
 
+        def scale_cb(wordwise, cb):  # word columns: a whole tile-row per program (what the backend launches)
+            return triton.next_power_of_2(cp // 4) if wordwise else min(cb, triton.next_power_of_2(cp))
+
         def scales(wordwise=word, cb=cb0, warps=4):
             ncols = cp // 4 if wordwise else cp
-            cb = min(cb, triton.next_power_of_2(ncols))
+            cb = scale_cb(wordwise, cb)
             mod.scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(ncols, cb))](
                 s.view(torch.int32) if wordwise else s, out_s.view(torch.int32) if wordwise else out_s,
                 self.plan.offs, self.plan.num_rows, src, E, cp // 4, C=C, CB=cb,
@@ -296,10 +299,11 @@ class Lab:
         push(self.grids()[0], _ints(a.warps)[0], chunk0)  # recv_q / recv_s hold this plan's rows
         self.record("copyout", impl, dict(programs=min(R, progs)), copy_rows, rows_check, nbytes=n_rows_bytes)
         for wordwise in sorted({False, word}):
-            for cb in sorted({min(c, triton.next_power_of_2(cp)) for c in _ints(a.scale_cbs)}):
+            for cb in sorted({scale_cb(wordwise, c) for c in _ints(a.scale_cbs)}):
                 for warps in _ints(a.warps):
-                    self.record("swizzle", impl, dict(programs=rows // 128 * triton.cdiv(cp, cb), warps=warps, chunk=cb,
-                                                      word=wordwise),
+                    ncols = cp // 4 if wordwise else cp
+                    self.record("swizzle", impl, dict(programs=rows // 128 * triton.cdiv(ncols, cb), warps=warps,
+                                                      chunk=cb, word=wordwise),
                                 lambda wordwise=wordwise, cb=cb, warps=warps: scales(wordwise, cb, warps), scales_check,
                                 nbytes=n_scale_bytes)
         for programs in self.grids():

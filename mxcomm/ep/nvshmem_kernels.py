@@ -520,11 +520,17 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_sr
     real = real & (tl.load(row_src_ptr + prow, mask=real, other=-1) >= 0)
     cols = cb * CB + tl.arange(0, CB)
     if WORD:
+        # A 128x4 tile is 128 words, word (r % 32) * 4 + r // 32 holding row r; the tiles of a tile-row follow
+        # each other. So this program's output is ONE contiguous run of CB * 128 words: the [128, CB] block
+        # viewed as [4, 32, CB] (r // 32, r % 32, column), transposed to [CB, 32, 4] in registers (coalesced
+        # stores; scattering single words made every 32-byte sector take 8 partial writes).
         NW: tl.constexpr = C // 4
         v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * NW + cols[None, :],
                     mask=real[:, None] & (cols < NW)[None, :], other=0)
-        tl.store(out_ptr + blocked_scale_offset(br.to(tl.int64)[:, None], 4 * cols[None, :], n_col_tiles) // 4, v,
-                 mask=(cols < n_col_tiles)[None, :])
+        vt = tl.reshape(tl.permute(tl.reshape(v, (4, 32, CB)), (2, 1, 0)), (CB * 128,))
+        o = tl.arange(0, CB * 128)
+        tl.store(out_ptr + (i * n_col_tiles + cb * CB).to(tl.int64) * 128 + o, vt,
+                 mask=cb * CB + o // 128 < n_col_tiles)
     else:
         v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * C + cols[None, :],
                     mask=real[:, None] & (cols < C)[None, :], other=0)
