@@ -41,6 +41,12 @@ def test_nvshmem_four_ranks_one_gpu_mps():
     _assert_clean(run_world(4, nvshmem_cases_worker, 4, env=env, timeout=900))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs (one rank per GPU, over NVLink)")
+@pytest.mark.parametrize("transport", ["auto", "push", "put"])
+def test_nvshmem_four_ranks_four_gpus(transport):
+    _assert_clean(run_world(4, nvshmem_cases_worker, 4, transport, env=ENV, timeout=900))
+
+
 def test_nvshmem_soak_1000_iterations_no_corruption_no_memory_growth():
     _assert_clean(run_world(1, nvshmem_soak_worker, 1000, env=ENV, timeout=900))
 
