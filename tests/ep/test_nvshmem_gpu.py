@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from _dist import run_world
 from ep_cases import nvshmem_cases_worker, nvshmem_soak_worker
