@@ -95,8 +95,8 @@ def _event_median_us(fn, iters: int) -> float:
 
 def _graph_median_us(fn, iters: int, reps: int = 10) -> float:
     """Kernel time without host launch gaps: ``reps`` calls of ``fn`` captured into one CUDA graph, the median
-    CUDA-event time of a replay divided by ``reps``. (Events around one eager launch also count the ~30 µs the
-    host takes to launch a Triton kernel while the GPU idles: short kernels look far slower than they are.)"""
+    CUDA-event time of a replay divided by ``reps``. (Events around one eager launch also count the part of the
+    host's Triton launch time, up to ~30 µs, that the GPU spends idle: short kernels look slower than they are.)"""
     fn()  # compiled and warm before the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -401,7 +401,7 @@ def main() -> None:
     ap.add_argument("--timer", choices=("graph", "events"), default="graph",
                     help="graph: 10 launches captured in a CUDA graph, replay time / 10 (kernel time, no host launch "
                          "gaps); events: CUDA events around one eager launch (sessions 4-6 used this: it includes "
-                         "the host's launch time, ~30 µs per Triton launch)")
+                         "part of the host's launch time, up to ~30 µs per Triton launch)")
     ap.add_argument("--ops", default="dispatch,naive,reduce")
     ap.add_argument("--impls", default="mxcomm.ep.nvshmem_kernels")
     ap.add_argument("--programs", default="4,tokens", help="programs per SM, or 'tokens' (one per token)")
