@@ -39,6 +39,10 @@ CONVENTIONS = {
                 "dispatch, dispatch_bwd (input-row gradients back to their origins, summed over k) the rows of "
                 "combine, at the op's payload bytes per row (MXFP8 transport with precision mxfp8, BF16 with bf16)",
     "gbps": "1e9 bytes per second: bytes / median time",
+    "loopback_traffic": "one rank on one GPU (EP = 1) only: bytes = tokens x 2H (the BF16 token rows, read once: "
+                        "dispatch's input, combine's output) + bytes.per_selection (the rows written / read per "
+                        "selection), issue 3's count, compared with the device copy ceiling of the same run "
+                        "(read + write bytes)",
     "ratios": "speed-up = baseline median time / this case's median time (same tokens and run; same op except "
               "backward_baselines); > 1 = faster",
     "backward_baselines": {
@@ -115,6 +119,20 @@ def finalize_cases(raw_cases: list) -> list:
     return cases
 
 
+def add_loopback_traffic(case: dict, hidden: int, device_copy_gbps: float) -> None:
+    """One rank on one GPU: ``case["loopback_traffic"]`` = the case's bytes by issue 3's count (the BF16 token rows
+    once, ``tokens * 2 * hidden``, + ``bytes.per_selection``), GB/s at the median times and the fraction of the
+    device copy ceiling (``CONVENTIONS["loopback_traffic"]``). Cases without timings get nothing."""
+    if not case.get("gbps"):
+        return
+    nbytes = case["tokens"] * 2 * hidden + case["bytes"]["per_selection"]
+    gbps = {t: (nbytes / (s["median"] * 1e-6) / 1e9 if s and s["median"] > 0 else None)
+            for t, s in case["stats_us"].items()}
+    case["loopback_traffic"] = {"bytes": nbytes, "gbps": gbps,
+                                "fraction_of_device_copy": {t: (v / device_copy_gbps if v else None)
+                                                            for t, v in gbps.items()}}
+
+
 def build_report(*, options: dict, world: dict, meta: dict, phases: list, command: list) -> dict:
     """The full JSON document of a run from its options, world description, machine/versions meta and phases."""
     raw_cases, checks, skipped, ceilings = [], [], [], {}
@@ -141,6 +159,9 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
         if c.get("gbps") and ceiling_gbps:
             c["fraction_of_ceiling"] = {t: (v / ceiling_gbps if v else None)
                                         for t, v in c["gbps"]["per_selection"].items()}
+    if options["ranks"] == 1 and ceilings.get("device_copy"):
+        for c in cases:
+            add_loopback_traffic(c, options["hidden"], ceilings["device_copy"]["gbps"])
     rpg = world.get("ranks_per_gpu", 1)
     return {
         "schema": SCHEMA,
@@ -276,6 +297,12 @@ def format_table(report: dict) -> str:
     for k in ("device_copy", "peer_copy", "all_pairs_copy", "host_copy"):
         if ce.get(k):
             out.append(f"ceiling {k}: {_f(ce[k]['gbps'], 1)} GB/s ({ce[k]['convention']})")
+    for c in report["cases"]:
+        lt = c.get("loopback_traffic")
+        if c["impl"] == "mxcomm" and lt and lt["gbps"].get("whole_call"):
+            out.append(f"loopback traffic {c['op']} {c['precision']} T={c['tokens']}: {lt['bytes'] / 1e6:.0f} MB "
+                       f"(BF16 token rows once + rows per selection), {_f(lt['gbps']['whole_call'], 1)} GB/s = "
+                       f"{100 * lt['fraction_of_device_copy']['whole_call']:.1f}% of device_copy (whole call)")
     for chk in report.get("checks", []):
         if chk.get("status") == "ok":
             out.append(f"check vs reference ({chk['precision']}, T={chk['tokens']}): dispatch equal="
