@@ -26,8 +26,8 @@ before it published the counts of the epoch in between.
   on one node): each token row of this rank quantized once (``pack_rows_kernel``), row ``t`` of the copy
   picked by the dispatch epoch's parity; the receivers read the rows they need from here (``pull_rows_kernel``).
 * ``pull_list`` int32 ``[W, T_max, EW]`` (pull dispatch): entry ``[s, t]`` = source ``s``'s token ``t`` is
-  received here, with its expert-major rows (``push_entries_kernel``); tagged with the epoch, so entries
-  of earlier calls are skipped without clearing. The same reasoning as for ``recv_q`` keeps it race-free:
+  received here, with its expert-major rows (``push_entries_kernel``); tagged with the 64-bit epoch, so
+  entries of earlier calls are skipped without clearing. The same reasoning as for ``recv_q`` keeps it race-free:
   a source writes it only after the counts exchange, which the receiver joins after its previous gather.
 * ``counts``  int32 ``[W, E]``: row ``s`` = rows rank ``s`` sends to each expert.
 * ``flags``   int64 ``[3, W]``: row 0 counts published, row 1 dispatch arrivals, row 2 combine
@@ -216,8 +216,9 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max,
 def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers, epoch_ptr, me, W, T_max,
                         K: tl.constexpr, EW: tl.constexpr, BLOCK: tl.constexpr):
     """Pull dispatch, sender: for each token ``t`` and each rank ``d`` that receives it, one pull-list entry
-    ``[s, t]`` (``s = me``) on ``d``: ``[tag, row_0, ..., row_{K-1}]`` with ``row_j = dest_row[t, j]`` for the
-    slots going to ``d`` and -1 for the others; ``tag`` = the low 32 bits of the dispatch epoch. Then add 1 to
+    ``[s, t]`` (``s = me``) on ``d``: ``[tag_lo, tag_hi, row_0, ..., row_{K-1}]`` with ``row_j = dest_row[t, j]``
+    for the slots going to ``d`` and -1 for the others; the tag is the 64-bit dispatch epoch (an entry can never
+    be mistaken for one of another call, however many calls ago it was written). Then add 1 to
     ``flags[1, me]`` on every rank (release, sys). One entry per (token, rank): the receiver reads the row
     once, however many of its experts the token selected.
 
@@ -225,31 +226,33 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers,
         dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan; rank -1 = dropped slot).
         list_peers / flags_peers: int64 ``[W]`` base pointers of ``pull_list`` (int32 ``[W, T_max, EW]``) /
             ``flags``. epoch_ptr: int64 dispatch epoch (already advanced for this call).
-        EW: int32 words per entry (a power of two > K).
+        EW: int32 words per entry (a power of two >= K + 2).
     Grid: any fixed number of programs (identical on every rank: receivers count their arrivals);
     persistent over blocks of ``BLOCK`` tokens.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    tag = tl.load(epoch_ptr).to(tl.int32)
+    ep = tl.load(epoch_ptr)
+    tag_lo = ep.to(tl.int32)
+    tag_hi = (ep >> 32).to(tl.int32)
     jj = tl.arange(0, EW)
-    slot = (jj >= 1) & (jj <= K)  # entry word 1 + j holds slot j's row
+    slot = (jj >= 2) & (jj <= K + 1)  # entry word 2 + j holds slot j's row
     b = pid * BLOCK
     while b < T:
         t = b + tl.arange(0, BLOCK)
         m2 = (t < T)[:, None] & slot[None, :]
-        sidx = t.to(tl.int64)[:, None] * K + (jj - 1)[None, :]
-        rk = tl.load(dest_rank_ptr + sidx, mask=m2, other=-1)  # [BLOCK, EW]: slot ranks at words 1..K
+        sidx = t.to(tl.int64)[:, None] * K + (jj - 2)[None, :]
+        rk = tl.load(dest_rank_ptr + sidx, mask=m2, other=-1)  # [BLOCK, EW]: slot ranks at words 2..K+1
         rw = tl.load(dest_row_ptr + sidx, mask=m2, other=-1)
         for j in tl.static_range(K):
-            d = tl.sum(tl.where(jj[None, :] == j + 1, rk, 0), axis=1)  # slot j's rank, [BLOCK]
+            d = tl.sum(tl.where(jj[None, :] == j + 2, rk, 0), axis=1)  # slot j's rank, [BLOCK]
             same = rk == d[:, None]
             # slot j leads its rank's entry when no earlier slot of the token goes there
-            lead = (d >= 0) & (tl.sum((same & (jj[None, :] <= j)).to(tl.int32), axis=1) == 0)
+            lead = (d >= 0) & (tl.sum((same & (jj[None, :] <= j + 1)).to(tl.int32), axis=1) == 0)
             base = tl.load(list_peers + tl.where(lead, d, 0), mask=lead, other=0).to(tl.pointer_type(tl.int32))
             entry = base + (me * T_max + t).to(tl.int64) * EW  # [BLOCK]
-            words = tl.where(jj[None, :] == 0, tag, tl.where(same, rw, -1))
-            tl.store(entry[:, None] + jj[None, :], words, mask=lead[:, None] & (jj <= K)[None, :])
+            words = tl.where(jj[None, :] == 0, tag_lo, tl.where(jj[None, :] == 1, tag_hi, tl.where(same, rw, -1)))
+            tl.store(entry[:, None] + jj[None, :], words, mask=lead[:, None] & (jj <= K + 1)[None, :])
         b += G * BLOCK
     _arrive_all(flags_peers, 1, me, W)
 
@@ -271,7 +274,7 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
         q_peers / s_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as int64 rows of
             ``ROW_WORDS``) / ``send_s`` (uint8 rows of ``C``).
         list_ptr: this rank's ``pull_list``, int32 ``[W, T_max, EW]``; entry ``[s, t]`` belongs to this call
-            when its word 0 equals the low 32 bits of the epoch (others are older: skipped).
+            when its words 0-1 hold the epoch (others are older: skipped); words 2.. are its K rows.
         epoch_ptr: int64 dispatch epoch; the rows are in send copy ``epoch % 2`` (row ``par * T_max + t``).
     Grid: any; persistent over entries, then over output rows.
     """
@@ -279,13 +282,14 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
     G = tl.num_programs(0)
     offs = tl.arange(0, CHUNK)
     ep = tl.load(epoch_ptr)
-    tag = ep.to(tl.int32)
+    tag_lo = ep.to(tl.int32)
+    tag_hi = (ep >> 32).to(tl.int32)
     row0 = (ep % 2) * T_max
     scols = tl.arange(0, C_POW2)
     i = pid
     while i < W * T_max:
         e = list_ptr + i.to(tl.int64) * EW
-        ok = tl.load(e) == tag
+        ok = (tl.load(e) == tag_lo) & (tl.load(e + 1) == tag_hi)
         s = i // T_max
         srow = (row0 + i % T_max).to(tl.int64)
         sbase = tl.load(q_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.int64)) + srow * ROW_WORDS
@@ -293,13 +297,13 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
             m = (c0 + offs) < ROW_WORDS
             v = tl.load(sbase + c0 + offs, mask=m & ok, other=0)  # once over the link
             for j in tl.static_range(K):
-                r = tl.load(e + 1 + j, mask=ok, other=-1)
+                r = tl.load(e + 2 + j, mask=ok, other=-1)
                 tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, v, mask=m & (r >= 0))
         if MX:
             sb = tl.load(s_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.uint8)) + srow * C
             sv = tl.load(sb + scols, mask=(scols < C) & ok, other=0)
             for j in tl.static_range(K):
-                r = tl.load(e + 1 + j, mask=ok, other=-1)
+                r = tl.load(e + 2 + j, mask=ok, other=-1)
                 tl.store(dst_s_ptr + r.to(tl.int64) * C + scols, sv, mask=(scols < C) & (r >= 0))
         i += G
     n_rows = tl.load(n_rows_ptr)

@@ -244,8 +244,8 @@ class BufferRegion:
 
 
 def pull_entry_words(topk: int) -> int:
-    """int32 words of one pull-list entry: an epoch tag and ``topk`` rows, padded to a power of two."""
-    return 1 << topk.bit_length()  # smallest power of two > topk
+    """int32 words of one pull-list entry: a 64-bit epoch tag and ``topk`` rows, padded to a power of two."""
+    return 1 << (topk + 1).bit_length()  # smallest power of two >= topk + 2
 
 
 def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = None) -> list[BufferRegion]:
@@ -265,8 +265,8 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
       quantized once, in two copies (alternate dispatch epochs); receivers read them through peer pointers;
     * ``ep.send_s`` uint8 ``[2, T_max, H/32]``: their scale bytes (mxfp8; 1 byte for bf16);
     * ``ep.pull_list`` int32 ``[W, T_max, pull_entry_words(k)]``: the receiver's pull list. Source ``s`` writes
-      entry ``[s, t]`` for each of its tokens ``t`` that this rank receives: ``[epoch tag, row of slot 0, ...,
-      row of slot k-1]`` (expert-major rows here, -1 for slots going elsewhere); the receiver reads each listed
+      entry ``[s, t]`` for each of its tokens ``t`` that this rank receives: ``[epoch (2 words), row of slot 0,
+      ..., row of slot k-1]`` (expert-major rows here, -1 for slots going elsewhere); the receiver reads each listed
       token's row once and stores it at all its rows.
 
     The put-with-signal path (``put_path``; default: ``config.transport == "put"``) adds:

@@ -95,7 +95,7 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert b.dispatch_scales == (R * 224 if precision == "mxfp8" else 1)  # scale rows at the payload rows
     assert b.combine_payload == 2 * 4096 * 8 * (7168 * 2 + 7168 // 32)
     # pull dispatch (transport "auto"): two send copies of the token rows (+ scales) and the pull list
-    # (per source and token: an epoch tag + 8 rows, padded to 16 int32 words)
+    # (per source and token: a 2-word epoch tag + 8 rows, padded to 16 int32 words)
     row = 7168 + 224 if precision == "mxfp8" else 2 * 7168
     assert b.pull_send == 2 * 4096 * row + (0 if precision == "mxfp8" else 1) + world * 4096 * 16 * 4
     assert buffer_sizes(replace(cfg, transport="push"), world).pull_send == 0

@@ -111,7 +111,8 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     """The pull dispatch's entry exchange and gather, ranks simulated in one process (pointer tables to each
     rank's tensors): every sender writes one entry per (token, receiving rank) listing that token's rows there;
     each receiver's gather puts the sender's send-copy row (and scale row) at exactly those rows, zeroes padding
-    and the worst-case tail, and ignores entries of an older epoch (pre-filled garbage with an old tag). Ranks
+    and the worst-case tail, and ignores entries of an older epoch (pre-filled garbage with an old tag, some with the
+    same low 32 bits as this epoch). Ranks
     with zero tokens, dropped slots, tokens with several experts on one rank; the odd epoch reads copy 1."""
     import triton
     from mxcomm.ep.nvshmem_kernels import pull_rows_kernel, push_entries_kernel
@@ -128,8 +129,9 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     send_q = [torch.randint(0, 256, (2, T_max, H * B), dtype=torch.uint8, generator=g) for _ in range(W)]
     send_s = [torch.randint(0, 256, (2, T_max, C), dtype=torch.uint8, generator=g) for _ in range(W)]
     lists = [torch.randint(-1, 50, (W, T_max, EW), dtype=torch.int32, generator=g) for _ in range(W)]
-    for lst in lists:
-        lst[:, :, 0] = epoch - 2  # entries of an earlier dispatch: must be skipped
+    for lst in lists:  # entries of earlier dispatches, garbage rows: must be skipped
+        lst[:, :, 0], lst[:, :, 1] = epoch - 2, 0
+        lst[:, 1::2, 0], lst[:, 1::2, 1] = epoch, 1  # written 2**32 calls ago: the same low word
     flags = [torch.zeros(3, W, dtype=torch.int64) for _ in range(W)]
     ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     ep = torch.tensor([epoch], dtype=torch.int64)
@@ -162,7 +164,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
         assert torch.equal(out, want)
         # one entry per (source, token) received here, however many of d's experts the token picked
         for s in range(W):
-            fresh = lists[d][s, :, 0] == epoch
+            fresh = (lists[d][s, :, 0] == epoch) & (lists[d][s, :, 1] == 0)
             goes = (plans[s].dest_rank == d).any(dim=1) if Ts[s] else torch.zeros(0, dtype=torch.bool)
             assert fresh[: Ts[s]].tolist() == goes.tolist() and not fresh[Ts[s]:].any()
 
