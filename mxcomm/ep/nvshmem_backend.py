@@ -175,6 +175,9 @@ class NvshmemBackend:
         self.err, self.input_err = self.err_words[0:1], self.err_words[1:2]
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
+        # combine / dispatch backward: rows served by this rank's own experts are read by the reduce straight from
+        # the expert output (no trip through comb_q); False = every row through comb_q (kept for A/B runs)
+        self.own_rows_direct = True
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
         self._plan_graphs: dict = {}  # ("plan" | "pull", T, idx dtype, plan impl) -> PlanGraph, LRU first
@@ -586,22 +589,27 @@ class NvshmemBackend:
         else:
             payload, in_scales = rows.contiguous(), self.err  # in_scales unused
         self.c_epoch.add_(1)
+        # rows this rank's own experts served stay here: the reduce reads them from `rows` (not with `save`:
+        # the saved rows are read out of comb_q; not on the put path, whose blocks cover every source)
+        own = self.own_rows_direct and not save and not self.put_mode
         if self.put_mode:  # rows to staging at their own index; puts per (source, expert) block
             q_ptrs, s_ptrs = self._stage_ptrs, self._stage_s_ptrs
         else:
             q_ptrs, s_ptrs = self.comb_q.peer_ptrs, self.comb_s.peer_ptrs
-        combine_send_kernel[(self.programs,)](
-            payload, st.num_rows_dev, st.origins.src, st.origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
-            self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)),
-            MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, STAGED=self.put_mode,
-            num_warps=self.send_warps,
-        )
-        if self.put_mode:
-            slot0 = (self.c_epoch % 2) * self.nslot
-            blocks = put_path.combine_blocks(plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
-            self._put_blocks(blocks, self.comb_q, self.comb_s, 2, self.c_epoch)
-        else:
-            wait_arrivals_kernel[(W,)](self._flag_rows[2], self._expect_rows[2], self.programs, self.err, self.timeout_ns)
+        if not (own and W == 1):  # one rank: nothing leaves it (no send, no arrivals to wait for)
+            combine_send_kernel[(self.programs,)](
+                payload, st.num_rows_dev, st.origins.src, st.origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
+                self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)),
+                MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, STAGED=self.put_mode,
+                SKIP_OWN=own, num_warps=self.send_warps,
+            )
+            if self.put_mode:
+                slot0 = (self.c_epoch % 2) * self.nslot
+                blocks = put_path.combine_blocks(plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
+                self._put_blocks(blocks, self.comb_q, self.comb_s, 2, self.c_epoch)
+            else:
+                wait_arrivals_kernel[(W,)](self._flag_rows[2], self._expect_rows[2], self.programs, self.err,
+                                           self.timeout_ns)
         T = handle.num_tokens
         y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         w = weights.to(torch.float32).contiguous()
@@ -609,8 +617,10 @@ class NvshmemBackend:
         if T:
             combine_reduce_kernel[(min(T, self.dispatch_programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.c_epoch, self.nslot,
+                plan.dest_rank, plan.dest_row, payload, in_scales, self.rank,
                 H=H, K=cfg.topk, CHUNK=min(_REDUCE_CHUNK, triton_next_pow2(H)),
-                MX=mx, INT_ROUND=self.int_round, num_warps=4,
+                MX=mx, INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, MODE=self.mode_id,
+                num_warps=4,
             )
         saved = None
         if save:  # the rows as they arrived, by send position (copy: the buffer is reused)
