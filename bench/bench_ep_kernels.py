@@ -30,6 +30,10 @@ it), for each module and (programs, warps, chunk):
 * ``reduce``: ``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` from MXFP8 rows: ``S*(H + H/32)`` read +
   ``T*H*2`` written. Checked against a plain-torch fp32 sum of the dequantized rows (bf16 output;
   max |diff| reported, must be within bf16 rounding).
+* ``local_path``: the one-rank dispatch (``dispatch_kernel`` straight into the fresh output, padding zeroed by
+  ``copy_out_rows_kernel(COPY=False)``, then the swizzle), checked like the other paths;
+* ``reduce_own``: the one-rank combine (``combine_reduce_kernel(OWN=True)``: every row read as bf16 from the expert
+  output and quantized in registers): ``S*H*2`` read + ``T*H*2`` written; same check as ``reduce``.
 * ``ceiling``: ``dst.copy_(src)`` of 1 GiB (read + write counted).
 
 Writes JSON to ``--out``; exits non-zero if any output is wrong.
@@ -164,6 +168,9 @@ class Lab:
         y = torch.zeros(T, H, dtype=torch.float32, device=dev)
         y.index_add_(0, tok, self.w.reshape(-1)[keep][:, None] * deq)
         self.ref_y = y.to(torch.bfloat16)
+        # the same rows as a one-rank expert output (bf16, expert-major): quantized they give ref_q, so ref_y holds
+        self.own_x = torch.zeros(max(self.R, 1), H, dtype=torch.bfloat16, device=dev)
+        self.own_x[self.slot_rows] = self.x[tok]
 
     def grids(self) -> list[int]:
         """Program counts of the sweep: ``--programs`` per SM, or 'tokens' (one per token)."""
@@ -347,6 +354,21 @@ class Lab:
                     lambda: (push(g0, w0, chunk0), copy_rows(), scales()), both(rows_check, scales_check))
         self.record("pull_path", impl, dict(programs=progs, warps=4, chunk=chunk0),
                     lambda: (pack(), pull_rows(), scales()), both(rows_check, scales_check))
+        if "COPY" in mod.copy_out_rows_kernel.arg_names:  # the local path (one rank): straight into the output
+            outp = self.ptrs(out_q)
+
+            def local():
+                mod.dispatch_kernel[(g0,)](
+                    self.x, T, self.plan.dest_rank, self.plan.dest_row, outp, sp, fp, 0, 1, w, H=H, K=self.k,
+                    CHUNK=chunk0, MX=True, MODE=0, INT_ROUND=self.interp, WEIGHTED=False, ARRIVE=False, num_warps=w0)
+                ov = out_q.view(torch.int64)
+                mod.copy_out_rows_kernel[(min(R, self.sms * 16),)](
+                    ov, ov, self.plan.num_rows, src, R, ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)),
+                    COPY=False, num_warps=4)
+                scales()
+
+            self.record("local_path", impl, dict(programs=g0, warps=w0, chunk=chunk0), local,
+                        both(rows_check, scales_check))
 
     def bench_naive(self) -> None:
         q = torch.empty(self.R, self.H, dtype=torch.uint8, device=self.dev)
@@ -380,13 +402,22 @@ class Lab:
             ok = bool((d <= tol).all())
             return ok, dict(max_abs_diff=float(d.max()) if d.numel() else 0.0)
 
+        own = "OWN" in kern.arg_names  # the own-rows variant (rows served here read from the expert output)
+        rest = (self.plan.dest_rank, self.plan.dest_row, self.own_x, self.comb_s, 0) if own else ()
         for programs in self.grids():
             for warps in _ints(a.warps):
                 for chunk in _ints(a.chunks):
                     fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
-                        self.comb_q, self.comb_s, self.plan.send_pos, self.w, y, self.T, epoch, self.nslot,
+                        self.comb_q, self.comb_s, self.plan.send_pos, self.w, y, self.T, epoch, self.nslot, *rest,
                         H=self.H, K=self.k, CHUNK=chunk, MX=True, INT_ROUND=self.interp, num_warps=warps))
                     self.record("reduce", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check)
+                    if own:  # one rank: every slot's row read as bf16 from the expert output and quantized here
+                        fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
+                            self.comb_q, self.comb_s, self.plan.send_pos, self.w, y, self.T, epoch, self.nslot, *rest,
+                            H=self.H, K=self.k, CHUNK=chunk, MX=True, INT_ROUND=self.interp, OWN=True, MODE=0,
+                            num_warps=warps))
+                        self.record("reduce_own", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check,
+                                    nbytes=self.S * self.H * 2 + self.T * self.H * 2)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mxcomm.ep import EPConfig, EPGroup  # noqa: E402
 from mxcomm.ep.nvshmem_backend import NvshmemBackend  # noqa: E402
 
-STEPS = ("_checked_ids", "_pull_rows", "_pack", "_exchange", "_plan", "_push_entries", "_send_to_experts", "_check",
+STEPS = ("_checked_ids", "_run_middle", "_local_out", "_pack", "_exchange", "_plan", "_push_entries", "_send_to_experts", "_check",
          "_check_async", "_copy_out", "_pull_out", "_grouped_scales")
 _times: dict = {}
 

@@ -29,9 +29,16 @@ deduplicated count): with top-8 of 256 experts a token picks ~4 experts on each 
 of 8; the receiver fans the row out to its expert groups with local stores.
 One H200, loopback 8192 x 7168, top-8: see ``bench/results/h200/README.md``.
 
+One rank (``transport="auto"``, :func:`mxcomm.ep.plan.dispatch_path` = ``"local"``): nothing leaves the GPU, so
+steps 2, 3 and 5 go away: after the plan, ``dispatch_kernel`` reads each token row once, quantizes it once and stores
+it straight into the fresh output at every selection's row (scale rows into ``recv_s``), padding rows are zeroed and
+the scales swizzled. No receive buffer is allocated. Combine backward does the same with the weighted gradient rows.
+
 Combine (and dispatch backward) send each expert-major row back to its origin at its send position
 (quantized in registers, or an MXFP8 gradient as it is), then the origin reduces ``sum_k w * row`` in
-fp32. Combine backward is a dispatch whose kernel multiplies each slot's row by its route weight and
+fp32. Rows a rank's own experts served do not travel (unless combine keeps the rows for its backward): the send
+kernel skips them and the reduce reads them from the expert output, quantized in registers exactly as the send
+kernel would have. Combine backward is a dispatch whose kernel multiplies each slot's row by its route weight and
 quantizes per slot (the weighting fused with the gradient quantization).
 
 Buffer reuse without a global barrier: ops towards the experts (dispatch, combine backward) start
@@ -61,7 +68,7 @@ from . import plan_kernels
 from .backward_ref import CombineGrads, CombineSaved
 from .handle import DispatchResult, EPHandle
 from .ids import check_expert_ids
-from .plan import RoutingPlan, buffer_regions, local_counts, max_recv_rows, recv_rows
+from .plan import RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows, recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from . import put_path
 
@@ -157,11 +164,13 @@ class NvshmemBackend:
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
         # put-with-signal path: forced by the config, or needed because a peer has no peer pointer
         self.put_mode = config.transport == "put" or not getattr(heap.ctx, "all_local", True)
-        # pull dispatch (the default on one node): receivers read the packed rows through peer pointers
-        self.pull = not self.put_mode and config.transport == "auto"
+        # towards the experts: "pull" (the default on one node: receivers read the packed rows through peer
+        # pointers), "local" (one rank: straight into the output), "push" or "put" (mxcomm.ep.plan.dispatch_path)
+        self.path = dispatch_path(config, W, self.put_mode)
+        self.pull, self.local = self.path == "pull", self.path == "local"
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
         self.nslot = config.max_tokens_per_rank * config.topk
-        self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
+        self.recv_q, self.recv_s = bufs.get("ep.recv_q"), bufs["ep.recv_s"]  # no recv_q on the local path
         self.comb_q, self.comb_s = bufs["ep.comb_q"], bufs["ep.comb_s"]  # 2 copies: see nvshmem_kernels
         self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
         self._flag_rows = tuple(self.flags.local[i] for i in range(3))
@@ -181,13 +190,16 @@ class NvshmemBackend:
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
         self._plan_graphs: dict = {}  # ("plan" | "pull", T, idx dtype, plan impl) -> PlanGraph, LRU first
+        if self.pull or self.local:
+            # inputs of the captured middle of a dispatch (see _run_middle): fixed addresses
+            self._x_slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # address of this call's x (pull)
+            self._counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
         if self.pull:
             self.send_q, self.send_s, self.pull_list = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.pull_list"]
             self.push_programs = sms  # push_entries_kernel (same on all ranks: receivers count their arrivals)
             self.pull_programs = sms * _DISPATCH_PROGRAMS_PER_SM  # pull_rows_kernel
-            # inputs of the captured middle of a pull dispatch (see _pull_rows): fixed addresses
-            self._x_slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # address of this call's x
-            self._counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
+        if self.local:
+            self._out_slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # the output's address
         if self.put_mode:
             self._init_put_path(bufs, puts)
 
@@ -331,6 +343,34 @@ class NvshmemBackend:
             )
         return out
 
+    def _local_out(self, x: torch.Tensor, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool,
+                   w: torch.Tensor, weighted: bool) -> torch.Tensor:
+        """Local path (one rank): fresh uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes) written by ``dispatch_kernel``
+        itself: each row of ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized
+        (MX), stored at every selection's expert-major row, its scale row into ``recv_s``; then padding and tail rows
+        zeroed. No symmetric buffer holds the payload and nothing is copied afterwards."""
+        from .nvshmem_kernels import copy_out_rows_kernel, dispatch_kernel
+
+        cfg = self.config
+        T, H = x.shape
+        row_bytes = H if mx else 2 * H
+        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
+        if R:
+            if T:
+                self._out_slot.fill_(out.data_ptr())
+                dispatch_kernel[(self.dispatch_programs,)](
+                    x, T, plan.dest_rank, plan.dest_row, self._out_slot, self.recv_s.peer_ptrs, self.flags.peer_ptrs,
+                    0, 1, w, H=H, K=cfg.topk, CHUNK=self._chunk(H), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
+                    WEIGHTED=weighted, ARRIVE=False, num_warps=self.dispatch_warps,
+                )
+            words = row_bytes // 8
+            ov = out.view(torch.int64)
+            copy_out_rows_kernel[(min(R, self.programs * 4),)](
+                ov, ov, plan.num_rows, origins.src, R, ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)),
+                COPY=False, num_warps=4,
+            )
+        return out
+
     def _pull_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int) -> torch.Tensor:
         """Pull dispatch: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read once from
         its source's send copy and stored at all its rows (scale rows into ``recv_s``); padding and tail rows
@@ -395,11 +435,9 @@ class NvshmemBackend:
         self._remember_graph(key, g)
         return g(topk_idx)
 
-    def _received(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool, pull: bool = False):
-        """The received rows as the dispatch-layout output (fresh tensors): out of this rank's receive
-        buffers, or (``pull``) read from the sources' send buffers."""
-        H = self.config.hidden
-        q = (self._pull_out if pull else self._copy_out)(plan, origins, R, H if mx else 2 * H)
+    def _received(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool, q: torch.Tensor):
+        """The received rows ``q`` (fresh uint8 ``[R, row bytes]``, from ``_copy_out`` / ``_pull_out`` / ``_local_out``)
+        as the dispatch-layout output: bf16 rows, or an MXTensor with its scales swizzled out of ``recv_s``."""
         if not mx:
             return q.view(torch.bfloat16)
         s = self._grouped_scales(plan, origins, R)
@@ -494,22 +532,31 @@ class NvshmemBackend:
         self._push_entries(po.plan)
         return po
 
-    def _pull_rows(self, x: torch.Tensor, ids: torch.Tensor, my_counts: torch.Tensor) -> PlanOutputs:
-        """Run :meth:`_pull_middle` for this call's ``x`` / checked ``ids`` / counts. On the GPU it is captured
-        into a CUDA graph per (token count, id dtype, plan implementation) after the first eager call with that
-        key and replayed afterwards (its ~7 launches cost the host more than its GPU work); its inputs go through
-        fixed-address buffers (``x`` by address). Eager on the interpreter, for T = 0, and inside an outer
-        capture (which records its kernels)."""
-        self._x_slot.fill_(x.data_ptr())
+    def _local_middle(self, counts_buf: torch.Tensor, ids: torch.Tensor) -> PlanOutputs:
+        """The middle of a local (one-rank) dispatch: epoch += 1, this rank's counts (``_counts_in``) as the counts
+        matrix, the plan of ``ids`` on it."""
+        self.d_epoch.add_(1)
+        counts_buf[0].copy_(self._counts_in)
+        return self._compute_plan(counts_buf, ids)
+
+    def _run_middle(self, x: torch.Tensor, ids: torch.Tensor, my_counts: torch.Tensor) -> PlanOutputs:
+        """Run :meth:`_pull_middle` (or :meth:`_local_middle`) for this call's ``x`` / checked ``ids`` / counts. On
+        the GPU it is captured into a CUDA graph per (path, token count, id dtype, plan implementation) after the
+        first eager call with that key and replayed afterwards (its launches cost the host more than its GPU work);
+        its inputs go through fixed-address buffers (``x`` by address). Eager on the interpreter, for T = 0, and
+        inside an outer capture (which records its kernels)."""
+        middle = self._pull_middle if self.pull else self._local_middle
+        if self.pull:
+            self._x_slot.fill_(x.data_ptr())
         self._counts_in.copy_(my_counts)
         T, k = ids.shape
         if self.device.type != "cuda" or T == 0 or self._capturing():
-            return self._pull_middle(self.counts.local, ids)
-        key = ("pull", T, ids.dtype, self.plan_impl)
+            return middle(self.counts.local, ids)
+        key = (self.path, T, ids.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:  # first call with this key: eager (compiles every kernel), then capture for the next ones
-            po = self._pull_middle(self.counts.local, ids)
-            g = PlanGraph(self.counts.local, T, k, ids.dtype, self._pull_middle, warmup=False)
+            po = middle(self.counts.local, ids)
+            g = PlanGraph(self.counts.local, T, k, ids.dtype, middle, warmup=False)
             self._remember_graph(key, g)
             return po
         self._remember_graph(key, g)
@@ -544,8 +591,8 @@ class NvshmemBackend:
         T, H = x.shape
         x = x.contiguous()
         topk_idx, my_counts = self._checked_ids(topk_idx)
-        if self.pull:
-            po = self._pull_rows(x, topk_idx, my_counts)
+        if self.pull or self.local:
+            po = self._run_middle(x, topk_idx, my_counts)
         else:
             self.d_epoch.add_(1)
             self._exchange(my_counts)
@@ -558,7 +605,13 @@ class NvshmemBackend:
             R = self.R_max
             self._check_async("dispatch arrivals")
         origins = RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
-        out_x = self._received(plan, origins, R, self.mx, pull=self.pull)
+        if self.local:
+            q = self._local_out(x, plan, origins, R, self.mx, x, weighted=False)
+        elif self.pull:
+            q = self._pull_out(plan, origins, R, H if self.mx else 2 * H)
+        else:
+            q = self._copy_out(plan, origins, R, H if self.mx else 2 * H)
+        out_x = self._received(plan, origins, R, self.mx, q)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
             config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,
@@ -675,16 +728,21 @@ class NvshmemBackend:
         st: NvshmemState = handle.backend_state
         g = grad_y.contiguous()
         self.d_epoch.add_(1)
-        # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
-        self._exchange(None)
         w = handle.topk_weights.to(torch.float32).contiguous()
-        self._send_to_experts(g, plan, w, weighted=True, mx=quantize_rows)
         R = handle.num_rows
+        if self.local:  # one rank: straight into the output, no handshake, nothing to wait for
+            q = self._local_out(g, plan, st.origins, R, quantize_rows, w, weighted=True)
+        else:
+            # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
+            self._exchange(None)
+            self._send_to_experts(g, plan, w, weighted=True, mx=quantize_rows)
         if cfg.exact_sizes:
             self._check("combine-backward arrivals")
         else:
             self._check_async("combine-backward arrivals")
-        grad_out = self._received(plan, st.origins, R, quantize_rows)
+        if not self.local:
+            q = self._copy_out(plan, st.origins, R, cfg.hidden * (1 if quantize_rows else 2))
+        grad_out = self._received(plan, st.origins, R, quantize_rows, q)
         # one Triton kernel reading the saved MXFP8/BF16 rows (the torch reference dequantizes them all first)
         grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos, programs=self.programs)
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)

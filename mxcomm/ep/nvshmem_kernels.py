@@ -486,12 +486,13 @@ def _real_row(r, n_rows, row_src_ptr):
 
 @triton.jit
 def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
-                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
+                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, COPY: tl.constexpr = True):
     """Push dispatch, receiver: the received rows out of this rank's symmetric buffer into a fresh tensor.
 
     Row ``r < R_out`` of ``dst`` gets row ``r`` of ``src`` when it is a real row (``r < n_rows`` and
     ``row_src[r] >= 0``), else zeros (padding rows, and rows past ``n_rows`` in the worst-case-sized mode).
-    Reads only real rows.
+    Reads only real rows. Without ``COPY`` (the local path, whose real rows are already in ``dst``) only the
+    zero rows are written (``src_ptr`` unused).
 
     Args:
         src_ptr / dst_ptr: int64 views of ``[*, ROW_WORDS]`` rows (row bytes / 8).
@@ -507,8 +508,11 @@ def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
         base = r.to(tl.int64) * ROW_WORDS
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
-            v = tl.load(src_ptr + base + c0 + offs, mask=m & real, other=0)
-            tl.store(dst_ptr + base + c0 + offs, v, mask=m)
+            if COPY:
+                v = tl.load(src_ptr + base + c0 + offs, mask=m & real, other=0)
+                tl.store(dst_ptr + base + c0 + offs, v, mask=m)
+            else:
+                tl.store(dst_ptr + base + c0 + offs, tl.zeros([CHUNK], dtype=tl.int64), mask=m & ~real)
         r += G
 
 

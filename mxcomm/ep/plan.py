@@ -248,6 +248,24 @@ def pull_entry_words(topk: int) -> int:
     return 1 << (topk + 1).bit_length()  # smallest power of two >= topk + 2
 
 
+def dispatch_path(config: EPConfig, world_size: int, put_path: bool | None = None) -> str:
+    """How the ``nvshmem`` backend moves rows towards the experts (the single source of that choice):
+
+    * ``"put"``: put-with-signal (``put_path``; default ``config.transport == "put"``);
+    * ``"local"``: one rank with ``transport="auto"``: nothing leaves the GPU, so the sending kernel quantizes each
+      token row once and stores it straight into the fresh output at every selection's row (no symmetric buffer);
+    * ``"pull"``: ``transport="auto"`` with several ranks: receivers read packed rows through peer pointers;
+    * ``"push"``: ``transport="push"``: senders store into the receivers' ``recv_q``.
+    """
+    if put_path is None:
+        put_path = config.transport == "put"
+    if put_path:
+        return "put"
+    if config.transport == "auto":
+        return "local" if world_size == 1 else "pull"
+    return "push"
+
+
 def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = None) -> list[BufferRegion]:
     """The symmetric buffers the ``nvshmem`` backend allocates per rank (the single source of their sizes).
 
@@ -259,7 +277,9 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes.
     * ``ep.counts`` int32 ``[W, E]``; ``ep.flags`` int64 ``[3, W]``.
 
-    The pull dispatch (``config.transport == "auto"`` off the put path) adds:
+    The local path (one rank, :func:`dispatch_path`) has no ``ep.recv_q`` (its rows go straight into the output;
+    ``ep.recv_s`` stages their scale rows). The pull dispatch (``config.transport == "auto"`` off the put path, several
+    ranks) adds:
 
     * ``ep.send_q`` uint8 ``[2, T_max, H]`` (mxfp8) or ``[2, T_max, 2H]`` (bf16): this rank's token rows,
       quantized once, in two copies (alternate dispatch epochs); receivers read them through peer pointers;
@@ -276,14 +296,13 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     * ``ep.stage_s`` uint8 ``[R_max, H/32]``: their scale bytes, row-major.
     """
     config.validate(world_size)
-    if put_path is None:
-        put_path = config.transport == "put"
+    path = dispatch_path(config, world_size, put_path)
     H = config.hidden
     R = max_recv_rows(config, world_size)
     mx = config.precision == "mxfp8"
     nslot = config.max_tokens_per_rank * config.topk
-    regions = [
-        BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8),
+    regions = [] if path == "local" else [BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8)]
+    regions += [
         BufferRegion("ep.recv_s", (R, H // 32) if mx else (1,), torch.uint8),
         BufferRegion("ep.comb_q", (2, nslot, 2 * H), torch.uint8),
         BufferRegion("ep.comb_s", (2, nslot, H // 32), torch.uint8),
@@ -291,13 +310,13 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
         BufferRegion("ep.flags", (3, world_size), torch.int64),
     ]
     T = config.max_tokens_per_rank
-    if not put_path and config.transport == "auto":
+    if path == "pull":
         regions += [
             BufferRegion("ep.send_q", (2, T, H * (1 if mx else 2)), torch.uint8),
             BufferRegion("ep.send_s", (2, T, H // 32) if mx else (1,), torch.uint8),
             BufferRegion("ep.pull_list", (world_size, T, pull_entry_words(config.topk)), torch.int32),
         ]
-    if put_path:
+    if path == "put":
         regions += [
             BufferRegion("ep.stage_q", (R, 2 * H), torch.uint8),
             BufferRegion("ep.stage_s", (R, H // 32), torch.uint8),
@@ -335,7 +354,7 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
     ``put_path`` as in :func:`buffer_regions`)."""
     b = {r.name: r.nbytes for r in buffer_regions(config, world_size, put_path)}
     return BufferSizes(
-        dispatch_payload=b["ep.recv_q"],
+        dispatch_payload=b.get("ep.recv_q", 0),
         dispatch_scales=b["ep.recv_s"],
         combine_payload=b["ep.comb_q"] + b["ep.comb_s"],
         counts=b["ep.counts"],
@@ -347,5 +366,5 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
 
 __all__ = [
     "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
-    "max_rows_per_source", "max_recv_rows", "pull_entry_words", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
+    "max_rows_per_source", "max_recv_rows", "pull_entry_words", "dispatch_path", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
 ]

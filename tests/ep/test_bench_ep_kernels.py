@@ -1,6 +1,6 @@
 """bench/bench_ep_kernels.py runs end to end under the CPU interpreter (tiny sizes, dropped slots): every
-kernel it times (push and pull dispatch paths, their receivers, reduce, the naive baselines) produced the
-reference output."""
+kernel it times (push, pull and local dispatch paths, their receivers, reduce with and without own rows, the naive
+baselines) produced the reference output."""
 import json
 import os
 import pathlib
@@ -25,10 +25,11 @@ def test_bench_ep_kernels_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
     mod = "mxcomm.ep.nvshmem_kernels"
-    ops = ("dispatch", "copyout", "swizzle", "pack", "gather", "push_path", "pull_path", "reduce")
+    ops = ("dispatch", "copyout", "swizzle", "pack", "gather", "push_path", "pull_path", "local_path", "reduce",
+           "reduce_own")
     assert {(x["op"], x["impl"]) for x in res} == {(op, mod) for op in ops} | {("dispatch", "naive")}
-    # dispatch, pack, gather and reduce: 2 grids; swizzle: byte and word columns (H/32 = 4); copyout and the
-    # 2 paths: once; naive: 2 x 2
-    assert len(res) == 2 + 2 + 2 + 2 + 2 + 3 + 4 and all(x["correct"] for x in res)
+    # dispatch, pack, gather, reduce and reduce_own: 2 grids; swizzle: byte and word columns (H/32 = 4); copyout
+    # and the 3 paths: once; naive: 2 x 2
+    assert len(res) == 2 + 2 + 2 + 2 + 2 + 2 + 4 + 4 and all(x["correct"] for x in res)
     assert sorted(x["word"] for x in res if x["op"] == "swizzle") == [False, True]
     assert all(x.get("scales", "row") in ("row", "blocked") for x in res)

@@ -91,13 +91,17 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert max_recv_rows(cfg, world) == R
     assert max_rows_per_source(cfg, world) == 4096 * min(8, El)
     b = buffer_sizes(cfg, world)
-    assert b.dispatch_payload == R * 7168 * (1 if precision == "mxfp8" else 2)
+    payload = R * 7168 * (1 if precision == "mxfp8" else 2)
+    # one rank (transport "auto"): the local path writes the output directly, no receive buffer
+    assert b.dispatch_payload == (0 if world == 1 else payload)
+    assert buffer_sizes(replace(cfg, transport="push"), world).dispatch_payload == payload
     assert b.dispatch_scales == (R * 224 if precision == "mxfp8" else 1)  # scale rows at the payload rows
     assert b.combine_payload == 2 * 4096 * 8 * (7168 * 2 + 7168 // 32)
-    # pull dispatch (transport "auto"): two send copies of the token rows (+ scales) and the pull list
-    # (per source and token: a 2-word epoch tag + 8 rows, padded to 16 int32 words)
+    # pull dispatch (transport "auto", several ranks): two send copies of the token rows (+ scales) and the pull
+    # list (per source and token: a 2-word epoch tag + 8 rows, padded to 16 int32 words)
     row = 7168 + 224 if precision == "mxfp8" else 2 * 7168
-    assert b.pull_send == 2 * 4096 * row + (0 if precision == "mxfp8" else 1) + world * 4096 * 16 * 4
+    pull = 2 * 4096 * row + (0 if precision == "mxfp8" else 1) + world * 4096 * 16 * 4
+    assert b.pull_send == (0 if world == 1 else pull)
     assert buffer_sizes(replace(cfg, transport="push"), world).pull_send == 0
     assert b.total == EPGroup.buffer_bytes(cfg, world)
     assert b.total == b.dispatch_payload + b.dispatch_scales + b.combine_payload + b.counts + b.flags + b.pull_send

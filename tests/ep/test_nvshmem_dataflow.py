@@ -286,7 +286,7 @@ def _loopback_backend(cfg):
     puts = LoopbackPuts() if cfg.transport == "put" else None
     be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(), puts=puts)
     assert be.put_mode == (cfg.transport == "put")
-    assert be.pull == (cfg.transport == "auto")
+    assert be.path == {"auto": "local", "push": "push", "put": "put"}[cfg.transport]  # one rank
     assert be.memory_bytes == EPGroup.buffer_bytes(cfg, 1, put_path=be.put_mode)  # the report is what it allocates
     return be
 
@@ -463,8 +463,9 @@ compile(nk.combine_send_kernel, send, H=7168, BR=4, CHUNK=1024, MX=True, MODE=0,
 sc = dict(offs_ptr=i32, n_rows_ptr=i32, row_src_ptr=i32)
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=u8, out_ptr=u8), C=228, CB=32, G_POW2=256, WORD=False)
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=i32, out_ptr=i32), C=224, CB=64, G_POW2=256, WORD=True)
-compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
-        CHUNK=512)
+for copy in (True, False):  # copy-out (push path), padding zeroed only (local path)
+    compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
+            CHUNK=512, COPY=copy)
 for mx in (True, False):
     compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, n_rows_ptr=i32, row_src_ptr=i32, q_peers=i64,
             s_peers=i64, list_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792, CHUNK=512, C=224, C_POW2=256,
