@@ -3,6 +3,8 @@
 # one GPU, every transport), and the loopback `mxcomm bench` of dispatch/combine for each transport.
 #
 #   bash scripts/gpu_quick.sh [lab,tests,bench]  (default all three; $OUT gets the JSON and logs)
+#   env: LAB_PROGRAMS, LAB_CHUNKS, LAB_OPS (kernel lab), GPU_TESTS, GPU_MARK, TESTS_LIMIT (tests), BENCH_TRANSPORTS,
+#        BENCH_IMPLS, BENCH_OPS (bench)
 #
 # Needs the nvshmem4py wheel in .whl/ (carry it with the call).
 set -uo pipefail
@@ -16,7 +18,8 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', t
 rc=0
 if [[ $what == *lab* ]]; then
   timeout 240 python3 bench/bench_ep_kernels.py --programs ${LAB_PROGRAMS:-16,tokens} --warps 4 \
-      --chunks ${LAB_CHUNKS:-2048,4096} --iters 20 --out "$OUT/ep_kernels.json" > "$OUT/ep_kernels.log" 2>&1
+      --chunks ${LAB_CHUNKS:-2048,4096} --ops ${LAB_OPS:-dispatch,naive,reduce} --iters 20 \
+      --out "$OUT/ep_kernels.json" > "$OUT/ep_kernels.log" 2>&1
   r=$?; echo "lab rc=$r"; [[ $r -ne 0 ]] && { tail -5 "$OUT/ep_kernels.log"; rc=$r; }
   python3 - "$OUT/ep_kernels.json" <<'PY'
 import json, sys
@@ -28,7 +31,8 @@ for r in d["results"]:
 PY
 fi
 if [[ $what == *tests* ]]; then
-  timeout 420 python3 -m pytest -q -m nvshmem -p no:cacheprovider -n 4 tests/ep/test_nvshmem_gpu.py \
+  # GPU_TESTS: test files (default: the core nvshmem EP tests)
+  timeout ${TESTS_LIMIT:-420} python3 -m pytest -q -m "${GPU_MARK:-nvshmem}" -p no:cacheprovider -n 4 ${GPU_TESTS:-tests/ep/test_nvshmem_gpu.py} \
       -k "not four_ranks and not soak" 2>&1 | tee "$OUT/tests.log" | tail -8
   r=${PIPESTATUS[0]}; echo "tests rc=$r"; [[ $r -ne 0 ]] && rc=$r
 fi
