@@ -39,6 +39,9 @@ def ep_transport(group: EPGroup, world) -> str:
         if group.path == "put_signal":
             return ("nvshmem symmetric buffers, Triton kernels into a staging buffer, NVSHMEM put-with-signal "
                     "per (destination, expert) block")
+        if group.path == "local":
+            return ("nvshmem backend, one rank: Triton kernels write the outputs directly (no symmetric buffer on "
+                    "the way)")
         if group.path == "peer_pull":
             return ("nvshmem symmetric buffers, Triton kernels: dispatch receivers pull rows through peer pointers, "
                     "the other ops store into peers' buffers")

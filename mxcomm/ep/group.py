@@ -229,13 +229,14 @@ class EPGroup:
     def path(self) -> str:
         """How this group moves rows: ``"all_to_all"`` (torch backend), ``"peer_pull"`` (nvshmem, one node, the
         default: dispatch receivers read the packed rows through peer pointers, the other ops store into peers'
-        buffers), ``"peer_stores"`` (``transport="push"``: every op stores into peers' buffers) or
-        ``"put_signal"`` (nvshmem put-with-signal path: forced, or peers on other nodes)."""
+        buffers), ``"local"`` (nvshmem, one rank, ``transport="auto"``: the kernels write the outputs directly,
+        nothing goes through a symmetric buffer but combine's saved rows), ``"peer_stores"`` (``transport="push"``:
+        every op stores into peers' buffers) or ``"put_signal"`` (nvshmem put-with-signal path: forced, or peers on
+        other nodes)."""
         if self.config.backend == "torch":
             return "all_to_all"
-        if getattr(self._backend, "put_mode", False):
-            return "put_signal"
-        return "peer_pull" if getattr(self._backend, "pull", False) else "peer_stores"
+        path = getattr(self._backend, "path", None)
+        return {"put": "put_signal", "pull": "peer_pull", "local": "local"}.get(path, "peer_stores")
 
     @staticmethod
     def buffer_bytes(config: EPConfig, world_size: int, put_path: bool | None = None) -> int:

@@ -36,9 +36,9 @@ the scales swizzled. No receive buffer is allocated. Combine backward does the s
 
 Combine (and dispatch backward) send each expert-major row back to its origin at its send position
 (quantized in registers, or an MXFP8 gradient as it is), then the origin reduces ``sum_k w * row`` in
-fp32. Rows a rank's own experts served do not travel (unless combine keeps the rows for its backward): the send
-kernel skips them and the reduce reads them from the expert output, quantized in registers exactly as the send
-kernel would have. Combine backward is a dispatch whose kernel multiplies each slot's row by its route weight and
+fp32. On one rank (local path) nothing travels (unless combine keeps the rows for its backward): no send kernel, the
+reduce reads each row from the expert output, quantized in registers exactly as the send kernel would have.
+Combine backward is a dispatch whose kernel multiplies each slot's row by its route weight and
 quantizes per slot (the weighting fused with the gradient quantization).
 
 Buffer reuse without a global barrier: ops towards the experts (dispatch, combine backward) start
@@ -74,11 +74,13 @@ from . import put_path
 
 _CHUNK = 1024
 _PROGRAMS_PER_SM = 4  # combine send, copy-out
-# dispatch direction (dispatch_kernel) and combine's reduce: 16 programs per SM of 4 warps, row chunks of
-# 2048 (dispatch) / 4096 (reduce) values - among the fastest settings measured on one H200 at 8192 x 7168,
-# top-8 (bench/bench_ep_kernels.py; bench/results/h200/README.md; the spread between calls is ~10 %)
+# dispatch direction (dispatch_kernel, pack_rows_kernel) and combine's reduce: 16 programs per SM of 4 warps, row
+# chunks of 4096 values (2048 when each slot is quantized separately: combine backward) - the fastest settings
+# measured on one H200 at 8192 x 7168, top-8, with kernel times from CUDA-graph replays (bench/bench_ep_kernels.py;
+# bench/results/h200/README.md, session 7: dispatch_kernel 178 µs at 4096 against 210 µs at 2048)
 _DISPATCH_PROGRAMS_PER_SM = 16
-_DISPATCH_CHUNK = 2048
+_DISPATCH_CHUNK = 4096
+_WEIGHTED_CHUNK = 2048
 _REDUCE_CHUNK = 4096
 _MAX_PLAN_GRAPHS = 8  # captured plan graphs kept per backend (least recently used dropped)
 
@@ -184,9 +186,6 @@ class NvshmemBackend:
         self.err, self.input_err = self.err_words[0:1], self.err_words[1:2]
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
-        # combine / dispatch backward: rows served by this rank's own experts are read by the reduce straight from
-        # the expert output (no trip through comb_q); False = every row through comb_q (kept for A/B runs)
-        self.own_rows_direct = True
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
         self._plan_graphs: dict = {}  # ("plan" | "pull", T, idx dtype, plan impl) -> PlanGraph, LRU first
@@ -234,9 +233,9 @@ class NvshmemBackend:
         return tp.SymmetricHeap(ctx)
 
     @staticmethod
-    def _chunk(H: int) -> int:
-        """Row chunk (values) of dispatch_kernel."""
-        return min(_DISPATCH_CHUNK, triton_next_pow2(H))
+    def _chunk(H: int, weighted: bool = False) -> int:
+        """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot)."""
+        return min(_WEIGHTED_CHUNK if weighted else _DISPATCH_CHUNK, triton_next_pow2(H))
 
     @property
     def memory_bytes(self) -> int:
@@ -360,8 +359,8 @@ class NvshmemBackend:
                 self._out_slot.fill_(out.data_ptr())
                 dispatch_kernel[(self.dispatch_programs,)](
                     x, T, plan.dest_rank, plan.dest_row, self._out_slot, self.recv_s.peer_ptrs, self.flags.peer_ptrs,
-                    0, 1, w, H=H, K=cfg.topk, CHUNK=self._chunk(H), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
-                    WEIGHTED=weighted, ARRIVE=False, num_warps=self.dispatch_warps,
+                    0, 1, w, H=H, K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id,
+                    INT_ROUND=self.int_round, WEIGHTED=weighted, ARRIVE=False, num_warps=self.dispatch_warps,
                 )
             words = row_bytes // 8
             ov = out.view(torch.int64)
@@ -497,7 +496,7 @@ class NvshmemBackend:
             rows, q_ptrs, s_ptrs = plan.dest_row, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs
         dispatch_kernel[(self.dispatch_programs,)](
             x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, self.flags.peer_ptrs, self.rank, self.world, w,
-            H=H, K=cfg.topk, CHUNK=self._chunk(H), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
+            H=H, K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
             WEIGHTED=weighted, ARRIVE=not self.put_mode, num_warps=self.dispatch_warps,
         )
         if self.put_mode:
@@ -642,19 +641,19 @@ class NvshmemBackend:
         else:
             payload, in_scales = rows.contiguous(), self.err  # in_scales unused
         self.c_epoch.add_(1)
-        # rows this rank's own experts served stay here: the reduce reads them from `rows` (not with `save`:
-        # the saved rows are read out of comb_q; not on the put path, whose blocks cover every source)
-        own = self.own_rows_direct and not save and not self.put_mode
+        # one rank: every row stays here, the reduce reads it from `rows` (not with `save`: the saved rows are read
+        # out of comb_q; not on the push or put paths, which exercise their buffers even on one rank)
+        own = self.local and not save
         if self.put_mode:  # rows to staging at their own index; puts per (source, expert) block
             q_ptrs, s_ptrs = self._stage_ptrs, self._stage_s_ptrs
         else:
             q_ptrs, s_ptrs = self.comb_q.peer_ptrs, self.comb_s.peer_ptrs
-        if not (own and W == 1):  # one rank: nothing leaves it (no send, no arrivals to wait for)
+        if not own:
             combine_send_kernel[(self.programs,)](
                 payload, st.num_rows_dev, st.origins.src, st.origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
                 self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)),
                 MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, STAGED=self.put_mode,
-                SKIP_OWN=own, num_warps=self.send_warps,
+                num_warps=self.send_warps,
             )
             if self.put_mode:
                 slot0 = (self.c_epoch % 2) * self.nslot
@@ -670,7 +669,7 @@ class NvshmemBackend:
         if T:
             combine_reduce_kernel[(min(T, self.dispatch_programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.c_epoch, self.nslot,
-                plan.dest_rank, plan.dest_row, payload, in_scales, self.rank,
+                plan.dest_row, payload, in_scales,
                 H=H, K=cfg.topk, CHUNK=min(_REDUCE_CHUNK, triton_next_pow2(H)),
                 MX=mx, INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, MODE=self.mode_id,
                 num_warps=4,

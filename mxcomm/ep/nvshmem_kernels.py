@@ -43,7 +43,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kernels.mx_device import bf16_rne_int, blocked_scale_offset, e4m3_decode, mx_quantize_tile, mx_scale_value
+from ..kernels.mx_device import (bf16_rne_int, blocked_scale_offset, e4m3_decode, mx_quantize_tile, mx_scale_value,
+                                 to_fp32)
 from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
@@ -322,7 +323,7 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
                         epoch_ptr, nslot, in_scales_ptr,
                         H: tl.constexpr, BR: tl.constexpr, CHUNK: tl.constexpr,
                         MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, PASS: tl.constexpr,
-                        STAGED: tl.constexpr = False, SKIP_OWN: tl.constexpr = False):
+                        STAGED: tl.constexpr = False):
     """Send each expert-major row back to its origin rank, at its position in the origin's send
     order (MX: quantized in registers, payload in ``comb_q``, scales in ``comb_s``; else BF16).
     ``BR`` rows are handled together as one ``[BR, CHUNK]`` tile (padding rows masked off).
@@ -337,8 +338,6 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
             MXFP8 gradient).
         STAGED: the put path: every ``*_peers`` entry is this rank's staging buffer, row ``r`` is
             written at row ``r`` (no copy offset), and no flag is raised (the puts signal).
-        SKIP_OWN: rows whose origin is this rank are not sent (``combine_reduce_kernel`` with ``OWN`` reads them
-            from the expert output itself).
 
     Row ``pos`` of a copy starting at slot ``slot0``: payload at byte ``slot0 * 2H + pos * H`` (MX) or
     bf16 element ``(slot0 + pos) * H``; scales at byte ``(slot0 + pos) * H/32``.
@@ -358,8 +357,6 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
         rows = r0 + br
         src = tl.load(row_src_ptr + rows, mask=rows < n_rows, other=-1)
         valid = src >= 0
-        if SKIP_OWN:
-            valid = valid & (src != me)
         srcc = tl.where(valid, src, 0)
         if STAGED:
             pos = rows.to(tl.int64)
@@ -399,20 +396,20 @@ def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, 
 
 @triton.jit
 def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T, epoch_ptr, nslot,
-                          dest_rank_ptr, dest_row_ptr, own_ptr, own_s_ptr, me,
+                          dest_row_ptr, own_ptr, own_s_ptr,
                           H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                           MX: tl.constexpr, INT_ROUND: tl.constexpr, OWN: tl.constexpr = False,
                           OWN_PASS: tl.constexpr = False, MODE: tl.constexpr = 0):
-    """``y[t] = sum_j w[t,j] * row(t, j)`` in fp32 (dropped slots contribute 0), bf16 out.
+    """``y[t] = sum_j w[t,j] * row(t, j)`` in fp32, slot by slot in ``j`` order (dropped slots contribute 0), bf16
+    out.
 
-    ``row(t, j)`` is the returned row at ``send_pos[t,j]`` in this rank's ``comb_q``, except with ``OWN`` for the
-    slots this rank's own experts served (``dest_rank[t,j] == me``): those rows never left this rank, so they are
-    read straight from the expert output at their dispatch row ``dest_row[t,j]`` - bf16 rows quantized and
-    dequantized in registers when ``MX`` (the same bits the send kernel would have stored), or (``OWN_PASS``)
-    MXFP8 payload + row scales decoded as they are. The send kernel skips them: they cross no buffer.
+    ``row(t, j)`` is the returned row at ``send_pos[t,j]`` in this rank's ``comb_q``. With ``OWN`` (one rank: every
+    row was computed here, nothing travels) it is the expert output's row ``dest_row[t,j]`` itself: bf16 rows
+    quantized and dequantized in registers when ``MX`` (the bits the send kernel would have stored), MXFP8 payload
+    + row scales decoded as they are (``OWN_PASS``), or bf16 as it is.
 
-    Per chunk the K slot positions and weights are scalar loads (L1 hits after the first chunk); without ``OWN``
-    the K row loads are masked, not branched, so they are all in flight together.
+    Per chunk the K slot positions and weights are scalar loads (L1 hits after the first chunk) and the K
+    row loads are masked, not branched, so they are all in flight together.
 
     Args:
         comb_q_ptr: this rank's returned rows (``comb_q``): MX: the uint8 buffer, row ``pos`` of the copy at
@@ -421,58 +418,54 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
         comb_s_ptr: uint8 ``[T_max*K, H/32]`` (MX only). Both hold two copies; the epoch's parity
             picks one (``epoch_ptr``, ``nslot = T_max*K`` slots a copy).
         send_pos_ptr: int32 ``[T, K]``; w_ptr: fp32 ``[T, K]``; y_ptr: bf16 ``[T, H]``.
-        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` the dispatch plan (``OWN`` only).
+        dest_row_ptr: int32 ``[T, K]`` the dispatch plan's rows (``OWN`` only).
         own_ptr: the expert output ``[R, H]``: bf16, or uint8 E4M3 payload with ``OWN_PASS``; own_s_ptr: uint8
-            ``[R, H/32]`` row scales (``OWN_PASS``). MODE: the scale mode (own rows quantized here).
+            ``[R, H/32]`` row scales (``OWN_PASS``). MODE: the scale mode (``OWN`` rows quantized here).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     NB: tl.constexpr = CHUNK // 32
-    offs = tl.arange(0, CHUNK)
+    C: tl.constexpr = H // 32
     bcols = tl.arange(0, NB)
+    e32 = tl.arange(0, 32)
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
     t = pid
     while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
         for c0 in tl.static_range(0, H, CHUNK):
-            m = (c0 + offs) < H
             cols = c0 // 32 + bcols
-            cm = cols < H // 32
-            acc = tl.zeros((CHUNK,), tl.float32)
+            cm = cols < C
+            el = (cols * 32)[:, None] + e32[None, :]  # [NB, 32] element offsets in a row
+            m = cm[:, None]
+            acc = tl.zeros((NB, 32), tl.float32)
             for j in tl.static_range(K):  # scalar slot loads (L1 hits after the first chunk), masked row loads
                 pos = tl.load(send_pos_ptr + t * K + j)
                 ok = pos >= 0
                 w = tl.load(w_ptr + t * K + j)
-                p64 = tl.maximum(pos, 0).to(tl.int64)
-                far = ok
                 if OWN:
-                    own = ok & (tl.load(dest_rank_ptr + t * K + j) == me)
-                    far = ok & (~own)
-                    orow = tl.load(dest_row_ptr + t * K + j, mask=own, other=0).to(tl.int64)
-                if MX:
-                    q = tl.load(comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs, mask=m & far, other=0)
-                    sb = tl.load(comb_s_ptr + (slot0 + p64) * (H // 32) + cols, mask=cm & far, other=127)
-                    if OWN:
-                        if OWN_PASS:  # MXFP8 rows: decoded as they are
-                            q = tl.where(own, tl.load(own_ptr + orow * H + c0 + offs, mask=m & own, other=0), q)
-                            sb = tl.where(own, tl.load(own_s_ptr + orow * (H // 32) + cols, mask=cm & own,
-                                                       other=127), sb)
-                        elif own:  # bf16 rows: quantized here exactly as combine_send_kernel would have
-                            xo = tl.load(own_ptr + orow * H + c0 + offs, mask=m, other=0.0)
-                            q2, s2 = mx_quantize_tile(tl.reshape(xo, (NB, 32)), MODE, INT_ROUND, 1)
-                            q = tl.reshape(q2, (CHUNK,))
-                            sb = s2
-                    v = tl.reshape(e4m3_decode(q, INT_ROUND), (NB, 32)) * mx_scale_value(sb.to(tl.int32))[:, None]
-                    v = tl.reshape(v, (CHUNK,))
+                    r64 = tl.maximum(tl.load(dest_row_ptr + t * K + j), 0).to(tl.int64)
+                    src = own_ptr + r64 * H + el
+                    ssrc = own_s_ptr + r64 * C + cols
                 else:
-                    v = tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & far, other=0.0).to(tl.float32)
-                    if OWN:
-                        v = tl.where(own, tl.load(own_ptr + orow * H + c0 + offs, mask=m & own, other=0.0)
-                                     .to(tl.float32), v)
+                    p64 = tl.maximum(pos, 0).to(tl.int64)
+                    if MX:
+                        src = comb_q_ptr + slot0 * (2 * H) + p64 * H + el
+                    else:
+                        src = comb_q_ptr + (slot0 + p64) * H + el
+                    ssrc = comb_s_ptr + (slot0 + p64) * C + cols
+                if MX and OWN and not OWN_PASS:  # bf16 rows quantized here exactly as combine_send_kernel would
+                    q, sb = mx_quantize_tile(tl.load(src, mask=m & ok, other=0.0), MODE, INT_ROUND, 1)
+                    v = e4m3_decode(q, INT_ROUND) * mx_scale_value(sb.to(tl.int32))[:, None]
+                elif MX:  # MXFP8 rows as they are
+                    q = tl.load(src, mask=m & ok, other=0)
+                    sb = tl.load(ssrc, mask=cm & ok, other=127)
+                    v = e4m3_decode(q, INT_ROUND) * mx_scale_value(sb.to(tl.int32))[:, None]
+                else:
+                    v = to_fp32(tl.load(src, mask=m & ok, other=0.0), INT_ROUND)
                 acc += tl.where(ok, w * v, 0.0)
             if INT_ROUND:
-                tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
+                tl.store(y_ptr + t.to(tl.int64) * H + el, bf16_rne_int(acc), mask=m)
             else:
-                tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
+                tl.store(y_ptr + t.to(tl.int64) * H + el, acc.to(tl.bfloat16), mask=m)
         t += G
 
 

@@ -253,9 +253,10 @@ def each_case(rank: int, world: int, cases: list, fails: list, run) -> dict:
         try:
             if cfg not in groups:
                 groups[cfg] = EPGroup(cfg)
+                auto = "local" if world == 1 else "peer_pull"
                 want = {"torch": "all_to_all"}.get(
-                    cfg.backend, {"put": "put_signal", "push": "peer_stores"}.get(cfg.transport, "peer_pull"))
-                if groups[cfg].path != want:  # one node: "auto" means the pull dispatch
+                    cfg.backend, {"put": "put_signal", "push": "peer_stores"}.get(cfg.transport, auto))
+                if groups[cfg].path != want:  # one node: "auto" means the pull dispatch (one rank: local)
                     fails.append(f"{case.name}[rank {rank}]: group path {groups[cfg].path!r}, expected {want!r}")
             run(groups[cfg], case)
         except Exception as e:  # noqa: BLE001 - keep ranks in lockstep; report

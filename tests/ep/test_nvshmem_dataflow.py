@@ -170,72 +170,41 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through combine)")
-@pytest.mark.parametrize("W,E,k,mode", [(2, 8, 3, "quant"), (3, 6, 4, "pass"), (2, 4, 2, "bf16"), (1, 4, 3, "quant")])
-def test_combine_own_rows_skip_the_buffer(W, E, k, mode):
-    """Combine with own rows direct, ranks simulated in one process (pointer tables to each rank's tensors): the
-    send kernel (``SKIP_OWN``) writes only rows whose origin is another rank into that rank's ``comb_q`` (the slots
-    of own rows keep their garbage), and the reduce (``OWN``) reads own rows from the expert output - bf16 rows
-    quantized in registers, MXFP8 rows (``OWN_PASS``) or bf16 as they are - and equals the oracle. Ranks with zero
-    tokens, dropped slots, several experts of one token on one rank; the odd epoch uses copy 1."""
+@pytest.mark.parametrize("E,k,mode", [(8, 3, "quant"), (6, 4, "pass"), (4, 2, "bf16"), (5, 5, "quant")])
+def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode):
+    """One rank (``OWN``): the reduce reads every slot's row straight from the expert output at its dispatch row -
+    bf16 rows quantized in registers, MXFP8 rows (``OWN_PASS``) or bf16 as they are - and equals the oracle; the
+    comb_q buffer it would otherwise read holds garbage. Dropped slots, a NaN row (poisons exactly its tokens),
+    a token count that does not fill the last program, ``k`` not a power of two."""
     import triton
-    from mxcomm.ep.nvshmem_kernels import combine_reduce_kernel, combine_send_kernel
+    from mxcomm.ep.nvshmem_kernels import combine_reduce_kernel
     from mxcomm.mx import quantize
 
-    g = torch.Generator().manual_seed(W * 7 + E + k)
-    H, T_max, align, epoch = 64, 6, 32, 3
-    C = H // 32
+    g = torch.Generator().manual_seed(E * 10 + k)
+    H, T, align = 96, 11, 32
     mx, passthrough = mode != "bf16", mode == "pass"
-    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=T_max, align=align)
-    Ts = [T_max - r for r in range(W)]
-    if W > 1:
-        Ts[-1] = 0  # the last rank sends nothing
-    idxs = [_routing(W, T, E, k, g, drop=0.2) for T in Ts]
-    xs = [torch.randn(T, H, generator=g).to(torch.bfloat16) for T in Ts]
-    _, routes = oracle_dispatch(cfg, xs, idxs)
-    counts = torch.stack([local_counts(i, E) for i in idxs])
-    plans = [build_plan(counts, idxs[r], r, align) for r in range(W)]
-    outs = [(torch.randn(int(p.num_rows), H, generator=g) * 3).to(torch.bfloat16) for p in plans]
-    ws = [torch.rand(T, k, generator=g) for T in Ts]
-    nslot = T_max * k
-    row_bytes = H if mx else 2 * H
-    comb_q = [torch.full((2, nslot, 2 * H), 0xA5, dtype=torch.uint8) for _ in range(W)]
-    comb_s = [torch.full((2, nslot, C), 0x5A, dtype=torch.uint8) for _ in range(W)]
-    flags = [torch.zeros(3, W, dtype=torch.int64) for _ in range(W)]
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
-    ep = torch.tensor([epoch], dtype=torch.int64)
-    payloads, scales = [], []
-    for d in range(W):
-        if passthrough:
-            q = quantize(outs[d])
-            payloads.append(q.qdata.view(torch.uint8).contiguous())
-            scales.append(q.row_scales().contiguous())
-        else:
-            payloads.append(outs[d])
-            scales.append(torch.zeros(1, dtype=torch.uint8))
-    for d in range(W):  # every expert rank sends its rows home (own rows stay)
-        o = row_origins(plans[d], int(plans[d].num_rows))
-        combine_send_kernel[(2,)](payloads[d], plans[d].num_rows, o.src, o.pos, ptrs(comb_q), ptrs(comb_s),
-                                  ptrs(flags), d, W, ep, nslot, scales[d], H=H, BR=4, CHUNK=H, MX=mx, MODE=0,
-                                  INT_ROUND=True, PASS=passthrough, STAGED=False, SKIP_OWN=True)
-    for s in range(W):
-        assert flags[s][2].tolist() == [2] * W  # every rank's programs arrived
-        flat = comb_q[s].view(-1)[2 * H * nslot:].view(-1, row_bytes)  # copy 1 (odd epoch), rows by send position
-        for t in range(Ts[s]):
-            for j in range(k):
-                pos, rk = int(plans[s].send_pos[t, j]), int(plans[s].dest_rank[t, j])
-                if rk == s:  # own row: never written into the buffer
-                    assert (flat[pos] == 0xA5).all() and (comb_s[s][1, pos] == 0x5A).all()
-                elif rk >= 0:
-                    assert not (flat[pos] == 0xA5).all()
-        y = torch.empty(Ts[s], H, dtype=torch.bfloat16)
-        comb = comb_q[s] if mx else comb_q[s].view(torch.bfloat16)
-        if Ts[s]:
-            combine_reduce_kernel[(2,)](comb, comb_s[s], plans[s].send_pos, ws[s], y, Ts[s], ep, nslot,
-                                        plans[s].dest_rank, plans[s].dest_row, payloads[s], scales[s], s, H=H, K=k,
-                                        CHUNK=triton.next_power_of_2(H), MX=mx, INT_ROUND=True, OWN=True,
-                                        OWN_PASS=passthrough, MODE=0)
-            want = oracle_combine(cfg, outs, routes, ws, mx)[s]
-            torch.testing.assert_close(y.float(), want.float(), rtol=1e-2, atol=1e-2)
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=T, align=align)
+    idx = _routing(1, T, E, k, g, drop=0.2)
+    _, routes = oracle_dispatch(cfg, [torch.randn(T, H, generator=g).to(torch.bfloat16)], [idx])
+    plan = build_plan(local_counts(idx, E)[None], idx, 0, align)
+    out = (torch.randn(int(plan.num_rows), H, generator=g) * 3).to(torch.bfloat16)
+    out[int(plan.dest_row[4, 0])] = float("nan") if int(plan.dest_row[4, 0]) >= 0 else 0.0
+    w = torch.rand(T, k, generator=g)
+    if passthrough:
+        qt = quantize(out)
+        own, own_s = qt.qdata.view(torch.uint8).contiguous(), qt.row_scales().contiguous()
+    else:
+        own, own_s = out, torch.zeros(1, dtype=torch.uint8)
+    nslot = T * k
+    comb_q = torch.randint(0, 256, (2, nslot, 2 * H), dtype=torch.uint8, generator=g)  # never read
+    comb_s = torch.randint(0, 256, (2, nslot, H // 32), dtype=torch.uint8, generator=g)
+    y = torch.full((T, H), 7.0, dtype=torch.bfloat16)
+    combine_reduce_kernel[(3,)](comb_q if mx else comb_q.view(torch.bfloat16), comb_s, plan.send_pos, w, y, T,
+                                torch.tensor([1]), nslot, plan.dest_row, own, own_s, H=H, K=k, CHUNK=64, MX=mx,
+                                INT_ROUND=True, OWN=True, OWN_PASS=passthrough, MODE=0)
+    want = oracle_combine(cfg, [out], routes, [w], mx)[0]
+    torch.testing.assert_close(y.float(), want.float(), rtol=1e-2, atol=1e-2, equal_nan=True)
+    assert torch.equal(torch.isnan(y), torch.isnan(want))
 
 
 _SCALE_CASES = [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)]
@@ -452,14 +421,13 @@ for staged in (False, True):
 compile(nk.combine_send_kernel, dict(send, out_ptr=u8), H=256, BR=4, CHUNK=256, MX=True, MODE=0, INT_ROUND=False,
         PASS=True, STAGED=True)
 red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, w_ptr="*fp32", y_ptr="*bf16", epoch_ptr=i64,
-           dest_rank_ptr=i32, dest_row_ptr=i32, own_ptr="*bf16", own_s_ptr=u8)
-for own, own_pass in ((False, False), (True, False), (True, True)):  # all slots via comb_q; own rows bf16 / MXFP8
+           dest_row_ptr=i32, own_ptr="*bf16", own_s_ptr=u8)
+for own, own_pass in ((False, False), (True, False), (True, True)):  # rows from comb_q; one rank: bf16 / MXFP8 rows
     compile(nk.combine_reduce_kernel, dict(red, own_ptr=u8) if own_pass else red, H=7168, K=8, CHUNK=4096, MX=True,
             INT_ROUND=False, OWN=own, OWN_PASS=own_pass, MODE=0)
-compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), H=7168, K=8, CHUNK=4096, MX=False, INT_ROUND=False,
-        OWN=True)
-compile(nk.combine_send_kernel, send, H=7168, BR=4, CHUNK=1024, MX=True, MODE=0, INT_ROUND=False, PASS=False,
-        STAGED=False, SKIP_OWN=True)
+for own in (False, True):  # BF16 transport
+    compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), H=7168, K=8, CHUNK=4096, MX=False,
+            INT_ROUND=False, OWN=own)
 sc = dict(offs_ptr=i32, n_rows_ptr=i32, row_src_ptr=i32)
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=u8, out_ptr=u8), C=228, CB=32, G_POW2=256, WORD=False)
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=i32, out_ptr=i32), C=224, CB=64, G_POW2=256, WORD=True)
