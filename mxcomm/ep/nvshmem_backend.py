@@ -75,7 +75,8 @@ from . import put_path
 _CHUNK = 1024
 _PROGRAMS_PER_SM = 4  # combine send, copy-out
 # dispatch direction (dispatch_kernel, pack_rows_kernel) and combine's reduce: 16 programs per SM of 4 warps, row
-# chunks of 4096 values (2048 when each slot is quantized separately: combine backward) - the fastest settings
+# chunks of 4096 values (2048 when each slot is quantized separately: combine backward, one rank's combine) - the
+# fastest settings
 # measured on one H200 at 8192 x 7168, top-8, with kernel times from CUDA-graph replays (bench/bench_ep_kernels.py;
 # bench/results/h200/README.md, session 7: dispatch_kernel 178 µs at 4096 against 210 µs at 2048)
 _DISPATCH_PROGRAMS_PER_SM = 16
@@ -670,7 +671,7 @@ class NvshmemBackend:
             combine_reduce_kernel[(min(T, self.dispatch_programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.c_epoch, self.nslot,
                 plan.dest_row, payload, in_scales,
-                H=H, K=cfg.topk, CHUNK=min(_REDUCE_CHUNK, triton_next_pow2(H)),
+                H=H, K=cfg.topk, CHUNK=min(_WEIGHTED_CHUNK if own and mx else _REDUCE_CHUNK, triton_next_pow2(H)),
                 MX=mx, INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, MODE=self.mode_id,
                 num_warps=4,
             )
