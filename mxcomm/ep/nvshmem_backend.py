@@ -242,16 +242,26 @@ class NvshmemBackend:
     def memory_bytes(self) -> int:
         return self.heap.nbytes
 
-    def _check(self, what: str, num_rows: torch.Tensor | None = None) -> int:
+    def _check(self, what: str, num_rows: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> int:
         """Raise now if a bounded wait (or the device-side input check) recorded an error (one host sync).
-        Returns the int32 ``num_rows[0]`` read in the same transfer (0 without it)."""
+        Returns the int32 ``num_rows[0]`` read in the same transfer (0 without it). ``ids``: the caller's
+        ``topk_idx`` of this call, whose id check was deferred to this sync (bad ids raise the detailed error of
+        :func:`mxcomm.ep.ids.check_expert_ids`)."""
         self._pending = None
         if num_rows is None:
             host = self.err_words.cpu()
         else:
             host = torch.cat([self.err_words, num_rows.to(torch.int64)]).cpu()
+        if ids is not None and int(host[1]):
+            self._raise_bad_ids(ids)
         self._raise_errors(host[:2], what)
         return int(host[2]) if num_rows is not None else 0
+
+    def _raise_bad_ids(self, topk_idx: torch.Tensor) -> None:
+        """The device saw bad expert ids in this call's ``topk_idx``: clear the word, raise the detailed error."""
+        self.input_err.zero_()
+        check_expert_ids(topk_idx, self.config.num_experts)  # raises the detailed error
+        raise AssertionError("the device id check and check_expert_ids disagree")  # not reached
 
     def _raise_errors(self, words: torch.Tensor, what: str) -> None:
         if int(words[1]):
@@ -276,12 +286,13 @@ class NvshmemBackend:
         self.input_err.add_(bad.any().to(torch.int64))
         return torch.where(bad, torch.full_like(idx, -1), idx).to(topk_idx.dtype)
 
-    def _checked_ids(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _checked_ids(self, topk_idx: torch.Tensor, sync: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, counts)``: the expert ids checked on the device (bad ids and repeats within a token become
         -1: nothing is sent for them, ``input_err`` records them) and this rank's int32 ``[E]`` counts.
 
         Exact-size mode: one small host sync reads ``input_err`` and raises the detailed ValueError of
-        :func:`mxcomm.ep.ids.check_expert_ids` before anything is sent. No-sync mode: a later call raises it
+        :func:`mxcomm.ep.ids.check_expert_ids` before anything is sent (``sync=False``: the caller reads it at its
+        own next sync, before it writes any output - the local path). No-sync mode: a later call raises it
         (see :meth:`_check_async`)."""
         E = self.config.num_experts
         if self.plan_impl == "triton":
@@ -289,10 +300,8 @@ class NvshmemBackend:
         else:
             ids = self._sanitize(topk_idx)
             counts = local_counts(ids, E)
-        if self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
-            self.input_err.zero_()
-            check_expert_ids(topk_idx, E)  # raises the detailed error
-            raise AssertionError("the device id check and check_expert_ids disagree")  # not reached
+        if sync and self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
+            self._raise_bad_ids(topk_idx)
         return ids, counts
 
     def _capturing(self) -> bool:
@@ -590,7 +599,9 @@ class NvshmemBackend:
         self._refuse_put_capture()
         T, H = x.shape
         x = x.contiguous()
-        topk_idx, my_counts = self._checked_ids(topk_idx)
+        # the local path sends nothing before its output size sync, so the id check waits for that one sync
+        given_idx = topk_idx
+        topk_idx, my_counts = self._checked_ids(topk_idx, sync=not self.local)
         if self.pull or self.local:
             po = self._run_middle(x, topk_idx, my_counts)
         else:
@@ -600,7 +611,7 @@ class NvshmemBackend:
             self._send_to_experts(x, po.plan, x, weighted=False, mx=self.mx)
         plan = po.plan
         if cfg.exact_sizes:
-            R = self._check("dispatch arrivals", plan.num_rows)
+            R = self._check("dispatch arrivals", plan.num_rows, ids=given_idx if self.local else None)
         else:
             R = self.R_max
             self._check_async("dispatch arrivals")

@@ -318,6 +318,27 @@ def test_no_sync_mode_drops_bad_ids_and_raises(plan_impl):
     assert torch.equal(res.x.qdata.view(torch.uint8), want[0].x.qdata.view(torch.uint8))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
+@pytest.mark.parametrize("transport", ["auto", "push"])
+def test_exact_mode_bad_ids_raise_the_detailed_error(transport):
+    """Exact sizes, one rank: an id out of range or listed twice raises check_expert_ids' detailed error before any
+    output exists (the local path reads the device's id check at its one size sync, the push path at its own sync);
+    the error word is cleared, so the next good call matches the oracle."""
+    cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=8, backend="nvshmem", num_sms=1,
+                   timeout_s=5.0, transport=transport)
+    be = _loopback_backend(cfg)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"topk_idx\[0, 1\] = 7 is not a valid expert id"):
+        be.dispatch(x, torch.tensor([[0, 7], [1, 2], [2, 3]]), torch.ones(3, 2))
+    with pytest.raises(ValueError, match="token 1 lists expert 2 more than once"):
+        be.dispatch(x, torch.tensor([[0, 1], [2, 2], [2, 3]]), torch.ones(3, 2))
+    good = torch.tensor([[0, -1], [1, 3], [2, 3]])
+    res, _ = be.dispatch(x, good, torch.ones(3, 2))
+    want, _ = oracle_dispatch(cfg, [x], [good])
+    assert torch.equal(res.x.qdata.view(torch.uint8), want[0].x.qdata.view(torch.uint8))
+    assert torch.equal(res.x.scales, want[0].x.scales)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU the nvshmem autograd tests run this path")
 @pytest.mark.parametrize("transport", ["auto", "push", "put"])
 @pytest.mark.parametrize("plan_impl", ["torch", "triton"])
