@@ -31,7 +31,7 @@ it), for each module and (programs, warps, chunk):
   ``T*H*2`` written. Checked against a plain-torch fp32 sum of the dequantized rows (bf16 output;
   max |diff| reported, must be within bf16 rounding).
 * ``local_path``: the one-rank dispatch (``dispatch_kernel`` straight into the fresh output, padding zeroed by
-  ``copy_out_rows_kernel(COPY=False)``, then the swizzle), checked like the other paths;
+  ``zero_padding_rows_kernel``, then the swizzle), checked like the other paths;
 * ``reduce_own``: the one-rank combine (``combine_reduce_kernel(OWN=True)``: every row read as bf16 from the expert
   output and quantized in registers): ``S*H*2`` read + ``T*H*2`` written; same check as ``reduce``.
 * ``ceiling``: ``dst.copy_(src)`` of 1 GiB (read + write counted).
@@ -354,17 +354,16 @@ class Lab:
                     lambda: (push(g0, w0, chunk0), copy_rows(), scales()), both(rows_check, scales_check))
         self.record("pull_path", impl, dict(programs=progs, warps=4, chunk=chunk0),
                     lambda: (pack(), pull_rows(), scales()), both(rows_check, scales_check))
-        if "COPY" in mod.copy_out_rows_kernel.arg_names:  # the local path (one rank): straight into the output
+        if hasattr(mod, "zero_padding_rows_kernel"):  # the local path (one rank): straight into the output
             outp = self.ptrs(out_q)
 
             def local():
                 mod.dispatch_kernel[(g0,)](
                     self.x, T, self.plan.dest_rank, self.plan.dest_row, outp, sp, fp, 0, 1, w, H=H, K=self.k,
                     CHUNK=chunk0, MX=True, MODE=0, INT_ROUND=self.interp, WEIGHTED=False, ARRIVE=False, num_warps=w0)
-                ov = out_q.view(torch.int64)
-                mod.copy_out_rows_kernel[(min(R, self.sms * 16),)](
-                    ov, ov, self.plan.num_rows, src, R, ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)),
-                    COPY=False, num_warps=4)
+                mod.zero_padding_rows_kernel[(E,)](
+                    out_q.view(torch.int64), self.plan.offs, self.plan.expert_counts, self.plan.num_rows, R, E,
+                    ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), num_warps=4)
                 scales()
 
             self.record("local_path", impl, dict(programs=g0, warps=w0, chunk=chunk0), local,

@@ -357,8 +357,9 @@ class NvshmemBackend:
         """Local path (one rank): fresh uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes) written by ``dispatch_kernel``
         itself: each row of ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized
         (MX), stored at every selection's expert-major row, its scale row into ``recv_s``; then padding and tail rows
-        zeroed. No symmetric buffer holds the payload and nothing is copied afterwards."""
-        from .nvshmem_kernels import copy_out_rows_kernel, dispatch_kernel
+        zeroed (``zero_padding_rows_kernel``: only those rows are visited). No symmetric buffer holds the payload and
+        nothing is copied afterwards."""
+        from .nvshmem_kernels import dispatch_kernel, zero_padding_rows_kernel
 
         cfg = self.config
         T, H = x.shape
@@ -373,10 +374,10 @@ class NvshmemBackend:
                     INT_ROUND=self.int_round, WEIGHTED=weighted, ARRIVE=False, num_warps=self.dispatch_warps,
                 )
             words = row_bytes // 8
-            ov = out.view(torch.int64)
-            copy_out_rows_kernel[(min(R, self.programs * 4),)](
-                ov, ov, plan.num_rows, origins.src, R, ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)),
-                COPY=False, num_warps=4,
+            tail = 0 if cfg.exact_sizes else self.programs  # no-sync mode: rows past n_rows up to R_max
+            zero_padding_rows_kernel[(self.El + tail,)](
+                out.view(torch.int64), plan.offs, plan.expert_counts, plan.num_rows, R, self.El, ROW_WORDS=words,
+                CHUNK=min(512, triton_next_pow2(words)), num_warps=4,
             )
         return out
 

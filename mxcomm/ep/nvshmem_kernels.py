@@ -479,13 +479,12 @@ def _real_row(r, n_rows, row_src_ptr):
 
 @triton.jit
 def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
-                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, COPY: tl.constexpr = True):
+                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
     """Push dispatch, receiver: the received rows out of this rank's symmetric buffer into a fresh tensor.
 
     Row ``r < R_out`` of ``dst`` gets row ``r`` of ``src`` when it is a real row (``r < n_rows`` and
     ``row_src[r] >= 0``), else zeros (padding rows, and rows past ``n_rows`` in the worst-case-sized mode).
-    Reads only real rows. Without ``COPY`` (the local path, whose real rows are already in ``dst``) only the
-    zero rows are written (``src_ptr`` unused).
+    Reads only real rows.
 
     Args:
         src_ptr / dst_ptr: int64 views of ``[*, ROW_WORDS]`` rows (row bytes / 8).
@@ -501,12 +500,41 @@ def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
         base = r.to(tl.int64) * ROW_WORDS
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
-            if COPY:
-                v = tl.load(src_ptr + base + c0 + offs, mask=m & real, other=0)
-                tl.store(dst_ptr + base + c0 + offs, v, mask=m)
-            else:
-                tl.store(dst_ptr + base + c0 + offs, tl.zeros([CHUNK], dtype=tl.int64), mask=m & ~real)
+            v = tl.load(src_ptr + base + c0 + offs, mask=m & real, other=0)
+            tl.store(dst_ptr + base + c0 + offs, v, mask=m)
         r += G
+
+
+@triton.jit
+def zero_padding_rows_kernel(dst_ptr, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups,
+                             ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
+    """Local path: zero the rows of the fresh expert-major output that no token fills - the padding at the end of
+    each group (rows ``[start_g + count_g, end_g)``: on one rank a group's real rows come first) and, in the
+    worst-case-sized mode, the tail ``[n_rows, R_out)`` - without visiting the real rows.
+
+    Args:
+        dst_ptr: int64 view of the ``[R_out, ROW_WORDS]`` output.
+        offs_ptr / counts_ptr: int32 ``[n_groups]`` group END offsets and real rows per group (the plan's).
+        n_rows_ptr: int32 scalar, ``offs[-1]``.
+    Grid: ``(n_groups + P,)``: program ``g < n_groups`` zeroes group ``g``'s padding (fewer than ``align`` rows); the
+    other ``P`` programs stride over the tail.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs = tl.arange(0, CHUNK)
+    zero = tl.zeros([CHUNK], dtype=tl.int64)
+    g = tl.minimum(pid, n_groups - 1)
+    end = tl.load(offs_ptr + g)
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    grp = pid < n_groups
+    r = tl.where(grp, start + tl.load(counts_ptr + g), tl.load(n_rows_ptr) + pid - n_groups)
+    stop = tl.where(grp, tl.minimum(end, R_out), R_out)
+    step = tl.where(grp, 1, G - n_groups)
+    while r < stop:
+        for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
+            m = (c0 + offs) < ROW_WORDS
+            tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=m)
+        r += step
 
 
 @triton.jit

@@ -207,6 +207,32 @@ def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode):
     assert torch.equal(torch.isnan(y), torch.isnan(want))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
+@pytest.mark.parametrize("E,k,align,tail", [(8, 3, 32, 0), (5, 2, 128, 40), (4, 4, 32, 7)])
+def test_zero_padding_rows_kernel_zeroes_exactly_the_unfilled_rows(E, k, align, tail):
+    """The local path's padding pass: every padding row of every group (and, worst-case sized, the ``tail`` rows past
+    ``n_rows``) becomes zero; every real row keeps its bytes. Empty groups, a group with every token, odd counts."""
+    import triton
+    from mxcomm.ep.nvshmem_kernels import zero_padding_rows_kernel
+
+    g = torch.Generator().manual_seed(E + k + tail)
+    T, words = 13, 6
+    idx = _routing(1, T, E, k, g, drop=0.2)
+    idx[:, 0] = 1  # expert 1 gets every token
+    idx[idx == 0] = -1  # expert 0 gets none
+    plan = build_plan(local_counts(idx, E)[None], idx, 0, align)
+    R = int(plan.num_rows) + tail
+    out = torch.randint(1, 2**40, (R, words), dtype=torch.int64, generator=g)  # no zero word anywhere
+    before = out.clone()
+    zero_padding_rows_kernel[(E + (3 if tail else 0),)](out, plan.offs, plan.expert_counts, plan.num_rows, R, E,
+                                                        ROW_WORDS=words, CHUNK=triton.next_power_of_2(words))
+    real = torch.zeros(R, dtype=torch.bool)
+    real[plan.dest_row[plan.dest_row >= 0].long()] = True
+    assert int(real.sum()) == int(plan.expert_counts.sum())
+    assert torch.equal(out[real], before[real])
+    assert not out[~real].any()
+
+
 _SCALE_CASES = [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)]
 
 
@@ -452,9 +478,10 @@ for own in (False, True):  # BF16 transport
 sc = dict(offs_ptr=i32, n_rows_ptr=i32, row_src_ptr=i32)
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=u8, out_ptr=u8), C=228, CB=32, G_POW2=256, WORD=False)
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=i32, out_ptr=i32), C=224, CB=64, G_POW2=256, WORD=True)
-for copy in (True, False):  # copy-out (push path), padding zeroed only (local path)
-    compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
-            CHUNK=512, COPY=copy)
+compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
+        CHUNK=512)
+compile(nk.zero_padding_rows_kernel, dict(dst_ptr=i64, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32), ROW_WORDS=896,
+        CHUNK=512)
 for mx in (True, False):
     compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, n_rows_ptr=i32, row_src_ptr=i32, q_peers=i64,
             s_peers=i64, list_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792, CHUNK=512, C=224, C_POW2=256,
