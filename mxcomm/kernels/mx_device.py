@@ -195,6 +195,31 @@ def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.co
 
 
 @triton.jit
+def mx_qdq_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr = -1):
+    """``dequantize(quantize(x))`` of a register tile as fp32, bit for bit what decoding the bytes of
+    :func:`mx_quantize_tile` would give, without building the bytes: on the GPU the scaled values go through the
+    hardware E4M3 cast and straight back, and are multiplied by the block's scale (a NaN/Inf block gives NaN, as its
+    0x7F payload and 255 scale decode to). For kernels that only need the values a MXFP8 transport would deliver
+    (combine on one rank). ``INT_ROUND``: the exact integer path (quantize, then decode).
+
+    Args/returns: as :func:`mx_quantize_tile`, but one fp32 tile of ``x``'s shape.
+    """
+    if INT_ROUND:
+        q, b = mx_quantize_tile(x, MODE, INT_ROUND, AXIS)
+        v = e4m3_decode(q, INT_ROUND) * tl.expand_dims(mx_scale_value(b.to(tl.int32)), AXIS)
+    else:
+        xf = to_fp32(x, INT_ROUND)
+        ax = tl.abs(xf)
+        ax = tl.where(xf != xf, float("inf"), ax)  # NaN poisons the block (max may drop NaN)
+        b = mx_scale_bytes(tl.max(ax, axis=AXIS), MODE)
+        y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)  # b == 255: NaN
+        c = tl.minimum(tl.maximum(y, -448.0), 448.0)  # (a NaN y becomes +-448 here; its scale below is NaN)
+        d = c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+        v = d * tl.expand_dims(mx_scale_value(b), AXIS)
+    return v
+
+
+@triton.jit
 def blocked_scale_offset(r, c, n_col_tiles):
     """Flat byte offset of scale (row ``r``, block column ``c``) in a 128x4-blocked scale matrix
     (cuBLAS/CUTLASS SWIZZLE_32_4_4) with ``n_col_tiles`` 4-wide tiles per 128-row tile-row."""
