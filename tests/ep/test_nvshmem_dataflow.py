@@ -14,7 +14,6 @@ from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.nvshmem_backend import row_origins
 from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
 from mxcomm.ep.plan import build_plan, local_counts
-from mxcomm.mx import grouped_m_row_map
 
 
 def _routing(W, T, E, k, g, drop=0.1):
@@ -176,7 +175,6 @@ def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode):
     bf16 rows quantized in registers, MXFP8 rows (``OWN_PASS``) or bf16 as they are - and equals the oracle; the
     comb_q buffer it would otherwise read holds garbage. Dropped slots, a NaN row (poisons exactly its tokens),
     a token count that does not fill the last program, ``k`` not a power of two."""
-    import triton
     from mxcomm.ep.nvshmem_kernels import combine_reduce_kernel
     from mxcomm.mx import quantize
 
