@@ -76,9 +76,8 @@ _CHUNK = 1024
 _PROGRAMS_PER_SM = 4  # combine send, copy-out
 # dispatch direction (dispatch_kernel, pack_rows_kernel) and combine's reduce: 16 programs per SM of 4 warps, row
 # chunks of 4096 values (2048 when each slot is quantized separately: combine backward, one rank's combine) - the
-# fastest settings
-# measured on one H200 at 8192 x 7168, top-8, with kernel times from CUDA-graph replays (bench/bench_ep_kernels.py;
-# bench/results/h200/README.md, session 7: dispatch_kernel 178 µs at 4096 against 210 µs at 2048)
+# fastest settings measured on one H200 at 8192 x 7168, top-8, with kernel times from CUDA-graph replays
+# (bench/bench_ep_kernels.py; bench/results/h200/README.md, session 7: dispatch_kernel 178 µs at 4096, 210 at 2048)
 _DISPATCH_PROGRAMS_PER_SM = 16
 _DISPATCH_CHUNK = 4096
 _WEIGHTED_CHUNK = 2048
@@ -189,7 +188,7 @@ class NvshmemBackend:
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
-        self._plan_graphs: dict = {}  # ("plan" | "pull", T, idx dtype, plan impl) -> PlanGraph, LRU first
+        self._plan_graphs: dict = {}  # ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph, LRU first
         if self.pull or self.local:
             # inputs of the captured middle of a dispatch (see _run_middle): fixed addresses
             self._x_slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # address of this call's x (pull)
@@ -352,8 +351,8 @@ class NvshmemBackend:
             )
         return out
 
-    def _local_out(self, x: torch.Tensor, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool,
-                   w: torch.Tensor, weighted: bool) -> torch.Tensor:
+    def _local_out(self, x: torch.Tensor, plan: RoutingPlan, R: int, mx: bool, w: torch.Tensor,
+                   weighted: bool) -> torch.Tensor:
         """Local path (one rank): fresh uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes) written by ``dispatch_kernel``
         itself: each row of ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized
         (MX), stored at every selection's expert-major row, its scale row into ``recv_s``; then padding and tail rows
@@ -618,7 +617,7 @@ class NvshmemBackend:
             self._check_async("dispatch arrivals")
         origins = RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
         if self.local:
-            q = self._local_out(x, plan, origins, R, self.mx, x, weighted=False)
+            q = self._local_out(x, plan, R, self.mx, x, weighted=False)
         elif self.pull:
             q = self._pull_out(plan, origins, R, H if self.mx else 2 * H)
         else:
@@ -743,7 +742,7 @@ class NvshmemBackend:
         w = handle.topk_weights.to(torch.float32).contiguous()
         R = handle.num_rows
         if self.local:  # one rank: straight into the output, no handshake, nothing to wait for
-            q = self._local_out(g, plan, st.origins, R, quantize_rows, w, weighted=True)
+            q = self._local_out(g, plan, R, quantize_rows, w, weighted=True)
         else:
             # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
             self._exchange(None)
