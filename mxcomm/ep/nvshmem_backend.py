@@ -4,8 +4,8 @@ peers' NVSHMEM symmetric buffers (peer pointers, release/acquire flags at system
 One call of :meth:`NvshmemBackend.dispatch` (all on the current CUDA stream), with the default pull
 dispatch (``transport="auto"`` on one node):
 
-1. the id check (no-sync mode) and this rank's per-expert counts in one kernel
-   (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``), epoch += 1 (a
+1. the id check (no-sync mode), this rank's per-expert counts and the plan's per-block slot table in two
+   kernels (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``), epoch += 1 (a
    device tensor: a CUDA graph can replay it);
 2. ``pack_rows_kernel``: each BF16 token row read once, quantized once in registers, into this rank's
    symmetric send buffer (copy ``epoch % 2``);
@@ -159,10 +159,15 @@ class NvshmemBackend:
         self.dispatch_programs = sms * _DISPATCH_PROGRAMS_PER_SM  # dispatch_kernel (dispatch, combine backward)
         self.send_warps = 8  # warps per program of combine send
         self.dispatch_warps = 4
-        # routing plan: "triton" (mxcomm.ep.plan_kernels: the id check + counts in one kernel, the plan in five,
-        # bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the GPU replayed
-        # from a CUDA graph captured per token count)
+        # routing plan: "triton" (mxcomm.ep.plan_kernels: the id check + counts + per-block slot table in two kernels,
+        # the plan in three, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the
+        # GPU replayed from a CUDA graph captured per token count)
         self.plan_impl = "triton" if plan_kernels.fits(W, config.num_experts) else "torch"
+        # the per-block slot table of this call's ids (check_and_count writes it, the plan reads it): a fixed
+        # address, so the captured plan reads the current call's table
+        self._slot_prefix = (torch.empty(plan_kernels.slot_blocks(config.max_tokens_per_rank, config.topk)
+                                         * (config.num_experts + 1), dtype=torch.int32, device=self.device)
+                             if self.plan_impl == "triton" else None)
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
         # put-with-signal path: forced by the config, or needed because a peer has no peer pointer
         self.put_mode = config.transport == "put" or not getattr(heap.ctx, "all_local", True)
@@ -295,7 +300,9 @@ class NvshmemBackend:
         (see :meth:`_check_async`)."""
         E = self.config.num_experts
         if self.plan_impl == "triton":
-            ids, counts = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True)
+            c = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True, prefix_buf=self._slot_prefix,
+                                             counts_out=self._counts_in if (self.pull or self.local) else None)
+            ids, counts = c.ids, c.counts
         else:
             ids = self._sanitize(topk_idx)
             counts = local_counts(ids, E)
@@ -426,8 +433,11 @@ class NvshmemBackend:
 
     def _compute_plan(self, counts: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
         """The plan (and row origins) from the counts matrix, with ``self.plan_impl``'s kernels."""
-        if self.plan_impl == "triton" and topk_idx.shape[0] and plan_kernels.fits(self.world, self.config.num_experts):
-            out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max)
+        T, k = topk_idx.shape
+        if self.plan_impl == "triton" and T:
+            # the table check_and_count wrote for these ids (this call's, at a fixed address)
+            pre = self._slot_prefix[:plan_kernels.slot_blocks(T, k) * (counts.shape[1] + 1)].view(-1, counts.shape[1] + 1)
+            out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max, prefix=pre)
             return PlanOutputs(plan=out["plan"], extra={"origin_src": out["origin_src"], "origin_pos": out["origin_pos"]})
         return compute_plan(counts.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
 
@@ -557,7 +567,8 @@ class NvshmemBackend:
         middle = self._pull_middle if self.pull else self._local_middle
         if self.pull:
             self._x_slot.fill_(x.data_ptr())
-        self._counts_in.copy_(my_counts)
+        if my_counts.data_ptr() != self._counts_in.data_ptr():  # (check_and_count writes it in place)
+            self._counts_in.copy_(my_counts)
         T, k = ids.shape
         if self.device.type != "cuda" or T == 0 or self._capturing():
             return middle(self.counts.local, ids)

@@ -42,9 +42,17 @@ def _case(W, E, k, tokens, align, drop_p, mode, seed):
     return counts, idxs
 
 
-def _compare(counts, idx, rank, align, R):
+def _compare(counts, idx, rank, align, R, checked=False):
+    """``checked``: the ids (as int64) go through check_and_count first and the plan reads its block table, as in
+    the nvshmem backend; else triton_plan builds the table itself."""
     want = build_plan(counts, idx, rank, align)
-    got = pk.triton_plan(counts.to(DEV), idx.to(DEV), rank, align, R)
+    if checked:
+        err = torch.zeros(1, dtype=torch.int64, device=DEV)
+        c = pk.check_and_count(idx.to(torch.int64).to(DEV), counts.shape[1], err, check=True)
+        assert int(err) == 0 and torch.equal(c.ids.cpu(), idx) and torch.equal(c.counts.cpu(), local_counts(idx, counts.shape[1]))
+        got = pk.triton_plan(counts.to(DEV), c.ids, rank, align, R, prefix=c.slot_prefix)
+    else:
+        got = pk.triton_plan(counts.to(DEV), idx.to(DEV), rank, align, R)
     bad = []
     for f in PLAN_TENSORS:
         a, b = getattr(got["plan"], f).cpu(), getattr(want, f)
@@ -67,13 +75,14 @@ CASES = [  # W, E, k, tokens per rank, align, drop_p, routing
 ]
 
 
+@pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("W,E,k,tokens,align,drop_p,mode", CASES)
-def test_triton_plan_equals_torch_plan(W, E, k, tokens, align, drop_p, mode):
+def test_triton_plan_equals_torch_plan(W, E, k, tokens, align, drop_p, mode, checked):
     counts, idxs = _case(W, E, k, tokens, align, drop_p, mode, seed=W * 100 + E + k)
     R = sum(tokens) * k + (E // W) * align + 7  # more rows than any rank receives (tail rows: -1)
     bad = []
     for rank in range(W):
-        bad += [f"rank {rank}: {b}" for b in _compare(counts, idxs[rank], rank, align, R)]
+        bad += [f"rank {rank}: {b}" for b in _compare(counts, idxs[rank], rank, align, R, checked)]
     assert not bad, "\n".join(bad[:20])
 
 
@@ -99,7 +108,7 @@ def test_triton_plan_slot_blocks(monkeypatch, W, E, k, tokens, align, drop_p, mo
     R = sum(tokens) * k + (E // W) * align + 3
     bad = []
     for rank in range(W):
-        bad += [f"rank {rank}: {b}" for b in _compare(counts, idxs[rank], rank, align, R)]
+        bad += [f"rank {rank}: {b}" for b in _compare(counts, idxs[rank], rank, align, R, checked=rank % 2 == 1)]
     assert not bad, "\n".join(bad[:20])
 
 
@@ -134,7 +143,7 @@ def test_triton_plan_random_configs():
         R = sum(tokens) * min(k, El) + El * align + rng.randint(0, 5)
         for rank in range(W):
             bad += [f"config {i} (W={W} E={E} k={k} T={tokens}) rank {rank}: {b}"
-                    for b in _compare(counts, idxs[rank], rank, align, R)]
+                    for b in _compare(counts, idxs[rank], rank, align, R, checked=i % 2 == 1)]
     assert not bad, "\n".join(bad[:20])
 
 
@@ -152,12 +161,12 @@ def compile(fn, **consts):
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
 
 compile(pk.plan_tables_kernel, W_POW2=8, EL_POW2=32)
-compile(pk.slot_hist_kernel, BLOCK=128, ZERO_BLOCK=512)
+compile(pk.slot_check_hist_kernel, K=8, K_POW2=8, TOK=16, CHECK=True, ZERO_BLOCK=512)
+compile(pk.slot_check_hist_kernel, K=6, K_POW2=8, TOK=16, CHECK=False, ZERO_BLOCK=512)
 compile(pk.slot_scan_kernel, BLOCK_B=256, BLOCK_K=8)
-compile(pk.slot_place_kernel, BLOCK=128)
+compile(pk.slot_place_kernel, S=128, S_POW2=128)
+compile(pk.slot_place_kernel, S=96, S_POW2=128)
 compile(pk.row_origins_kernel, BLOCK=128, EL_POW2=32, W_POW2=8)
-compile(pk.check_count_kernel, K=8, K_POW2=8, BLOCK_T=64, CHECK=True)
-compile(pk.check_count_kernel, K=6, K_POW2=8, BLOCK_T=64, CHECK=False)
 print("ok")
 '''
 
@@ -186,18 +195,52 @@ def _check_reference(idx: torch.Tensor, E: int):
     return out, counts, nbad
 
 
+def _prefix_reference(ids: torch.Tensor, E: int) -> torch.Tensor:
+    """Per block of ``tokens_per_block(k)`` tokens and key (expert id, ``E`` = dropped): slots of that key in the
+    lower blocks."""
+    T, k = ids.shape
+    tok = pk.tokens_per_block(k)
+    keys = torch.where(ids < 0, E, ids).to(torch.int64)
+    rows = [torch.bincount(keys[b:b + tok].reshape(-1), minlength=E + 1) for b in range(0, T, tok)]
+    if not rows:
+        return torch.zeros(0, E + 1, dtype=torch.int32)
+    h = torch.stack(rows)
+    return (torch.cumsum(h, 0) - h).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("check", [True, False])
-@pytest.mark.parametrize("T,k,E", [(0, 2, 4), (1, 1, 3), (37, 4, 8), (200, 8, 64), (50, 3, 5)])
-def test_check_and_count(T, k, E, check):
+@pytest.mark.parametrize("T,k,E", [(0, 2, 4), (1, 1, 3), (37, 4, 8), (200, 8, 64), (50, 3, 5), (70, 6, 300)])
+def test_check_and_count(T, k, E, check, dtype):
+    """Checked ids, counts, error count and the slot kernels' block table against plain-Python references, int32
+    and int64 ids (an int64 id past the int32 range is caught before narrowing)."""
     g = torch.Generator().manual_seed(T * 7 + k + E)
-    idx = torch.randint(-1, E, (T, k), generator=g, dtype=torch.int32)  # repeats happen at random
+    idx = torch.randint(-1, E, (T, k), generator=g, dtype=torch.int64)  # repeats happen at random
     if check and T:
         idx[0, 0] = E + 3
         idx[-1, -1] = -5
+        if dtype == torch.int64 and T > 2:
+            idx[1, 0] = 2 ** 32 + 1  # narrowed blindly it would be the valid id 1
     if not check:  # without the check the ids must be valid and distinct per token
-        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32) if T else idx
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else idx
     err = torch.zeros(1, dtype=torch.int64, device=DEV)
-    out, counts = pk.check_and_count(idx.to(DEV), E, err, check=check)
+    got = pk.check_and_count(idx.to(dtype).to(DEV), E, err, check=check)
     want, want_counts, nbad = _check_reference(idx, E)
-    assert torch.equal(out.cpu(), want) and torch.equal(counts.cpu(), want_counts)
+    assert torch.equal(got.ids.cpu(), want.to(torch.int32)) and torch.equal(got.counts.cpu(), want_counts)
+    assert got.slot_prefix.shape == (pk.slot_blocks(T, k), E + 1)
+    assert torch.equal(got.slot_prefix.cpu(), _prefix_reference(want, E))
     assert int(err) == nbad and (nbad > 0) == (check and T > 0)
+
+
+def test_check_and_count_writes_the_given_buffers():
+    """The block table lands in ``prefix_buf`` (a fixed address a captured plan reads) and the counts in
+    ``counts_out``; a too-small ``prefix_buf`` is refused before any kernel runs."""
+    E, idx = 16, torch.tensor([[3, 1], [1, -1], [15, 3]], dtype=torch.int64)
+    buf = torch.full((64,), -7, dtype=torch.int32, device=DEV)
+    counts = torch.full((E,), -7, dtype=torch.int32, device=DEV)
+    err = torch.zeros(1, dtype=torch.int64, device=DEV)
+    got = pk.check_and_count(idx.to(DEV), E, err, check=True, prefix_buf=buf, counts_out=counts)
+    assert got.slot_prefix.data_ptr() == buf.data_ptr() and got.counts.data_ptr() == counts.data_ptr()
+    assert torch.equal(counts.cpu(), local_counts(idx, E))
+    with pytest.raises(ValueError, match="prefix_buf holds 8 values"):
+        pk.check_and_count(idx.to(DEV), E, err, check=True, prefix_buf=buf[:8])
