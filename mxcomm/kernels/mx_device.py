@@ -195,41 +195,28 @@ def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.co
 
 
 @triton.jit
-def e4m3_round_fp32(v):
-    """fp32 -> the fp32 value of ``v``'s E4M3 rounding (RNE, saturated to +-448, signed zero kept), by fp32
-    arithmetic only: ``(|c| + m) - m`` with ``m = 1.5 * 2**(e + 20)`` rounds ``|c|`` to a multiple of ``2**(e - 3)``
-    (its E4M3 spacing, ``e`` = its exponent, at least -6 for E4M3 subnormals) in IEEE round-to-nearest-even; the
-    sign bit is put back afterwards. No conversion instructions (the hardware's E4M3 casts run at a fraction of
-    the fp32 rate), and exact under the interpreter too. NaN input: an unspecified value (callers multiply it by
-    the NaN scale of its block).
-
-    Args/returns: fp32 tensor, any shape -> fp32 tensor of the same shape, each value exactly an E4M3 value.
-    """
-    c = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    bits = c.to(tl.int32, bitcast=True)
-    a = bits & 0x7FFFFFFF
-    e = tl.maximum(a >> 23, 121)  # exponent field; 121 = 2**-6, the E4M3 subnormal spacing 2**-9 below it
-    m = (((e + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    r = ((a.to(tl.float32, bitcast=True) + m) - m).to(tl.int32, bitcast=True)
-    return (r | (bits ^ a)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def mx_qdq_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr = -1):
     """``dequantize(quantize(x))`` of a register tile as fp32, bit for bit what decoding the bytes of
-    :func:`mx_quantize_tile` would give, without building the bytes: the scaled values are rounded to E4M3 by
-    :func:`e4m3_round_fp32` (fp32 arithmetic) and multiplied by the block's scale (a NaN/Inf block gives NaN, as
-    its 0x7F payload and 255 scale decode to). For kernels that only need the values a MXFP8 transport would
-    deliver (combine on one rank). ``INT_ROUND`` only picks the exact bf16 widening of :func:`to_fp32`.
+    :func:`mx_quantize_tile` would give, without building the bytes: on the GPU the scaled values go through the
+    hardware E4M3 cast and straight back, and are multiplied by the block's scale (a NaN/Inf block gives NaN, as its
+    0x7F payload and 255 scale decode to). For kernels that only need the values a MXFP8 transport would deliver
+    (combine on one rank). ``INT_ROUND``: the exact integer path (quantize, then decode).
 
     Args/returns: as :func:`mx_quantize_tile`, but one fp32 tile of ``x``'s shape.
     """
-    xf = to_fp32(x, INT_ROUND)
-    ax = tl.abs(xf)
-    ax = tl.where(xf != xf, float("inf"), ax)  # NaN poisons the block (max may drop NaN)
-    b = mx_scale_bytes(tl.max(ax, axis=AXIS), MODE)
-    y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)  # b == 255: NaN
-    return e4m3_round_fp32(y) * tl.expand_dims(mx_scale_value(b), AXIS)
+    if INT_ROUND:
+        q, b = mx_quantize_tile(x, MODE, INT_ROUND, AXIS)
+        v = e4m3_decode(q, INT_ROUND) * tl.expand_dims(mx_scale_value(b.to(tl.int32)), AXIS)
+    else:
+        xf = to_fp32(x, INT_ROUND)
+        ax = tl.abs(xf)
+        ax = tl.where(xf != xf, float("inf"), ax)  # NaN poisons the block (max may drop NaN)
+        b = mx_scale_bytes(tl.max(ax, axis=AXIS), MODE)
+        y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)  # b == 255: NaN
+        c = tl.minimum(tl.maximum(y, -448.0), 448.0)  # (a NaN y becomes +-448 here; its scale below is NaN)
+        d = c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+        v = d * tl.expand_dims(mx_scale_value(b), AXIS)
+    return v
 
 
 @triton.jit
