@@ -287,7 +287,7 @@ class Lab:
             cb = scale_cb(wordwise, cb)
             mod.scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(ncols, cb))](
                 s.view(torch.int32) if wordwise else s, out_s.view(torch.int32) if wordwise else out_s,
-                self.plan.offs, self.plan.num_rows, src, E, cp // 4, C=C, CB=cb,
+                self.plan.offs, self.plan.num_rows, self.plan.expert_counts, E, cp // 4, C=C, CB=cb,
                 G_POW2=triton.next_power_of_2(E), WORD=wordwise, num_warps=warps)
 
         def rows_check(fn):

@@ -55,6 +55,7 @@ NVLink peers with puts for the others yet).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -121,11 +122,25 @@ def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
 
 @dataclass(frozen=True)
 class NvshmemState:
-    """Backend part of an :class:`EPHandle`: row origins of the dispatch output and its real row count on
-    the device."""
+    """Backend part of an :class:`EPHandle`: row origins of the dispatch output (None on the local path, whose
+    dispatch does not need them: :func:`handle_origins` computes them when a later op does) and its real row count
+    on the device."""
 
-    origins: RowOrigins
+    origins: Optional[RowOrigins]
     num_rows_dev: torch.Tensor  # int32 [1] real rows (offs[-1])
+
+
+def handle_origins(handle: EPHandle) -> RowOrigins:
+    """The row origins of ``handle``'s dispatch output: kept by the dispatch, or (local path) computed now from
+    its plan (Triton kernel where the plan's tables fit it, else torch)."""
+    st: NvshmemState = handle.backend_state
+    if st.origins is not None:
+        return st.origins
+    plan, R = handle.plan, handle.num_rows
+    if plan_kernels.fits(plan.world_size, plan.num_experts):
+        o = plan_kernels.plan_row_origins(plan, R)
+        return RowOrigins(src=o["origin_src"], pos=o["origin_pos"])
+    return row_origins(plan, R)
 
 
 class NvshmemBackend:
@@ -407,7 +422,7 @@ class NvshmemBackend:
             )
         return out
 
-    def _grouped_scales(self, plan: RoutingPlan, origins: "RowOrigins", R: int) -> torch.Tensor:
+    def _grouped_scales(self, plan: RoutingPlan, R: int) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
         received rows (zeros for padding), from the row-major scale rows in ``recv_s``."""
         from .nvshmem_kernels import scale_rows_to_grouped_kernel
@@ -421,13 +436,16 @@ class NvshmemBackend:
         src = self.recv_s.local.view(-1)[: self.R_max * C]
         scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(ncols, cb))](
             src.view(torch.int32) if word else src, out.view(torch.int32) if word else out, plan.offs,
-            plan.num_rows, origins.src, self.El, cp // 4, C=C, CB=cb, G_POW2=triton_next_pow2(self.El), WORD=word,
+            plan.num_rows, plan.expert_counts, self.El, cp // 4, C=C, CB=cb, G_POW2=triton_next_pow2(self.El), WORD=word,
             num_warps=4,
         )
         return out
 
     def _plan_extra(self, plan: RoutingPlan, topk_idx: torch.Tensor) -> dict:
-        """Backend maps computed with the plan: row origins (R_max rows)."""
+        """Backend maps computed with the plan: row origins (R_max rows; not on the local path, whose dispatch does
+        not read them)."""
+        if self.local:
+            return {}
         o = row_origins(plan, self.R_max)
         return {"origin_src": o.src, "origin_pos": o.pos}
 
@@ -437,8 +455,9 @@ class NvshmemBackend:
         if self.plan_impl == "triton" and T:
             # the table check_and_count wrote for these ids (this call's, at a fixed address)
             pre = self._slot_prefix[:plan_kernels.slot_blocks(T, k) * (counts.shape[1] + 1)].view(-1, counts.shape[1] + 1)
-            out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max, prefix=pre)
-            return PlanOutputs(plan=out["plan"], extra={"origin_src": out["origin_src"], "origin_pos": out["origin_pos"]})
+            out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max, prefix=pre,
+                                           origins=not self.local)
+            return PlanOutputs(plan=out["plan"], extra={n: v for n, v in out.items() if n != "plan"})
         return compute_plan(counts.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
 
     def _plan(self, topk_idx: torch.Tensor) -> PlanOutputs:
@@ -454,12 +473,12 @@ class NvshmemBackend:
         self._remember_graph(key, g)
         return g(topk_idx)
 
-    def _received(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool, q: torch.Tensor):
+    def _received(self, plan: RoutingPlan, R: int, mx: bool, q: torch.Tensor):
         """The received rows ``q`` (fresh uint8 ``[R, row bytes]``, from ``_copy_out`` / ``_pull_out`` / ``_local_out``)
         as the dispatch-layout output: bf16 rows, or an MXTensor with its scales swizzled out of ``recv_s``."""
         if not mx:
             return q.view(torch.bfloat16)
-        s = self._grouped_scales(plan, origins, R)
+        s = self._grouped_scales(plan, R)
         return MXTensor(
             qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1, layout=ScaleLayout.GROUPED_M,
             mode=self.config.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
@@ -626,14 +645,14 @@ class NvshmemBackend:
         else:
             R = self.R_max
             self._check_async("dispatch arrivals")
-        origins = RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
+        origins = None if self.local else RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
         if self.local:
             q = self._local_out(x, plan, R, self.mx, x, weighted=False)
         elif self.pull:
             q = self._pull_out(plan, origins, R, H if self.mx else 2 * H)
         else:
             q = self._copy_out(plan, origins, R, H if self.mx else 2 * H)
-        out_x = self._received(plan, origins, R, self.mx, q)
+        out_x = self._received(plan, R, self.mx, q)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
             config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,
@@ -672,8 +691,9 @@ class NvshmemBackend:
         else:
             q_ptrs, s_ptrs = self.comb_q.peer_ptrs, self.comb_s.peer_ptrs
         if not own:
+            origins = handle_origins(handle)
             combine_send_kernel[(self.programs,)](
-                payload, st.num_rows_dev, st.origins.src, st.origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
+                payload, st.num_rows_dev, origins.src, origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
                 self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)),
                 MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, STAGED=self.put_mode,
                 num_warps=self.send_warps,
@@ -764,7 +784,7 @@ class NvshmemBackend:
             self._check_async("combine-backward arrivals")
         if not self.local:
             q = self._copy_out(plan, st.origins, R, cfg.hidden * (1 if quantize_rows else 2))
-        grad_out = self._received(plan, st.origins, R, quantize_rows, q)
+        grad_out = self._received(plan, R, quantize_rows, q)
         # one Triton kernel reading the saved MXFP8/BF16 rows (the torch reference dequantizes them all first)
         grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos, programs=self.programs)
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
@@ -774,4 +794,4 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-__all__ = ["NvshmemBackend", "row_origins", "RowOrigins"]
+__all__ = ["NvshmemBackend", "row_origins", "RowOrigins", "handle_origins"]

@@ -537,7 +537,7 @@ def zero_padding_rows_kernel(dst_ptr, offs_ptr, counts_ptr, n_rows_ptr, R_out, n
 
 
 @triton.jit
-def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_src_ptr, n_groups, n_col_tiles,
+def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts_ptr, n_groups, n_col_tiles,
                                  C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr, WORD: tl.constexpr = False):
     """Receiver: the scale rows that arrived row-major at their payload rows -> a fresh grouped-along-M
     blocked matrix (what the grouped GEMM reads), every byte written (zeros for padding).
@@ -545,15 +545,15 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_sr
     Program ``(i, cb)`` fills output tile-row ``i`` (blocked rows ``128 i .. 128 i + 127``) for block
     columns ``cb * CB .. cb * CB + CB - 1``. Each group (local expert) starts on a 128-row boundary of the
     blocked matrix, so a tile-row lies in one group ``g``: blocked row ``128 i + r`` is payload row
-    ``start_g + 128 i + r - pstart_g``; it is copied when that row is real (inside the group, below
-    ``n_rows`` and ``row_src >= 0``), else 0.
+    ``start_g + 128 i + r - pstart_g``; it is copied when that row is real (among the group's first ``count_g``
+    rows - a group's received rows come first, its padding last - and below ``n_rows``), else 0.
 
     Args:
         rows_ptr: uint8 ``[*, C]`` (``C = H/32``), row-major scales at payload rows.
         out_ptr: uint8 flat ``[tile_rows * 128 * n_col_tiles * 4]`` blocked matrix (``n_col_tiles`` 4-column
             tiles per tile-row).
         offs_ptr: int32 ``[n_groups]`` group END offsets in payload rows; n_rows_ptr: int32 scalar;
-        row_src_ptr: int32 ``[>= n_rows]`` origin rank per payload row, -1 = padding.
+        counts_ptr: int32 ``[n_groups]`` received (real) rows per group.
         WORD (``C % 4 == 0``): ``rows_ptr`` / ``out_ptr`` are int32 views and a column is one 4-byte word (the 4
             scale bytes of a 128x4 tile row, contiguous in both layouts): ``C // 4`` word columns, 4x fewer
             memory operations.
@@ -566,20 +566,18 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, row_sr
     end = tl.load(offs_ptr + g1, mask=gm, other=0)
     start = tl.load(offs_ptr + g1 - 1, mask=gm & (g1 > 0), other=0)
     size = end - start
+    cnt = tl.load(counts_ptr + g1, mask=gm, other=0)
     p128 = tl.where(gm, (size + 127) // 128 * 128, 0)
     pend = tl.cumsum(p128, axis=0)
     r0 = i * 128
     g = tl.sum((gm & (pend <= r0)).to(tl.int32), axis=0)  # groups that end at or before this tile-row
     sel = g1 == g
     gstart = tl.sum(tl.where(sel, start, 0), axis=0)
-    gsize = tl.sum(tl.where(sel, size, 0), axis=0)
+    gcount = tl.sum(tl.where(sel, cnt, 0), axis=0)
     gpstart = tl.sum(tl.where(sel, pend - p128, 0), axis=0)
     br = r0 + tl.arange(0, 128)
-    inside = (g < n_groups) & (br - gpstart < gsize)
     prow = gstart + br - gpstart
-    n_rows = tl.load(n_rows_ptr)
-    real = inside & (prow < n_rows)
-    real = real & (tl.load(row_src_ptr + prow, mask=real, other=-1) >= 0)
+    real = (g < n_groups) & (br - gpstart < gcount) & (prow < tl.load(n_rows_ptr))
     cols = cb * CB + tl.arange(0, CB)
     if WORD:
         # A 128x4 tile is 128 words, word (r % 32) * 4 + r // 32 holding row r; the tiles of a tile-row follow

@@ -134,8 +134,10 @@ def _handle_shapes(cfg, W: int, El: int, R: int, T) -> list:
 def _flatten_handle(h: EPHandle) -> list:
     out = [getattr(h.plan, n) for n in PLAN_TENSORS]
     if h.config.backend == "nvshmem":
-        st = h.backend_state
-        out += [st.origins.src, st.origins.pos, st.num_rows_dev]
+        from .nvshmem_backend import handle_origins
+
+        o = handle_origins(h)
+        out += [o.src, o.pos, h.backend_state.num_rows_dev]
     # fresh, contiguous copies: op outputs must not alias each other (and backend buffers are reused)
     return [t.to(torch.int32).contiguous().clone() for t in out]
 

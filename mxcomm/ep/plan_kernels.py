@@ -297,8 +297,9 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
 
 
 def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int, n_rows: int,
-                prefix: Optional[torch.Tensor] = None) -> dict:
-    """The plan with the Triton kernels: ``{"plan": RoutingPlan, "origin_src", "origin_pos"}``.
+                prefix: Optional[torch.Tensor] = None, origins: bool = True) -> dict:
+    """The plan with the Triton kernels: ``{"plan": RoutingPlan, "origin_src", "origin_pos"}`` (the row origins
+    only with ``origins``; see :func:`plan_row_origins` for computing them later).
 
     Args:
         counts: int32 ``[W, E]`` (all ranks' counts; read, not kept). topk_idx: int32 ``[T, k]`` (ids in
@@ -314,23 +315,22 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
     idx = topk_idx.to(torch.int32)
     if n and prefix is None:
         prefix = check_and_count(idx, E, torch.zeros(1, dtype=torch.int64, device=dev), check=False).slot_prefix
-    ints = torch.empty(2 * E + 2 * El + 2 * W + 3 + 2 * W * El + 4 * n + 2 * n_rows + W * E,
+    n_orig = n_rows if origins else 0
+    ints = torch.empty(2 * E + 2 * El + 2 * W + 3 + 2 * W * El + 4 * n + 2 * n_orig + W * E,
                        dtype=torch.int32, device=dev)
     tab, rest = ints[:2 * E], ints[2 * E:]
     recv, rest = rest[:2 * El + 2 * W + 3], rest[2 * El + 2 * W + 3:]
     srp, ssp, rest = rest[:W * El], rest[W * El:2 * W * El], rest[2 * W * El:]
     slots, rest = rest[:4 * n].view(4, n), rest[4 * n:]
-    osrc, opos, cnt = rest[:n_rows], rest[n_rows:2 * n_rows], rest[2 * n_rows:]
+    osrc, opos, cnt = rest[:n_orig], rest[n_orig:2 * n_orig], rest[2 * n_orig:]
     cnt.copy_(counts.reshape(-1))
     plan_tables_kernel[(1,)](cnt, tab, recv, srp, ssp, rank, align, W, El, W_POW2=_pow2(W), EL_POW2=_pow2(El))
     if n:
         tok = tokens_per_block(k)
         slot_place_kernel[(slot_blocks(T, k),)](idx, prefix, tab, recv, slots[0], slots[1], slots[2], slots[3], n, E,
                                                 El, W, S=tok * k, S_POW2=_pow2(tok * k))
-    if n_rows:
-        rb = 128
-        row_origins_kernel[(triton.cdiv(n_rows, rb),)](recv, srp, ssp, cnt, osrc, opos, n_rows, rank, E, El, W,
-                                                        BLOCK=rb, EL_POW2=_pow2(El), W_POW2=_pow2(W))
+    if n_orig:
+        _row_origins(recv, srp, ssp, cnt, osrc, opos, rank, E, El, W)
     plan = RoutingPlan(
         rank=rank, world_size=W, num_experts=E, num_local_experts=El, align=align, topk=k, num_tokens=T,
         counts=cnt.view(W, E),
@@ -341,9 +341,30 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
         src_row_start=srp.view(W, El), src_send_pos=ssp.view(W, El),
         num_rows=recv[2 * El + 2 * W:2 * El + 2 * W + 1], num_recv=recv[2 * El + 2 * W + 1:2 * El + 2 * W + 2],
     )
-    return {"plan": plan, "origin_src": osrc, "origin_pos": opos}
+    out = {"plan": plan}
+    if origins:
+        out.update(origin_src=osrc, origin_pos=opos)
+    return out
 
 
-__all__ = ["triton_plan", "check_and_count", "CheckedIds", "fits", "tokens_per_block", "slot_blocks",
+def _row_origins(offs, srp, ssp, counts, osrc, opos, rank, E, El, W) -> None:
+    rb = 128
+    row_origins_kernel[(triton.cdiv(osrc.numel(), rb),)](offs, srp, ssp, counts, osrc, opos, osrc.numel(), rank, E, El,
+                                                          W, BLOCK=rb, EL_POW2=_pow2(El), W_POW2=_pow2(W))
+
+
+def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
+    """``{"origin_src", "origin_pos"}`` int32 ``[n_rows]`` of ``plan`` (what :func:`triton_plan` returns with
+    ``origins``), computed from the plan alone by :func:`row_origins_kernel`."""
+    W, E, El = plan.world_size, plan.num_experts, plan.num_local_experts
+    ints = torch.empty(2 * n_rows, dtype=torch.int32, device=plan.offs.device)
+    osrc, opos = ints[:n_rows], ints[n_rows:]
+    if n_rows:
+        _row_origins(plan.offs.contiguous(), plan.src_row_start.contiguous(), plan.src_send_pos.contiguous(),
+                     plan.counts.contiguous(), osrc, opos, plan.rank, E, El, W)
+    return {"origin_src": osrc, "origin_pos": opos}
+
+
+__all__ = ["triton_plan", "plan_row_origins", "check_and_count", "CheckedIds", "fits", "tokens_per_block", "slot_blocks",
            "plan_tables_kernel", "slot_check_hist_kernel", "slot_scan_kernel", "slot_place_kernel", "row_origins_kernel",
            "MAX_TABLE"]

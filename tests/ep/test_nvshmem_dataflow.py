@@ -238,8 +238,8 @@ _SCALE_CASES = [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)]
 @pytest.mark.parametrize("El,C,align,n_rows_cut,word",
                          [c + (False,) for c in _SCALE_CASES] + [c + (True,) for c in _SCALE_CASES if c[1] % 4 == 0])
 def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_cut, word):
-    """The receiver's swizzle == mxcomm.mx.to_grouped_m of the real rows: empty groups, padding rows and
-    rows whose origin is -1 give zeros, rows past ``n_rows`` are ignored, every output byte is written.
+    """The receiver's swizzle == mxcomm.mx.to_grouped_m of the real rows (each group's first ``count`` rows):
+    empty groups and padding rows give zeros, rows past ``n_rows`` are ignored, every output byte is written.
     ``word``: the 4-byte-column variant (what the backend runs when ``C % 4 == 0``)."""
     import triton
     from mxcomm.ep.nvshmem_kernels import scale_rows_to_grouped_kernel
@@ -252,13 +252,12 @@ def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_
     offs = torch.cumsum(padded, 0).to(torch.int32)
     R = int(offs[-1]) + 64  # rows past the last group (worst-case-sized buffers)
     rows = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)  # garbage everywhere
-    src = torch.full((R,), -1, dtype=torch.int32)
+    real = torch.zeros(R, dtype=torch.bool)
     starts = offs - padded.to(torch.int32)
     for e in range(El):
-        src[int(starts[e]):int(starts[e]) + int(n[e])] = torch.randint(0, 4, (int(n[e]),), generator=g, dtype=torch.int32)
-    src[torch.rand(R, generator=g) < 0.05] = -1  # a few unreal rows inside groups
+        real[int(starts[e]):int(starts[e]) + int(n[e])] = True
     n_rows = int(offs[-1]) - n_rows_cut
-    want_rows = torch.where(((src >= 0) & (torch.arange(R) < n_rows))[:, None], rows, torch.zeros_like(rows))
+    want_rows = torch.where((real & (torch.arange(R) < n_rows))[:, None], rows, torch.zeros_like(rows))
     want = to_grouped_m(want_rows[: int(offs[-1])], offs)
     cp = round_up(C, 4)
     out_rows = grouped_m_rows(R, El)
@@ -267,7 +266,7 @@ def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_
     cb = triton.next_power_of_2(ncols) if word else min(32, triton.next_power_of_2(cp))
     scale_rows_to_grouped_kernel[(out_rows // 128, triton.cdiv(ncols, cb))](
         rows.view(torch.int32) if word else rows, out.view(torch.int32) if word else out, offs,
-        torch.tensor([n_rows], dtype=torch.int32), src, El, cp // 4, C=C, CB=cb,
+        torch.tensor([n_rows], dtype=torch.int32), n.to(torch.int32), El, cp // 4, C=C, CB=cb,
         G_POW2=triton.next_power_of_2(El), WORD=word)
     assert torch.equal(out[: want.shape[0]], want)
     assert not out[want.shape[0]:].any()  # rows past the groups: zeros (written, not left at 0xAB)
@@ -289,6 +288,8 @@ def _loopback_backend(cfg):
 @pytest.mark.parametrize("plan_impl", ["torch", "triton"])
 @pytest.mark.parametrize("precision,align,H", [("mxfp8", 32, 64), ("mxfp8", 128, 96), ("bf16", 32, 64)])
 def test_nvshmem_kernels_loopback_match_oracle(precision, align, H, plan_impl, transport):
+    from mxcomm.ep.nvshmem_backend import handle_origins, row_origins
+
     E, k, T = 4, 2, 9
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=16, align=align, precision=precision,
                    backend="nvshmem", num_sms=1, timeout_s=5.0, transport=transport)
@@ -305,6 +306,10 @@ def test_nvshmem_kernels_loopback_match_oracle(precision, align, H, plan_impl, t
         wants, routes = oracle_dispatch(cfg, [x], [idx])
         want = wants[0]
         assert torch.equal(res.offs, want.offs) and torch.equal(res.counts, want.counts)
+        # row origins: kept by the dispatch, or (local path) computed from the plan only when a later op needs them
+        assert (handle.backend_state.origins is None) == (transport == "auto")
+        o, o_ref = handle_origins(handle), row_origins(handle.plan, handle.num_rows)
+        assert torch.equal(o.src, o_ref.src) and torch.equal(o.pos, o_ref.pos)
         if precision == "mxfp8":
             assert torch.equal(res.x.qdata.view(torch.uint8), want.x.qdata.view(torch.uint8))
             assert torch.equal(res.x.scales, want.x.scales)
@@ -473,7 +478,7 @@ for own, own_pass in ((False, False), (True, False), (True, True)):  # rows from
 for own in (False, True):  # BF16 transport
     compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), H=7168, K=8, CHUNK=4096, MX=False,
             INT_ROUND=False, OWN=own)
-sc = dict(offs_ptr=i32, n_rows_ptr=i32, row_src_ptr=i32)
+sc = dict(offs_ptr=i32, n_rows_ptr=i32, counts_ptr=i32)
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=u8, out_ptr=u8), C=228, CB=32, G_POW2=256, WORD=False)
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=i32, out_ptr=i32), C=224, CB=64, G_POW2=256, WORD=True)
 compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
