@@ -30,8 +30,8 @@ it), for each module and (programs, warps, chunk):
 * ``reduce``: ``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` from MXFP8 rows: ``S*(H + H/32)`` read +
   ``T*H*2`` written. Checked against a plain-torch fp32 sum of the dequantized rows (bf16 output;
   max |diff| reported, must be within bf16 rounding).
-* ``local_path``: the one-rank dispatch (``dispatch_kernel`` straight into the fresh output, padding zeroed by
-  ``zero_padding_rows_kernel``, then the swizzle), checked like the other paths;
+* ``local_path``: the one-rank dispatch (``dispatch_kernel`` straight into the fresh output, the unfilled rows
+  zeroed at the end of the same launch (``ZERO_PAD``), then the swizzle), checked like the other paths;
 * ``reduce_own``: the one-rank combine (``combine_reduce_kernel(OWN=True)``: every row read as bf16 from the expert
   output and quantized in registers): ``S*H*2`` read + ``T*H*2`` written; same check as ``reduce``.
 * ``ceiling``: ``dst.copy_(src)`` of 1 GiB (read + write counted).
@@ -232,8 +232,9 @@ class Lab:
 
         def push(programs, warps, chunk):
             mod.dispatch_kernel[(programs,)](
-                self.x, T, self.plan.dest_rank, self.plan.dest_row, qp, sp, fp, 0, 1, w, H=H, K=self.k, CHUNK=chunk,
-                MX=True, MODE=0, INT_ROUND=self.interp, WEIGHTED=False, num_warps=warps)
+                self.x, T, self.plan.dest_rank, self.plan.dest_row, qp, sp, fp, 0, 1, w, self.plan.offs,
+                self.plan.expert_counts, self.plan.num_rows, 0, 0, H=H, K=self.k, CHUNK=chunk, MX=True, MODE=0,
+                INT_ROUND=self.interp, WEIGHTED=False, num_warps=warps)
 
         for programs in self.grids():
             for warps in _ints(a.warps):
@@ -354,16 +355,14 @@ class Lab:
                     lambda: (push(g0, w0, chunk0), copy_rows(), scales()), both(rows_check, scales_check))
         self.record("pull_path", impl, dict(programs=progs, warps=4, chunk=chunk0),
                     lambda: (pack(), pull_rows(), scales()), both(rows_check, scales_check))
-        if hasattr(mod, "zero_padding_rows_kernel"):  # the local path (one rank): straight into the output
+        if "ZERO_PAD" in mod.dispatch_kernel.arg_names:  # the local path (one rank): straight into the output
             outp = self.ptrs(out_q)
 
             def local():
                 mod.dispatch_kernel[(g0,)](
-                    self.x, T, self.plan.dest_rank, self.plan.dest_row, outp, sp, fp, 0, 1, w, H=H, K=self.k,
-                    CHUNK=chunk0, MX=True, MODE=0, INT_ROUND=self.interp, WEIGHTED=False, ARRIVE=False, num_warps=w0)
-                mod.zero_padding_rows_kernel[(E,)](
-                    out_q.view(torch.int64), self.plan.offs, self.plan.expert_counts, self.plan.num_rows, R, E,
-                    ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), num_warps=4)
+                    self.x, T, self.plan.dest_rank, self.plan.dest_row, outp, sp, fp, 0, 1, w, self.plan.offs,
+                    self.plan.expert_counts, self.plan.num_rows, R, E, H=H, K=self.k, CHUNK=chunk0, MX=True, MODE=0,
+                    INT_ROUND=self.interp, WEIGHTED=False, ARRIVE=False, ZERO_PAD=True, num_warps=w0)
                 scales()
 
             self.record("local_path", impl, dict(programs=g0, warps=w0, chunk=chunk0), local,

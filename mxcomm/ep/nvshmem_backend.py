@@ -377,28 +377,22 @@ class NvshmemBackend:
                    weighted: bool) -> torch.Tensor:
         """Local path (one rank): fresh uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes) written by ``dispatch_kernel``
         itself: each row of ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized
-        (MX), stored at every selection's expert-major row, its scale row into ``recv_s``; then padding and tail rows
-        zeroed (``zero_padding_rows_kernel``: only those rows are visited). No symmetric buffer holds the payload and
+        (MX), stored at every selection's expert-major row, its scale row into ``recv_s``; padding and tail rows zeroed
+        by the same launch (``ZERO_PAD``: only those rows are visited). No symmetric buffer holds the payload and
         nothing is copied afterwards."""
-        from .nvshmem_kernels import dispatch_kernel, zero_padding_rows_kernel
+        from .nvshmem_kernels import dispatch_kernel
 
         cfg = self.config
         T, H = x.shape
         row_bytes = H if mx else 2 * H
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
         if R:
-            if T:
-                self._out_slot.fill_(out.data_ptr())
-                dispatch_kernel[(self.dispatch_programs,)](
-                    x, T, plan.dest_rank, plan.dest_row, self._out_slot, self.recv_s.peer_ptrs, self.flags.peer_ptrs,
-                    0, 1, w, H=H, K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id,
-                    INT_ROUND=self.int_round, WEIGHTED=weighted, ARRIVE=False, num_warps=self.dispatch_warps,
-                )
-            words = row_bytes // 8
-            tail = 0 if cfg.exact_sizes else self.programs  # no-sync mode: rows past n_rows up to R_max
-            zero_padding_rows_kernel[(self.El + tail,)](
-                out.view(torch.int64), plan.offs, plan.expert_counts, plan.num_rows, R, self.El, ROW_WORDS=words,
-                CHUNK=min(512, triton_next_pow2(words)), num_warps=4,
+            self._out_slot.fill_(out.data_ptr())
+            dispatch_kernel[(self.dispatch_programs,)](
+                x, T, plan.dest_rank, plan.dest_row, self._out_slot, self.recv_s.peer_ptrs, self.flags.peer_ptrs,
+                0, 1, w, plan.offs, plan.expert_counts, plan.num_rows, R, self.El, H=H, K=cfg.topk,
+                CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, WEIGHTED=weighted,
+                ARRIVE=False, ZERO_PAD=True, num_warps=self.dispatch_warps,
             )
         return out
 
@@ -535,7 +529,7 @@ class NvshmemBackend:
             rows, q_ptrs, s_ptrs = plan.dest_row, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs
         dispatch_kernel[(self.dispatch_programs,)](
             x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, self.flags.peer_ptrs, self.rank, self.world, w,
-            H=H, K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
+            plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
             WEIGHTED=weighted, ARRIVE=not self.put_mode, num_warps=self.dispatch_warps,
         )
         if self.put_mode:

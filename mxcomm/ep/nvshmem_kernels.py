@@ -95,9 +95,10 @@ def _arrive_all(flags_peers, row, me, W):
 
 @triton.jit
 def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, flags_peers, me, W, w_ptr,
+                    offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups,
                     H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                     MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr,
-                    ARRIVE: tl.constexpr = True):
+                    ARRIVE: tl.constexpr = True, ZERO_PAD: tl.constexpr = False):
     """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
     straight into each destination rank's buffers at their final expert-major rows.
 
@@ -119,6 +120,10 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
         ARRIVE: add 1 to ``flags[1, me]`` on every rank after the stores (False on the put path, whose
             puts signal; there every ``*_peers`` entry is this rank's staging buffer and the rows are
             send positions).
+        ZERO_PAD (local path: ``q_peers`` holds the fresh ``[R_out, *]`` output's address): after its tokens, each
+            program zeroes its share of the rows no token fills (:func:`_zero_unfilled_rows` with the plan's
+            ``offs_ptr`` / ``counts_ptr`` / ``n_rows_ptr`` over ``n_groups`` groups) - in the same launch, where the
+            persistent loop's uneven end leaves the memory system idle. Those four are unused otherwise.
     Grid: any fixed number of programs (identical on every rank); persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -168,6 +173,10 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                             sp = tl.max_contiguous(tl.multiple_of(sp, 16), 16)
                         tl.store(sp, s, mask=cm)
         t += G
+    if ZERO_PAD:
+        WORDS: tl.constexpr = H // 8 if MX else H // 4
+        out = tl.load(q_peers).to(tl.pointer_type(tl.int64))
+        _zero_unfilled_rows(out, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups, pid, G, WORDS, 512)
     if ARRIVE:
         _arrive_all(flags_peers, 1, me, W)
 
@@ -505,35 +514,35 @@ def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
 
 
 @triton.jit
-def zero_padding_rows_kernel(dst_ptr, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups,
-                             ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
-    """Local path: zero the rows of the fresh expert-major output that no token fills - the padding at the end of
-    each group (rows ``[start_g + count_g, end_g)``: on one rank a group's real rows come first) and, in the
-    worst-case-sized mode, the tail ``[n_rows, R_out)`` - without visiting the real rows.
+def _zero_unfilled_rows(dst_ptr, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups, pid, G,
+                        ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program ``pid`` of ``G``'s share of zeroing the rows of a fresh expert-major output that no token fills (local
+    path): the padding at the end of groups ``pid, pid + G, ...`` (rows ``[start_g + count_g, end_g)``: a group's real
+    rows come first) and every ``G``-th row of the tail ``[n_rows, R_out)`` (worst-case-sized mode), without visiting
+    the real rows.
 
     Args:
         dst_ptr: int64 view of the ``[R_out, ROW_WORDS]`` output.
         offs_ptr / counts_ptr: int32 ``[n_groups]`` group END offsets and real rows per group (the plan's).
         n_rows_ptr: int32 scalar, ``offs[-1]``.
-    Grid: ``(n_groups + P,)``: program ``g < n_groups`` zeroes group ``g``'s padding (fewer than ``align`` rows); the
-    other ``P`` programs stride over the tail.
     """
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
     offs = tl.arange(0, CHUNK)
     zero = tl.zeros([CHUNK], dtype=tl.int64)
-    g = tl.minimum(pid, n_groups - 1)
-    end = tl.load(offs_ptr + g)
-    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-    grp = pid < n_groups
-    r = tl.where(grp, start + tl.load(counts_ptr + g), tl.load(n_rows_ptr) + pid - n_groups)
-    stop = tl.where(grp, tl.minimum(end, R_out), R_out)
-    step = tl.where(grp, 1, G - n_groups)
-    while r < stop:
+    g = pid
+    while g < n_groups:
+        end = tl.load(offs_ptr + g)
+        r = tl.load(offs_ptr + g - 1, mask=g > 0, other=0) + tl.load(counts_ptr + g)
+        stop = tl.minimum(end, R_out)
+        while r < stop:
+            for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
+                tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=(c0 + offs) < ROW_WORDS)
+            r += 1
+        g += G
+    r = tl.load(n_rows_ptr) + pid
+    while r < R_out:
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
-            m = (c0 + offs) < ROW_WORDS
-            tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=m)
-        r += step
+            tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=(c0 + offs) < ROW_WORDS)
+        r += G
 
 
 @triton.jit

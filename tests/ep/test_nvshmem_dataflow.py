@@ -206,29 +206,37 @@ def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
-@pytest.mark.parametrize("E,k,align,tail", [(8, 3, 32, 0), (5, 2, 128, 40), (4, 4, 32, 7)])
-def test_zero_padding_rows_kernel_zeroes_exactly_the_unfilled_rows(E, k, align, tail):
-    """The local path's padding pass: every padding row of every group (and, worst-case sized, the ``tail`` rows past
-    ``n_rows``) becomes zero; every real row keeps its bytes. Empty groups, a group with every token, odd counts."""
-    import triton
-    from mxcomm.ep.nvshmem_kernels import zero_padding_rows_kernel
+@pytest.mark.parametrize("E,k,align,tail,programs", [(8, 3, 32, 0, 3), (5, 2, 128, 40, 7), (4, 4, 32, 7, 2)])
+def test_dispatch_kernel_zero_pad_zeroes_exactly_the_unfilled_rows(E, k, align, tail, programs):
+    """The local path's ``dispatch_kernel(ZERO_PAD=True)``: every padding row of every group (and, worst-case sized,
+    the ``tail`` rows past ``n_rows``) becomes zero; every real row holds what the same kernel without ``ZERO_PAD``
+    stores there. Empty groups, a group with every token, odd counts, fewer programs than groups."""
+    from mxcomm.ep.nvshmem_kernels import dispatch_kernel
 
     g = torch.Generator().manual_seed(E + k + tail)
-    T, words = 13, 6
+    T, H = 13, 64
     idx = _routing(1, T, E, k, g, drop=0.2)
     idx[:, 0] = 1  # expert 1 gets every token
     idx[idx == 0] = -1  # expert 0 gets none
     plan = build_plan(local_counts(idx, E)[None], idx, 0, align)
     R = int(plan.num_rows) + tail
-    out = torch.randint(1, 2**40, (R, words), dtype=torch.int64, generator=g)  # no zero word anywhere
-    before = out.clone()
-    zero_padding_rows_kernel[(E + (3 if tail else 0),)](out, plan.offs, plan.expert_counts, plan.num_rows, R, E,
-                                                        ROW_WORDS=words, CHUNK=triton.next_power_of_2(words))
+    x = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
+    garbage = torch.randint(1, 256, (R, H), dtype=torch.uint8, generator=g)  # no zero byte anywhere
+    outs = {}
+    for zero_pad in (False, True):
+        out, s = garbage.clone(), torch.zeros(R, H // 32, dtype=torch.uint8)
+        ptrs = torch.tensor([out.data_ptr()], dtype=torch.int64)
+        dispatch_kernel[(programs,)](
+            x, T, plan.dest_rank, plan.dest_row, ptrs, torch.tensor([s.data_ptr()], dtype=torch.int64), ptrs, 0, 1,
+            torch.zeros(1), plan.offs, plan.expert_counts, plan.num_rows, R, E, H=H, K=k, CHUNK=H, MX=True, MODE=0,
+            INT_ROUND=True, WEIGHTED=False, ARRIVE=False, ZERO_PAD=zero_pad)
+        outs[zero_pad] = out
     real = torch.zeros(R, dtype=torch.bool)
     real[plan.dest_row[plan.dest_row >= 0].long()] = True
-    assert int(real.sum()) == int(plan.expert_counts.sum())
-    assert torch.equal(out[real], before[real])
-    assert not out[~real].any()
+    assert int(real.sum()) == int(plan.expert_counts.sum()) and int((~real).sum()) > 0
+    assert torch.equal(outs[True][real], outs[False][real])
+    assert torch.equal(outs[False][~real], garbage[~real])  # without ZERO_PAD those rows are not touched
+    assert not outs[True][~real].any()
 
 
 _SCALE_CASES = [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)]
@@ -456,7 +464,7 @@ def compile(fn, types, **consts):
 
 i32, i64, u8 = "*i32", "*i64", "*u8"
 disp = dict(x_ptr="*bf16", dest_rank_ptr=i32, dest_row_ptr=i32, q_peers=i64, s_peers=i64, flags_peers=i64,
-            w_ptr="*fp32")
+            w_ptr="*fp32", offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32)
 for arrive in (True, False):  # peer-pointer path, put path
     for weighted in (False, True):
         for mx in (True, False):
@@ -483,8 +491,9 @@ compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=u8, out_ptr=u8), C=22
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=i32, out_ptr=i32), C=224, CB=64, G_POW2=256, WORD=True)
 compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
         CHUNK=512)
-compile(nk.zero_padding_rows_kernel, dict(dst_ptr=i64, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32), ROW_WORDS=896,
-        CHUNK=512)
+for weighted in (False, True):  # local path: the unfilled rows zeroed by the same launch
+    compile(nk.dispatch_kernel, disp, H=7168, K=8, CHUNK=4096, MX=True, MODE=0, INT_ROUND=False, WEIGHTED=weighted,
+            ARRIVE=False, ZERO_PAD=True)
 for mx in (True, False):
     compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, n_rows_ptr=i32, row_src_ptr=i32, q_peers=i64,
             s_peers=i64, list_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792, CHUNK=512, C=224, C_POW2=256,
