@@ -77,8 +77,14 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--precision", default="mxfp8")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--slot-block", type=int, default=None, help="slots per block of the plan's slot kernels "
+                    "(mxcomm.ep.plan_kernels._SLOT_BLOCK; default: the module's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.slot_block:
+        from mxcomm.ep import plan_kernels
+
+        plan_kernels._SLOT_BLOCK = args.slot_block
     store = tempfile.mktemp(prefix="mxcomm_prof_store")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     torch.cuda.set_device(0)
