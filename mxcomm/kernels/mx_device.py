@@ -117,7 +117,11 @@ def e4m3_rne_satfinite_int(v):
 
 @triton.jit
 def e4m3_byte(v, INT_ROUND: tl.constexpr):
-    """fp32 -> E4M3 byte (int32 0..255), RNE satfinite; integer path or hardware cast."""
+    """fp32 -> E4M3 byte (int32 0..255), RNE satfinite; integer path or hardware cast.
+
+    NaN input: the integer path gives 0x7F (sign kept); the hardware path's clamp drops the NaN (GPU min/max return
+    the other operand), giving +-448 (0x7E/0xFE). Block quantization does not depend on it: a block holding a NaN
+    gets scale 255 and payload 0x7F (:func:`mx_quantize_tile` overrides its bytes)."""
     if INT_ROUND:
         q = e4m3_rne_satfinite_int(v)
     else:
