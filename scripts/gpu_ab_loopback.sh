@@ -5,8 +5,7 @@
 #   AB_OLD=bench/results/tmp/old bash scripts/gpu_ab_loopback.sh      # $OUT gets JSON + logs
 #
 # Make the old tree with `git archive <commit> mxcomm pyproject.toml | tar -x -C bench/results/tmp/old` (git-ignored:
-# pass `carry: [".whl", "bench/results/tmp"]`). env: AB_OPS (default dispatch,combine), AB_ITERS (20), AB_OLD_GRAPH=1
-# (the old tree's CUDA-graph replays too).
+# pass `carry: [".whl", "bench/results/tmp"]`). env: AB_OPS (default dispatch,combine), AB_ITERS (20).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mxcomm-out}
@@ -29,6 +28,5 @@ run() {  # run LABEL TREE [extra mxcomm bench options]
 run new "$new" --impls "${AB_IMPLS:-mxcomm,reference,a2a}"
 run old "$old" --impls mxcomm
 run new-graph "$new" --impls mxcomm --cuda-graph
-[[ ${AB_OLD_GRAPH:-0} == 1 ]] && run old-graph "$old" --impls mxcomm --cuda-graph
 run old-graph "$old" --impls mxcomm --cuda-graph
 exit $rc
