@@ -418,8 +418,16 @@ def test_finalize_cases_bandwidth_and_ratios():
     assert lt["bytes"] == 64 * 2 * 32 + 320 * 66
     assert lt["gbps"]["whole_call"] == pytest.approx(lt["bytes"] / (med * 1e-6) / 1e9)
     assert lt["fraction_of_device_copy"]["whole_call"] == pytest.approx(lt["gbps"]["whole_call"] / 1000.0)
+    assert "bytes_touched" not in lt  # dispatch: issue 3's count is what it touches
     add_loopback_traffic(cases[3], 32, 1000.0)
     assert "loopback_traffic" not in cases[3]  # no timings, no figure
+    comb = finalize_cases([raw("mxcomm", "mxfp8", "combine", 66, 10.0)])[0]  # reads BF16 expert rows: 2H per selection
+    add_loopback_traffic(comb, 32, 1000.0)
+    lt = comb["loopback_traffic"]
+    assert lt["bytes"] == 64 * 2 * 32 + 320 * 66 and lt["bytes_touched"] == 64 * 2 * 32 + 320 * 2 * 32
+    med = comb["stats_us"]["whole_call"]["median"]
+    assert lt["fraction_touched_of_device_copy"]["whole_call"] == pytest.approx(
+        lt["bytes_touched"] / (med * 1e-6) / 1e9 / 1000.0)
 
 
 # ------------------------------------------------------------------------------------ GPU runs ----

@@ -43,6 +43,9 @@ CONVENTIONS = {
                         "dispatch's input, combine's output) + bytes.per_selection (the rows written / read per "
                         "selection), issue 3's count, compared with the device copy ceiling of the same run "
                         "(read + write bytes)",
+    "loopback_touched": "one rank on one GPU, combine and dispatch backward: bytes = tokens x 2H (the BF16 output) + "
+                        "selections x 2H (the BF16 expert rows the benchmark hands in, read whole whatever travels); "
+                        "what the call cannot avoid moving, compared with the device copy ceiling",
     "ratios": "speed-up = baseline median time / this case's median time (same tokens and run; same op except "
               "backward_baselines); > 1 = faster",
     "backward_baselines": {
@@ -122,15 +125,26 @@ def finalize_cases(raw_cases: list) -> list:
 def add_loopback_traffic(case: dict, hidden: int, device_copy_gbps: float) -> None:
     """One rank on one GPU: ``case["loopback_traffic"]`` = the case's bytes by issue 3's count (the BF16 token rows
     once, ``tokens * 2 * hidden``, + ``bytes.per_selection``), GB/s at the median times and the fraction of the
-    device copy ceiling (``CONVENTIONS["loopback_traffic"]``). Cases without timings get nothing."""
+    device copy ceiling (``CONVENTIONS["loopback_traffic"]``). Ops towards the origins (combine, dispatch backward)
+    also get ``bytes_touched``: their input rows are BF16 (the benchmark's), so the call reads ``2 * hidden`` bytes
+    per selection whatever travels, + the BF16 output rows; with its GB/s and fraction
+    (``CONVENTIONS["loopback_touched"]``). Cases without timings get nothing."""
     if not case.get("gbps"):
         return
+
+    def rates(nbytes):
+        gbps = {t: (nbytes / (s["median"] * 1e-6) / 1e9 if s and s["median"] > 0 else None)
+                for t, s in case["stats_us"].items()}
+        return gbps, {t: (v / device_copy_gbps if v else None) for t, v in gbps.items()}
+
     nbytes = case["tokens"] * 2 * hidden + case["bytes"]["per_selection"]
-    gbps = {t: (nbytes / (s["median"] * 1e-6) / 1e9 if s and s["median"] > 0 else None)
-            for t, s in case["stats_us"].items()}
-    case["loopback_traffic"] = {"bytes": nbytes, "gbps": gbps,
-                                "fraction_of_device_copy": {t: (v / device_copy_gbps if v else None)
-                                                            for t, v in gbps.items()}}
+    gbps, frac = rates(nbytes)
+    case["loopback_traffic"] = {"bytes": nbytes, "gbps": gbps, "fraction_of_device_copy": frac}
+    if case["op"] in ("combine", "dispatch_bwd"):
+        sel_rows = case["bytes"]["per_selection"] / case["bytes_per_row"]
+        touched = case["tokens"] * 2 * hidden + sel_rows * 2 * hidden
+        gbps, frac = rates(touched)
+        case["loopback_traffic"].update(bytes_touched=touched, gbps_touched=gbps, fraction_touched_of_device_copy=frac)
 
 
 def build_report(*, options: dict, world: dict, meta: dict, phases: list, command: list) -> dict:
@@ -303,6 +317,10 @@ def format_table(report: dict) -> str:
             out.append(f"loopback traffic {c['op']} {c['precision']} T={c['tokens']}: {lt['bytes'] / 1e6:.0f} MB "
                        f"(BF16 token rows once + rows per selection), {_f(lt['gbps']['whole_call'], 1)} GB/s = "
                        f"{100 * lt['fraction_of_device_copy']['whole_call']:.1f}% of device_copy (whole call)")
+            if lt.get("bytes_touched"):
+                out.append(f"  bytes it must touch (BF16 expert rows in, BF16 rows out): {lt['bytes_touched'] / 1e6:.0f} MB, "
+                           f"{_f(lt['gbps_touched']['whole_call'], 1)} GB/s = "
+                           f"{100 * lt['fraction_touched_of_device_copy']['whole_call']:.1f}% of device_copy")
     for chk in report.get("checks", []):
         if chk.get("status") == "ok":
             out.append(f"check vs reference ({chk['precision']}, T={chk['tokens']}): dispatch equal="
