@@ -94,6 +94,27 @@ def _arrive_all(flags_peers, row, me, W):
 
 
 @triton.jit
+def _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm,
+                H: tl.constexpr, C: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr):
+    """dispatch_kernel: one slot's stores of a row chunk - payload ``q`` at ``row`` of rank ``rk``'s ``recv_q``, and
+    (MX) its scales ``s`` at the same row of ``recv_s``, row-major; ``m`` / ``cm`` mask values / scale columns."""
+    if MX:
+        qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.uint8))
+    else:
+        qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.bfloat16))
+    # 16-byte aligned contiguous row pieces (buffers 16-byte aligned, H % 32 == 0). Without these hints every peer
+    # store over NVLink is a single byte.
+    dst = qbase + tl.multiple_of(row * H + c0, 16) + offs
+    tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), q, mask=m)
+    if MX:
+        sbase = tl.load(s_peers + rk).to(tl.pointer_type(tl.uint8))
+        sp = sbase + row * C + cols
+        if C % 16 == 0 and (NB % 16 == 0 or CHUNK >= H):  # 16 aligned, contiguous bytes
+            sp = tl.max_contiguous(tl.multiple_of(sp, 16), 16)
+        tl.store(sp, s, mask=cm)
+
+
+@triton.jit
 def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, flags_peers, me, W, w_ptr,
                     offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups,
                     H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
@@ -142,11 +163,13 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
             if MX and not WEIGHTED:
                 q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
                 q = tl.reshape(q2, (CHUNK,))
+            if not MX:
+                s = cols  # no scales: a placeholder for _store_slot's unused argument
             for j in tl.static_range(K):
                 rk = tl.load(dest_rank_ptr + t * K + j)
                 row = tl.load(dest_row_ptr + t * K + j).to(tl.int64)  # both loads issued before the branch
-                if rk >= 0:  # dropped slots store nothing
-                    if WEIGHTED:
+                if WEIGHTED:
+                    if rk >= 0:  # dropped slots store nothing (and quantize nothing)
                         xw = tl.load(w_ptr + t * K + j) * x.to(tl.float32)
                         if MX:
                             q2, s = mx_quantize_tile(tl.reshape(xw, (NB, 32)), MODE, INT_ROUND, 1)
@@ -155,23 +178,15 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                             q = bf16_rne_int(xw)
                         else:
                             q = xw.to(tl.bfloat16)
-                    elif not MX:
+                        _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX)
+                else:
+                    if not MX:
                         q = x
-                    if MX:
-                        qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.uint8))
-                    else:
-                        qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.bfloat16))
-                    # 16-byte aligned contiguous row pieces (buffers 16-byte aligned, H % 32 == 0). Hints must
-                    # be written inline (through a helper function they are lost); without them every peer
-                    # store over NVLink is a single byte.
-                    dst = qbase + tl.multiple_of(row * H + c0, 16) + offs
-                    tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), q, mask=m)
-                    if MX:
-                        sbase = tl.load(s_peers + rk).to(tl.pointer_type(tl.uint8))
-                        sp = sbase + row * C + cols
-                        if C % 16 == 0 and (NB % 16 == 0 or CHUNK >= H):  # 16 aligned, contiguous bytes
-                            sp = tl.max_contiguous(tl.multiple_of(sp, 16), 16)
-                        tl.store(sp, s, mask=cm)
+                    # no branch: a dropped slot's stores are masked off (its rank read as 0), so the stored
+                    # registers are packed once per chunk, not once per slot
+                    ok = rk >= 0
+                    _store_slot(q, s, q_peers, s_peers, tl.maximum(rk, 0), row, c0, offs, cols, m & ok, cm & ok,
+                                H, C, NB, CHUNK, MX)
         t += G
     if ZERO_PAD:
         WORDS: tl.constexpr = H // 8 if MX else H // 4
@@ -449,7 +464,7 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
             for j in tl.static_range(K):  # scalar slot loads (L1 hits after the first chunk), masked row loads
                 pos = tl.load(send_pos_ptr + t * K + j)
                 ok = pos >= 0
-                w = tl.load(w_ptr + t * K + j)
+                w = tl.where(ok, tl.load(w_ptr + t * K + j), 0.0)  # a dropped slot's row loads as zeros
                 if OWN:
                     r64 = tl.maximum(tl.load(dest_row_ptr + t * K + j), 0).to(tl.int64)
                     src = own_ptr + r64 * H + el
@@ -469,7 +484,7 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
                     v = e4m3_decode(q, INT_ROUND) * mx_scale_value(sb.to(tl.int32))[:, None]
                 else:
                     v = to_fp32(tl.load(src, mask=m & ok, other=0.0), INT_ROUND)
-                acc += tl.where(ok, w * v, 0.0)
+                acc += w * v
             if INT_ROUND:
                 tl.store(y_ptr + t.to(tl.int64) * H + el, bf16_rne_int(acc), mask=m)
             else:

@@ -38,25 +38,23 @@ def mx_scale_bytes(amax, MODE: tl.constexpr):
     """E8M0 scale bytes from block maxima.
 
     Args:
-        amax: fp32 tensor (any shape) of ``max |x|`` per block; NaN or +Inf marks a bad block.
+        amax: fp32 tensor (any shape) of ``max |x|`` per block (>= 0); NaN or +Inf marks a bad block.
         MODE: 0 = rceil, 1 = floor (:data:`SCALE_MODE_IDS`).
     Returns:
         int32 tensor of the same shape with values 0..255 (255 for NaN/Inf amax).
+
+    rceil in integer steps: for ``v = amax * fp32(1/448)`` (bits ``vb >= 0``) the rule's "exponent field, plus one if
+    the mantissa is non-zero" is ``(vb + 0x7FFFFF) >> 23`` for a normal ``v``, and "plus one if the mantissa exceeds
+    0x400000" is ``(vb + 0x3FFFFF) >> 23`` for a subnormal one (exponent field 0). Finite ``amax`` give at most 247,
+    so the clamp to 254 never binds; it is kept as the spec states it.
     """
     abits = amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     bad = abits >= 0x7F800000
-    safe = tl.where(bad, 0.0, amax)
     if MODE == 0:
-        v = safe * INV_E4M3_MAX
-        bits = v.to(tl.int32, bitcast=True)
-        exp = (bits >> 23) & 0xFF
-        man = bits & 0x7FFFFF
-        up = tl.where(exp == 0, man > 0x400000, man != 0)
-        b = tl.minimum(exp + up.to(tl.int32), 254)
+        vb = (tl.where(bad, 0.0, amax) * INV_E4M3_MAX).to(tl.int32, bitcast=True)
+        b = tl.minimum((vb + tl.where(vb < 0x800000, 0x3FFFFF, 0x7FFFFF)) >> 23, 254)
     else:
-        bits = safe.to(tl.int32, bitcast=True)
-        exp = (bits >> 23) & 0xFF
-        b = tl.minimum(tl.maximum(exp - 8, 0), 254)
+        b = tl.minimum(tl.maximum((abits >> 23) - 8, 0), 254)
     return tl.where(bad, 255, b)
 
 
@@ -119,14 +117,15 @@ def e4m3_rne_satfinite_int(v):
 def e4m3_byte(v, INT_ROUND: tl.constexpr):
     """fp32 -> E4M3 byte (int32 0..255), RNE satfinite; integer path or hardware cast.
 
-    NaN input: the integer path gives 0x7F (sign kept); the hardware path's clamp drops the NaN (GPU min/max return
-    the other operand), giving +-448 (0x7E/0xFE). Block quantization does not depend on it: a block holding a NaN
-    gets scale 255 and payload 0x7F (:func:`mx_quantize_tile` overrides its bytes)."""
+    The hardware path is one ``cvt.rn.satfinite.e4m3x2.f32`` per two values (Triton's fp32 -> float8e4nv cast on
+    sm_89+), which saturates +-Inf and out-of-range values to +-448 itself. NaN input: the integer path gives 0x7F
+    with the sign kept; the hardware cast gives a NaN byte (``byte & 0x7F == 0x7F``; which sign is the hardware's).
+    Block quantization does not depend on it: a block holding a NaN gets scale 255 and payload 0x7F
+    (:func:`mx_quantize_tile` overrides its bytes)."""
     if INT_ROUND:
         q = e4m3_rne_satfinite_int(v)
     else:
-        c = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        q = c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+        q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
     return q
 
 
@@ -172,6 +171,28 @@ def to_fp32(x, INT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def block_amax(xf, AXIS: tl.constexpr, INT_ROUND: tl.constexpr):
+    """``max |x|`` along ``AXIS`` of an fp32 tile; a NaN anywhere in the block gives NaN.
+
+    GPU (``INT_ROUND=False``): a NaN-propagating float max (``max.NaN.f32``, the absolute value folded into the
+    instruction), one instruction per value. ``INT_ROUND`` (the interpreter, whose reductions with a custom combine
+    fail on these tiles): the integer max of the magnitude bits, where NaN bits exceed Inf's, which exceed every
+    finite value's - the same result.
+    """
+    if INT_ROUND:
+        bits = tl.max(xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
+        amax = bits.to(tl.float32, bitcast=True)
+    else:
+        amax = tl.reduce(tl.abs(xf), AXIS, _max_keep_nan)
+    return amax
+
+
+@triton.jit
 def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr = -1):
     """Quantize a register tile whose ``AXIS`` dimension is one 32-value block.
 
@@ -188,14 +209,15 @@ def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.co
         ``x``'s shape without ``AXIS``. NaN/Inf blocks: scale 255, payload 0x7F.
     """
     xf = to_fp32(x, INT_ROUND)
-    ax = tl.abs(xf)
-    ax = tl.where(xf != xf, float("inf"), ax)  # NaN poisons the block (max may drop NaN)
-    amax = tl.max(ax, axis=AXIS)
-    b = mx_scale_bytes(amax, MODE)
-    y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)
-    q = e4m3_byte(y, INT_ROUND)
-    q = tl.where(tl.expand_dims(b == 255, AXIS), 0x7F, q)
-    return q.to(tl.uint8), b.to(tl.uint8)
+    b = mx_scale_bytes(block_amax(xf, AXIS, INT_ROUND), MODE)
+    y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)  # b == 255: the reciprocal is NaN, so is every y
+    if INT_ROUND:
+        q = tl.where(tl.expand_dims(b == 255, AXIS), 0x7F, e4m3_rne_satfinite_int(y)).to(tl.uint8)
+    else:
+        # The hardware cast, its bytes kept packed (no int32 round trip). A NaN block's y are the canonical NaN
+        # (0x7FFFFFFF) that a product with a NaN operand gives, which the cast turns into 0x7F.
+        q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    return q, b.to(tl.uint8)
 
 
 @triton.jit
@@ -213,12 +235,10 @@ def mx_qdq_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constex
         v = e4m3_decode(q, INT_ROUND) * tl.expand_dims(mx_scale_value(b.to(tl.int32)), AXIS)
     else:
         xf = to_fp32(x, INT_ROUND)
-        ax = tl.abs(xf)
-        ax = tl.where(xf != xf, float("inf"), ax)  # NaN poisons the block (max may drop NaN)
-        b = mx_scale_bytes(tl.max(ax, axis=AXIS), MODE)
+        b = mx_scale_bytes(block_amax(xf, AXIS, INT_ROUND), MODE)
         y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)  # b == 255: NaN
-        c = tl.minimum(tl.maximum(y, -448.0), 448.0)  # (a NaN y becomes +-448 here; its scale below is NaN)
-        d = c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+        # the cast saturates (cvt.rn.satfinite): no clamp needed; a NaN block's scale below is NaN
+        d = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
         v = d * tl.expand_dims(mx_scale_value(b), AXIS)
     return v
 
