@@ -76,13 +76,17 @@ from . import put_path
 _CHUNK = 1024
 _PROGRAMS_PER_SM = 4  # combine send, copy-out
 # dispatch direction (dispatch_kernel, pack_rows_kernel) and combine's reduce: 16 programs per SM of 4 warps, row
-# chunks of 4096 values (2048 when each slot is quantized separately: combine backward, one rank's combine) - the
-# fastest settings measured on one H200 at 8192 x 7168, top-8, with kernel times from CUDA-graph replays
-# (bench/bench_ep_kernels.py; bench/results/h200/README.md, session 7: dispatch_kernel 178 µs at 4096, 210 at 2048)
+# chunks of 4096 values - the fastest settings measured on one H200 at 8192 x 7168, top-8, with kernel times from
+# CUDA-graph replays (bench/bench_ep_kernels.py; bench/results/h200/README.md, session 7: dispatch_kernel 178 µs at
+# 4096, 210 at 2048). These kernels are bound by memory: a last chunk partly masked off costs little.
 _DISPATCH_PROGRAMS_PER_SM = 16
 _DISPATCH_CHUNK = 4096
-_WEIGHTED_CHUNK = 2048
 _REDUCE_CHUNK = 4096
+# Kernels that quantize every slot (combine backward's weighted dispatch, one rank's combine, which quantizes and
+# dequantizes each row in registers) are bound by arithmetic: their chunk divides H where it can (_qdq_chunk), since
+# a masked-off tail is computed all the same (session 9, one H200, one-rank reduce at H = 7168: 342.7 µs at 1024,
+# 400.0 at 2048, 582.9 at 4096).
+_QDQ_CHUNK = 1024
 _MAX_PLAN_GRAPHS = 8  # captured plan graphs kept per backend (least recently used dropped)
 
 
@@ -255,7 +259,7 @@ class NvshmemBackend:
     @staticmethod
     def _chunk(H: int, weighted: bool = False) -> int:
         """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot)."""
-        return min(_WEIGHTED_CHUNK if weighted else _DISPATCH_CHUNK, triton_next_pow2(H))
+        return _qdq_chunk(H) if weighted else min(_DISPATCH_CHUNK, triton_next_pow2(H))
 
     @property
     def memory_bytes(self) -> int:
@@ -707,7 +711,7 @@ class NvshmemBackend:
             combine_reduce_kernel[(min(T, self.dispatch_programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.c_epoch, self.nslot,
                 plan.dest_row, payload, in_scales,
-                H=H, K=cfg.topk, CHUNK=min(_WEIGHTED_CHUNK if own and mx else _REDUCE_CHUNK, triton_next_pow2(H)),
+                H=H, K=cfg.topk, CHUNK=_qdq_chunk(H) if own and mx else min(_REDUCE_CHUNK, triton_next_pow2(H)),
                 MX=mx, INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, MODE=self.mode_id,
                 num_warps=4,
             )
@@ -782,6 +786,19 @@ class NvshmemBackend:
         # one Triton kernel reading the saved MXFP8/BF16 rows (the torch reference dequantizes them all first)
         grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos, programs=self.programs)
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
+
+
+def _qdq_chunk(H: int, cap: int = _QDQ_CHUNK, floor: int = 512) -> int:
+    """Row chunk of the kernels that quantize every slot: among the powers of two in ``[floor, cap]`` the one that
+    leaves the fewest values of the last chunk masked off (the larger on ties; below ``floor`` a 4-warp program
+    holds too few values per thread); ``next_pow2(H)`` when that is smaller."""
+    c = min(cap, triton_next_pow2(H))
+    best = c
+    while c > floor:
+        c //= 2
+        if -H % c < -H % best:
+            best = c
+    return best
 
 
 def triton_next_pow2(n: int) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from heap_fakes import FakeBuf, FakeCtx
 from mxcomm.ep import EPConfig, EPGroup
-from mxcomm.ep.nvshmem_backend import row_origins
+from mxcomm.ep.nvshmem_backend import _qdq_chunk, row_origins
 from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
 from mxcomm.ep.plan import build_plan, local_counts
 
@@ -556,3 +556,16 @@ def test_dispatch_sequence_of_token_counts_matches_oracle(transport):
         assert torch.equal(res.offs, want.offs) and torch.equal(res.counts, want.counts), T
         assert torch.equal(res.x.qdata.view(torch.uint8), want.x.qdata.view(torch.uint8)), T
         assert torch.equal(res.x.scales, want.x.scales), T
+
+
+@pytest.mark.parametrize("H", [32, 96, 1024, 2880, 4096, 7168, 7200, 16384])
+def test_qdq_chunk_wastes_least(H):
+    """The per-slot quantizing kernels' chunk: a power of two in [512, 1024] (or next_pow2(H) when smaller) whose
+    masked-off tail is the smallest such a chunk can leave."""
+    c = _qdq_chunk(H)
+    small = 1 << (H - 1).bit_length()
+    allowed = [small] if small <= 512 else [x for x in (512, 1024) if x <= small]
+    assert c in allowed
+    assert -H % c == min(-H % x for x in allowed)
+    if H % 1024 == 0:
+        assert c == 1024

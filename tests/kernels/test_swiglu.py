@@ -97,7 +97,11 @@ def test_forward_row_layout(dtype, mode, int_round):
     if INTERP:
         assert_within_one_ulp(h, href)
     else:
-        assert torch.equal(h.view(torch.int16), href.view(torch.int16))
+        # bit for bit, except NaN payloads: the integer rounding (int_round) writes the quiet NaN 0x7FC0 with the
+        # input's sign, torch's CUDA cast its own NaN; positions must match
+        nan = torch.isnan(href)
+        assert torch.equal(torch.isnan(h), nan)
+        assert torch.equal(h.view(torch.int16)[~nan], href.view(torch.int16)[~nan])
         assert_same_mx(got, mx.quantize(href, mode=mode))
     # the payload decodes to h within MXFP8 precision
     deq = mx.dequantize(got, torch.float32)
