@@ -16,7 +16,7 @@ unwritten, e.g. ``torch._grouped_mm``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -315,6 +315,17 @@ def default_gemm_config(M: int, N: int, K: int, G: int, interpret: bool) -> Grou
     return GroupedGemmConfig()
 
 
+def fit_k_step(cfg: GroupedGemmConfig, K: int) -> GroupedGemmConfig:
+    """``cfg`` with ``block_k`` at most ``next_pow2(K)`` (and >= 32), for the grouped GEMM's reduction loop.
+
+    A K-step wider than K computes a masked-off part for nothing; and on an H200 (Triton 3.6) K = 32 with
+    ``block_k = 64`` gave NaN outputs whenever the weight was MX (any stage count; the activation alone was fine;
+    ``block_k = 32`` exact; K = 64, 96, 128 exact with 64). The cause was not found; this keeps launches out of it.
+    """
+    bk = max(32, min(cfg.block_k, triton.next_power_of_2(K)))
+    return cfg if bk == cfg.block_k else replace(cfg, block_k=bk)
+
+
 def zero_rows_past_end(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Zero rows ``[offs[-1], M)`` of ``out [M, N]`` in place (no host sync on CUDA); returns ``out``.
 
@@ -392,7 +403,7 @@ def triton_grouped_mm(
     else:
         a_ptr, as_ptr, a_layout, as_cols = a_t.to(torch.bfloat16).contiguous(), None, LAYOUT_ROW, 0
     if M and N and G:
-        cfg = config or default_gemm_config(M, N, K, G, interp)
+        cfg = fit_k_step(config or default_gemm_config(M, N, K, G, interp), K)
         num_m = triton.cdiv(M, cfg.block_m) + G
         grid = (num_m * triton.cdiv(N, cfg.block_n),)
         dummy = out

@@ -11,6 +11,7 @@ from mxcomm.gemm import (
     MXWeight,
     MXWeightCache,
     default_gemm_config,
+    fit_k_step,
     grouped,
     grouped_mm,
     grouped_mm_bf16,
@@ -99,15 +100,25 @@ def test_grouped_mm_special_values(backend):
     assert torch.isfinite(got[others]).all()
 
 
-def test_triton_matches_dequant_bitwise_operands():
+@pytest.mark.parametrize("block_k", [None, 64])
+def test_triton_matches_dequant_bitwise_operands(block_k):
     """The Triton kernel's in-load dequantize gives the same BF16 operands as the dequantize kernel: with
-    K = one k-step the products and sums are the same fp32 dot, so results agree to accumulation order."""
+    K = one k-step the products and sums are the same fp32 dot, so results agree to accumulation order.
+    ``block_k=64`` > K = 32: the launcher narrows the step (an MX weight gave NaN there on an H200)."""
     M, K, N, G = 64, 32, 32, 4
     a, master, offs = _operands(M, K, N, G, "uneven", seed=16)
     w = MXWeight.from_dense(master)
-    t = triton_grouped_mm(a, w, offs)
-    d = triton_grouped_mm(mx.dequantize(a, torch.bfloat16), w.dequantize(torch.bfloat16), offs)
+    cfg = None if block_k is None else GroupedGemmConfig(block_m=64, block_n=128, block_k=block_k, num_warps=4)
+    t = triton_grouped_mm(a, w, offs, config=cfg)
+    d = triton_grouped_mm(mx.dequantize(a, torch.bfloat16), w.dequantize(torch.bfloat16), offs, config=cfg)
     assert torch.equal(t, d)
+
+
+def test_fit_k_step():
+    cfg = GroupedGemmConfig(block_k=128)
+    assert fit_k_step(cfg, 32).block_k == 32 and fit_k_step(cfg, 96).block_k == 128
+    assert fit_k_step(cfg, 64).block_k == 64 and fit_k_step(cfg, 7168) is cfg
+    assert fit_k_step(cfg, 64).block_m == cfg.block_m
 
 
 @pytest.mark.parametrize("cfg", [GroupedGemmConfig(block_m=16, block_n=16, block_k=32, group_m=1),
