@@ -82,6 +82,10 @@ _PROGRAMS_PER_SM = 4  # combine send, copy-out
 _DISPATCH_PROGRAMS_PER_SM = 16
 _DISPATCH_CHUNK = 4096
 _REDUCE_CHUNK = 4096
+# The reduce of MXFP8 rows that arrived (several ranks): 2048 since session 9's kernel (scalar weight mask), lab on
+# one H200, two device calls: 165.7 / 163.8 µs at 2048 against 198.2 / 197.8 at 4096 (session 8's kernel: 210 at
+# 2048, 177 at 4096). The BF16 reduce keeps 4096 (not re-measured).
+_REDUCE_MX_CHUNK = 2048
 # Kernels that quantize every slot (combine backward's weighted dispatch, one rank's combine, which quantizes and
 # dequantizes each row in registers) are bound by arithmetic: their chunk divides H where it can (_qdq_chunk), since
 # a masked-off tail is computed all the same (session 9, one H200, one-rank reduce at H = 7168: 342.7 µs at 1024,
@@ -260,6 +264,13 @@ class NvshmemBackend:
     def _chunk(H: int, weighted: bool = False) -> int:
         """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot)."""
         return _qdq_chunk(H) if weighted else min(_DISPATCH_CHUNK, triton_next_pow2(H))
+
+    @staticmethod
+    def _reduce_chunk(H: int, own: bool, mx: bool) -> int:
+        """Row chunk of combine_reduce_kernel: ``own and mx`` quantizes every slot (compute-bound), the others read."""
+        if own and mx:
+            return _qdq_chunk(H)
+        return min(_REDUCE_MX_CHUNK if mx else _REDUCE_CHUNK, triton_next_pow2(H))
 
     @property
     def memory_bytes(self) -> int:
@@ -711,7 +722,7 @@ class NvshmemBackend:
             combine_reduce_kernel[(min(T, self.dispatch_programs),)](
                 comb, self.comb_s.local, plan.send_pos, w, y, T, self.c_epoch, self.nslot,
                 plan.dest_row, payload, in_scales,
-                H=H, K=cfg.topk, CHUNK=_qdq_chunk(H) if own and mx else min(_REDUCE_CHUNK, triton_next_pow2(H)),
+                H=H, K=cfg.topk, CHUNK=self._reduce_chunk(H, own, mx),
                 MX=mx, INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, MODE=self.mode_id,
                 num_warps=4,
             )

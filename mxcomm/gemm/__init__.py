@@ -42,6 +42,7 @@ __all__ = [
     "grouped_mm", "grouped_mm_bf16", "grouped_wgrad", "reference_grouped_mm", "reference_grouped_wgrad",
     "native_args", "GemmBackend", "EMULATED_DEFAULT", "select_backend", "native_mxfp8_supported",
     "check_native_allowed", "device_capability", "MXWeight", "MXWeightCache", "StaleWeightCacheError",
-    "MXGroupedLinear", "GroupedLinearConfig", "grouped_linear", "GroupedGemmConfig", "default_gemm_config", "fit_k_step",
+    "MXGroupedLinear", "GroupedLinearConfig", "grouped_linear", "GroupedGemmConfig", "default_gemm_config",
+    "fit_k_step",
     "triton_grouped_mm", "triton_grouped_wgrad", "zero_rows_past_end",
 ]

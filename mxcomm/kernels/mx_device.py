@@ -115,17 +115,17 @@ def e4m3_rne_satfinite_int(v):
 
 @triton.jit
 def e4m3_byte(v, INT_ROUND: tl.constexpr):
-    """fp32 -> E4M3 byte (int32 0..255), RNE satfinite; integer path or hardware cast.
+    """fp32 -> E4M3 byte (uint8), RNE satfinite; integer path or hardware cast.
 
     The hardware path is one ``cvt.rn.satfinite.e4m3x2.f32`` per two values (Triton's fp32 -> float8e4nv cast on
-    sm_89+), which saturates +-Inf and out-of-range values to +-448 itself. NaN input: the integer path gives 0x7F
-    with the sign kept; the hardware cast gives a NaN byte (``byte & 0x7F == 0x7F``; which sign is the hardware's).
-    Block quantization does not depend on it: a block holding a NaN gets scale 255 and payload 0x7F
-    (:func:`mx_quantize_tile` overrides its bytes)."""
+    sm_89+), which saturates +-Inf and out-of-range values to +-448 itself; its bytes stay packed as the cast leaves
+    them (no int32 round trip before a store). NaN input: the integer path gives 0x7F with the sign kept; the
+    hardware cast gives a NaN byte (``byte & 0x7F == 0x7F``; which sign is the hardware's). Block quantization
+    does not depend on it: a block holding a NaN gets scale 255 and payload 0x7F (:func:`mx_quantize_tile`)."""
     if INT_ROUND:
-        q = e4m3_rne_satfinite_int(v)
+        q = e4m3_rne_satfinite_int(v).to(tl.uint8)
     else:
-        q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+        q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     return q
 
 
@@ -211,12 +211,11 @@ def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.co
     xf = to_fp32(x, INT_ROUND)
     b = mx_scale_bytes(block_amax(xf, AXIS, INT_ROUND), MODE)
     y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)  # b == 255: the reciprocal is NaN, so is every y
-    if INT_ROUND:
-        q = tl.where(tl.expand_dims(b == 255, AXIS), 0x7F, e4m3_rne_satfinite_int(y)).to(tl.uint8)
-    else:
-        # The hardware cast, its bytes kept packed (no int32 round trip). A NaN block's y are the canonical NaN
-        # (0x7FFFFFFF) that a product with a NaN operand gives, which the cast turns into 0x7F.
-        q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    q = e4m3_byte(y, INT_ROUND)
+    if INT_ROUND:  # NaN blocks: 0x7F whatever sign the NaN products carry
+        q = tl.where(tl.expand_dims(b == 255, AXIS), 0x7F, q.to(tl.int32)).to(tl.uint8)
+    # (hardware cast: a NaN block's y are the canonical NaN 0x7FFFFFFF that a product with a NaN operand gives,
+    # which the cast turns into 0x7F - no select needed; the GPU tests check the bytes of NaN blocks)
     return q, b.to(tl.uint8)
 
 
