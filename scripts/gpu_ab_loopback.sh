@@ -5,7 +5,8 @@
 #   AB_OLD=bench/results/tmp/old bash scripts/gpu_ab_loopback.sh alternate  # $OUT gets one log per run
 #
 # Default: the loopback (1 rank, 8192 x 7168, top-8, 256 experts) back to back - eager exact sizes, then CUDA-graph
-# replays; $OUT keeps each run's JSON and log (8 files: what the device tool brings back). env: AB_OPS (default dispatch,combine), AB_ITERS (20), AB_IMPLS (this tree's eager run).
+# replays; $OUT keeps each run's JSON and log (8 files: what the device tool brings back).
+# env: AB_OPS (default dispatch,combine), AB_ITERS (20), AB_IMPLS (this tree's eager run).
 # `alternate`: eager MXFP8 dispatch + combine of the two trees ALTERNATED over rounds (the spread between runs of the
 # same code, 10-30 % on the 2-GPU machine, is as large as most changes: one run of each tells nothing). env: AB_RANKS
 # (1: loopback on GPU 0; 0: one rank per visible GPU), AB_ORDER ("old new"), AB_ROUNDS (2), AB_ITERS (20).
