@@ -103,7 +103,8 @@ def _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm,
     else:
         qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.bfloat16))
     # 16-byte aligned contiguous row pieces (buffers 16-byte aligned, H % 32 == 0). Without these hints every peer
-    # store over NVLink is a single byte.
+    # store over NVLink is a single byte. They survive this helper (Triton 3.6): tests/ep/test_nvshmem_dataflow.py
+    # checks the sm_90 compile for 16-byte stores.
     dst = qbase + tl.multiple_of(row * H + c0, 16) + offs
     tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), q, mask=m)
     if MX:

@@ -460,7 +460,9 @@ from mxcomm.ep import nvshmem_kernels as nk
 def compile(fn, types, **consts):
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    assert ptx
+    return ptx
 
 i32, i64, u8 = "*i32", "*i64", "*u8"
 disp = dict(x_ptr="*bf16", dest_rank_ptr=i32, dest_row_ptr=i32, q_peers=i64, s_peers=i64, flags_peers=i64,
@@ -468,8 +470,11 @@ disp = dict(x_ptr="*bf16", dest_rank_ptr=i32, dest_row_ptr=i32, q_peers=i64, s_p
 for arrive in (True, False):  # peer-pointer path, put path
     for weighted in (False, True):
         for mx in (True, False):
-            compile(nk.dispatch_kernel, disp, H=7168, K=8, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False,
-                    WEIGHTED=weighted, ARRIVE=arrive)
+            ptx = compile(nk.dispatch_kernel, disp, H=7168, K=8, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False,
+                          WEIGHTED=weighted, ARRIVE=arrive)
+            # the payload stores (through _store_slot, to a pointer read from the peer table) stay 16-byte vectors:
+            # without the alignment hints every peer store over NVLink would be a single byte
+            assert "st.global.v4.b32" in ptx, (arrive, weighted, mx)
 send = dict(out_ptr="*bf16", n_rows_ptr=i32, row_src_ptr=i32, row_pos_ptr=i32, q_peers=i64, s_peers=i64,
             flags_peers=i64, epoch_ptr=i64, in_scales_ptr=u8)
 for staged in (False, True):
