@@ -574,3 +574,28 @@ def test_qdq_chunk_wastes_least(H):
     assert -H % c == min(-H % x for x in allowed)
     if H % 1024 == 0:
         assert c == 1024
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs combine for real")
+@pytest.mark.parametrize("transport", ["auto", "push"])
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_combine_ignores_weights_of_dropped_slots(transport, precision):
+    """A dropped slot adds nothing to combine, whatever its weight holds (NaN, Inf): the reduce masks the slot
+    through its scalar weight (one-rank reduce reading the expert output, and the reduce of returned rows)."""
+    E, k, T, H = 4, 3, 6, 64
+    q = precision == "mxfp8"
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=8, precision=precision,
+                   backend="nvshmem", num_sms=1, timeout_s=5.0, transport=transport)
+    be = _loopback_backend(cfg)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[0, -1, 2], [-1, -1, 1], [3, 0, -1], [-1, 2, 3], [1, -1, -1], [2, 3, 0]])
+    w = torch.rand(T, k, generator=g)
+    bad = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e38])
+    w[idx < 0] = bad.repeat(4)[:int((idx < 0).sum())]
+    res, handle = be.dispatch(x, idx, w)
+    _, routes = oracle_dispatch(cfg, [x], [idx])
+    out = torch.randn(res.num_rows, H, generator=g).to(torch.bfloat16)
+    y = be.combine(out, handle, q)
+    assert torch.isfinite(y.float()).all()
+    torch.testing.assert_close(y.float(), oracle_combine(cfg, [out], routes, [w], q)[0].float(), rtol=1e-2, atol=1e-2)
