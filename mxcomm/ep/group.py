@@ -145,7 +145,7 @@ def validate_combine_inputs(config: EPConfig, expert_out, handle) -> None:
     """Raise TypeError/ValueError for bad combine inputs (before anything is sent)."""
     if not isinstance(handle, EPHandle):
         raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
-    if handle.config != config:
+    if handle.config is not config and handle.config != config:
         raise ValueError("handle was made by an EPGroup with a different config")
     if not isinstance(expert_out, torch.Tensor):
         raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
@@ -164,7 +164,7 @@ def validate_backward_handle(config: EPConfig, handle) -> None:
     """TypeError/ValueError unless ``handle`` is an :class:`EPHandle` of a group with ``config``."""
     if not isinstance(handle, EPHandle):
         raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
-    if handle.config != config:
+    if handle.config is not config and handle.config != config:
         raise ValueError("handle was made by an EPGroup with a different config")
 
 

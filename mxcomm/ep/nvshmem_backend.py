@@ -209,9 +209,11 @@ class NvshmemBackend:
         self.d_epoch, self.c_epoch = self.epoch[0:1], self.epoch[1:2]
         self.expect = torch.zeros(3, W, dtype=torch.int64, device=self.device)  # arrivals expected per flags[i, s]
         self._expect_rows = tuple(self.expect[i] for i in range(3))
-        # error words: [0] a bounded wait's timeout (mxcomm.transport.errors), [1] bad expert ids seen on the device
-        self.err_words = torch.zeros(2, dtype=torch.int64, device=self.device)
-        self.err, self.input_err = self.err_words[0:1], self.err_words[1:2]
+        # the words the host reads at its one sync of an exact-size call (one transfer): [0] a bounded wait's timeout
+        # (mxcomm.transport.errors), [1] bad expert ids seen on the device, [2] the row count of the last plan
+        self.status = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.err_words = self.status[0:2]
+        self.err, self.input_err, self._rows_word = self.status[0:1], self.status[1:2], self.status[2:3]
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
@@ -225,8 +227,6 @@ class NvshmemBackend:
             self.send_q, self.send_s, self.pull_list = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.pull_list"]
             self.push_programs = sms  # push_entries_kernel (same on all ranks: receivers count their arrivals)
             self.pull_programs = sms * _DISPATCH_PROGRAMS_PER_SM  # pull_rows_kernel
-        if self.local:
-            self._out_slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # the output's address
         if self.put_mode:
             self._init_put_path(bufs, puts)
 
@@ -276,20 +276,18 @@ class NvshmemBackend:
     def memory_bytes(self) -> int:
         return self.heap.nbytes
 
-    def _check(self, what: str, num_rows: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> int:
-        """Raise now if a bounded wait (or the device-side input check) recorded an error (one host sync).
-        Returns the int32 ``num_rows[0]`` read in the same transfer (0 without it). ``ids``: the caller's
+    def _check(self, what: str, ids: torch.Tensor | None = None) -> int:
+        """Raise now if a bounded wait (or the device-side input check) recorded an error: ONE host sync, which
+        reads the status words (one transfer). Returns the row count of the last plan (``status[2]``: written by
+        :meth:`_compute_plan`, so after a dispatch's plan it is that dispatch's ``num_rows``). ``ids``: the caller's
         ``topk_idx`` of this call, whose id check was deferred to this sync (bad ids raise the detailed error of
         :func:`mxcomm.ep.ids.check_expert_ids`)."""
         self._pending = None
-        if num_rows is None:
-            host = self.err_words.cpu()
-        else:
-            host = torch.cat([self.err_words, num_rows.to(torch.int64)]).cpu()
-        if ids is not None and int(host[1]):
+        words = self.status.tolist()
+        if ids is not None and words[1]:
             self._raise_bad_ids(ids)
-        self._raise_errors(host[:2], what)
-        return int(host[2]) if num_rows is not None else 0
+        self._raise_errors(words, what)
+        return words[2]
 
     def _raise_bad_ids(self, topk_idx: torch.Tensor) -> None:
         """The device saw bad expert ids in this call's ``topk_idx``: clear the word, raise the detailed error."""
@@ -297,14 +295,15 @@ class NvshmemBackend:
         check_expert_ids(topk_idx, self.config.num_experts)  # raises the detailed error
         raise AssertionError("the device id check and check_expert_ids disagree")  # not reached
 
-    def _raise_errors(self, words: torch.Tensor, what: str) -> None:
-        if int(words[1]):
+    def _raise_errors(self, words: list, what: str) -> None:
+        """Raise for the host copy of ``status[:2]`` (ints): bad expert ids (reported once), then a wait's error."""
+        if words[1]:
             self.input_err.zero_()
             raise ValueError(
                 f"rank {self.rank}: an earlier dispatch got topk_idx with an expert id outside [-1, "
                 f"{self.config.num_experts}) or listed twice in one token; those slots were dropped (sent nowhere)"
             )
-        tp.check_errors(words[:1], what=what, rank=self.rank)
+        tp.raise_error_words(words[:1], what=what, rank=self.rank)
 
     def _sanitize(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """Device-side check of expert ids (no host sync): out-of-range ids and repeats within a token
@@ -351,6 +350,16 @@ class NvshmemBackend:
         groups is refused by ``EPGroup`` before it gets here."""
         self._check("device error words")
 
+    def _after_call(self, what: str, waited: bool) -> None:
+        """The error check that ends a call whose output sizes are known without the device: exact-size mode syncs
+        (:meth:`_check`) when the call ``waited`` for peers (a bounded wait may have timed out); a call that waited for
+        nothing (one rank, nothing sent) could not have recorded an error, so it does not sync - its host returns
+        while its kernels run. No-sync mode: :meth:`_check_async`."""
+        if not self.config.exact_sizes:
+            self._check_async(what)
+        elif waited:
+            self._check(what)
+
     def _check_async(self, what: str) -> None:
         """No-host-sync mode: raise an error recorded by an EARLIER call (if its copy has landed), and
         start the non-blocking copy of this call's error word; it is raised by a later call. While
@@ -360,7 +369,7 @@ class NvshmemBackend:
         if self._pending is not None and self._pending[1].query():
             host, _, pwhat = self._pending
             self._pending = None
-            self._raise_errors(host, pwhat)
+            self._raise_errors(host.tolist(), pwhat)
         if self.device.type != "cuda":  # interpreter runs are synchronous anyway
             self._check(what)
             return
@@ -402,12 +411,11 @@ class NvshmemBackend:
         row_bytes = H if mx else 2 * H
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
         if R:
-            self._out_slot.fill_(out.data_ptr())
             dispatch_kernel[(self.dispatch_programs,)](
-                x, T, plan.dest_rank, plan.dest_row, self._out_slot, self.recv_s.peer_ptrs, self.flags.peer_ptrs,
-                0, 1, w, plan.offs, plan.expert_counts, plan.num_rows, R, self.El, H=H, K=cfg.topk,
-                CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, WEIGHTED=weighted,
-                ARRIVE=False, ZERO_PAD=True, num_warps=self.dispatch_warps,
+                x, T, plan.dest_rank, plan.dest_row, out if mx else out.view(torch.bfloat16), self.recv_s.peer_ptrs,
+                self.flags.peer_ptrs, 0, 1, w, plan.offs, plan.expert_counts, plan.num_rows, R, self.El, H=H,
+                K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
+                WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True, num_warps=self.dispatch_warps,
             )
         return out
 
@@ -466,8 +474,12 @@ class NvshmemBackend:
             pre = self._slot_prefix[:plan_kernels.slot_blocks(T, k) * (counts.shape[1] + 1)].view(-1, counts.shape[1] + 1)
             out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max, prefix=pre,
                                            origins=not self.local)
-            return PlanOutputs(plan=out["plan"], extra={n: v for n, v in out.items() if n != "plan"})
-        return compute_plan(counts.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
+            po = PlanOutputs(plan=out["plan"], extra={n: v for n, v in out.items() if n != "plan"})
+        else:
+            po = compute_plan(counts.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
+        if self.config.exact_sizes:  # the output size, read at the call's one host sync with the error words
+            self._rows_word.copy_(po.plan.num_rows)
+        return po
 
     def _plan(self, topk_idx: torch.Tensor) -> PlanOutputs:
         """The routing plan of this call from the exchanged counts: replayed from a CUDA graph captured
@@ -579,24 +591,28 @@ class NvshmemBackend:
         self._push_entries(po.plan)
         return po
 
-    def _local_middle(self, counts_buf: torch.Tensor, ids: torch.Tensor) -> PlanOutputs:
-        """The middle of a local (one-rank) dispatch: epoch += 1, this rank's counts (``_counts_in``) as the counts
-        matrix, the plan of ``ids`` on it."""
+    def _local_middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
+        """The middle of a local (one-rank) dispatch, all of it before the output kernel: the id check of the caller's
+        ``topk_idx`` and the counts (:meth:`_checked_ids`, read at the call's one host sync), epoch += 1, the counts
+        as the counts matrix, the plan of the checked ids on it. ``extra["ids"]``: the checked ids."""
+        ids, my_counts = self._checked_ids(topk_idx, sync=False)
         self.d_epoch.add_(1)
-        counts_buf[0].copy_(self._counts_in)
-        return self._compute_plan(counts_buf, ids)
+        counts_buf[0].copy_(my_counts)
+        po = self._compute_plan(counts_buf, ids)
+        return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
-    def _run_middle(self, x: torch.Tensor, ids: torch.Tensor, my_counts: torch.Tensor) -> PlanOutputs:
-        """Run :meth:`_pull_middle` (or :meth:`_local_middle`) for this call's ``x`` / checked ``ids`` / counts. On
-        the GPU it is captured into a CUDA graph per (path, token count, id dtype, plan implementation) after the
-        first eager call with that key and replayed afterwards (its launches cost the host more than its GPU work);
-        its inputs go through fixed-address buffers (``x`` by address). Eager on the interpreter, for T = 0, and
-        inside an outer capture (which records its kernels)."""
+    def _run_middle(self, x: torch.Tensor, ids: torch.Tensor, my_counts: Optional[torch.Tensor]) -> PlanOutputs:
+        """Run :meth:`_pull_middle` for this call's ``x`` / checked ``ids`` / ``my_counts``, or :meth:`_local_middle`
+        for the caller's unchecked ids (``my_counts`` None: the id check is part of the middle). On the GPU it is
+        captured into a CUDA graph per (path, token count, id dtype, plan implementation) after the first eager call
+        with that key and replayed afterwards (its launches cost the host more than its GPU work); its inputs go
+        through fixed-address buffers (``x`` by address). Eager on the interpreter, for T = 0, and inside an outer
+        capture (which records its kernels)."""
         middle = self._pull_middle if self.pull else self._local_middle
         if self.pull:
             self._x_slot.fill_(x.data_ptr())
-        if my_counts.data_ptr() != self._counts_in.data_ptr():  # (check_and_count writes it in place)
-            self._counts_in.copy_(my_counts)
+            if my_counts.data_ptr() != self._counts_in.data_ptr():  # (check_and_count writes it in place)
+                self._counts_in.copy_(my_counts)
         T, k = ids.shape
         if self.device.type != "cuda" or T == 0 or self._capturing():
             return middle(self.counts.local, ids)
@@ -638,19 +654,22 @@ class NvshmemBackend:
         self._refuse_put_capture()
         T, H = x.shape
         x = x.contiguous()
-        # the local path sends nothing before its output size sync, so the id check waits for that one sync
         given_idx = topk_idx
-        topk_idx, my_counts = self._checked_ids(topk_idx, sync=not self.local)
-        if self.pull or self.local:
-            po = self._run_middle(x, topk_idx, my_counts)
+        if self.local:  # sends nothing: the id check is part of the middle, read at the output size sync
+            po = self._run_middle(x, topk_idx, None)
+            topk_idx = po.extra["ids"]
         else:
+            topk_idx, my_counts = self._checked_ids(topk_idx)
+        if self.pull:
+            po = self._run_middle(x, topk_idx, my_counts)
+        elif not self.local:
             self.d_epoch.add_(1)
             self._exchange(my_counts)
             po = self._plan(topk_idx)
             self._send_to_experts(x, po.plan, x, weighted=False, mx=self.mx)
         plan = po.plan
         if cfg.exact_sizes:
-            R = self._check("dispatch arrivals", plan.num_rows, ids=given_idx if self.local else None)
+            R = self._check("dispatch arrivals", ids=given_idx if self.local else None)
         else:
             R = self.R_max
             self._check_async("dispatch arrivals")
@@ -742,10 +761,7 @@ class NvshmemBackend:
                 )
             else:
                 saved = self.comb_q.local.view(torch.bfloat16).view(2 * self.nslot, -1).index_select(0, ids)
-        if cfg.exact_sizes:
-            self._check(what)
-        else:
-            self._check_async(what)
+        self._after_call(what, waited=not own)
         return y, saved
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
@@ -787,10 +803,7 @@ class NvshmemBackend:
             # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
             self._exchange(None)
             self._send_to_experts(g, plan, w, weighted=True, mx=quantize_rows)
-        if cfg.exact_sizes:
-            self._check("combine-backward arrivals")
-        else:
-            self._check_async("combine-backward arrivals")
+        self._after_call("combine-backward arrivals", waited=not self.local)
         if not self.local:
             q = self._copy_out(plan, st.origins, R, cfg.hidden * (1 if quantize_rows else 2))
         grad_out = self._received(plan, R, quantize_rows, q)

@@ -95,10 +95,14 @@ def _arrive_all(flags_peers, row, me, W):
 
 @triton.jit
 def _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm,
-                H: tl.constexpr, C: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr):
-    """dispatch_kernel: one slot's stores of a row chunk - payload ``q`` at ``row`` of rank ``rk``'s ``recv_q``, and
-    (MX) its scales ``s`` at the same row of ``recv_s``, row-major; ``m`` / ``cm`` mask values / scale columns."""
-    if MX:
+                H: tl.constexpr, C: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
+                OUT_DIRECT: tl.constexpr):
+    """dispatch_kernel: one slot's stores of a row chunk - payload ``q`` at ``row`` of rank ``rk``'s ``recv_q`` (or of
+    ``q_peers`` itself, ``OUT_DIRECT``), and (MX) its scales ``s`` at the same row of ``recv_s``, row-major; ``m`` /
+    ``cm`` mask values / scale columns."""
+    if OUT_DIRECT:
+        qbase = q_peers
+    elif MX:
         qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.uint8))
     else:
         qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.bfloat16))
@@ -120,7 +124,8 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                     offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups,
                     H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                     MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr,
-                    ARRIVE: tl.constexpr = True, ZERO_PAD: tl.constexpr = False):
+                    ARRIVE: tl.constexpr = True, ZERO_PAD: tl.constexpr = False,
+                    OUT_DIRECT: tl.constexpr = False):
     """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
     straight into each destination rank's buffers at their final expert-major rows.
 
@@ -146,6 +151,8 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
             program zeroes its share of the rows no token fills (:func:`_zero_unfilled_rows` with the plan's
             ``offs_ptr`` / ``counts_ptr`` / ``n_rows_ptr`` over ``n_groups`` groups) - in the same launch, where the
             persistent loop's uneven end leaves the memory system idle. Those four are unused otherwise.
+        OUT_DIRECT (local path): ``q_peers`` IS that output (uint8 ``[R_out, H]`` MX, bf16 ``[R_out, H]``), not a
+            table of addresses (one fewer host operation per call than writing its address into a table).
     Grid: any fixed number of programs (identical on every rank); persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -179,7 +186,7 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                             q = bf16_rne_int(xw)
                         else:
                             q = xw.to(tl.bfloat16)
-                        _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX)
+                        _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX, OUT_DIRECT)
                 else:
                     if not MX:
                         q = x
@@ -187,11 +194,14 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                     # registers are packed once per chunk, not once per slot
                     ok = rk >= 0
                     _store_slot(q, s, q_peers, s_peers, tl.maximum(rk, 0), row, c0, offs, cols, m & ok, cm & ok,
-                                H, C, NB, CHUNK, MX)
+                                H, C, NB, CHUNK, MX, OUT_DIRECT)
         t += G
     if ZERO_PAD:
         WORDS: tl.constexpr = H // 8 if MX else H // 4
-        out = tl.load(q_peers).to(tl.pointer_type(tl.int64))
+        if OUT_DIRECT:
+            out = q_peers.to(tl.pointer_type(tl.int64), bitcast=True)
+        else:
+            out = tl.load(q_peers).to(tl.pointer_type(tl.int64))
         _zero_unfilled_rows(out, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups, pid, G, WORDS, 512)
     if ARRIVE:
         _arrive_all(flags_peers, 1, me, W)

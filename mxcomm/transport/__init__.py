@@ -24,6 +24,7 @@ from .errors import (
     PeerTimeout,
     TransportError,
     check_errors,
+    raise_error_words,
     decode_error_word,
     error_word,
 )
@@ -35,7 +36,7 @@ __all__ = [
     "required_env", "check_env", "symmetric_size_for", "parse_size", "launcher_env",
     "NvshmemContext", "init_nvshmem", "finalize", "current_context", "is_initialized", "new_unique_id",
     "BufferSpec", "SymmetricBuffer", "SymmetricHeap",
-    "TransportError", "NvshmemUnavailable", "PeerTimeout", "check_errors", "error_word", "decode_error_word",
+    "TransportError", "NvshmemUnavailable", "PeerTimeout", "check_errors", "raise_error_words", "error_word", "decode_error_word",
     "TIMEOUT_CODE", "ERR_CODE_SHIFT",
     *_FLAG_NAMES,
 ]

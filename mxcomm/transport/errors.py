@@ -105,7 +105,12 @@ def check_errors(err: torch.Tensor, *, what: str = "peer signal", rank: int | No
     """
     if not isinstance(err, torch.Tensor) or err.dtype != torch.int64:
         raise TypeError(f"err must be an int64 torch.Tensor, got {getattr(err, 'dtype', type(err).__name__)}")
-    words = [w for w in err.detach().reshape(-1).cpu().tolist() if w != 0]
+    raise_error_words(err.detach().reshape(-1).cpu().tolist(), what=what, rank=rank)
+
+
+def raise_error_words(words, *, what: str = "peer signal", rank: int | None = None) -> None:
+    """:func:`check_errors` for error words already on the host (Python ints): raise if any is set."""
+    words = [int(w) for w in words if w != 0]
     if not words:
         return
     decoded = [decode_error_word(w) for w in words]

@@ -222,21 +222,25 @@ def test_dispatch_kernel_zero_pad_zeroes_exactly_the_unfilled_rows(E, k, align, 
     R = int(plan.num_rows) + tail
     x = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
     garbage = torch.randint(1, 256, (R, H), dtype=torch.uint8, generator=g)  # no zero byte anywhere
-    outs = {}
-    for zero_pad in (False, True):
+    outs, scales = {}, {}
+    # (ZERO_PAD, OUT_DIRECT): the output through an address table, or passed itself (what the backend launches)
+    for zero_pad, direct in ((False, False), (True, False), (True, True)):
         out, s = garbage.clone(), torch.zeros(R, H // 32, dtype=torch.uint8)
         ptrs = torch.tensor([out.data_ptr()], dtype=torch.int64)
         dispatch_kernel[(programs,)](
-            x, T, plan.dest_rank, plan.dest_row, ptrs, torch.tensor([s.data_ptr()], dtype=torch.int64), ptrs, 0, 1,
-            torch.zeros(1), plan.offs, plan.expert_counts, plan.num_rows, R, E, H=H, K=k, CHUNK=H, MX=True, MODE=0,
-            INT_ROUND=True, WEIGHTED=False, ARRIVE=False, ZERO_PAD=zero_pad)
-        outs[zero_pad] = out
+            x, T, plan.dest_rank, plan.dest_row, out if direct else ptrs, torch.tensor([s.data_ptr()], dtype=torch.int64),
+            ptrs, 0, 1, torch.zeros(1), plan.offs, plan.expert_counts, plan.num_rows, R, E, H=H, K=k, CHUNK=H, MX=True,
+            MODE=0, INT_ROUND=True, WEIGHTED=False, ARRIVE=False, ZERO_PAD=zero_pad, OUT_DIRECT=direct)
+        outs[zero_pad, direct], scales[zero_pad, direct] = out, s
     real = torch.zeros(R, dtype=torch.bool)
     real[plan.dest_row[plan.dest_row >= 0].long()] = True
     assert int(real.sum()) == int(plan.expert_counts.sum()) and int((~real).sum()) > 0
-    assert torch.equal(outs[True][real], outs[False][real])
-    assert torch.equal(outs[False][~real], garbage[~real])  # without ZERO_PAD those rows are not touched
-    assert not outs[True][~real].any()
+    plain = outs[False, False]
+    assert torch.equal(plain[~real], garbage[~real])  # without ZERO_PAD those rows are not touched
+    for key in ((True, False), (True, True)):
+        assert torch.equal(outs[key][real], plain[real]), key
+        assert torch.equal(scales[key], scales[False, False]), key
+        assert not outs[key][~real].any(), key
 
 
 _SCALE_CASES = [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)]
@@ -471,7 +475,7 @@ for arrive in (True, False):  # peer-pointer path, put path
     for weighted in (False, True):
         for mx in (True, False):
             ptx = compile(nk.dispatch_kernel, disp, H=7168, K=8, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False,
-                          WEIGHTED=weighted, ARRIVE=arrive)
+                          WEIGHTED=weighted, ARRIVE=arrive, ZERO_PAD=False, OUT_DIRECT=False)
             # the payload stores (through _store_slot, to a pointer read from the peer table) stay 16-byte vectors:
             # without the alignment hints every peer store over NVLink would be a single byte
             assert "st.global.v4.b32" in ptx, (arrive, weighted, mx)
@@ -496,9 +500,11 @@ compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=u8, out_ptr=u8), C=22
 compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=i32, out_ptr=i32), C=224, CB=64, G_POW2=256, WORD=True)
 compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
         CHUNK=512)
-for weighted in (False, True):  # local path: the unfilled rows zeroed by the same launch
-    compile(nk.dispatch_kernel, disp, H=7168, K=8, CHUNK=4096, MX=True, MODE=0, INT_ROUND=False, WEIGHTED=weighted,
-            ARRIVE=False, ZERO_PAD=True)
+for weighted in (False, True):  # local path: straight into the output; the unfilled rows zeroed by the same launch
+    for mx in (True, False):
+        ptx = compile(nk.dispatch_kernel, dict(disp, q_peers=u8 if mx else "*bf16"), H=7168, K=8, CHUNK=4096, MX=mx,
+                      MODE=0, INT_ROUND=False, WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True)
+        assert "st.global.v4.b32" in ptx, ("local", weighted, mx)
 for mx in (True, False):
     compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, n_rows_ptr=i32, row_src_ptr=i32, q_peers=i64,
             s_peers=i64, list_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792, CHUNK=512, C=224, C_POW2=256,

@@ -1,0 +1,137 @@
+"""Where the host time of one eager EP call goes (world of 1, loopback, exact output sizes), on a GPU.
+
+    source scripts/gpu_env.sh $((12 << 30)); python3 scripts/ep_host_trace.py [--ops dispatch,combine] [--out DIR]
+
+Per op (dispatch, combine, combine_bwd, dispatch_bwd; the calls of ``mxcomm bench``'s cases):
+
+1. whole call: median host wall time (device synchronised before and after, as ``mxcomm bench`` times it);
+2. timeline of one call under ``torch.profiler`` (no Python tracer): every CUDA runtime/driver call on the host
+   (launches, syncs, copies) and every kernel on the GPU, in µs from the call's start - the host's gaps between
+   launches are Python work, and the GPU idles where no kernel runs;
+3. ``cProfile`` of 20 calls, sorted by cumulative time (the Python functions behind those gaps).
+
+``--out DIR`` also writes each op's Chrome trace (gzip).
+"""
+import argparse
+import cProfile
+import gzip
+import json
+import os
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mxcomm.ep import EPConfig, EPGroup  # noqa: E402
+
+
+def _calls(grp, T, H, E, k):
+    """The four timed calls, built like mxcomm.bench.cases (untimed setup here)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(T, k, device="cuda", generator=g)
+    res, h = grp.dispatch(x, idx, w)
+    out = torch.randn(res.num_rows, H, device="cuda", generator=g).to(torch.bfloat16)
+    _, saved = grp.combine_for_backward(out, h)
+    gy = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    return {
+        "dispatch": lambda: grp.dispatch(x, idx, w),
+        "combine": lambda: grp.combine(out, h),
+        "combine_bwd": lambda: grp.combine_backward(gy, h, saved),
+        "dispatch_bwd": lambda: grp.dispatch_backward(out, h),
+    }
+
+
+def _wall(fn, iters=30):
+    ts = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts), sorted(ts)[len(ts) // 10], sorted(ts)[(9 * len(ts)) // 10]
+
+
+def _timeline(name, fn, out_dir):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(3):
+            torch.cuda.synchronize()
+            with record_function(f"call{i}"):
+                fn()
+            torch.cuda.synchronize()
+    path = os.path.join(out_dir or tempfile.mkdtemp(), f"trace_{name}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    if out_dir:
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+    os.remove(path)
+    call = [e for e in events if e["name"] == "call2" and e.get("cat") == "user_annotation"]
+    if not call:
+        print("  (no call marker in the trace)")
+        return
+    t0, t1 = call[0]["ts"], call[0]["ts"] + call[0]["dur"]
+    rows = []
+    for e in events:
+        cat, s = e.get("cat"), e["ts"]
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset") and t0 <= s <= t1 + 2000:
+            rows.append((s - t0, e["dur"], "GPU", e["name"]))
+        elif cat in ("cuda_runtime", "cuda_driver") and t0 <= s <= t1:
+            rows.append((s - t0, e["dur"], "host", e["name"]))
+    print(f"  timeline of one call under the profiler (host span {t1 - t0:.0f} us; µs from its start, duration):")
+    for s, d, where, n in sorted(rows):
+        print(f"    {s:8.1f} {d:7.1f}  {where:4s} {n[:90]}")
+
+
+def _cprofile(fn, n=20, lines=40):
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+        torch.cuda.synchronize()
+    pr.disable()
+    st = pstats.Stats(pr)
+    st.sort_stats("cumulative").print_stats(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--ops", default="dispatch,combine,combine_bwd,dispatch_bwd")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--no-cprofile", action="store_true")
+    a = ap.parse_args()
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    T, H, E, k = a.tokens, 7168, 256, 8
+    grp = EPGroup(EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=T, backend="nvshmem"))
+    calls = _calls(grp, T, H, E, k)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+    for name in a.ops.split(","):
+        fn = calls[name]
+        for _ in range(5):
+            fn()
+        med, p10, p90 = _wall(fn)
+        print(f"=== {name}: whole call {med:.1f} us (p10 {p10:.1f}, p90 {p90:.1f}), path {grp.path}", flush=True)
+        _timeline(name, fn, a.out)
+        if not a.no_cprofile:
+            _cprofile(fn)
+    from mxcomm import transport as tp
+
+    tp.finalize()
+
+
+if __name__ == "__main__":
+    main()
