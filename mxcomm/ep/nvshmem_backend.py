@@ -55,7 +55,7 @@ NVLink peers with puts for the others yet).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -126,6 +126,21 @@ def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
     out_src.scatter_(0, dst, (seg // El).to(torch.int32))
     out_pos.scatter_(0, dst, pos.to(torch.int32))
     return RowOrigins(src=out_src[:n_rows].contiguous(), pos=out_pos[:n_rows].contiguous())
+
+
+@dataclass(frozen=True)
+class Middle:
+    """The plan (and row maps) of a dispatch's middle: ``live`` for the kernels the call enqueues at once (may be a
+    captured graph's own memory, overwritten by its next replay), ``keep()`` the copies the handle keeps (call it
+    after those kernels are enqueued: on the host it costs microseconds the GPU then spends on them)."""
+
+    live: PlanOutputs
+    keep: Callable[[], PlanOutputs]
+
+    @staticmethod
+    def owned(po: PlanOutputs) -> "Middle":
+        """Outputs the caller already owns (eager runs)."""
+        return Middle(live=po, keep=lambda: po)
 
 
 @dataclass(frozen=True)
@@ -601,13 +616,14 @@ class NvshmemBackend:
         po = self._compute_plan(counts_buf, ids)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
-    def _run_middle(self, x: torch.Tensor, ids: torch.Tensor, my_counts: Optional[torch.Tensor]) -> PlanOutputs:
+    def _run_middle(self, x: torch.Tensor, ids: torch.Tensor, my_counts: Optional[torch.Tensor]) -> "Middle":
         """Run :meth:`_pull_middle` for this call's ``x`` / checked ``ids`` / ``my_counts``, or :meth:`_local_middle`
         for the caller's unchecked ids (``my_counts`` None: the id check is part of the middle). On the GPU it is
         captured into a CUDA graph per (path, token count, id dtype, plan implementation) after the first eager call
         with that key and replayed afterwards (its launches cost the host more than its GPU work); its inputs go
         through fixed-address buffers (``x`` by address). Eager on the interpreter, for T = 0, and inside an outer
-        capture (which records its kernels)."""
+        capture (which records its kernels). Returns the outputs for use at once (``live``: a replay's own memory)
+        and how to keep them (``keep()``: the caller's copies; enqueue before the next dispatch)."""
         middle = self._pull_middle if self.pull else self._local_middle
         if self.pull:
             self._x_slot.fill_(x.data_ptr())
@@ -615,16 +631,16 @@ class NvshmemBackend:
                 self._counts_in.copy_(my_counts)
         T, k = ids.shape
         if self.device.type != "cuda" or T == 0 or self._capturing():
-            return middle(self.counts.local, ids)
+            return Middle.owned(middle(self.counts.local, ids))
         key = (self.path, T, ids.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:  # first call with this key: eager (compiles every kernel), then capture for the next ones
             po = middle(self.counts.local, ids)
             g = PlanGraph(self.counts.local, T, k, ids.dtype, middle, warmup=False)
             self._remember_graph(key, g)
-            return po
+            return Middle.owned(po)
         self._remember_graph(key, g)
-        return g(ids)
+        return Middle(live=g.replay(ids), keep=g.snapshot)
 
     def _remember_graph(self, key, g: PlanGraph) -> None:
         """Keep ``g`` as the most recently used captured graph (at most ``_MAX_PLAN_GRAPHS``: varying token
@@ -656,30 +672,33 @@ class NvshmemBackend:
         x = x.contiguous()
         given_idx = topk_idx
         if self.local:  # sends nothing: the id check is part of the middle, read at the output size sync
-            po = self._run_middle(x, topk_idx, None)
-            topk_idx = po.extra["ids"]
+            mid = self._run_middle(x, topk_idx, None)
         else:
             topk_idx, my_counts = self._checked_ids(topk_idx)
         if self.pull:
-            po = self._run_middle(x, topk_idx, my_counts)
+            mid = self._run_middle(x, topk_idx, my_counts)
         elif not self.local:
             self.d_epoch.add_(1)
             self._exchange(my_counts)
-            po = self._plan(topk_idx)
-            self._send_to_experts(x, po.plan, x, weighted=False, mx=self.mx)
-        plan = po.plan
+            mid = Middle.owned(self._plan(topk_idx))
+            self._send_to_experts(x, mid.live.plan, x, weighted=False, mx=self.mx)
         if cfg.exact_sizes:
             R = self._check("dispatch arrivals", ids=given_idx if self.local else None)
         else:
             R = self.R_max
             self._check_async("dispatch arrivals")
-        origins = None if self.local else RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
+        # the output kernel first (on the live plan), then the copies the handle keeps, while it runs
+        live = mid.live
         if self.local:
-            q = self._local_out(x, plan, R, self.mx, x, weighted=False)
-        elif self.pull:
-            q = self._pull_out(plan, origins, R, H if self.mx else 2 * H)
+            q = self._local_out(x, live.plan, R, self.mx, x, weighted=False)
         else:
-            q = self._copy_out(plan, origins, R, H if self.mx else 2 * H)
+            o = RowOrigins(src=live.extra["origin_src"][:R], pos=live.extra["origin_pos"][:R])
+            q = (self._pull_out if self.pull else self._copy_out)(live.plan, o, R, H if self.mx else 2 * H)
+        po = mid.keep()
+        plan = po.plan
+        if self.local:
+            topk_idx = po.extra["ids"]
+        origins = None if self.local else RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
         out_x = self._received(plan, R, self.mx, q)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(

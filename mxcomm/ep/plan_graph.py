@@ -5,12 +5,13 @@ one costs the host more than the GPU work (measured on the H200: ~2.4 ms of host
 8192 tokens with the torch ops; ~40-60 µs of host time per Triton launch against ~2-9 µs of GPU time).
 The plan depends only on the exchanged counts matrix (a symmetric buffer: fixed address) and the
 (sanitised) ``topk_idx`` of this call, so it is captured once per token count ``T`` and replayed:
-the call copies ``topk_idx`` into the graph's static input, replays, and clones ONE flat int32
-buffer that holds every output; the :class:`~mxcomm.ep.plan.RoutingPlan` handed out is made of
-views into that clone (so it stays valid after later replays).
+the call copies ``topk_idx`` into the graph's static input, replays, and may use the graph's outputs in place for
+work it enqueues at once (:meth:`PlanGraph.replay`); what it keeps (the :class:`~mxcomm.ep.plan.RoutingPlan` of a
+handle) are views into clones (:meth:`PlanGraph.snapshot`), so they stay valid after later replays.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -34,6 +35,19 @@ def compute_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align:
     return PlanOutputs(plan=plan, extra=extra_fn(plan, topk_idx))
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Where one output lives in a snapshot: in the main storage's clone (dtype, shape, stride, element offset) or
+    (``main`` False) in the int32 aux buffer at ``offset`` with ``shape``."""
+
+    name: str
+    main: bool
+    dtype: torch.dtype
+    shape: tuple
+    stride: tuple
+    offset: int
+
+
 class PlanGraph:
     """A captured plan computation for a fixed ``[T, k]`` topk_idx shape and dtype.
 
@@ -45,6 +59,11 @@ class PlanGraph:
         warmup: run ``compute`` once eagerly before capturing (lazy initialisation outside the capture). False
             when ``compute`` has side effects that must happen only at replays (a collective: its kernels
             must already have run eagerly for this shape, so nothing compiles during the capture).
+
+    :meth:`replay` runs it and returns the LIVE outputs (the graph's own memory: valid for work enqueued on this
+    stream before the next replay), :meth:`snapshot` copies them into tensors the caller owns. Snapshots are cheap:
+    the outputs that share one storage (the Triton plan allocates all its tables in one buffer) are copied with
+    that storage in one clone, the few others through an int32 buffer the graph fills (one copy node each).
     """
 
     def __init__(self, counts_buf: torch.Tensor, T: int, k: int, idx_dtype: torch.dtype,
@@ -64,27 +83,55 @@ class PlanGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             out = body()
-            names = [n for n in PLAN_TENSORS] + sorted(out.extra)
-            shapes = [tuple((getattr(out.plan, n) if n in PLAN_TENSORS else out.extra[n]).shape) for n in names]
-            sizes = [int(torch.Size(s).numel()) for s in shapes]
-            self.flat = torch.empty(sum(sizes), dtype=torch.int32, device=dev)  # from the graph's pool: kept
-            self.layout = list(zip(names, shapes, sizes))
-            self.sizes = sizes
-            self.template = out.plan
-            off = 0
-            for n, shp, sz in self.layout:
-                t = getattr(out.plan, n) if n in PLAN_TENSORS else out.extra[n]
-                self.flat[off:off + sz].copy_(t.reshape(-1))
-                off += sz
+            named = {**{n: getattr(out.plan, n) for n in PLAN_TENSORS}, **out.extra}
+            by_storage: dict = {}
+            for n, t in named.items():
+                by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(n)
+            main = set(max(by_storage.values(), key=len))
+            aux = [n for n in named if n not in main]
+            # from the graph's pool: kept, refreshed by every replay
+            self.aux = torch.empty(sum(named[n].numel() for n in aux), dtype=torch.int32, device=dev)
+            pieces, off = [], 0
+            for n in aux:
+                t = named[n]
+                self.aux[off:off + t.numel()].copy_(t.reshape(-1))
+                pieces.append(_Piece(n, False, torch.int32, tuple(t.shape), (), off))
+                off += t.numel()
+        first = named[next(iter(main))]
+        self.main_bytes = torch.empty(0, dtype=torch.uint8, device=dev).set_(first.untyped_storage())
+        for n in main:
+            t = named[n]
+            pieces.append(_Piece(n, True, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+        self.pieces = pieces
+        self.live = out
+        self.template = out.plan
 
-    def __call__(self, topk_idx: torch.Tensor) -> PlanOutputs:
-        """Replay for this call's ``topk_idx`` (same shape/dtype); returns tensors owned by the caller."""
+    def replay(self, topk_idx: torch.Tensor) -> PlanOutputs:
+        """Run the graph for this call's ``topk_idx`` (same shape/dtype); returns the live outputs (see class doc)."""
         self.idx.copy_(topk_idx)
         self.graph.replay()
-        parts = self.flat.clone().split(self.sizes)  # one op for all views (each op costs the host microseconds)
-        vals = {n: (p if len(shp) == 1 else p.view(shp)) for (n, shp, _), p in zip(self.layout, parts)}
+        return self.live
+
+    def snapshot(self) -> PlanOutputs:
+        """Copies of the outputs of the last replay (enqueue before the next replay), owned by the caller."""
+        main, aux = self.main_bytes.clone(), self.aux.clone()
+        typed = {}
+        vals = {}
+        for p in self.pieces:
+            if p.main:
+                base = typed.get(p.dtype)
+                if base is None:
+                    base = typed[p.dtype] = main.view(p.dtype)
+                vals[p.name] = base.as_strided(p.shape, p.stride, p.offset)
+            else:
+                vals[p.name] = aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
         plan = replace(self.template, **{n: vals[n] for n in PLAN_TENSORS})
         return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in PLAN_TENSORS})
+
+    def __call__(self, topk_idx: torch.Tensor) -> PlanOutputs:
+        """:meth:`replay` then :meth:`snapshot`: tensors owned by the caller."""
+        self.replay(topk_idx)
+        return self.snapshot()
 
 
 __all__ = ["PlanGraph", "PlanOutputs", "compute_plan"]

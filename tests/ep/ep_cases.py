@@ -509,8 +509,46 @@ def nvshmem_soak_worker(rank: int, world: int, iters: int, seed: int = 5) -> dic
     return {"failures": fails, "cases": iters, "combine_checks": 1, "memory": mem}
 
 
+def nvshmem_replay_worker(rank: int, world: int, transport: str = "auto") -> dict:
+    """nvshmem backend, ONE group, one token count, so every dispatch after the first replays the captured middle and
+    its output kernel reads the replay's own (live) plan: three dispatches with different routings (int64 ids, then
+    int32 ids: a second graph) are each checked against the oracle; a dispatch with a bad id on a replay raises and
+    the next good one is still exact; then combine with EVERY handle, the oldest first - each handle's plan must have
+    survived the later replays."""
+    from _dist import bind_rank_gpu
+
+    dev = bind_rank_gpu(rank)
+    E, H, k, T = 4 * world, 256, 3, 24
+    base = Case("replay", tuple([T] * world), E, H, k, device=dev, backend="nvshmem", transport=transport, drop_p=0.2)
+    group = EPGroup(base.config())
+    fails, kept = [], []
+    for i, (routing, dt) in enumerate([("random", torch.int64), ("one_expert", torch.int64), ("subset", torch.int64),
+                                       ("random", torch.int32), ("random", torch.int32), ("subset", torch.int32)]):
+        case = replace(base, name=f"replay{i}", seed=31 + i, routing=routing, hot_expert=i % E, used_experts=k + 1,
+                       idx_dtype=dt)
+        xs, idxs, ws = make_inputs(case)
+        expected, routes = oracle_dispatch(group.config, xs, idxs)
+        if i == 4:  # a bad id on a replayed call: the detailed error, then the same group goes on
+            bad = idxs[rank].clone()
+            bad[T // 2, 0] = E
+            _expect(fails, f"{case.name} bad id", ValueError, "topk_idx", lambda: group.dispatch(
+                xs[rank].to(dev), bad.to(dev), ws[rank].to(dev)))
+        res, handle = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+        check_dispatch(case.name, res, expected[rank], group.config, fails)
+        kept.append((case, handle, expected, routes, ws))
+    for case, handle, expected, routes, ws in kept:
+        outs = make_expert_outs(case, expected)
+        y = group.combine(outs[rank].to(dev), handle)
+        y_exp = oracle_combine(group.config, outs, routes, ws, quantize_rows=True)[rank]
+        check_combine(f"{case.name} combine (after later dispatches)", y, y_exp, fails, [])
+    from mxcomm import transport as tp
+
+    tp.finalize()
+    return {"failures": fails, "cases": len(kept), "combine_checks": len(kept)}
+
+
 __all__ = [
-    "nvshmem_soak_worker",
+    "nvshmem_soak_worker", "nvshmem_replay_worker",
     "nvshmem_cases_worker", "each_case",
     "Case", "make_inputs", "make_expert_outs", "standard_cases", "random_cases", "run_cases", "soak_worker",
     "bad_inputs_worker", "config_mismatch_worker", "gpu_cases_worker", "check_dispatch", "row_checksums",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _dist import run_world
-from ep_cases import nvshmem_cases_worker, nvshmem_soak_worker
+from ep_cases import nvshmem_cases_worker, nvshmem_replay_worker, nvshmem_soak_worker
 from mxcomm.transport import launcher_env
 
 pytestmark = pytest.mark.nvshmem
@@ -50,6 +50,13 @@ def test_nvshmem_four_ranks_four_gpus(transport):
 
 def test_nvshmem_soak_1000_iterations_no_corruption_no_memory_growth():
     _assert_clean(run_world(1, nvshmem_soak_worker, 1000, env=ENV, timeout=900))
+
+
+@pytest.mark.parametrize("world,transport", [(1, "auto"), (2, "auto"), (2, "push")])
+def test_nvshmem_replayed_dispatches_and_old_handles_stay_exact(world, transport):
+    """Dispatches replayed from the captured middle (one token count) are exact, a bad id on a replay raises, and
+    handles of earlier dispatches still combine exactly after later replays (their plans are the caller's copies)."""
+    _assert_clean(run_world(world, nvshmem_replay_worker, transport, env=ENV, timeout=600))
 
 
 # The push dispatch (EPConfig(transport="push"): rows stored into the receivers' buffers, then copied out), the
