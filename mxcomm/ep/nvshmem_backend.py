@@ -729,10 +729,11 @@ class NvshmemBackend:
             in_scales = rows.row_scales().contiguous()
         else:
             payload, in_scales = rows.contiguous(), self.err  # in_scales unused
-        self.c_epoch.add_(1)
         # one rank: every row stays here, the reduce reads it from `rows` (not with `save`: the saved rows are read
         # out of comb_q; not on the push or put paths, which exercise their buffers even on one rank)
         own = self.local and not save
+        if not own:  # the epoch picks the comb_q copy (parity) and tags the put path's signals; unused by `own`
+            self.c_epoch.add_(1)
         if self.put_mode:  # rows to staging at their own index; puts per (source, expert) block
             q_ptrs, s_ptrs = self._stage_ptrs, self._stage_s_ptrs
         else:
@@ -813,12 +814,12 @@ class NvshmemBackend:
         plan = handle.plan
         st: NvshmemState = handle.backend_state
         g = grad_y.contiguous()
-        self.d_epoch.add_(1)
         w = handle.topk_weights.to(torch.float32).contiguous()
         R = handle.num_rows
         if self.local:  # one rank: straight into the output, no handshake, nothing to wait for
             q = self._local_out(g, plan, R, quantize_rows, w, weighted=True)
         else:
+            self.d_epoch.add_(1)
             # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
             self._exchange(None)
             self._send_to_experts(g, plan, w, weighted=True, mx=quantize_rows)
