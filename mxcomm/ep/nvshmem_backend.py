@@ -91,6 +91,7 @@ _REDUCE_MX_CHUNK = 2048
 # a masked-off tail is computed all the same (session 9, one H200, one-rank reduce at H = 7168: 342.7 µs at 1024,
 # 400.0 at 2048, 582.9 at 4096).
 _QDQ_CHUNK = 1024
+_ROUTE_GRAD_PROGRAMS_PER_SM = 8  # route_weight_grad (4 warps each): see mxcomm.kernels.route_grad
 _MAX_PLAN_GRAPHS = 8  # captured plan graphs kept per backend (least recently used dropped)
 
 
@@ -194,6 +195,7 @@ class NvshmemBackend:
             sms = 1
         # persistent programs of the sending kernels (same on all ranks: receivers count their arrivals)
         self.programs = sms * _PROGRAMS_PER_SM  # combine send
+        self.route_grad_programs = sms * _ROUTE_GRAD_PROGRAMS_PER_SM  # combine backward's route-weight gradient
         self.dispatch_programs = sms * _DISPATCH_PROGRAMS_PER_SM  # dispatch_kernel (dispatch, combine backward)
         self.send_warps = 8  # warps per program of combine send
         self.dispatch_warps = 4
@@ -828,7 +830,8 @@ class NvshmemBackend:
             q = self._copy_out(plan, st.origins, R, cfg.hidden * (1 if quantize_rows else 2))
         grad_out = self._received(plan, R, quantize_rows, q)
         # one Triton kernel reading the saved MXFP8/BF16 rows (the torch reference dequantizes them all first)
-        grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos, programs=self.programs)
+        grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos,
+                                                                 programs=self.route_grad_programs)
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
 
 
