@@ -234,6 +234,7 @@ class NvshmemBackend:
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
+        self._ones = torch.ones(config.max_tokens_per_rank * config.topk, dtype=torch.float32, device=self.device)
         self._pinned = None
         self._plan_graphs: dict = {}  # ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph, LRU first
         if self.pull or self.local:
@@ -798,7 +799,8 @@ class NvshmemBackend:
     def dispatch_backward(self, grad_recv, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
         """Each row's gradient back to its origin slot (MXFP8 quantized in the sending kernel, or an
         MXTensor as it is), summed over k in fp32 there."""
-        ones = torch.ones(handle.plan.send_pos.shape, dtype=torch.float32, device=self.device)
+        T, k = handle.plan.send_pos.shape
+        ones = self._ones[:T * k].view(T, k)  # all weights 1 (read-only; made once)
         return self._to_origin(grad_recv, handle, quantize_rows, ones, "dispatch-backward arrivals")[0]
 
     # -- combine backward (the dispatch direction) ------------------------------------------
