@@ -8,7 +8,9 @@ Per op (dispatch, combine, combine_bwd, dispatch_bwd; the calls of ``mxcomm benc
 2. timeline of one call under ``torch.profiler`` (no Python tracer): every CUDA runtime/driver call on the host
    (launches, syncs, copies) and every kernel on the GPU, in µs from the call's start - the host's gaps between
    launches are Python work, and the GPU idles where no kernel runs;
-3. ``cProfile`` of 20 calls, sorted by cumulative time (the Python functions behind those gaps).
+3. ``cProfile`` of 20 calls, sorted by cumulative time (the Python functions behind those gaps);
+4. with ``--conditions``: the whole call again after an L2 flush, after 2 ms of host sleep, after both (what
+   ``mxcomm bench`` does before each timed call: flush, sync, barrier).
 
 ``--out DIR`` also writes each op's Chrome trace (gzip).
 """
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mxcomm.bench.timing import L2Flusher  # noqa: E402
 from mxcomm.ep import EPConfig, EPGroup  # noqa: E402
 
 
@@ -49,9 +52,11 @@ def _calls(grp, T, H, E, k):
     }
 
 
-def _wall(fn, iters=30):
+def _wall(fn, iters=30, before=None):
     ts = []
     for _ in range(iters):
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
@@ -112,6 +117,9 @@ def main():
     ap.add_argument("--ops", default="dispatch,combine,combine_bwd,dispatch_bwd")
     ap.add_argument("--out", default="")
     ap.add_argument("--no-cprofile", action="store_true")
+    ap.add_argument("--no-timeline", action="store_true")
+    ap.add_argument("--conditions", action="store_true",
+                    help="also time each call after an L2 flush, after a host sleep, after both")
     a = ap.parse_args()
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
     T, H, E, k = a.tokens, 7168, 256, 8
@@ -125,7 +133,14 @@ def main():
             fn()
         med, p10, p90 = _wall(fn)
         print(f"=== {name}: whole call {med:.1f} us (p10 {p10:.1f}, p90 {p90:.1f}), path {grp.path}", flush=True)
-        _timeline(name, fn, a.out)
+        if a.conditions:  # the same call after what `mxcomm bench` does before each timed call
+            flush = L2Flusher(torch.device("cuda"))
+            for label, before in (("after an L2 flush", flush), ("after 2 ms of host sleep", lambda: time.sleep(2e-3)),
+                                  ("after both", lambda: (flush(), time.sleep(2e-3)))):
+                med, p10, p90 = _wall(fn, before=before)
+                print(f"    {label:26s} {med:8.1f} us (p10 {p10:.1f}, p90 {p90:.1f})", flush=True)
+        if not a.no_timeline:
+            _timeline(name, fn, a.out)
         if not a.no_cprofile:
             _cprofile(fn)
     from mxcomm import transport as tp

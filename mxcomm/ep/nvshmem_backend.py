@@ -20,6 +20,10 @@ dispatch (``transport="auto"`` on one node):
    pointer and stored at all its rows of a fresh output tensor (its scale row into ``recv_s``), padding rows
    zero; ``scale_rows_to_grouped_kernel``: the scale rows into a fresh grouped-along-M blocked matrix.
 
+Exact-size mode reads the output size at one host sync between steps 5 and 6 (with the error words, one
+transfer: :meth:`NvshmemBackend._check`); step 6 then reads the replayed plan in place and the handle's copies of
+the plan are made while it runs (:class:`Middle`).
+
 Why pull: pushing the quantized rows into the receiver's symmetric buffer (``transport="push"``, the earlier
 design: ``dispatch_kernel`` stores payload and scales at their expert-major rows on the receiver) still
 needs a copy out of that buffer, because it is reused by the next call and results must not alias it.
@@ -30,7 +34,7 @@ of 8; the receiver fans the row out to its expert groups with local stores.
 One H200, loopback 8192 x 7168, top-8: see ``bench/results/h200/README.md``.
 
 One rank (``transport="auto"``, :func:`mxcomm.ep.plan.dispatch_path` = ``"local"``): nothing leaves the GPU, so
-steps 2, 3 and 5 go away: after the plan, ``dispatch_kernel`` reads each token row once, quantizes it once and stores
+steps 2, 3 and 5 go away, and step 1 joins the captured plan (its id check is read at the one sync): after the plan, ``dispatch_kernel`` reads each token row once, quantizes it once and stores
 it straight into the fresh output at every selection's row (scale rows into ``recv_s``), padding rows are zeroed and
 the scales swizzled. No receive buffer is allocated. Combine backward does the same with the weighted gradient rows.
 
