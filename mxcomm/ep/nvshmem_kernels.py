@@ -43,8 +43,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kernels.mx_device import (bf16_rne_int, blocked_scale_offset, e4m3_decode, mx_qdq_tile, mx_quantize_tile,
-                                 mx_scale_value, to_fp32)
+from ..kernels.mx_device import (bf16_rne_int, block_amax, blocked_scale_offset, e4m3_decode, mx_qdq_tile,
+                                 mx_quantize_tile, mx_quantize_tile_amax, mx_scale_value, to_fp32)
 from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
@@ -171,6 +171,10 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
             if MX and not WEIGHTED:
                 q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
                 q = tl.reshape(q2, (CHUNK,))
+            if WEIGHTED:
+                xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
+                if MX:  # the chunk's block maxima, once for all slots (see below)
+                    ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
             if not MX:
                 s = cols  # no scales: a placeholder for _store_slot's unused argument
             for j in tl.static_range(K):
@@ -178,9 +182,13 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                 row = tl.load(dest_row_ptr + t * K + j).to(tl.int64)  # both loads issued before the branch
                 if WEIGHTED:
                     if rk >= 0:  # dropped slots store nothing (and quantize nothing)
-                        xw = tl.load(w_ptr + t * K + j) * x.to(tl.float32)
+                        wv = tl.load(w_ptr + t * K + j)
+                        xw = wv * xf
                         if MX:
-                            q2, s = mx_quantize_tile(tl.reshape(xw, (NB, 32)), MODE, INT_ROUND, 1)
+                            # block maxima of w * x without a reduction per slot: |w| * max|x|. Equal for finite w
+                            # (rounding a product is monotone in its magnitude); for w = +-Inf or NaN both are Inf or
+                            # NaN, which give the same scale byte (255) and payload (0x7F)
+                            q2, s = mx_quantize_tile_amax(tl.reshape(xw, (NB, 32)), tl.abs(wv) * ax, MODE, INT_ROUND, 1)
                             q = tl.reshape(q2, (CHUNK,))
                         elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
                             q = bf16_rne_int(xw)

@@ -209,7 +209,16 @@ def mx_quantize_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.co
         ``x``'s shape without ``AXIS``. NaN/Inf blocks: scale 255, payload 0x7F.
     """
     xf = to_fp32(x, INT_ROUND)
-    b = mx_scale_bytes(block_amax(xf, AXIS, INT_ROUND), MODE)
+    return mx_quantize_tile_amax(xf, block_amax(xf, AXIS, INT_ROUND), MODE, INT_ROUND, AXIS)
+
+
+@triton.jit
+def mx_quantize_tile_amax(xf, amax, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr = -1):
+    """:func:`mx_quantize_tile` of the fp32 tile ``xf`` whose block maxima ``amax`` (``xf``'s shape without
+    ``AXIS``; what :func:`block_amax` gives, NaN for a block holding NaN) the caller already has - e.g.
+    ``|w| * block_amax(x)`` for ``xf = w * x`` with a finite scalar ``w``, equal to ``block_amax(xf)`` because
+    rounding a product is monotone in its magnitude (``max_i RN(|w| |x_i|) = RN(|w| max_i |x_i|)``)."""
+    b = mx_scale_bytes(amax, MODE)
     y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)  # b == 255: the reciprocal is NaN, so is every y
     q = e4m3_byte(y, INT_ROUND)
     if INT_ROUND:  # NaN blocks: 0x7F whatever sign the NaN products carry

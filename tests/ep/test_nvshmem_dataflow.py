@@ -418,6 +418,46 @@ def test_nvshmem_backward_loopback_match_oracle(precision, plan_impl, transport)
                                    rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU the nvshmem autograd tests run this path")
+@pytest.mark.parametrize("transport", ["auto", "push"])
+def test_weighted_dispatch_edge_weights_and_rows_bit_exact(transport):
+    """Combine backward's weighted dispatch takes each block's maximum of ``w * g`` as ``|w| * max|g|`` (no reduction
+    per slot): bit-exact to the oracle with weights +-Inf, NaN, +-0, tiny (products in the fp32 subnormal range) and
+    huge, on gradient rows holding Inf, NaN, zeros next to large values (inf * 0 = NaN in the block) and BF16
+    subnormals (which the interpreter's plain bf16 cast flushed: this test found that in the weighted path)."""
+    from mxcomm.ep.backward_ref import oracle_combine_backward
+
+    E, k, T, H = 4, 3, 8, 64
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=8, backend="nvshmem", num_sms=1,
+                   timeout_s=5.0, transport=transport)
+    be = _loopback_backend(cfg)
+    g = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    idx[1, 2] = -1
+    w = torch.rand(T, k, generator=g)
+    w[0] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    w[2] = torch.tensor([0.0, -0.0, 1e-30])
+    w[3] = torch.tensor([1e30, -3e-39, 2.5])
+    w[4] = torch.tensor([float("inf"), 1e-38, -1e20])
+    gy = torch.randn(T, H, generator=g) * 4
+    gy[0, :32] = 0.0
+    gy[0, 5] = 3.0  # block 0 of token 0: zeros next to a value (inf * 0 = NaN in that block)
+    gy[3, 40] = float("inf")
+    gy[4, 7] = float("nan")
+    gy[4, 32:] = 0.0
+    gy[5] = torch.randn(H, generator=g) * 1e-36
+    gy[6, :32] = 1e-38
+    gy = gy.to(torch.bfloat16)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    res, handle = be.dispatch(x, idx, w)
+    wants, routes = oracle_dispatch(cfg, [x], [idx])
+    out = torch.randn(res.num_rows, H, generator=g).to(torch.bfloat16)
+    got = be.combine_backward(gy, handle, None, True)
+    want = oracle_combine_backward(cfg, [gy], routes, [w], [out], wants, True)[0]
+    assert torch.equal(got.grad_expert_out.scales, want.grad_expert_out.scales)
+    assert torch.equal(got.grad_expert_out.qdata.view(torch.uint8), want.grad_expert_out.qdata.view(torch.uint8))
+
+
 class TwoRankHeap(LoopbackHeap):
     """Rank 0 of a world of 2 whose rank 1 never runs: rank 1's buffers exist (so stores land) but
     nobody signals from it."""
