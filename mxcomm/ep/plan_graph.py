@@ -37,7 +37,7 @@ def compute_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align:
 
 @dataclass(frozen=True)
 class _Piece:
-    """Where one output lives in a snapshot: in the main storage's clone (dtype, shape, stride, element offset) or
+    """Where one output lives in a copy: in the main storage's clone (dtype, shape, stride, element offset) or
     (``main`` False) in the int32 aux buffer at ``offset`` with ``shape``."""
 
     name: str
@@ -46,6 +46,66 @@ class _Piece:
     shape: tuple
     stride: tuple
     offset: int
+
+
+class OutputCopier:
+    """Cheap copies of a fixed set of named output tensors (a captured graph's, refreshed by every replay).
+
+    The outputs that share the most common storage (the Triton plan allocates all its tables in one buffer) are
+    copied with that whole storage in one clone and rebuilt as views of it (their dtypes, shapes and strides kept);
+    the others go through one int32 buffer that :meth:`fill` writes (call it where the outputs are produced: inside
+    the capture, so each replay refreshes it) - their values must fit int32 (plan tables and expert ids do), and
+    they come back as contiguous int32.
+
+    Args:
+        named: name -> tensor, all on one device.
+    """
+
+    def __init__(self, named: dict):
+        self.named = named
+        by_storage: dict = {}
+        for n, t in named.items():
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(n)
+        main = max(by_storage.values(), key=len)
+        self.aux_names = [n for n in named if n not in main]
+        dev = named[main[0]].device
+        self.aux = torch.empty(sum(named[n].numel() for n in self.aux_names), dtype=torch.int32, device=dev)
+        self._main = named[main[0]]
+        self.main_bytes = None  # the main storage as bytes, made at the first copy (outside any capture)
+        pieces, off = [], 0
+        for n in self.aux_names:
+            pieces.append(_Piece(n, False, torch.int32, tuple(named[n].shape), (), off))
+            off += named[n].numel()
+        for n in main:
+            t = named[n]
+            pieces.append(_Piece(n, True, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+        self.pieces = pieces
+
+    def fill(self) -> None:
+        """Copy the outputs outside the main storage into the aux buffer (one copy each)."""
+        off = 0
+        for n in self.aux_names:
+            t = self.named[n]
+            self.aux[off:off + t.numel()].copy_(t.reshape(-1))
+            off += t.numel()
+
+    def copy(self) -> dict:
+        """name -> a copy of that output as of the last :meth:`fill` (aux) / now (main storage), owned by the
+        caller (two clones, then views)."""
+        if self.main_bytes is None:
+            self.main_bytes = torch.empty(0, dtype=torch.uint8, device=self._main.device).set_(
+                self._main.untyped_storage())
+        main, aux = self.main_bytes.clone(), self.aux.clone()
+        typed, vals = {}, {}
+        for p in self.pieces:
+            if p.main:
+                base = typed.get(p.dtype)
+                if base is None:
+                    base = typed[p.dtype] = main.view(p.dtype)
+                vals[p.name] = base.as_strided(p.shape, p.stride, p.offset)
+            else:
+                vals[p.name] = aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
+        return vals
 
 
 class PlanGraph:
@@ -61,9 +121,8 @@ class PlanGraph:
             must already have run eagerly for this shape, so nothing compiles during the capture).
 
     :meth:`replay` runs it and returns the LIVE outputs (the graph's own memory: valid for work enqueued on this
-    stream before the next replay), :meth:`snapshot` copies them into tensors the caller owns. Snapshots are cheap:
-    the outputs that share one storage (the Triton plan allocates all its tables in one buffer) are copied with
-    that storage in one clone, the few others through an int32 buffer the graph fills (one copy node each).
+    stream before the next replay), :meth:`snapshot` copies them into tensors the caller owns (:class:`OutputCopier`:
+    two clones; the graph itself copies only the outputs outside the plan's main buffer).
     """
 
     def __init__(self, counts_buf: torch.Tensor, T: int, k: int, idx_dtype: torch.dtype,
@@ -83,26 +142,9 @@ class PlanGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             out = body()
-            named = {**{n: getattr(out.plan, n) for n in PLAN_TENSORS}, **out.extra}
-            by_storage: dict = {}
-            for n, t in named.items():
-                by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(n)
-            main = set(max(by_storage.values(), key=len))
-            aux = [n for n in named if n not in main]
             # from the graph's pool: kept, refreshed by every replay
-            self.aux = torch.empty(sum(named[n].numel() for n in aux), dtype=torch.int32, device=dev)
-            pieces, off = [], 0
-            for n in aux:
-                t = named[n]
-                self.aux[off:off + t.numel()].copy_(t.reshape(-1))
-                pieces.append(_Piece(n, False, torch.int32, tuple(t.shape), (), off))
-                off += t.numel()
-        first = named[next(iter(main))]
-        self.main_bytes = torch.empty(0, dtype=torch.uint8, device=dev).set_(first.untyped_storage())
-        for n in main:
-            t = named[n]
-            pieces.append(_Piece(n, True, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
-        self.pieces = pieces
+            self.copier = OutputCopier({**{n: getattr(out.plan, n) for n in PLAN_TENSORS}, **out.extra})
+            self.copier.fill()
         self.live = out
         self.template = out.plan
 
@@ -114,17 +156,7 @@ class PlanGraph:
 
     def snapshot(self) -> PlanOutputs:
         """Copies of the outputs of the last replay (enqueue before the next replay), owned by the caller."""
-        main, aux = self.main_bytes.clone(), self.aux.clone()
-        typed = {}
-        vals = {}
-        for p in self.pieces:
-            if p.main:
-                base = typed.get(p.dtype)
-                if base is None:
-                    base = typed[p.dtype] = main.view(p.dtype)
-                vals[p.name] = base.as_strided(p.shape, p.stride, p.offset)
-            else:
-                vals[p.name] = aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
+        vals = self.copier.copy()
         plan = replace(self.template, **{n: vals[n] for n in PLAN_TENSORS})
         return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in PLAN_TENSORS})
 
@@ -134,4 +166,4 @@ class PlanGraph:
         return self.snapshot()
 
 
-__all__ = ["PlanGraph", "PlanOutputs", "compute_plan"]
+__all__ = ["PlanGraph", "PlanOutputs", "OutputCopier", "compute_plan"]
