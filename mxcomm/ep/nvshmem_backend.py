@@ -34,9 +34,10 @@ of 8; the receiver fans the row out to its expert groups with local stores.
 One H200, loopback 8192 x 7168, top-8: see ``bench/results/h200/README.md``.
 
 One rank (``transport="auto"``, :func:`mxcomm.ep.plan.dispatch_path` = ``"local"``): nothing leaves the GPU, so
-steps 2, 3 and 5 go away, and step 1 joins the captured plan (its id check is read at the one sync): after the plan, ``dispatch_kernel`` reads each token row once, quantizes it once and stores
-it straight into the fresh output at every selection's row (scale rows into ``recv_s``), padding rows are zeroed and
-the scales swizzled. No receive buffer is allocated. Combine backward does the same with the weighted gradient rows.
+steps 2, 3 and 5 go away, and step 1 joins the captured plan (its id check is read at the one sync): after the plan,
+``dispatch_kernel`` reads each token row once, quantizes it once and stores it straight into the fresh output at
+every selection's row (scale rows into ``recv_s``), padding rows are zeroed and the scales swizzled. No receive
+buffer is allocated. Combine backward does the same with the weighted gradient rows.
 
 Combine (and dispatch backward) send each expert-major row back to its origin at its send position
 (quantized in registers, or an MXFP8 gradient as it is), then the origin reduces ``sum_k w * row`` in
