@@ -34,6 +34,10 @@ it), for each module and (programs, warps, chunk):
   zeroed at the end of the same launch (``ZERO_PAD``), then the swizzle), checked like the other paths;
 * ``reduce_own``: the one-rank combine (``combine_reduce_kernel(OWN=True)``: every row read as bf16 from the expert
   output and quantized in registers): ``S*H*2`` read + ``T*H*2`` written; same check as ``reduce``.
+* ``pattern`` (``--ops pattern``): ceilings of the dispatch's access pattern - the same reads, writes, rows and
+  order without the quantization (``pattern_scatter_kernel``: plain, through TMA descriptors, writes alone), a
+  torch copy and a ``zero_()`` of the same byte count; ``pattern_ceiling_gbps`` = the fastest scatter, and each
+  ``dispatch`` / ``local_path`` result gets ``vs_pattern_ceiling``;
 * ``ceiling``: ``dst.copy_(src)`` of 1 GiB (read + write counted).
 
 Writes JSON to ``--out``; exits non-zero if any output is wrong.
@@ -90,6 +94,44 @@ def naive_dispatch_kernel(x_ptr, T, dest_row_ptr, srow_ptr, q_ptr, s_ptr, n_col_
                         tl.store(s_ptr + blocked_scale_offset(srow, cols, n_col_tiles), s, mask=cols < H // 32)
                     else:
                         tl.store(s_ptr + row * (H // 32) + cols, s, mask=cols < H // 32)
+        t += tl.num_programs(0)
+
+
+@triton.jit
+def pattern_scatter_kernel(x_ptr, xdesc, T, dest_row_ptr, q_ptr, s_ptr, H: tl.constexpr, K: tl.constexpr,
+                           CHUNK: tl.constexpr, LOAD: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr):
+    """The dispatch's memory traffic without its arithmetic (a ceiling for that access pattern): program ``t``
+    (persistent over tokens, like ``dispatch_kernel``) reads row ``x[t, :]`` (int16 ``[T, H]``, the bf16 bits)
+    once, ``CHUNK`` at a time, and stores its high bytes to payload row ``q[dest_row[t, j]]`` (uint8 ``[*, H]``) and
+    ``NB`` bytes ``t + column`` to scale row ``s[dest_row[t, j]]`` (uint8 ``[*, H/32]``) for each valid slot ``j``.
+    ``LOAD`` False: no reads (payload bytes ``t + offset``; writes alone). ``TMA_LOAD`` / ``TMA_STORE``: the row
+    pieces go through tensor descriptors (``xdesc`` over x viewed ``[T, H/256, 256]``; ``q_ptr`` then a descriptor
+    over q viewed ``[*, H/256, 256]``; block ``[1, CHUNK/256, 256]``) instead of plain loads / stores."""
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    t = tl.program_id(0)
+    while t < T:
+        for c0 in tl.static_range(0, H, CHUNK):
+            m = (c0 + offs) < H
+            if not LOAD:
+                q = (offs + t).to(tl.uint8)
+            elif TMA_LOAD:
+                q = (tl.reshape(xdesc.load([t, c0 // 256, 0]), (CHUNK,)) >> 8).to(tl.uint8)
+            else:
+                q = (tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0) >> 8).to(tl.uint8)
+            cols = c0 // 32 + bcols
+            s = (cols + t).to(tl.uint8)
+            for j in tl.static_range(K):
+                row = tl.load(dest_row_ptr + t * K + j)
+                if row >= 0:
+                    if TMA_STORE:
+                        q_ptr.store([row, c0 // 256, 0], tl.reshape(q, (1, CHUNK // 256, 256)))
+                    else:
+                        dst = q_ptr + tl.multiple_of(row.to(tl.int64) * H + c0, 16) + offs
+                        tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), q, mask=m)
+                    tl.store(s_ptr + row.to(tl.int64) * C + cols, s, mask=cols < C)
         t += tl.num_programs(0)
 
 
@@ -385,6 +427,76 @@ class Lab:
                                                               scales="blocked" if blocked else "row"),
                                     fn, self.dispatch_check(q, s, not blocked))
 
+    def bench_pattern(self) -> None:
+        """Ceilings of the dispatch's access pattern on this GPU, same bytes and rows as ``dispatch``
+        (``pattern_scatter_kernel``: ``scatter`` plain loads and stores, ``scatter_tma_load`` /
+        ``scatter_tma_store`` / ``scatter_tma`` through tensor descriptors (GPU, ``H % 256 == 0``), ``write_only``
+        without the reads, counted ``S*(H + H/32)``), plus ``torch_copy`` (``dst.copy_(src)`` moving the same
+        byte count: half read, half written) and ``torch_zero`` (``zero_()`` of that many bytes)."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        T, H, C, R, dev = self.T, self.H, self.C, self.R, self.dev
+        xi = self.x.view(torch.int16)
+        q = torch.empty(max(R, 1), H, dtype=torch.uint8, device=dev)
+        s = torch.empty(max(R, 1), C, dtype=torch.uint8, device=dev)
+        tok = self.slot_tok
+        cols = torch.arange(C, device=dev)
+        want_s = ((tok[:, None] + cols[None, :]) & 255).to(torch.uint8)
+
+        def check_for(load, chunk):
+            if load:
+                want_q = (xi >> 8).to(torch.uint8)[tok]
+            else:  # byte t + offset within the chunk
+                want_q = ((tok[:, None] + torch.arange(H, device=dev)[None, :] % chunk) & 255).to(torch.uint8)
+
+            def check(fn):
+                q.zero_()
+                s.zero_()
+                fn()
+                ok_q = torch.equal(q[self.slot_rows], want_q)
+                ok_s = torch.equal(s[self.slot_rows], want_s)
+                return bool(ok_q and ok_s), dict(payload_equal=bool(ok_q), scales_equal=bool(ok_s))
+            return check
+
+        tma = not self.interp and H % 256 == 0
+        variants = [("scatter", True, False, False), ("write_only", False, False, False)]
+        if tma:
+            variants += [("scatter_tma_load", True, True, False), ("scatter_tma_store", True, False, True),
+                         ("scatter_tma", True, True, True)]
+        for name, load, tma_load, tma_store in variants:
+            for programs in self.grids():
+                for warps in _ints(self.args.warps):
+                    for chunk in _ints(self.args.chunks):
+                        if (tma_load or tma_store) and chunk % 256:
+                            continue
+                        blk = [1, chunk // 256, 256]
+                        xd = TensorDescriptor.from_tensor(xi.view(T, H // 256, 256), blk) if tma_load else xi
+                        qd = TensorDescriptor.from_tensor(q.view(-1, H // 256, 256), blk) if tma_store else q
+                        fn = (lambda programs=programs, warps=warps, chunk=chunk, load=load, tl_=tma_load, ts=tma_store,
+                              xd=xd, qd=qd: pattern_scatter_kernel[(programs,)](
+                                  xi, xd, T, self.plan.dest_row, qd, s, H=H, K=self.k, CHUNK=chunk, LOAD=load,
+                                  TMA_LOAD=tl_, TMA_STORE=ts, num_warps=warps))
+                        self.record("pattern", name, dict(programs=programs, warps=warps, chunk=chunk), fn,
+                                    check_for(load, chunk), nbytes=None if load else self.S * (H + C))
+        if not self.interp:
+            nbytes = T * H * 2 + self.S * (H + C)
+            src = torch.randint(0, 256, (nbytes // 2,), dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+
+            def copied(fn):
+                dst.zero_()
+                fn()
+                return bool(torch.equal(dst, src)), {}
+            self.record("pattern", "torch_copy", {}, lambda: dst.copy_(src), copied, nbytes=2 * (nbytes // 2))
+            del src, dst
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+            def zeroed(fn):
+                buf.fill_(1)
+                fn()
+                return bool((buf == 0).all()), {}
+            self.record("pattern", "torch_zero", {}, lambda: buf.zero_(), zeroed, nbytes=nbytes)
+
     # -- combine reduce ------------------------------------------------------------------------
     def bench_reduce(self, mod, impl: str) -> None:
         a = self.args
@@ -450,6 +562,8 @@ def main() -> None:
             lab.bench_reduce(mod, name)
     if "naive" in ops:
         lab.bench_naive()
+    if "pattern" in ops:
+        lab.bench_pattern()
     out = dict(benchmark="ep_kernels", machine=machine(), versions=versions(),
                config=dict(tokens=lab.T, hidden=lab.H, topk=lab.k, experts=lab.E, align=args.align, drop=args.drop,
                            selections=lab.S, rows=lab.R),
@@ -461,6 +575,13 @@ def main() -> None:
         for r in lab.results:
             r["vs_copy_ceiling"] = r["gbps"] / out["copy_ceiling_gbps"]
         print(f"copy ceiling {out['copy_ceiling_gbps']:.0f} GB/s", flush=True)
+        scat = [r["gbps"] for r in lab.results if r["op"] == "pattern" and r["impl"].startswith("scatter")]
+        if scat:  # the fastest plain move of the dispatch's bytes, rows and order, without the quantization
+            out["pattern_ceiling_gbps"] = max(scat)
+            for r in lab.results:
+                if r["op"] in ("dispatch", "local_path"):
+                    r["vs_pattern_ceiling"] = r["gbps"] / out["pattern_ceiling_gbps"]
+            print(f"pattern ceiling (scatter without quantization) {out['pattern_ceiling_gbps']:.0f} GB/s", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

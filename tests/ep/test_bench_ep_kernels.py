@@ -1,6 +1,6 @@
 """bench/bench_ep_kernels.py runs end to end under the CPU interpreter (tiny sizes, dropped slots): every
 kernel it times (push, pull and local dispatch paths, their receivers, reduce with and without own rows, the naive
-baselines) produced the reference output."""
+baselines, the access-pattern ceilings) produced the reference output."""
 import json
 import os
 import pathlib
@@ -19,7 +19,7 @@ def test_bench_ep_kernels_smoke(tmp_path):
     r = subprocess.run(
         [sys.executable, str(root / "bench" / "bench_ep_kernels.py"), "--tokens", "29", "--hidden", "128",
          "--experts", "8", "--topk", "3", "--drop", "0.2", "--programs", "1,tokens", "--warps", "4",
-         "--chunks", "64", "--out", str(out)],
+         "--chunks", "64", "--ops", "dispatch,naive,reduce,pattern", "--out", str(out)],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -27,9 +27,10 @@ def test_bench_ep_kernels_smoke(tmp_path):
     mod = "mxcomm.ep.nvshmem_kernels"
     ops = ("dispatch", "copyout", "swizzle", "pack", "gather", "push_path", "pull_path", "local_path", "reduce",
            "reduce_own")
-    assert {(x["op"], x["impl"]) for x in res} == {(op, mod) for op in ops} | {("dispatch", "naive")}
+    assert {(x["op"], x["impl"]) for x in res} == {(op, mod) for op in ops} | {("dispatch", "naive")} | {
+        ("pattern", "scatter"), ("pattern", "write_only")}
     # dispatch, pack, gather, reduce and reduce_own: 2 grids; swizzle: byte and word columns (H/32 = 4); copyout
-    # and the 3 paths: once; naive: 2 x 2
-    assert len(res) == 2 + 2 + 2 + 2 + 2 + 2 + 4 + 4 and all(x["correct"] for x in res)
+    # and the 3 paths: once; naive: 2 x 2; pattern (no TMA variants on the interpreter): 2 x 2
+    assert len(res) == 2 + 2 + 2 + 2 + 2 + 2 + 4 + 4 + 4 and all(x["correct"] for x in res)
     assert sorted(x["word"] for x in res if x["op"] == "swizzle") == [False, True]
     assert all(x.get("scales", "row") in ("row", "blocked") for x in res)
