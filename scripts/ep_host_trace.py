@@ -1,6 +1,8 @@
-"""Where the host time of one eager EP call goes (world of 1, loopback, exact output sizes), on a GPU.
+"""Where the host time of one eager EP call goes (exact output sizes), on a GPU: world of 1 (loopback), or several
+ranks started by torchrun (one per GPU, round robin over the GPUs there are; rank 0 reports).
 
     source scripts/gpu_env.sh $((12 << 30)); python3 scripts/ep_host_trace.py [--ops dispatch,combine] [--out DIR]
+    source scripts/gpu_env.sh $((12 << 30)); torchrun --nproc-per-node 2 scripts/ep_host_trace.py --no-cprofile
 
 Per op (dispatch, combine, combine_bwd, dispatch_bwd; the calls of ``mxcomm bench``'s cases):
 
@@ -36,7 +38,7 @@ from mxcomm.ep import EPConfig, EPGroup  # noqa: E402
 
 def _calls(grp, T, H, E, k):
     """The four timed calls, built like mxcomm.bench.cases (untimed setup here)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(dist.get_rank())
     x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
     idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :k].to(torch.int32)
     w = torch.rand(T, k, device="cuda", generator=g)
@@ -52,12 +54,24 @@ def _calls(grp, T, H, E, k):
     }
 
 
+def _sync():
+    """Device idle and (several ranks) every rank here: what `mxcomm bench` does before each timed call."""
+    torch.cuda.synchronize()
+    if dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _print(*args, **kw):
+    if dist.get_rank() == 0:
+        print(*args, **kw)
+
+
 def _wall(fn, iters=30, before=None):
     ts = []
     for _ in range(iters):
         if before is not None:
             before()
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -68,13 +82,15 @@ def _wall(fn, iters=30, before=None):
 def _timeline(name, fn, out_dir):
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    torch.cuda.synchronize()
+    _sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(3):
-            torch.cuda.synchronize()
+            _sync()
             with record_function(f"call{i}"):
                 fn()
             torch.cuda.synchronize()
+    if dist.get_rank():
+        return
     path = os.path.join(out_dir or tempfile.mkdtemp(), f"trace_{name}.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
@@ -105,8 +121,10 @@ def _cprofile(fn, n=20, lines=40):
     pr.enable()
     for _ in range(n):
         fn()
-        torch.cuda.synchronize()
+        _sync()
     pr.disable()
+    if dist.get_rank():
+        return
     st = pstats.Stats(pr)
     st.sort_stats("cumulative").print_stats(lines)
 
@@ -121,7 +139,11 @@ def main():
     ap.add_argument("--conditions", action="store_true",
                     help="also time each call after an L2 flush, after a host sleep, after both")
     a = ap.parse_args()
-    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
+        dist.init_process_group("gloo", init_method="env://")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
     T, H, E, k = a.tokens, 7168, 256, 8
     grp = EPGroup(EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=T, backend="nvshmem"))
     calls = _calls(grp, T, H, E, k)
@@ -132,13 +154,14 @@ def main():
         for _ in range(5):
             fn()
         med, p10, p90 = _wall(fn)
-        print(f"=== {name}: whole call {med:.1f} us (p10 {p10:.1f}, p90 {p90:.1f}), path {grp.path}", flush=True)
+        _print(f"=== {name}: whole call {med:.1f} us (p10 {p10:.1f}, p90 {p90:.1f}), path {grp.path}, "
+               f"{dist.get_world_size()} rank(s) on {torch.cuda.device_count()} GPU(s)", flush=True)
         if a.conditions:  # the same call after what `mxcomm bench` does before each timed call
             flush = L2Flusher(torch.device("cuda"))
             for label, before in (("after an L2 flush", flush), ("after 2 ms of host sleep", lambda: time.sleep(2e-3)),
                                   ("after both", lambda: (flush(), time.sleep(2e-3)))):
                 med, p10, p90 = _wall(fn, before=before)
-                print(f"    {label:26s} {med:8.1f} us (p10 {p10:.1f}, p90 {p90:.1f})", flush=True)
+                _print(f"    {label:26s} {med:8.1f} us (p10 {p10:.1f}, p90 {p90:.1f})", flush=True)
         if not a.no_timeline:
             _timeline(name, fn, a.out)
         if not a.no_cprofile:
