@@ -3,7 +3,8 @@
     python3 -m torch.distributed.run --nproc-per-node 2 scripts/ep_sweep.py [--tokens 4096] [--profile]
 
 One EPGroup per precision (nvshmem backend, exact sizes); for every routing-plan implementation and
-(programs, warps) pair of combine's sending kernel (``backend.programs`` / ``send_warps``, patched on the
+(programs, warps, tile rows, row chunk) of combine's sending kernel (``backend.programs`` / ``send_warps`` /
+``send_rows`` / ``send_chunk``, patched on the
 backend instance between measurements, identical on every rank; the dispatch kernel keeps its own launch,
 ``dispatch_programs`` / ``dispatch_warps``) it times
 dispatch, combine, combine backward and dispatch backward with CUDA events (median of --iters, the
@@ -12,6 +13,7 @@ text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the env
 scripts/gpu_env.sh (nvshmem4py, multicast off, NVSHMEM_SYMMETRIC_SIZE).
 """
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -61,6 +63,10 @@ def _time(fn, iters):
     return float(med)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
@@ -73,6 +79,9 @@ def main():
     ap.add_argument("--precision", default="mxfp8,bf16")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--plan-impl", default="torch,triton", help="routing plan implementations to time (backend.plan_impl)")
+    ap.add_argument("--send-rows", default="4", help="rows per tile of combine's send kernel (backend.send_rows)")
+    ap.add_argument("--send-chunks", default="1024", help="row chunk of combine's send kernel (backend.send_chunk)")
+    ap.add_argument("--ops", default="dispatch,combine,combine_bwd,dispatch_bwd")
     a = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
@@ -83,7 +92,7 @@ def main():
         group = EPGroup(EPConfig(num_experts=a.experts, hidden=a.hidden, topk=a.topk, max_tokens_per_rank=a.tokens,
                                  precision=prec, backend="nvshmem"))
         be = group._backend
-        ops = _ops(group, x, idx, w)
+        ops = {n: f for n, f in _ops(group, x, idx, w).items() if n in a.ops.split(",")}
         for fn in ops.values():  # compile every kernel variant once
             fn()
         if a.profile:
@@ -101,16 +110,17 @@ def main():
                     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
                                                     max_name_column_width=45), flush=True)
         for impl in a.plan_impl.split(","):
-            for progs in [int(v) for v in a.programs.split(",")]:
-                for warps in [int(v) for v in a.warps.split(",")]:
-                    be.programs, be.send_warps, be.plan_impl = progs, warps, impl
-                    for fn in ops.values():
-                        fn()
-                    res = {name: _time(fn, a.iters) for name, fn in ops.items()}
-                    if rank == 0:
-                        print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, programs=progs, warps=warps,
-                                                         plan_impl=impl, world=dist.get_world_size(), us=res)),
-                              flush=True)
+            for progs, warps, br, chunk in itertools.product(*(_ints(v) for v in (
+                    a.programs, a.warps, a.send_rows, a.send_chunks))):
+                be.programs, be.send_warps, be.plan_impl = progs, warps, impl
+                be.send_rows, be.send_chunk = br, chunk
+                for fn in ops.values():
+                    fn()
+                res = {name: _time(fn, a.iters) for name, fn in ops.items()}
+                if rank == 0:
+                    print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, programs=progs, warps=warps,
+                                                     send_rows=br, send_chunk=chunk, plan_impl=impl,
+                                                     world=dist.get_world_size(), us=res)), flush=True)
     from mxcomm import transport as tp
 
     dist.barrier()

@@ -80,12 +80,15 @@ from . import put_path
 
 _CHUNK = 1024
 _PROGRAMS_PER_SM = 4  # combine send, copy-out
-# dispatch direction (dispatch_kernel, pack_rows_kernel) and combine's reduce: 16 programs per SM of 4 warps, row
-# chunks of 4096 values - the fastest settings measured on one H200 at 8192 x 7168, top-8, with kernel times from
-# CUDA-graph replays (bench/bench_ep_kernels.py; bench/results/h200/README.md, session 7: dispatch_kernel 178 µs at
-# 4096, 210 at 2048). These kernels are bound by memory: a last chunk partly masked off costs little.
+# dispatch direction (dispatch_kernel, pack_rows_kernel; combine's reduce has its own chunks, 4 warps): 16 programs
+# per SM of 8 warps, row chunks of up to 8192 values (a whole row at H = 7168) - measured on an H200 at 8192 x 7168,
+# top-8, kernel times from CUDA-graph replays (bench/bench_ep_kernels.py, session 11, two runs in one device call,
+# bench/results/h200x2/s11/): dispatch_kernel 170.7 / 170.7 µs against 179.2 / 179.3 at session 7's 4 warps and
+# chunk 4096; pack_rows_kernel 44.6 / 45.2 against 48.1 / 47.8. These kernels are bound by memory: a last chunk
+# partly masked off costs little. The weighted dispatch (combine backward) quantizes per slot, with its own chunk
+# (_qdq_chunk) and 4 warps.
 _DISPATCH_PROGRAMS_PER_SM = 16
-_DISPATCH_CHUNK = 4096
+_DISPATCH_CHUNK = 8192
 _REDUCE_CHUNK = 4096
 # The reduce of MXFP8 rows that arrived (several ranks): 2048 since session 9's kernel (scalar weight mask), lab on
 # one H200, two device calls: 165.7 / 163.8 µs at 2048 against 198.2 / 197.8 at 4096 (session 8's kernel: 210 at
@@ -203,7 +206,9 @@ class NvshmemBackend:
         self.route_grad_programs = sms * _ROUTE_GRAD_PROGRAMS_PER_SM  # combine backward's route-weight gradient
         self.dispatch_programs = sms * _DISPATCH_PROGRAMS_PER_SM  # dispatch_kernel (dispatch, combine backward)
         self.send_warps = 8  # warps per program of combine send
-        self.dispatch_warps = 4
+        self.send_rows, self.send_chunk = 4, _CHUNK  # combine send's tile: rows x row chunk (values)
+        self.dispatch_warps = 8  # dispatch_kernel (unweighted), pack_rows_kernel
+        self.weighted_warps = 4  # dispatch_kernel with WEIGHTED (combine backward)
         # routing plan: "triton" (mxcomm.ep.plan_kernels: the id check + counts + per-block slot table in two kernels,
         # the plan in three, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the
         # GPU replayed from a CUDA graph captured per token count)
@@ -282,6 +287,10 @@ class NvshmemBackend:
                 f"NVSHMEM runs as PE {ctx.rank} of {ctx.world}, but the EP group is rank {rank} of {world_size}"
             )
         return tp.SymmetricHeap(ctx)
+
+    def _dispatch_warps(self, weighted: bool) -> int:
+        """Warps per program of dispatch_kernel (``weighted``: combine backward's per-slot quantization)."""
+        return self.weighted_warps if weighted else self.dispatch_warps
 
     @staticmethod
     def _chunk(H: int, weighted: bool = False) -> int:
@@ -438,7 +447,7 @@ class NvshmemBackend:
                 x, T, plan.dest_rank, plan.dest_row, out if mx else out.view(torch.bfloat16), self.recv_s.peer_ptrs,
                 self.flags.peer_ptrs, 0, 1, w, plan.offs, plan.expert_counts, plan.num_rows, R, self.El, H=H,
                 K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
-                WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True, num_warps=self.dispatch_warps,
+                WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True, num_warps=self._dispatch_warps(weighted),
             )
         return out
 
@@ -580,7 +589,7 @@ class NvshmemBackend:
         dispatch_kernel[(self.dispatch_programs,)](
             x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, self.flags.peer_ptrs, self.rank, self.world, w,
             plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
-            WEIGHTED=weighted, ARRIVE=not self.put_mode, num_warps=self.dispatch_warps,
+            WEIGHTED=weighted, ARRIVE=not self.put_mode, num_warps=self._dispatch_warps(weighted),
         )
         if self.put_mode:
             blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0)
@@ -750,7 +759,8 @@ class NvshmemBackend:
             origins = handle_origins(handle)
             combine_send_kernel[(self.programs,)](
                 payload, st.num_rows_dev, origins.src, origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
-                self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=4, CHUNK=min(_CHUNK, triton_next_pow2(H)),
+                self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=self.send_rows,
+                CHUNK=min(self.send_chunk, triton_next_pow2(H)),
                 MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, STAGED=self.put_mode,
                 num_warps=self.send_warps,
             )
