@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -316,11 +317,11 @@ class Lab:
                 q.view(torch.int64), out_q.view(torch.int64), self.plan.num_rows, src, R,
                 ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), num_warps=4)
 
-        def pull_rows(programs=progs):
+        def pull_rows(programs=progs, warps=4, chunk=512):
             mod.pull_rows_kernel[(min(max(R, T), programs),)](
                 out_q.view(torch.int64), s, self.plan.num_rows, src, R, sqp, ssp, plist, epoch, T, 1,
-                ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), C=C, C_POW2=triton.next_power_of_2(C),
-                K=self.k, EW=ew, MX=True, num_warps=4)
+                ROW_WORDS=words, CHUNK=min(chunk, triton.next_power_of_2(words)), C=C, C_POW2=triton.next_power_of_2(C),
+                K=self.k, EW=ew, MX=True, num_warps=warps)
 
         def scale_cb(wordwise, cb):  # word columns: a whole tile-row per program (what the backend launches)
             return triton.next_power_of_2(cp // 4) if wordwise else min(cb, triton.next_power_of_2(cp))
@@ -388,10 +389,11 @@ class Lab:
         pack()
         s.zero_()  # the gather stages the scale rows here again
         # pull gather: each token row (and scale row) read once, stored at every selection's row; padding zeroed
-        for programs in self.grids():
-            self.record("gather", impl, dict(programs=min(max(R, T), programs)),
-                        lambda programs=programs: pull_rows(programs), both(rows_check, lambda fn: scales_check(
-                            lambda: (fn(), scales()))), nbytes=T * (H + C) + R * H + self.S * C)
+        for programs, warps, gchunk in itertools.product(self.grids(), _ints(a.warps), _ints(a.gather_chunks)):
+            self.record("gather", impl, dict(programs=min(max(R, T), programs), warps=warps, chunk=gchunk),
+                        lambda programs=programs, warps=warps, gchunk=gchunk: pull_rows(programs, warps, gchunk),
+                        both(rows_check, lambda fn: scales_check(lambda: (fn(), scales()))),
+                        nbytes=T * (H + C) + R * H + self.S * C)
         g0, w0 = self.grids()[0], _ints(a.warps)[0]
         self.record("push_path", impl, dict(programs=g0, warps=w0, chunk=chunk0),
                     lambda: (push(g0, w0, chunk0), copy_rows(), scales()), both(rows_check, scales_check))
@@ -548,6 +550,7 @@ def main() -> None:
     ap.add_argument("--programs", default="4,tokens", help="programs per SM, or 'tokens' (one per token)")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--chunks", default="1024")
+    ap.add_argument("--gather-chunks", default="512", help="8-byte words per row chunk of the pull gather")
     ap.add_argument("--scale-cbs", default="32", help="scale columns per program of the swizzle (bytes; the word variant covers a row)")
     ap.add_argument("--scales", default="row,blocked", help="scale layouts of the naive kernel: row,blocked")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ep_kernels.json"))
