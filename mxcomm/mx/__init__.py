@@ -17,12 +17,13 @@ from .layouts import (
     to_grouped_m,
 )
 from .reference import check_quantizable, quantize
-from .scales import BLOCK, E4M3_MAX, SCALE_MODES, scale_bytes_from_amax, scale_reciprocal, scale_value
+from .scales import (BLOCK, E4M3_MAX, SCALE_MODES, finite_max, saturate_finite, scale_bytes_from_amax, scale_reciprocal,
+                     scale_value)
 from .tensor import MXTensor, ScaleLayout, dequantize
 
 __all__ = [
     "BLOCK", "E4M3_MAX", "SCALE_MODES", "MXTensor", "ScaleLayout", "quantize", "dequantize",
-    "check_quantizable", "scale_bytes_from_amax", "scale_reciprocal", "scale_value",
+    "check_quantizable", "finite_max", "saturate_finite", "scale_bytes_from_amax", "scale_reciprocal", "scale_value",
     "to_blocked", "from_blocked", "to_grouped_m", "from_grouped_m", "to_grouped_k", "from_grouped_k",
     "grouped_m_rows", "grouped_m_row_map", "grouped_k_cols", "blocked_index", "blocked_shape", "round_up",
 ]

@@ -14,6 +14,11 @@ written down in the README's "Format" section:
 * A block that holds a NaN or an Inf gets ``b = 0xFF`` and all of its payload
   bytes become 0x7F (NaN); other blocks are unaffected. An all-zero block gets
   ``b = 0`` and a zero payload (signed zeros keep their sign: -0.0 -> 0x80).
+* Decode saturates (:func:`saturate_finite`): every MX value built from finite bytes is a
+  finite number, but it can exceed the largest finite value of the dtype it is decoded to
+  (rceil: a block max within 1/64 of 2**128 gets scale 2**120 and payload 256, i.e. 2**128).
+  Such a value becomes +-(that dtype's largest finite value); NaN (scale byte 0xFF, payload
+  0x7F/0xFF) stays NaN. Quantization itself is unchanged.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ BLOCK = 32
 E4M3_MAX = 448.0
 E8M0_NAN = 255
 E4M3_NAN_BYTE = 0x7F
-SCALE_MODES = ("rceil", "floor")
+from .modes import SCALE_MODES  # noqa: E402  (defined once, torch-free)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # fp32(1/448) as the hardware and cuBLAS compute it: rounded once to fp32.
@@ -83,6 +88,19 @@ def scale_value(b: torch.Tensor) -> torch.Tensor:
     bits = torch.where(bi == 0, torch.full_like(bits, 0x00400000), bits)
     bits = torch.where(bi == 255, torch.full_like(bits, 0x7FC00000), bits)
     return bits.view(torch.float32)
+
+
+def finite_max(dtype: torch.dtype) -> float:
+    """Largest finite value of a float dtype (bf16 3.3895314e38, fp16 65504, fp32 3.4028235e38)."""
+    return torch.finfo(dtype).max
+
+
+def saturate_finite(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp decoded values ``v`` (fp32, where the exact product overflowed to +-Inf) to +-``finite_max(dtype)``;
+    NaN stays NaN. ``dtype`` is the dtype the values are delivered in: clamp to IT, not to fp32's max, which
+    rounds to bf16/fp16 Inf."""
+    m = finite_max(dtype)
+    return torch.clamp(v, -m, m)  # torch.clamp propagates NaN
 
 
 def e4m3_rne_satfinite(v: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,13 @@
-"""The MX tensor value type: E4M3 payload + E8M0 scales + which axis and which scale layout."""
+"""The MX tensor value type: E4M3 payload + E8M0 scales + which axis and which scale layout, and the reference
+dequantize.
+
+Dequantize rule (every decoder in mxcomm follows it: this reference, the Triton dequantize kernels, the decode in
+the grouped GEMMs and in the EP combine): ``value = e4m3(q) * 2**(b - 127)`` computed in fp32, then **saturated**:
+a value whose magnitude exceeds the largest finite value of the output dtype (bf16 3.3895314e38, fp16 65504,
+fp32 3.4028235e38) becomes +-that value, so a finite input stays finite through quantize -> dequantize (rceil
+rounds a block max near 2**128 to payload 256 at scale 2**120, whose product 2**128 overflows every dtype).
+NaN stays NaN: a block with scale byte 0xFF (a NaN/Inf input block) and payload bytes 0x7F/0xFF decode to NaN.
+"""
 from __future__ import annotations
 
 import enum
@@ -8,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import layouts
-from .scales import BLOCK, E4M3_NAN_BYTE, E8M0_NAN, scale_value
+from .scales import BLOCK, E4M3_NAN_BYTE, E8M0_NAN, finite_max, saturate_finite, scale_value
 
 
 class ScaleLayout(str, enum.Enum):
@@ -99,23 +108,36 @@ class MXTensor:
             s = layouts.to_grouped_k(mat, group_offs)
         return replace(self, scales=s, layout=layout, group_offs=group_offs)
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        return dequantize(self, dtype)
+    def dequantize(self, dtype: Optional[torch.dtype] = None, *,
+                   saturate_to: Optional[torch.dtype] = None) -> torch.Tensor:
+        return dequantize(self, dtype, saturate_to=saturate_to)
 
 
-def dequantize(mx: MXTensor, dtype: Optional[torch.dtype] = torch.bfloat16) -> torch.Tensor:
-    """MXTensor -> dense tensor ``qdata * 2**(scale-127)`` computed in fp32, cast to ``dtype``.
+def dequantize(mx: MXTensor, dtype: Optional[torch.dtype] = torch.bfloat16, *,
+               saturate_to: Optional[torch.dtype] = None) -> torch.Tensor:
+    """MXTensor -> dense tensor ``qdata * 2**(scale-127)`` computed in fp32, saturated, cast to ``dtype``.
 
-    ``dtype=None`` uses ``mx.orig_dtype``. Blocks with scale byte 255 come out NaN.
+    Args:
+        mx: any layout; the result has ``mx.shape``.
+        dtype: bfloat16 / float16 / float32 output; ``None`` uses ``mx.orig_dtype``.
+        saturate_to: the dtype whose largest finite value bounds the magnitudes (default ``dtype``); e.g.
+            ``dequantize(m, torch.float32, saturate_to=torch.bfloat16)`` gives the fp32 values a kernel that sums
+            decoded bf16-origin rows in fp32 uses. Must not exceed ``dtype``'s range.
+    Returns:
+        ``dtype`` tensor; finite wherever the block is finite (see the module doc), NaN in blocks with scale
+        byte 255 and at payload bytes 0x7F/0xFF.
     """
     dtype = dtype or mx.orig_dtype
+    sat = saturate_to or dtype
+    if finite_max(sat) > finite_max(dtype):
+        raise ValueError(f"saturate_to={sat} has a larger range than the output dtype {dtype}")
     s = scale_value(mx.row_scales())
     q = mx.qdata.to(torch.float32)
     axis = mx.axis
     qv = q.movedim(axis, -1)
     shp = qv.shape
     out = qv.reshape(*shp[:-1], shp[-1] // BLOCK, BLOCK) * s.movedim(axis, -1).unsqueeze(-1)
-    return out.reshape(shp).movedim(-1, axis).to(dtype)
+    return saturate_finite(out, sat).reshape(shp).movedim(-1, axis).to(dtype)
 
 
 __all__ = ["MXTensor", "ScaleLayout", "dequantize", "E4M3_NAN_BYTE", "E8M0_NAN"]

@@ -206,3 +206,108 @@ def test_bad_input():
         quantize(torch.randn(4, 64), axis=2)
     with pytest.raises(ValueError, match="group_offs"):
         quantize(torch.randn(4, 64), layout="grouped_m")
+
+
+# ------------------------------------------------------------------------------------------------
+# dequantize saturates: a finite MX value above the output dtype's largest finite value becomes +-that value
+# ------------------------------------------------------------------------------------------------
+BF16_MAX = torch.finfo(torch.bfloat16).max  # 3.3895314e38
+F16_MAX = torch.finfo(torch.float16).max  # 65504
+
+
+def _bits_around(v: float, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """The finite ``dtype`` values at or below ``v`` and their ``n - 1`` lower neighbours (``v`` itself is finite)."""
+    ib = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+    top = torch.tensor([v], dtype=dtype).view(ib).to(torch.int64)
+    return (top - torch.arange(n)).to(ib).view(dtype)
+
+
+def near_max_blocks(dtype: torch.dtype) -> torch.Tensor:
+    """``[rows, 64]`` blocks of ``dtype`` at and near its largest finite value: all-max blocks, the top 16 finite
+    values (each in its own block, both signs), 3.39e38 (bf16/fp32), and blocks mixing one near-max value with
+    small ones."""
+    fmax = torch.finfo(dtype).max
+    top = _bits_around(fmax, dtype, 16).to(torch.float64)
+    rows = [torch.full((64,), fmax, dtype=torch.float64), torch.full((64,), -fmax, dtype=torch.float64)]
+    for v in top.tolist():
+        r = torch.zeros(64, dtype=torch.float64)
+        r[3], r[40] = v, -v
+        rows.append(r)
+    extra = [3.39e38, -3.39e38, 3.3895e38] if dtype != torch.float16 else [65500.0, -65504.0, 65472.0]
+    for v in extra:
+        r = torch.linspace(-3.0, 3.0, 64, dtype=torch.float64)  # small values in the same blocks
+        r[7], r[33] = v, -v / 2
+        rows.append(r)
+    return torch.stack(rows).to(dtype)
+
+
+def _exact(m) -> torch.Tensor:
+    """float64 ``e4m3(q) * 2**(b-127)`` of a row-wise MXTensor (no overflow in float64); NaN blocks NaN."""
+    q = m.qdata.to(torch.float64)
+    b = m.scales.to(torch.float64)
+    s = torch.where(b == 255, torch.full_like(b, float("nan")), torch.exp2(b - 127))
+    return (q.view(q.shape[0], -1, 32) * s.unsqueeze(-1)).view(q.shape)
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_dequantize_saturates_to_output_max(in_dtype, out_dtype, mode):
+    """quantize -> dequantize of finite inputs at/near the top of the range is finite: +-max(out_dtype) where the
+    exact MX value exceeds it, the exact value (rounded to out_dtype) elsewhere."""
+    x = near_max_blocks(in_dtype)
+    m = quantize(x, mode=mode)
+    exact = _exact(m)
+    omax = torch.finfo(out_dtype).max
+    want = torch.where(exact.abs() > omax, exact.sign() * omax, exact).to(out_dtype)
+    got = dequantize(m, out_dtype)
+    assert torch.isfinite(got).all(), f"{int((~torch.isfinite(got)).sum())} non-finite values"
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if mode == "rceil" and in_dtype != torch.float16 and out_dtype != torch.float16:
+        assert (exact.abs() > omax).any()  # the case exists: the rounded block max overflows the output dtype
+
+
+def test_bf16_max_block_dequantizes_to_bf16_max():
+    """The motivating value: 3.39e38 (rounds to bf16 max) gets scale 2**120 and payload 256 under rceil
+    (256 * 2**120 = 2**128); bf16 and fp32 outputs saturate, the values beside it keep their exact values."""
+    x = torch.tensor([[3.39e38] + [1e36] * 30 + [-3.39e38]], dtype=torch.bfloat16)
+    m = quantize(x)
+    assert m.scales.item() == 247 and m.qdata.view(torch.uint8)[0, 0].item() == 0x78
+    y = dequantize(m, torch.bfloat16)
+    assert y[0, 0].item() == BF16_MAX and y[0, -1].item() == -BF16_MAX
+    assert y[0, 1].item() == float(m.qdata[0, 1].float()) * 2.0 ** 120
+    assert dequantize(m, torch.float32)[0, 0].item() == FMAX32
+    # in fp32, saturated to the bf16 max (what a bf16 consumer that sums in fp32 needs)
+    assert dequantize(m, torch.float32, saturate_to=torch.bfloat16)[0, 0].item() == BF16_MAX
+    w = torch.tensor([0.75, 0.25])
+    v = dequantize(m, torch.float32, saturate_to=torch.bfloat16)
+    assert torch.isfinite((w[0] * v + w[1] * v).to(torch.bfloat16)).all()  # a combine of the row stays finite
+
+
+def test_dequantize_saturation_keeps_nan():
+    """NaN stays NaN: a NaN/Inf input block (scale 0xFF), a 0xFF scale byte with a zero payload, 0x7F / 0xFF payload
+    bytes under a finite scale; their neighbours are unaffected."""
+    x = torch.ones(1, 128, dtype=torch.float32) * 3.0e38
+    x[0, 5] = float("nan")
+    x[0, 40] = float("inf")
+    m = quantize(x)
+    q = m.qdata.view(torch.uint8).clone()
+    s = m.scales.clone()
+    s[0, 2] = 255
+    q[0, 64:96] = 0
+    q[0, 100], q[0, 101] = 0x7F, 0xFF
+    m2 = type(m)(qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1)
+    for dt in (torch.bfloat16, torch.float32, torch.float16):
+        y = dequantize(m2, dt).float()
+        nan = torch.isnan(y[0])
+        want = torch.zeros(128, dtype=torch.bool)
+        want[0:96] = True
+        want[100:102] = True
+        assert torch.equal(nan, want), dt
+        assert torch.isfinite(y[0, 96:100]).all() and torch.isfinite(y[0, 102:]).all()
+
+
+def test_saturate_to_checks():
+    m = quantize(torch.ones(1, 32))
+    with pytest.raises(ValueError, match="saturate_to"):
+        dequantize(m, torch.bfloat16, saturate_to=torch.float32)
