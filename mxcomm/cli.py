@@ -1,5 +1,8 @@
 """Command line entry point: ``mxcomm bench``, ``mxcomm info`` and ``mxcomm selfcheck``.
 
+Imports are lazy: building the parser imports neither torch, triton, matplotlib nor :mod:`mxcomm.ep`, so
+``mxcomm --help`` and argument errors answer at once.
+
 ``mxcomm bench`` started plainly launches its own rank processes (one per GPU with the nvshmem backend;
 4 CPU processes over gloo with the torch reference backend when there is no GPU). Started under
 torchrun or mpirun it joins that world instead. See :mod:`mxcomm.bench`.
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -88,9 +92,12 @@ def _bench(args, parser: argparse.ArgumentParser, argv: list) -> int:
     from .bench.report import format_table
 
     print(format_table(report), end="")
-    print(f"results: {paths['json']}")
+    print("")
+    print(f"table: {paths['table']}")
+    print(f"JSON:  {paths['json']}")
     for pth in paths.get("plots", []):
-        print(f"plot: {pth}")
+        print(f"plot:  {pth}")
+    print(f"results written to {os.path.abspath(opts.out)}")
     failed = [c["name"] for c in report["cases"] if c["impl"] == "mxcomm" and c.get("status") == "failed"]
     if failed:
         print(f"mxcomm bench: {len(failed)} mxcomm case(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 
-from .env_info import machine, nvshmem_importable, peer_matrix, relevant_env, versions
-from ..ep.config import TRANSPORTS
-from .options import _int_list, _str_list
+from .options import TRANSPORTS, _int_list, _str_list
 
 
 def add_info_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``mxcomm info`` options to ``p``."""
     p.add_argument("--tokens", type=int, default=4096, help="max tokens per rank (default 4096)")
     p.add_argument("--hidden", type=int, default=7168, help="hidden size (default 7168)")
     p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
@@ -57,7 +54,7 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
 
 def check_info_args(args) -> None:
     """Raise ValueError naming the bad ``mxcomm info`` option."""
-    from ..ep.config import PRECISIONS
+    from .options import PRECISIONS
 
     for name in ("tokens", "hidden", "topk", "experts"):
         if getattr(args, name) < 1:
@@ -82,6 +79,8 @@ def collect(args) -> dict:
     """Everything ``mxcomm info`` reports, as a dict."""
     import torch
 
+    from .env_info import machine, nvshmem_importable, peer_matrix, relevant_env, versions
+
     worlds = args.world or [max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)]
     bufs, errors = [], []
     for w in worlds:
@@ -103,16 +102,21 @@ def collect(args) -> dict:
             symm["nvshmem_available"] = f"unknown ({type(e).__name__}: {e})"
     except Exception as e:  # noqa: BLE001
         symm = dict(error=f"{type(e).__name__}: {e}")
+    mach = machine()
+    return dict(machine=mach, peer_access=peer_matrix(), versions=versions(),
+                nvshmem4py_import=nvshmem_importable() or "ok", torch_symmetric_memory=symm, env=relevant_env(),
+                nvlink_multicast=multicast_state() if mach["gpus"] else None, buffers=bufs, buffer_errors=errors)
+
+
+def multicast_state() -> str:
+    """Whether NVLink multicast is off in this environment (only meaningful where a GPU is visible)."""
     from ..transport import check_env
 
     try:
         check_env()
-        multicast = "off (NVSHMEM_DISABLE_NVLS, TORCH_SYMM_MEM_DISABLE_MULTICAST, NCCL_NVLS_ENABLE set)"
+        return "off (NVSHMEM_DISABLE_NVLS, TORCH_SYMM_MEM_DISABLE_MULTICAST, NCCL_NVLS_ENABLE set)"
     except RuntimeError as e:
-        multicast = f"NOT disabled in this shell: {e}"
-    return dict(machine=machine(), peer_access=peer_matrix(), versions=versions(),
-                nvshmem4py_import=nvshmem_importable() or "ok", torch_symmetric_memory=symm, env=relevant_env(),
-                nvlink_multicast=multicast, buffers=bufs, buffer_errors=errors)
+        return f"NOT disabled in this shell: {e}"
 
 
 def _mib(n: int) -> str:
@@ -146,7 +150,8 @@ def format_info(d: dict) -> str:
         out.append("not installed: " + ", ".join(missing))
     out.append(f"nvshmem.core import: {d['nvshmem4py_import']}")
     out.append(f"torch symmetric memory: {d['torch_symmetric_memory']}")
-    out.append(f"NVLink multicast: {d['nvlink_multicast']}")
+    if d.get("nvlink_multicast"):  # None without a GPU: nothing to say about multicast there
+        out.append(f"NVLink multicast: {d['nvlink_multicast']}")
     if d["env"]:
         out.append("environment: " + " ".join(f"{k}={v}" for k, v in d["env"].items()))
     for b in d["buffers"]:
@@ -165,6 +170,10 @@ def format_info(d: dict) -> str:
 
 
 def run_info(args) -> int:
+    """Print the ``mxcomm info`` report (text or ``--json``); 1 when every requested config is invalid."""
+    import shutil
+    import subprocess
+
     d = collect(args)
     if args.json:
         print(json.dumps(d, indent=1, default=str))
@@ -179,4 +188,5 @@ def run_info(args) -> int:
     return 1 if d["buffer_errors"] and not d["buffers"] else 0
 
 
-__all__ = ["add_info_arguments", "check_info_args", "buffer_report", "collect", "format_info", "run_info"]
+__all__ = ["add_info_arguments", "check_info_args", "buffer_report", "collect", "format_info", "run_info",
+           "multicast_state"]

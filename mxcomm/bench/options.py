@@ -15,8 +15,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..ep.config import ALIGNS, BACKENDS, PRECISIONS, TRANSPORTS
-
+# The EP choices the command line offers, spelled out here so that ``mxcomm bench --help`` and argument errors do
+# not import mxcomm.ep (and torch); tests/bench/test_options.py checks they equal mxcomm.ep.config's.
+PRECISIONS = ("mxfp8", "bf16")
+BACKENDS = ("torch", "nvshmem")
+ALIGNS = (32, 128)
+TRANSPORTS = ("auto", "local", "pull", "push", "put")
 IMPLS = ("mxcomm", "reference", "a2a", "vdev2d")
 OPS = ("dispatch", "combine", "combine_bwd", "dispatch_bwd")
 # The BF16 all-to-all baselines (a2a, vdev2d) are direction-symmetric: they are timed for the forward ops only,
@@ -32,6 +36,16 @@ GPU_DEFAULTS = dict(hidden=7168, topk=8, experts=256, tokens={"throughput": [409
 CPU_DEFAULTS = dict(hidden=512, topk=8, experts=16, tokens={"throughput": [64], "latency": [16]},
                     iters={"throughput": 10, "latency": 20}, warmup=2, quick_iters=3, quick_warmup=1)
 CPU_RANKS = 4
+MPS_MODES = ("check", "start")
+
+
+def default_out_dir(label: str, environ=None, now: Optional[datetime.datetime] = None) -> str:
+    """``$XDG_CACHE_HOME/mxcomm/bench/<label>-<YYYYmmdd-HHMMSS>`` (``XDG_CACHE_HOME`` defaults to ``~/.cache``):
+    outside any source tree, so a run never dirties a checkout. ``environ`` defaults to ``os.environ`` (read only)."""
+    env = os.environ if environ is None else environ
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return os.path.join(cache, "mxcomm", "bench", f"{label}-{stamp}")
 
 
 class OptionError(ValueError):
@@ -104,7 +118,9 @@ class BenchOptions:
     direction, see :func:`ops_for`), ``mode`` (only picks default token counts and iterations).
     World: ``device`` (``cpu``/``cuda``), ``ranks`` (EP size), ``ranks_per_gpu``, ``side_channel``
     (torch.distributed backend of the world group: ``nccl`` needs one rank per GPU).
-    Timing: ``iters``, ``warmup``. Output: ``out`` folder, ``label``, ``plot``.
+    ``mps``: with several ranks per GPU, ``check`` (refuse without a running MPS daemon) or ``start`` (the launcher
+    starts one for the run, see :mod:`mxcomm.bench.mps`).
+    Timing: ``iters``, ``warmup``. Output: ``out`` folder (default :func:`default_out_dir`), ``label``, ``plot``.
     """
 
     tokens: list[int]
@@ -136,6 +152,7 @@ class BenchOptions:
     timeout_s: float = 900.0
     pg_timeout_s: float = 300.0
     progress: bool = True
+    mps: str = "check"
 
     @property
     def max_tokens(self) -> int:
@@ -206,6 +223,8 @@ class BenchOptions:
                 "transport choice)")
         if self.transport == "put" and self.cuda_graph:
             bad("--transport put cannot be combined with --cuda-graph (the put path refuses graph capture)")
+        if self.mps not in MPS_MODES:
+            bad(f"--mps must be one of {', '.join(MPS_MODES)}, got {self.mps!r}")
         if self.num_sms is not None and self.num_sms < 1:
             bad(f"--num-sms must be a positive integer, got {self.num_sms}")
         if self.align not in ALIGNS:
@@ -252,6 +271,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    "4 ranks need MPS; such runs do not measure NVLink)")
     w.add_argument("--side-channel", choices=SIDE_CHANNELS, default="auto",
                    help="torch.distributed backend of the world (auto: nccl with one rank per GPU, else gloo)")
+    w.add_argument("--mps", choices=MPS_MODES, default="check",
+                   help="several ranks on one GPU must run under MPS (without it they time-slice the GPU and the "
+                        "times measure nothing): check (default) refuses to start without a running MPS daemon; start "
+                        "starts a daemon for this run and stops it at the end")
     w.add_argument("--num-sms", type=int, help="SMs the mxcomm GPU kernels may use (default: all)")
     w.add_argument("--no-exact-sizes", action="store_true",
                    help="EPConfig(exact_sizes=False): worst-case output sizes, no host sync in the GPU backend")
@@ -272,7 +295,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    "300 CPU)")
     t.add_argument("--pg-timeout", type=float, default=300.0, help="torch.distributed collective timeout (s)")
     o = p.add_argument_group("output")
-    o.add_argument("--out", help="results folder (default bench/results/<label>-<timestamp>)")
+    o.add_argument("--out", metavar="DIR", help="results folder (default $XDG_CACHE_HOME/mxcomm/bench/<label>-<timestamp>, "
+                   "XDG_CACHE_HOME defaulting to ~/.cache)")
     o.add_argument("--label", type=_label, help="name in the JSON and the file names (default <device>-ep<N>)")
     o.add_argument("--no-plot", action="store_true", help="no PNG plots")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -292,7 +316,7 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
     ``world_size`` / ``local_world_size``: given when joining a world started by torchrun/mpirun
     (then ``--ranks`` must agree or be absent). Raises :class:`OptionError`.
     """
-    ngpu = _cuda_count()
+    ngpu = _cuda_count() if args.device != "cpu" else 0  # --device cpu: torch not imported yet
     device = args.device
     if device == "auto":
         device = "cuda" if ngpu else "cpu"
@@ -327,9 +351,7 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
     iters = args.iters if args.iters is not None else (d["quick_iters"] if quick else d["iters"][args.mode])
     warmup = args.warmup if args.warmup is not None else (d["quick_warmup"] if quick else d["warmup"])
     label = args.label or f"{'gpu' if device == 'cuda' else 'cpu'}-ep{ranks}" + (f"-{rpg}pergpu" if rpg > 1 else "")
-    out = args.out or os.path.join(
-        "bench", "results", f"{label}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    )
+    out = args.out or default_out_dir(label)
     opts = BenchOptions(
         tokens=list(args.tokens) if args.tokens else list(d["tokens"][args.mode]),
         hidden=args.hidden if args.hidden is not None else d["hidden"],
@@ -342,7 +364,7 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
         num_sms=args.num_sms, align=args.align, seed=args.seed, plot=not args.no_plot, quick=quick,
         check=not args.no_check, exact_sizes=not args.no_exact_sizes, cuda_graph=args.cuda_graph,
         transport=args.transport, timeout_s=args.timeout if args.timeout is not None else (900.0 if device == "cuda" else 300.0),
-        pg_timeout_s=args.pg_timeout, progress=not args.no_progress,
+        pg_timeout_s=args.pg_timeout, progress=not args.no_progress, mps=args.mps,
     )
     if opts.side_channel == "auto":
         opts.side_channel = "nccl" if device == "cuda" and rpg == 1 else "gloo"
@@ -350,5 +372,6 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
     return opts
 
 
-__all__ = ["BenchOptions", "OptionError", "add_bench_arguments", "options_from_args", "ops_for", "IMPLS", "MODES",
-           "OPS", "BACKWARD_TWIN", "FORWARD_ONLY_IMPLS"]
+__all__ = ["BenchOptions", "OptionError", "add_bench_arguments", "options_from_args", "ops_for", "default_out_dir",
+           "IMPLS", "MODES", "OPS", "BACKWARD_TWIN", "FORWARD_ONLY_IMPLS", "MPS_MODES", "PRECISIONS", "BACKENDS",
+           "ALIGNS", "TRANSPORTS"]
