@@ -9,6 +9,8 @@ from .layouts import (
     from_grouped_k,
     from_grouped_m,
     grouped_k_cols,
+    grouped_k_index,
+    grouped_k_placement,
     grouped_m_row_map,
     grouped_m_rows,
     round_up,
@@ -25,5 +27,5 @@ __all__ = [
     "BLOCK", "E4M3_MAX", "SCALE_MODES", "MXTensor", "ScaleLayout", "quantize", "dequantize",
     "check_quantizable", "finite_max", "saturate_finite", "scale_bytes_from_amax", "scale_reciprocal", "scale_value",
     "to_blocked", "from_blocked", "to_grouped_m", "from_grouped_m", "to_grouped_k", "from_grouped_k",
-    "grouped_m_rows", "grouped_m_row_map", "grouped_k_cols", "blocked_index", "blocked_shape", "round_up",
+    "grouped_m_rows", "grouped_m_row_map", "grouped_k_cols", "grouped_k_index", "grouped_k_placement", "blocked_index", "blocked_shape", "round_up",
 ]

@@ -17,9 +17,21 @@ Grouped along M (MoE forward / dgrad): groups of rows given by int32 end offsets
 ``rows_alloc = grouped_m_rows(M, G)`` rows, so each group is swizzled on its own and
 padded with zero bytes. No device-to-host sync: placement is computed on device.
 
-Grouped along K (wgrad): groups of K (token) columns, each ``K_g`` a multiple of 32;
-group ``g`` gets ``round_up(K_g/32, 4)`` scale columns starting at a 4-aligned column;
-the whole matrix is then blocked as one.
+Grouped along K (wgrad, 2d-2d; what ``torch._scaled_grouped_mm`` / FBGEMM read, as torchao's
+``torch_to_blocked_2d_K_groups`` builds it): a scale matrix ``S [R, K/32]`` whose K (token) axis is cut into groups
+by element end offsets ``offs[G]`` (each ``K_g`` a multiple of 32, ``n_g = K_g / 32`` scale columns). With
+``Rp = round_up(R, 128)`` and ``C_g = round_up(n_g, 4)``, group ``g`` is its **own** blocked matrix
+``to_blocked(S[:, group g's columns])`` of ``Rp x C_g`` bytes (rows padded to 128, its columns to 4, zero
+padding, 128x4 tiles row-major within the group), stored contiguously from flat byte
+``Rp * sum_{h<g} C_h``; the groups follow each other. Flat byte of ``S[r, c]`` (``c`` the ``j``-th column of
+group ``g``)::
+
+    Rp * sum_{h<g} C_h + ((r // 128) * (C_g // 4) + j // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + j % 4
+
+The result is a 2D uint8 tensor ``[Rp, grouped_k_cols(K/32, G)]`` (an upper bound on ``sum_g C_g``, no host sync;
+the tail is zero). For ``R <= 128`` this coincides with blocking one matrix whose groups start at 4-aligned columns;
+for ``R > 128`` it does not (each group's tile-rows are ``C_g / 4`` tiles long, not the whole matrix's).
+K-blocks at or past ``offs[-1]`` belong to no group and are not stored.
 """
 from __future__ import annotations
 
@@ -146,16 +158,19 @@ def grouped_k_cols(k_blocks: int, groups: int) -> int:
     return round_up(k_blocks + groups * (TILE_COLS - 1), TILE_COLS) if groups else round_up(k_blocks, TILE_COLS)
 
 
-def grouped_k_col_map(offs: torch.Tensor, k: int) -> torch.Tensor:
-    """For each of the ``k // 32`` K-blocks, its column in the grouped-along-K scale matrix (-1 past the groups)."""
+def grouped_k_placement(offs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each of the ``k // 32`` K-blocks goes in the grouped-along-K layout (int64 ``[k // 32]`` each, on device):
+    ``(col0, j, width)`` = its group's first padded column ``sum_{h<g} C_h``, its column inside the group, and
+    ``C_g``; all three are -1 for K-blocks past the last group."""
     _check_offs(offs)
     if k % 32:
         raise ValueError(f"grouped-along-K needs K a multiple of 32, got {k}")
     nb = k // 32
-    offs_b = offs.to(torch.int64) // 32
     dev = offs.device
     if offs.numel() == 0:
-        return torch.full((nb,), -1, dtype=torch.int64, device=dev)
+        none = torch.full((nb,), -1, dtype=torch.int64, device=dev)
+        return none, none, none
+    offs_b = offs.to(torch.int64) // 32
     blocks = torch.arange(nb, device=dev, dtype=torch.int64)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), offs_b[:-1]])
     padded = (offs_b - starts + TILE_COLS - 1) // TILE_COLS * TILE_COLS
@@ -163,29 +178,41 @@ def grouped_k_col_map(offs: torch.Tensor, k: int) -> torch.Tensor:
     g = torch.searchsorted(offs_b, blocks, right=True)
     valid = g < offs.numel()
     gc = torch.clamp(g, max=offs.numel() - 1)
-    out = pstart[gc] + blocks - starts[gc]
-    return torch.where(valid, out, torch.full_like(out, -1))
+    neg = torch.full_like(blocks, -1)
+    return (torch.where(valid, pstart[gc], neg), torch.where(valid, blocks - starts[gc], neg),
+            torch.where(valid, padded[gc], neg))
+
+
+def grouped_k_index(offs: torch.Tensor, rows: int, k_blocks: int) -> torch.Tensor:
+    """Flat byte index of ``S[r, c]`` (int64 ``[rows, k_blocks]``) in the grouped-along-K layout (module doc);
+    -1 for K-blocks past the last group."""
+    col0, j, width = grouped_k_placement(offs, k_blocks * 32)
+    rp = round_up(rows, TILE_ROWS)
+    r = torch.arange(rows, device=offs.device, dtype=torch.int64).view(rows, 1)
+    idx = rp * col0.view(1, -1) + blocked_index(r, j.view(1, -1), width.view(1, -1) // TILE_COLS)
+    return torch.where((width >= 0).view(1, -1), idx, torch.full_like(idx, -1))
 
 
 def to_grouped_k(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Scale matrix ``[R, K/32]`` (K = tokens, groups of K given by end offsets ``offs`` in elements,
-    each a multiple of 32) -> blocked ``[round_up(R,128), grouped_k_cols(K/32, G)]`` uint8."""
+    """Scale matrix ``[R, K/32]`` (K = tokens, groups of K given by end offsets ``offs`` in elements, each a
+    multiple of 32) -> grouped-along-K ``[round_up(R,128), grouped_k_cols(K/32, G)]`` uint8 (module doc: group g's
+    own blocked matrix from flat byte ``round_up(R,128) * sum_{h<g} round_up(K_h/32, 4)``)."""
     _check_scale_matrix(scales)
     scales = scales.view(torch.uint8)
     R, nb = scales.shape
-    col_of = grouped_k_col_map(offs, nb * 32)
-    keep = col_of >= 0
-    ncols = grouped_k_cols(nb, offs.numel())
-    mat = torch.zeros(R, ncols, dtype=torch.uint8, device=scales.device)
-    mat[:, col_of[keep]] = scales[:, keep]
-    return to_blocked(mat)
+    rp, ncols = round_up(R, TILE_ROWS), grouped_k_cols(nb, offs.numel())
+    out = torch.zeros(rp * ncols, dtype=torch.uint8, device=scales.device)
+    idx = grouped_k_index(offs, R, nb)
+    keep = idx >= 0
+    out[idx[keep]] = scales[keep]
+    return out.view(rp, ncols)
 
 
 def from_grouped_k(blocked: torch.Tensor, offs: torch.Tensor, rows: int, k_blocks: int) -> torch.Tensor:
-    """Inverse of :func:`to_grouped_k` for the K-blocks inside groups (others come back as 0)."""
-    col_of = grouped_k_col_map(offs, k_blocks * 32)
-    keep = col_of >= 0
-    mat = from_blocked(blocked, rows, blocked.shape[1])
-    out = torch.zeros(rows, k_blocks, dtype=torch.uint8, device=blocked.device)
-    out[:, keep] = mat[:, col_of[keep]]
-    return out
+    """Inverse of :func:`to_grouped_k`: ``[rows, k_blocks]`` uint8; K-blocks past the last group come back as 0.
+    No host sync (a clamped gather, then a select)."""
+    idx = grouped_k_index(offs, rows, k_blocks)
+    if blocked.numel() == 0 or rows == 0 or k_blocks == 0:
+        return torch.zeros(rows, k_blocks, dtype=torch.uint8, device=blocked.device)
+    got = blocked.view(torch.uint8).reshape(-1)[idx.clamp(min=0)]
+    return torch.where(idx >= 0, got, torch.zeros_like(got))
