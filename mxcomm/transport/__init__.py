@@ -1,4 +1,5 @@
-"""Transport layer: NVSHMEM bootstrap, symmetric heap, peer pointers, flags with bounded waits.
+"""Transport layer: NVSHMEM bootstrap, symmetric heap, peer pointers, flags with bounded waits,
+and bounded named collectives over a torch.distributed group (:mod:`.bounded`).
 
 ``import mxcomm.transport`` needs only torch: nvshmem4py / cuda-python load when NVSHMEM is
 initialised, and the Triton flag functions (``flags``) load on first use of their names, so that
@@ -15,6 +16,7 @@ Typical use (every rank)::
 
 Rank processes must be started with :func:`launcher_env` (NVLink multicast off, heap size).
 """
+from .bounded import BoundedGroup, CallTag
 from .bootstrap import NvshmemContext, current_context, finalize, init_nvshmem, is_initialized, new_unique_id
 from .env import check_env, launcher_env, parse_size, required_env, symmetric_size_for
 from .errors import (
@@ -36,6 +38,7 @@ __all__ = [
     "required_env", "check_env", "symmetric_size_for", "parse_size", "launcher_env",
     "NvshmemContext", "init_nvshmem", "finalize", "current_context", "is_initialized", "new_unique_id",
     "BufferSpec", "SymmetricBuffer", "SymmetricHeap",
+    "BoundedGroup", "CallTag",
     "TransportError", "NvshmemUnavailable", "PeerTimeout", "check_errors", "raise_error_words", "error_word", "decode_error_word",
     "TIMEOUT_CODE", "ERR_CODE_SHIFT",
     *_FLAG_NAMES,

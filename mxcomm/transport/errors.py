@@ -46,26 +46,38 @@ class PeerTimeout(TransportError):
         what: what was waited for (e.g. ``"dispatch: token rows"``).
         rank: the rank that waited, if known.
         peers: every peer rank found in the error words, sorted.
+        missing: peers known not to have entered the operation at all (sleeping, dead, or stuck
+            elsewhere), sorted; empty when unknown (device waits cannot tell).
+
+    ``message`` (optional) replaces the generated text, for callers that know more (the census of
+    :mod:`mxcomm.transport.bounded` names what every rank was doing).
     """
 
-    def __init__(self, peer: int, what: str, *, rank: int | None = None, peers: tuple[int, ...] | None = None):
+    def __init__(
+        self, peer: int, what: str, *, rank: int | None = None, peers: tuple[int, ...] | None = None,
+        missing: tuple[int, ...] = (), message: str | None = None,
+    ):
         self.peer = int(peer)
         self.what = str(what)
         self.rank = rank
         self.peers = tuple(sorted(peers)) if peers else (self.peer,)
-        who = f"rank {rank}" if rank is not None else "this rank"
-        more = f" (all peers that timed out: {list(self.peers)})" if len(self.peers) > 1 else ""
-        super().__init__(
-            f"{who} timed out waiting for peer {self.peer}: {self.what}{more}. The peer may have crashed, "
-            "be stuck, or not have entered the matching operation; raise the timeout if it is only slow."
-        )
+        self.missing = tuple(sorted(missing))
+        self.message = message
+        if message is None:
+            who = f"rank {rank}" if rank is not None else "this rank"
+            more = f" (all peers that timed out: {list(self.peers)})" if len(self.peers) > 1 else ""
+            message = (
+                f"{who} timed out waiting for peer {self.peer}: {self.what}{more}. The peer may have crashed, "
+                "be stuck, or not have entered the matching operation; raise the timeout if it is only slow."
+            )
+        super().__init__(message)
 
     def __reduce__(self):  # picklable across processes (mpi4py / multiprocessing)
-        return (_rebuild_peer_timeout, (self.peer, self.what, self.rank, self.peers))
+        return (_rebuild_peer_timeout, (self.peer, self.what, self.rank, self.peers, self.missing, self.message))
 
 
-def _rebuild_peer_timeout(peer, what, rank, peers):
-    return PeerTimeout(peer, what, rank=rank, peers=peers)
+def _rebuild_peer_timeout(peer, what, rank, peers, missing=(), message=None):
+    return PeerTimeout(peer, what, rank=rank, peers=peers, missing=missing, message=message)
 
 
 def error_word(code: int, peer: int) -> int:
