@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args, parser: argparse.ArgumentParser, argv: list) -> int:
-    from .bench.launcher import BenchError, BenchTerminated, launch, precheck, rank_main, run_joined
+    from .bench.launcher import BenchError, BenchTerminated, check_mps, launch, precheck, rank_main, run_joined
     from .bench.options import BenchOptions, OptionError, options_from_args
     from .bench.world import detect_launch
 
@@ -75,6 +75,8 @@ def _bench(args, parser: argparse.ArgumentParser, argv: list) -> int:
                                  local_world_size=info.local_world if info else None)
         if info is None:
             precheck(opts)
+        else:
+            check_mps(opts, joined=True)
     except OptionError as e:
         parser.error(str(e))
     command = ["mxcomm", "bench"] + argv[1:] if argv and argv[0] == "bench" else ["mxcomm", "bench"] + argv

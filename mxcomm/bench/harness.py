@@ -22,6 +22,16 @@ from .options import OPS, BenchOptions, ops_for
 from .routing import bytes_per_row, exchange_routing, make_inputs
 from .timing import L2Flusher, measure
 
+MERGED_REASON = ("--backend torch: the library runs the reference backend itself, so its mxfp8 cases are the "
+                 "reference measurement; timed once, reported once (as mxcomm), no output check")
+
+
+def reference_is_mxcomm(opts: BenchOptions, impls) -> bool:
+    """With ``--backend torch`` (the CPU default) the mxcomm mxfp8 cases and the reference cases are one
+    measurement: the reference impl is then not run separately."""
+    return opts.backend == "torch" and "mxcomm" in impls and "reference" in impls and "mxfp8" in opts.precisions
+
+
 # EPGroup cases taking a seed (random expert rows / gradients); dispatch takes none.
 _EP_SEEDED_CASES = {"combine": ep_combine_case, "combine_bwd": ep_combine_bwd_case,
                     "dispatch_bwd": ep_dispatch_bwd_case}
@@ -102,7 +112,9 @@ def _build_groups(opts: BenchOptions, impls, world) -> tuple[dict, dict]:
 def run_phase(opts: BenchOptions, world, impls, *, phase: str = "main") -> dict:
     """Run the cases of ``impls`` (subset of mxcomm/reference/a2a/vdev2d) for every token count (collective).
 
-    Returns ``{"phase", "cases": [raw record...], "checks": [...], "ceilings": {...}, "skipped": [...]}``.
+    Returns ``{"phase", "cases": [raw record...], "checks": [...], "ceilings": {...}, "skipped": [...],
+    "merged": [...]}`` (``merged``: impls not run because another impl's cases are the same measurement, see
+    :func:`reference_is_mxcomm`).
     A raw record: impl, op (one of :data:`OPS`), precision (payload), tokens, status
     (``ok``/``failed``/``skipped``), reason, transport, notes, bytes_per_row, rows_dedup / rows_sel (per
     destination rank), samples_us (``whole_call`` and ``kernel`` per-iteration lists, max over ranks).
@@ -110,8 +122,11 @@ def run_phase(opts: BenchOptions, world, impls, *, phase: str = "main") -> dict:
     recorded ``failed`` with the reason; later token counts of that impl, precision and op are ``skipped``.
     """
     impls = [i for i in impls]
+    result = {"phase": phase, "cases": [], "checks": [], "skipped": [], "ceilings": {}, "merged": []}
+    if reference_is_mxcomm(opts, impls):
+        impls.remove("reference")
+        result["merged"].append(dict(impl="reference", precision="mxfp8", into="mxcomm", reason=MERGED_REASON))
     steps = steps_for(opts, impls)
-    result = {"phase": phase, "cases": [], "checks": [], "skipped": [], "ceilings": {}}
     if phase == "main":
         result["ceilings"] = measure_ceilings(world)
     groups, failures = (_build_groups(opts, impls, world) if phase == "main"
@@ -134,7 +149,6 @@ def run_phase(opts: BenchOptions, world, impls, *, phase: str = "main") -> dict:
     result["l2_flush_bytes"] = flush.buf.numel() if flush.active else 0
     prog = _Progress(len(steps), opts.progress and world.rank == 0, f"mxcomm bench [{phase}]")
     broken: dict = {}  # (impl, precision, op) -> first failure; that op's later cases are skipped
-    alias_ref = opts.backend == "torch" and "mxcomm" in impls and "mxfp8" in opts.precisions
     try:
         for T in opts.tokens:
             inputs = make_inputs(seed=opts.seed, rank=world.rank, tokens=T, hidden=opts.hidden, topk=opts.topk,
@@ -152,14 +166,7 @@ def run_phase(opts: BenchOptions, world, impls, *, phase: str = "main") -> dict:
                            bytes_per_row=bytes_per_row(prec, opts.hidden),
                            rows_dedup=routing.traffic.rows_dedup, rows_sel=routing.traffic.rows_sel,
                            backend=opts.backend if impl == "mxcomm" else ("torch" if impl == "reference" else None))
-                if impl == "reference" and alias_ref:
-                    src = next(c for c in result["cases"]
-                               if c["impl"] == "mxcomm" and c["precision"] == "mxfp8" and c["op"] == op
-                               and c["tokens"] == T)
-                    rec.update(status=src["status"], reason=src["reason"], transport=src.get("transport"),
-                               samples_us=src.get("samples_us"), aliased_to="mxcomm",
-                               notes=["--backend torch: the library runs the reference path itself; measured once"])
-                elif (impl, prec) in failures:
+                if (impl, prec) in failures:
                     rec.update(status="failed", reason=failures[(impl, prec)])
                 elif (impl, prec, op) in broken:
                     rec.update(status="skipped",
@@ -270,4 +277,4 @@ def _check(world, group, ref, inputs, opts, T) -> dict:
     return out
 
 
-__all__ = ["run_phase", "steps_for", "OPS"]
+__all__ = ["run_phase", "steps_for", "reference_is_mxcomm", "OPS"]

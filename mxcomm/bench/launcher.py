@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import symm
+from .mps import MpsDaemon, MpsError, how_to_start, mps_status
 from .options import BenchOptions, OptionError
 from .world import LaunchInfo
 
@@ -81,8 +82,10 @@ def symmetric_bytes(opts: BenchOptions, phase: str) -> int:
     return sum(buffer_sizes(opts.ep_config(p), opts.ranks).total for p in opts.precisions)
 
 
-def child_env(opts: BenchOptions, phase: str, rank: int, port: int, base: Optional[dict] = None) -> dict:
-    """Environment of one launched rank (a new dict; ``os.environ`` is not changed)."""
+def child_env(opts: BenchOptions, phase: str, rank: int, port: int, base: Optional[dict] = None,
+              extra: Optional[dict] = None) -> dict:
+    """Environment of one launched rank (a new dict; ``os.environ`` is not changed); ``extra`` (e.g. the MPS
+    client variables of a daemon started for the run) is added last."""
     env = dict(os.environ if base is None else base)
     for k in list(env):
         if k.startswith(("OMPI_COMM_WORLD_", "PMI_")) or k in ("LOCAL_RANK", "GROUP_RANK", "ROLE_RANK"):
@@ -102,6 +105,7 @@ def child_env(opts: BenchOptions, phase: str, rank: int, port: int, base: Option
             env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:n_used])
     else:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.ranks)))
+    env.update(extra or {})
     return env
 
 
@@ -155,8 +159,10 @@ def watch_parent(environ=None, interval_s: float = 1.0) -> None:
     threading.Thread(target=poll, name="mxcomm-bench-parent-watch", daemon=True).start()
 
 
-def run_phase_processes(opts: BenchOptions, phase: str, impls: list, workdir: str) -> PhaseRun:
-    """Start ``opts.ranks`` rank processes for one phase and wait for them (bounded by ``opts.timeout_s``)."""
+def run_phase_processes(opts: BenchOptions, phase: str, impls: list, workdir: str,
+                        extra_env: Optional[dict] = None) -> PhaseRun:
+    """Start ``opts.ranks`` rank processes for one phase and wait for them (bounded by ``opts.timeout_s``);
+    ``extra_env`` goes into every rank's environment (:func:`child_env`)."""
     spec_path = os.path.join(workdir, f"spec_{phase}.json")
     result_path = os.path.join(workdir, f"result_{phase}.json")
     with open(spec_path, "w") as f:
@@ -172,7 +178,7 @@ def run_phase_processes(opts: BenchOptions, phase: str, impls: list, workdir: st
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 old_handlers[sig] = signal.signal(sig, _raise_terminated)
         for r in range(opts.ranks):
-            env = child_env(opts, phase, r, port)
+            env = child_env(opts, phase, r, port, extra=extra_env)
             if r == 0:
                 out = None
             else:
@@ -232,28 +238,71 @@ def plan_phases(opts: BenchOptions) -> tuple[list, list]:
     return phases, skipped
 
 
+def needs_mps(opts: BenchOptions) -> bool:
+    """Several ranks share a GPU: they must run under MPS to be timed (see :mod:`mxcomm.bench.mps`)."""
+    return opts.device == "cuda" and opts.ranks_per_gpu > 1
+
+
+def check_mps(opts: BenchOptions, *, joined: bool = False) -> Optional[dict]:
+    """None when MPS is not needed; else ``{"state": "running", ...}`` when a daemon answers, ``{"state": "start"}``
+    when the launcher is to start one (``--mps start``, plain start only). Raises OptionError otherwise, with how to
+    start MPS."""
+    if not needs_mps(opts):
+        return None
+    st = mps_status()
+    if st.active:
+        return dict(state="running", pipe_dir=st.pipe_dir, detail=st.detail)
+    if opts.mps == "start" and not joined:
+        return dict(state="start", detail=st.detail)
+    if opts.mps == "start":
+        raise OptionError(f"--mps start works with a plain start only (the ranks of torchrun/mpirun are already "
+                          f"running); {how_to_start(opts.ranks_per_gpu)} ({st.detail})")
+    raise OptionError(f"{how_to_start(opts.ranks_per_gpu)} ({st.detail})")
+
+
 def precheck(opts: BenchOptions) -> None:
     """Environment problems the parent can see before starting ranks (OptionError naming the option).
 
-    Only looks for the nvshmem package (``importlib.util.find_spec``): the parent loads no NVSHMEM library.
+    Looks for the nvshmem package (``importlib.util.find_spec``: the parent loads no NVSHMEM library) and, with
+    several ranks per GPU, for a running MPS daemon (:func:`check_mps`).
     """
     import importlib.util
 
+    check_mps(opts)
     if opts.backend == "nvshmem" and "mxcomm" in opts.impls and importlib.util.find_spec("nvshmem") is None:
         raise OptionError("--backend nvshmem needs nvshmem4py (pip install 'mxcomm[gpu]', or the wheel on PYTHONPATH); "
                           "use --backend torch to benchmark the reference path only")
 
 
 def launch(opts: BenchOptions, command: list) -> tuple:
-    """Run every phase in launched rank processes; return ``(report, paths)`` (files written under opts.out)."""
-    from .report import build_report, write_outputs
+    """Run every phase in launched rank processes; return ``(report, paths)`` (files written under opts.out).
 
+    With several ranks per GPU it runs under MPS: a daemon that answers, or (``--mps start``) one it starts for the
+    run and stops at the end; else OptionError (:func:`check_mps`)."""
     precheck(opts)
+    mps = check_mps(opts)
+    daemon = None
+    if mps is not None and mps["state"] == "start":
+        try:
+            daemon = MpsDaemon(opts.ranks_per_gpu).__enter__()
+        except MpsError as e:
+            raise BenchError(f"mxcomm bench: {e}") from None
+        mps = dict(state="started by mxcomm bench for this run", **daemon.client_env)
+    try:
+        runs, skipped = _run_phases(opts, daemon.client_env if daemon else None)
+    finally:
+        if daemon is not None:
+            daemon.__exit__(None, None, None)
+    return _finish(opts, runs, skipped, command, mps)
+
+
+def _run_phases(opts: BenchOptions, extra_env: Optional[dict]) -> tuple:
+    """Run every planned phase; ``(runs, skipped)``. A failed main phase raises BenchError."""
     phases, skipped = plan_phases(opts)
     runs = []
     with tempfile.TemporaryDirectory(prefix="mxcomm-bench-") as workdir:
         for phase, impls in phases:
-            run = run_phase_processes(opts, phase, impls, workdir)
+            run = run_phase_processes(opts, phase, impls, workdir, extra_env)
             runs.append(run)
             if not run.ok:
                 why = ("timed out" if run.timed_out
@@ -264,6 +313,13 @@ def launch(opts: BenchOptions, command: list) -> tuple:
                 skipped.append(dict(impl="vdev2d", reason=f"phase {phase!r} {why}" + (": " + " | ".join(tail)
                                                                                          if tail else "")))
                 print(f"mxcomm bench: {skipped[-1]['reason']}", file=sys.stderr)
+    return runs, skipped
+
+
+def _finish(opts: BenchOptions, runs: list, skipped: list, command: list, mps: Optional[dict]) -> tuple:
+    """Merge the phases into the report and write it under ``opts.out``; ``(report, paths)``."""
+    from .report import build_report, write_outputs
+
     ok = [r for r in runs if r.ok]
     if not ok:
         raise BenchError("mxcomm bench: no phase produced results: " + "; ".join(s["reason"] for s in skipped))
@@ -282,7 +338,7 @@ def launch(opts: BenchOptions, command: list) -> tuple:
     opts_d = opts.to_dict()
     opts_d["ranks_per_gpu"] = world.get("ranks_per_gpu", opts.ranks_per_gpu)  # measured by the ranks
     report = build_report(options=opts_d, world=world, meta=meta_src.get("meta", {}), phases=phase_dicts,
-                          command=command)
+                          command=command, mps=mps)
     paths = write_outputs(report, opts.out, plot=opts.plot)
     return report, paths
 
@@ -333,6 +389,7 @@ def run_joined(opts: BenchOptions, info: LaunchInfo, command: list) -> Optional[
     """
     from .report import build_report, write_outputs
 
+    mps = check_mps(opts, joined=True)
     impls = list(opts.impls)
     skipped = []
     if "vdev2d" in impls:
@@ -354,7 +411,7 @@ def run_joined(opts: BenchOptions, info: LaunchInfo, command: list) -> Optional[
     opts_d = opts.to_dict()
     opts_d["ranks_per_gpu"] = res["world"]["ranks_per_gpu"]
     report = build_report(options=opts_d, world=res["world"], meta=res.get("meta", {}), phases=[res],
-                          command=command)
+                          command=command, mps=mps)
     return report, write_outputs(report, opts.out, plot=opts.plot)
 
 
@@ -375,4 +432,5 @@ def _warn_heap(opts: BenchOptions) -> None:
 
 
 __all__ = ["launch", "run_joined", "rank_main", "BenchError", "PhaseRun", "child_env", "symmetric_bytes",
-           "plan_phases", "run_phase_processes", "precheck", "BenchTerminated", "watch_parent"]
+           "plan_phases", "run_phase_processes", "precheck", "check_mps", "needs_mps", "BenchTerminated",
+           "watch_parent"]

@@ -11,6 +11,8 @@ Definitions (also written into the JSON under ``conventions`` and ``timing``):
   ops count the rows of the forward op moving the same way (``combine_bwd`` as dispatch,
   ``dispatch_bwd`` as combine), at their payload's bytes per row;
 * ``gbps[conv][timing] = bytes[conv] / (stats_us[timing].median * 1e-6) / 1e9``;
+* ``floor_us``: the traffic floor (:mod:`mxcomm.bench.floor`): the bytes any design must read and write in the
+  busiest memory / the copy ceiling of the same run; ``time_over_floor[timing] = median / floor_us``;
 * ``ratios["vs_<baseline>"][timing] = baseline median / this case's median`` (speed-up, > 1 = faster),
   same token count, same run, same op - except that the direction-symmetric BF16 all-to-alls (a2a,
   vdev2d) are timed for the forward ops only and a backward op is compared with their forward twin
@@ -23,6 +25,8 @@ import json
 import os
 from typing import Optional
 
+from .floor import floor_us as _floor_us
+from .floor import world_floor_bytes
 from .options import BACKWARD_TWIN, FORWARD_ONLY_IMPLS, OPS
 from .timing import KERNEL_DESC, WHOLE_CALL_DESC, summarize
 
@@ -39,10 +43,17 @@ CONVENTIONS = {
                 "dispatch, dispatch_bwd (input-row gradients back to their origins, summed over k) the rows of "
                 "combine, at the op's payload bytes per row (MXFP8 transport with precision mxfp8, BF16 with bf16)",
     "gbps": "1e9 bytes per second: bytes / median time",
+    "traffic_floor": "design-independent bytes read + written in device memory: dispatch = each source's BF16 "
+                     "token rows read once (T x 2H per rank) + every received row written once per selection in the "
+                     "output dtype (MXFP8 H + H/32, BF16 2H); combine = every expert row read once per selection in "
+                     "BF16 + each token's output row written once in BF16; combine_bwd like dispatch (grad_y read "
+                     "once, per-selection gradient rows written in the transport dtype); dispatch_bwd like combine. "
+                     "Ranks sharing one memory (one GPU, or CPU processes of one host) add up; with a memory per rank "
+                     "the busiest one counts. floor_us = those bytes / the copy ceiling of the same run (device_copy "
+                     "on a GPU, host_copy on CPU; read + write counted); time_over_floor = median / floor_us",
     "loopback_traffic": "one rank on one GPU (EP = 1) only: bytes = tokens x 2H (the BF16 token rows, read once: "
                         "dispatch's input, combine's output) + bytes.per_selection (the rows written / read per "
-                        "selection), issue 3's count, compared with the device copy ceiling of the same run "
-                        "(read + write bytes)",
+                        "selection), compared with the device copy ceiling of the same run (read + write bytes)",
     "loopback_touched": "one rank on one GPU, combine and dispatch backward: bytes = tokens x 2H (the BF16 output) + "
                         "selections x 2H (the BF16 expert rows the benchmark hands in, read whole whatever travels); "
                         "what the call cannot avoid moving, compared with the device copy ceiling",
@@ -122,8 +133,26 @@ def finalize_cases(raw_cases: list) -> list:
     return cases
 
 
+def add_floor(case: dict, *, hidden: int, memories: list, ceiling_name: str, ceiling_gbps: float) -> None:
+    """``case["floor"]`` (bytes read / written in the busiest memory, how ranks share memories, the ceiling),
+    ``case["floor_us"]`` and ``case["time_over_floor"]`` per timing (None where not timed); see
+    :mod:`mxcomm.bench.floor`. ``memories[r]``: the memory rank ``r`` uses (equal names share one)."""
+    wf = world_floor_bytes(case["op"], precision=case["precision"], hidden=hidden, tokens=case["tokens"],
+                           selections=case["rows_sel"], memories=memories)
+    fl = _floor_us(wf.bytes, ceiling_gbps)
+    shared = max(wf.ranks_per_memory.values())
+    case["floor"] = dict(bytes=wf.bytes, bytes_read=wf.bytes_read, bytes_written=wf.bytes_written,
+                         ranks_per_memory=shared, memories=len(wf.per_memory), ceiling=ceiling_name,
+                         ceiling_gbps=ceiling_gbps,
+                         counted=(f"sum over the {shared} ranks sharing one memory" if shared > 1
+                                  else "per rank (each rank has its own memory), the busiest rank"))
+    case["floor_us"] = fl
+    stats = case.get("stats_us") or {}
+    case["time_over_floor"] = {t: (st["median"] / fl if st and fl > 0 else None) for t, st in stats.items()} or None
+
+
 def add_loopback_traffic(case: dict, hidden: int, device_copy_gbps: float) -> None:
-    """One rank on one GPU: ``case["loopback_traffic"]`` = the case's bytes by issue 3's count (the BF16 token rows
+    """One rank on one GPU: ``case["loopback_traffic"]`` = the case's bytes (the BF16 token rows
     once, ``tokens * 2 * hidden``, + ``bytes.per_selection``), GB/s at the median times and the fraction of the
     device copy ceiling (``CONVENTIONS["loopback_traffic"]``). Ops towards the origins (combine, dispatch backward)
     also get ``bytes_touched``: their input rows are BF16 (the benchmark's), so the call reads ``2 * hidden`` bytes
@@ -147,15 +176,30 @@ def add_loopback_traffic(case: dict, hidden: int, device_copy_gbps: float) -> No
         case["loopback_traffic"].update(bytes_touched=touched, gbps_touched=gbps, fraction_touched_of_device_copy=frac)
 
 
-def build_report(*, options: dict, world: dict, meta: dict, phases: list, command: list) -> dict:
-    """The full JSON document of a run from its options, world description, machine/versions meta and phases."""
-    raw_cases, checks, skipped, ceilings = [], [], [], {}
+def _memories(options: dict, world: dict) -> list:
+    """The memory each rank uses: its device (``host:cuda:i`` / ``host:cpu``); without the list, one host memory
+    for CPU runs and one GPU per rank otherwise."""
+    devs = world.get("devices")
+    if devs and len(devs) == options["ranks"]:
+        return list(devs)
+    if options["device"] != "cuda":
+        return ["cpu"] * options["ranks"]
+    rpg = max(1, world.get("ranks_per_gpu", 1))
+    return [f"gpu{r // rpg}" for r in range(options["ranks"])]
+
+
+def build_report(*, options: dict, world: dict, meta: dict, phases: list, command: list,
+                 mps: Optional[dict] = None) -> dict:
+    """The full JSON document of a run from its options, world description, machine/versions meta and phases
+    (``mps``: the MPS state of a run with several ranks per GPU, see :func:`mxcomm.bench.launcher.check_mps`)."""
+    raw_cases, checks, skipped, ceilings, merged = [], [], [], {}, []
     phase_summary = []
     for ph in phases:
         phase_summary.append({k: ph.get(k) for k in ("phase", "status", "reason", "impls", "ranks", "exit_codes")})
         raw_cases += ph.get("cases", [])
         checks += ph.get("checks", [])
         skipped += ph.get("skipped", [])
+        merged += [m for m in ph.get("merged", []) if m not in merged]
         if ph.get("ceilings"):
             ceilings.update(ph["ceilings"])
     cases = finalize_cases(raw_cases)
@@ -176,6 +220,18 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
     if options["ranks"] == 1 and ceilings.get("device_copy"):
         for c in cases:
             add_loopback_traffic(c, options["hidden"], ceilings["device_copy"]["gbps"])
+    floor_ceiling = "device_copy" if on_gpu else "host_copy"
+    if ceilings.get(floor_ceiling):
+        mem = _memories(options, world)
+        for c in cases:
+            add_floor(c, hidden=options["hidden"], memories=mem, ceiling_name=floor_ceiling,
+                      ceiling_gbps=ceilings[floor_ceiling]["gbps"])
+    mxcomm_is_reference = any(m["impl"] == "reference" and m["into"] == "mxcomm" for m in merged)
+    if mxcomm_is_reference:
+        for c in cases:
+            if c["impl"] == "mxcomm" and c["precision"] == "mxfp8":
+                c["is_reference"] = True
+                c["notes"] = list(c.get("notes") or []) + [merged[0]["reason"]]
     rpg = world.get("ranks_per_gpu", 1)
     return {
         "schema": SCHEMA,
@@ -208,6 +264,10 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
             "l2_flushed_before_each_iteration": on_gpu,
         },
         "ceilings": ceilings,
+        "floor_ceiling": floor_ceiling if ceilings.get(floor_ceiling) else None,
+        "mps": mps,
+        "merged": merged,
+        "mxcomm_is_reference": mxcomm_is_reference,
         "checks": checks,
         "checks_note": ("one untimed dispatch + combine of mxcomm compared with the reference backend per token count "
                         "and precision (not done with --backend torch: the same code)"),
@@ -240,22 +300,39 @@ def _f(v, nd=1) -> str:
     return f"{v:.{nd}f}"
 
 
+RATIO_COLUMNS = (("reference", "x ref"), ("a2a", "x a2a"), ("vdev2d", "x vdev2d"), ("mxcomm_bf16", "x bf16"))
+
+
+def _impl_label(c: dict) -> str:
+    return "mxcomm=ref" if c.get("is_reference") else c["impl"]
+
+
 def format_table(report: dict) -> str:
-    """Plain-text aligned table of every case, then skipped baselines, ceilings and checks."""
+    """Plain-text aligned table of every case, then notes, skipped baselines, ceilings and checks.
+
+    Ratio columns without a value in any row are left out (e.g. ``x vdev2d`` on CPU)."""
     kernel = report["timing"]["kernel_measured"]
+    order = {op: i for i, op in enumerate(OPS)}
+    impl_order = {"mxcomm": 0, "reference": 1, "a2a": 2, "vdev2d": 3}
+    prec_order = {"mxfp8": 0, "bf16": 1}
+    cases = sorted(report["cases"], key=lambda c: (order[c["op"]], c["tokens"], impl_order.get(c["impl"], 9),
+                                                   prec_order.get(c["precision"], 9)))
+    ok = [c for c in cases if c.get("status") == "ok"]
+    ratio_cols = [(b, h) for b, h in RATIO_COLUMNS
+                  if any((c["ratios"].get(f"vs_{b}") or {}).get("whole_call") for c in ok)]
+    has_floor = any(c.get("time_over_floor") for c in ok)
     hdr = ["op", "impl", "prec", "tokens", "B/row", "whole us", "p10-p90"]
     if kernel:
         hdr += ["kernel us"]
     hdr += ["GB/s dedup", "GB/s sel"]
     if kernel:
         hdr += ["kern GB/s dedup"]
-    hdr += ["x ref", "x a2a", "x vdev2d", "x bf16"]
+    if has_floor:
+        hdr += ["floor us", "x floor"]
+    hdr += [h for _, h in ratio_cols]
     rows = []
-    order = {op: i for i, op in enumerate(OPS)}
-    impl_order = {"mxcomm": 0, "reference": 1, "a2a": 2, "vdev2d": 3}
-    for c in sorted(report["cases"], key=lambda c: (order[c["op"]], c["tokens"], impl_order.get(c["impl"], 9),
-                                                    c["precision"])):
-        row = [c["op"], c["impl"], c["precision"], str(c["tokens"]), str(c["bytes_per_row"])]
+    for c in cases:
+        row = [c["op"], _impl_label(c), c["precision"], str(c["tokens"]), str(c["bytes_per_row"])]
         if c.get("status") != "ok":
             msg = f"{c['status']}: {(c.get('reason') or '').splitlines()[0][:80]}"
             rows.append(row + [msg])
@@ -267,7 +344,10 @@ def format_table(report: dict) -> str:
         row += [_f(c["gbps"]["dedup"]["whole_call"], 2), _f(c["gbps"]["per_selection"]["whole_call"], 2)]
         if kernel:
             row += [_f(c["gbps"]["dedup"]["kernel"], 2)]
-        for b in ("reference", "a2a", "vdev2d", "mxcomm_bf16"):
+        if has_floor:
+            tof = c.get("time_over_floor") or {}
+            row += [_f(c.get("floor_us"), 2), _f(tof.get("whole_call"), 1)]
+        for b, _ in ratio_cols:
             r = c["ratios"].get(f"vs_{b}")
             row.append(_f(r["whole_call"], 2) if r and r.get("whole_call") else "-")
         rows.append(row)
@@ -288,11 +368,23 @@ def format_table(report: dict) -> str:
             f"hidden={cfg['hidden']} topk={cfg['topk']} experts={cfg['experts']}  backend={cfg['backend']}  "
             f"side channel={report['world'].get('side_channel')}  iters={cfg['iters']}")
     gpus = (report.get("machine") or {}).get("gpu_names") or ["cpu"]
-    notes = ["times: median over iterations of the slowest rank (us); GB/s at the median whole-call time; "
-             "x <baseline> = baseline time / this time (> 1 = faster)"]
+    notes = ["times: median over iterations of the slowest rank (us), whole Python call"
+             + ("; kernel = CUDA events" if kernel else "") + "; GB/s at the median whole-call time"]
+    if has_floor:
+        ce = report.get("floor_ceiling")
+        notes.append(f"x floor = time / floor us; floor = bytes that must be read + written in memory "
+                     f"({_floor_counting(report)}) / {ce} (1.0 = at the floor)")
+    if ratio_cols:
+        notes.append("x <baseline> = baseline time / this time (> 1 = faster)")
+    if report.get("mxcomm_is_reference"):
+        where = "on CPU" if cfg["device"] != "cuda" else "with --backend torch"
+        notes.append(f"{where} the library runs the reference backend: one row (mxcomm=ref), no 'reference' row, "
+                     "no x ref, no output check")
+    if report.get("mps"):
+        notes.append(f"MPS: {report['mps'].get('state')}")
     if cfg.get("cuda_graph"):
         notes.append("mxcomm rows: CUDA graph replays of each call (no-host-sync mode); baselines eager")
-    if any(c["op"] in BACKWARD_TWIN for c in report["cases"]):
+    if any(c["op"] in BACKWARD_TWIN for c in report["cases"]) and any(b in ("a2a", "vdev2d") for b, _ in ratio_cols):
         twins = ", ".join(f"{op} vs {fwd}" for op, fwd in BACKWARD_TWIN.items())
         notes.append(f"backward ops: x a2a / x vdev2d compare with the forward op moving the same rows ({twins})")
     out = [head, f"device: {', '.join(gpus)}; {report['world_note']}", *notes, "",
@@ -311,16 +403,6 @@ def format_table(report: dict) -> str:
     for k in ("device_copy", "peer_copy", "all_pairs_copy", "host_copy"):
         if ce.get(k):
             out.append(f"ceiling {k}: {_f(ce[k]['gbps'], 1)} GB/s ({ce[k]['convention']})")
-    for c in report["cases"]:
-        lt = c.get("loopback_traffic")
-        if c["impl"] == "mxcomm" and lt and lt["gbps"].get("whole_call"):
-            out.append(f"loopback traffic {c['op']} {c['precision']} T={c['tokens']}: {lt['bytes'] / 1e6:.0f} MB "
-                       f"(BF16 token rows once + rows per selection), {_f(lt['gbps']['whole_call'], 1)} GB/s = "
-                       f"{100 * lt['fraction_of_device_copy']['whole_call']:.1f}% of device_copy (whole call)")
-            if lt.get("bytes_touched"):
-                out.append(f"  bytes it must touch (BF16 expert rows in, BF16 rows out): {lt['bytes_touched'] / 1e6:.0f} MB, "
-                           f"{_f(lt['gbps_touched']['whole_call'], 1)} GB/s = "
-                           f"{100 * lt['fraction_touched_of_device_copy']['whole_call']:.1f}% of device_copy")
     for chk in report.get("checks", []):
         if chk.get("status") == "ok":
             out.append(f"check vs reference ({chk['precision']}, T={chk['tokens']}): dispatch equal="
@@ -329,6 +411,15 @@ def format_table(report: dict) -> str:
             out.append(f"check vs reference ({chk.get('precision')}, T={chk.get('tokens')}): {chk.get('status')} "
                        f"{chk.get('reason') or ''}")
     return "\n".join(out) + "\n"
+
+
+def _floor_counting(report: dict) -> str:
+    fl = next((c["floor"] for c in report["cases"] if c.get("floor")), None)
+    if fl is None:
+        return ""
+    if fl["ranks_per_memory"] > 1:
+        return f"sum over the {fl['ranks_per_memory']} ranks sharing one memory"
+    return "per rank, each with its own memory"
 
 
 def file_stem(report: dict) -> str:
@@ -357,4 +448,5 @@ def write_outputs(report: dict, out_dir: str, *, plot: bool = True) -> dict:
     return paths
 
 
-__all__ = ["finalize_cases", "build_report", "format_table", "write_outputs", "file_stem", "SCHEMA", "BASELINES"]
+__all__ = ["finalize_cases", "build_report", "format_table", "write_outputs", "file_stem", "add_floor",
+           "add_loopback_traffic", "SCHEMA", "BASELINES"]
