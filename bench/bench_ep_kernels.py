@@ -49,23 +49,21 @@ import importlib
 import itertools
 import json
 import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
-from mxcomm.bench.ceiling import device_copy, event_median_ms  # noqa: E402
-from mxcomm.bench.env_info import machine, versions  # noqa: E402
-from mxcomm.ep.plan import build_plan, local_counts, pull_entry_words  # noqa: E402
-from mxcomm.kernels.mx_device import blocked_scale_offset, mx_quantize_tile  # noqa: E402
-from mxcomm.mx import round_up  # noqa: E402
-from mxcomm.mx.layouts import blocked_index, grouped_m_row_map, grouped_m_rows  # noqa: E402
-from mxcomm.mx.reference import quantize  # noqa: E402
-from mxcomm.mx.scales import scale_value  # noqa: E402
+from mxcomm.bench.ceiling import device_copy, event_median_ms
+from mxcomm.bench.env_info import machine, versions
+from mxcomm.ep.plan import build_plan, local_counts, pull_entry_words
+from mxcomm.kernels.mx_device import blocked_scale_offset, mx_quantize_tile
+from mxcomm.mx import round_up
+from mxcomm.mx.layouts import blocked_index, grouped_m_row_map, grouped_m_rows
+from mxcomm.mx.reference import quantize
+from mxcomm.mx.scales import scale_value
 
 
 @triton.jit

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 
@@ -32,9 +31,8 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
-from mxcomm.ep import EPConfig, EPGroup  # noqa: E402
+from mxcomm.ep import EPConfig, EPGroup
 
 
 def copy_ceiling_gbps(nbytes: int) -> float:

@@ -40,7 +40,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 DEFAULT_PROJ = "4096x4096,4096x14336,7168x2048,1536x3072"
@@ -75,7 +74,6 @@ def main(argv=None):
         if args.out == parse_args([]).out:
             args.out = "bench/results/tmp/gemm_smoke.json"
         args.groups = min(args.groups, 4)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import torch
     import triton
 

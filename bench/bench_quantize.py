@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 
 L2_BYTES_DEFAULT = 60 * 2 ** 20
@@ -51,7 +50,6 @@ def main(argv=None):
             args.shapes = "256x512"
         if args.out == parse_args([]).out:
             args.out = "bench/results/tmp/quantize_smoke.json"
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import torch
     import triton
 

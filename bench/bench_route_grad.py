@@ -20,11 +20,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mxcomm.bench.ceiling import device_copy, event_median_ms  # noqa: E402
-from mxcomm.bench.env_info import machine, versions  # noqa: E402
-from mxcomm.kernels.route_grad import route_weight_grad_kernel  # noqa: E402
-from mxcomm.mx import quantize  # noqa: E402
+from mxcomm.bench.ceiling import device_copy, event_median_ms
+from mxcomm.bench.env_info import machine, versions
+from mxcomm.kernels.route_grad import route_weight_grad_kernel
+from mxcomm.mx import quantize
 
 
 def _ints(s: str) -> list:

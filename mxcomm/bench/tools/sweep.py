@@ -1,6 +1,6 @@
 """Launch-parameter sweep and kernel profile of the nvshmem EP backend across the local GPUs.
 
-    python3 -m torch.distributed.run --nproc-per-node 2 scripts/ep_sweep.py [--tokens 4096] [--profile]
+    source bench/gpu/env.sh && torchrun --nproc-per-node 2 -m mxcomm.bench.tools.sweep [--tokens 4096] [--profile]
 
 One EPGroup per precision (nvshmem backend, exact sizes); for every routing-plan implementation and
 (programs, warps, tile rows, row chunk) of combine's sending kernel (``backend.programs`` / ``send_warps`` /
@@ -10,20 +10,18 @@ backend instance between measurements, identical on every rank; the dispatch ker
 dispatch, combine, combine backward and dispatch backward with CUDA events (median of --iters, the
 slowest rank), and with --profile prints rank 0's kernel-time table of one call of each op. Output:
 text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
-scripts/gpu_env.sh (nvshmem4py, multicast off, NVSHMEM_SYMMETRIC_SIZE).
+``bench/gpu/env.sh`` (nvshmem4py, multicast off, NVSHMEM_SYMMETRIC_SIZE).
 """
 import argparse
 import itertools
 import json
 import os
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mxcomm.ep import EPConfig, EPGroup  # noqa: E402
+from mxcomm.ep import EPConfig, EPGroup
 
 
 def _inputs(T, H, E, k, rank, dev):

@@ -1,28 +1,28 @@
 # shellcheck shell=bash
-# Environment for mxcomm on the GPU machine. SOURCE it from anywhere (it finds the repo itself):
+# Environment for mxcomm on a GPU machine. SOURCE it from anywhere (it finds the repository itself):
 #
-#   source scripts/gpu_env.sh [HEAP_BYTES]     # HEAP_BYTES: symmetric bytes per rank (default 0 -> 256M heap)
+#   source bench/gpu/env.sh [HEAP_BYTES]     # HEAP_BYTES: symmetric bytes per rank (default 0 -> 256M heap)
 #   python3 -m pytest -m nvshmem tests/transport
 #
 # What it does:
-#   1. installs the wheels carried in .whl/ (nvshmem4py-cu13, git-ignored: pass `carry: [".whl"]`)
-#      into /tmp/site with --no-index --no-deps, and puts /tmp/site and the repo on PYTHONPATH;
+#   1. installs the wheels in .whl/ (e.g. nvshmem4py-cu13 on a machine without a package registry; the folder is
+#      git-ignored) into /tmp/site with --no-index --no-deps, and puts /tmp/site and the repository on PYTHONPATH;
 #   2. exports mxcomm.transport.launcher_env(HEAP_BYTES): NVLink multicast off
 #      (NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0), single node
 #      (NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NCCL=1) and NVSHMEM_SYMMETRIC_SIZE;
 #   3. defines mxcomm_mps_start [NRANKS] / mxcomm_mps_stop for several ranks on one GPU under MPS
-#      (pipe/log dirs under /tmp; always stop it at the end of the command).
-# The transport tests start (and stop) their own MPS daemon for the 4-rank case: do not start one
-# before running them.
+#      (pipe/log folders under /tmp; always stop it at the end of the command). `mxcomm bench --mps start` does the
+#      same for one benchmark run by itself.
+# The transport tests start (and stop) their own MPS daemon for the 4-rank case: do not start one before them.
 
-_mx_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_mx_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 _mx_py=${PYTHON:-python3}
 
 if compgen -G "$_mx_root/.whl/*.whl" >/dev/null; then
   "$_mx_py" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$_mx_root"/.whl/*.whl \
-    || { echo "gpu_env.sh: installing $_mx_root/.whl/*.whl failed" >&2; return 1; }
+    || { echo "env.sh: installing $_mx_root/.whl/*.whl failed" >&2; return 1; }
 else
-  echo "gpu_env.sh: no wheels in $_mx_root/.whl (carry .whl with the run); nvshmem4py may be missing" >&2
+  echo "env.sh: no wheels in $_mx_root/.whl; nvshmem4py may be missing" >&2
 fi
 export PYTHONPATH="/tmp/site:$_mx_root${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -31,7 +31,7 @@ import sys
 from mxcomm.transport.env import launcher_env
 for k, v in launcher_env(int(sys.argv[1])).items():
     print(f"export {k}={v}")
-' "${1:-0}") || { echo "gpu_env.sh: could not compute the environment from mxcomm.transport.env" >&2; return 1; }
+' "${1:-0}") || { echo "env.sh: could not compute the environment from mxcomm.transport.env" >&2; return 1; }
 eval "$_mx_exports"
 unset _mx_exports
 

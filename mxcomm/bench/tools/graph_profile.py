@@ -1,7 +1,7 @@
 """Kernel-by-kernel GPU time of one loopback dispatch and one combine, each captured in a CUDA graph (world of 1,
 no-host-sync mode, as ``mxcomm bench --cuda-graph`` times them), from torch.profiler over graph replays.
 
-    source scripts/gpu_env.sh 0 && python3 scripts/profile_graph_calls.py [--tokens 8192] [--precision mxfp8]
+    source bench/gpu/env.sh 0 && python3 -m mxcomm.bench.tools.graph_profile [--tokens 8192] [--precision mxfp8]
 
 Prints, per op: the CUDA-event time of a replay (median), and each kernel's mean GPU time per call, their sum and the
 remainder (launch gaps between the graph's nodes). Writes the same as JSON with ``--out``.
@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mxcomm.bench.routing import make_inputs  # noqa: E402
-from mxcomm.ep import EPConfig, EPGroup  # noqa: E402
+from mxcomm.bench.routing import make_inputs
+from mxcomm.ep import EPConfig, EPGroup
 
 
 def _graph(fn):
@@ -77,14 +73,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--precision", default="mxfp8")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--slot-block", type=int, default=None, help="slots per block of the plan's slot kernels "
-                    "(mxcomm.ep.plan_kernels._SLOT_BLOCK; default: the module's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.slot_block:
-        from mxcomm.ep import plan_kernels
-
-        plan_kernels._SLOT_BLOCK = args.slot_block
     store = tempfile.mktemp(prefix="mxcomm_prof_store")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     torch.cuda.set_device(0)

@@ -1,19 +1,15 @@
 """Host microseconds of the small things an EP call does, on this machine (calibration for host-overhead work).
 
-    python3 scripts/host_costs.py
+    python3 -m mxcomm.bench.tools.host_costs
 
 Each line: median host time per operation over many repetitions (no device sync inside the loop).
 """
-import os
 import statistics
-import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 @triton.jit

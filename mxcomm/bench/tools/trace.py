@@ -1,8 +1,8 @@
 """Where the host time of one eager EP call goes (exact output sizes), on a GPU: world of 1 (loopback), or several
 ranks started by torchrun (one per GPU, round robin over the GPUs there are; rank 0 reports).
 
-    source scripts/gpu_env.sh $((12 << 30)); python3 scripts/ep_host_trace.py [--ops dispatch,combine] [--out DIR]
-    source scripts/gpu_env.sh $((12 << 30)); torchrun --nproc-per-node 2 scripts/ep_host_trace.py --no-cprofile
+    source bench/gpu/env.sh $((12 << 30)); python3 -m mxcomm.bench.tools.trace [--ops dispatch,combine] [--out DIR]
+    source bench/gpu/env.sh $((12 << 30)); torchrun --nproc-per-node 2 -m mxcomm.bench.tools.trace --no-cprofile
 
 Per op (dispatch, combine, combine_bwd, dispatch_bwd; the calls of ``mxcomm bench``'s cases):
 
@@ -24,16 +24,14 @@ import os
 import pstats
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mxcomm.bench.timing import L2Flusher  # noqa: E402
-from mxcomm.ep import EPConfig, EPGroup  # noqa: E402
+from mxcomm.bench.timing import L2Flusher
+from mxcomm.ep import EPConfig, EPGroup
 
 
 def _calls(grp, T, H, E, k):

@@ -1,0 +1,8 @@
+"""Developer tools for the GPU backend, each run as a module on a GPU machine (environment: ``bench/gpu/env.sh``):
+
+* :mod:`.sweep` - launch-parameter sweep and kernel profile of the nvshmem EP backend (``torchrun ... -m
+  mxcomm.bench.tools.sweep``);
+* :mod:`.trace` - where the host time of one eager EP call goes (profiler timeline, cProfile);
+* :mod:`.graph_profile` - kernel-by-kernel GPU time of dispatch / combine captured in CUDA graphs;
+* :mod:`.host_costs` - host microseconds of a Triton launch, a graph replay, small tensor operations.
+"""
