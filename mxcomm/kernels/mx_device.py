@@ -10,6 +10,10 @@ exact rules of :mod:`mxcomm.mx.scales` (the plain-torch reference):
   floor (1): ``clamp(exponent_field(amax) - 8, 0, 254)``; NaN/Inf amax -> 255.
 * payload: ``e4m3_rne_satfinite(x * 2**(127 - b))``; a block holding NaN or +-Inf gets scale 255
   and payload bytes 0x7F; other blocks are unaffected.
+* decode (:func:`mx_decode_tile`, the one device decoder): ``e4m3(q) * 2**(b - 127)`` in fp32, saturated to
+  +-``OUT_MAX``, the largest finite value of the dtype the values are delivered in (:data:`BF16_MAX`,
+  :data:`FP16_MAX`, :data:`FP32_MAX`; :func:`out_max` on the host); NaN (scale 255, payload 0x7F/0xFF) stays NaN.
+  Same rule as :func:`mxcomm.mx.dequantize`.
 * E4M3 rounding: ``INT_ROUND=True`` rounds with integer arithmetic (bit-exact everywhere, also
   under ``TRITON_INTERPRET=1`` whose float8 cast is not RNE); ``INT_ROUND=False`` uses the
   hardware ``cvt.rn.satfinite`` cast (GPU only; faster).
@@ -22,7 +26,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..mx.scales import _INV_E4M3_MAX_F32
+import torch
+
+from ..mx.scales import _INV_E4M3_MAX_F32, finite_max
 
 #: Scale rule name -> ``MODE`` constexpr id used by the device functions.
 SCALE_MODE_RCEIL = 0
@@ -31,6 +37,16 @@ SCALE_MODE_IDS = {"rceil": SCALE_MODE_RCEIL, "floor": SCALE_MODE_FLOOR}
 
 #: fp32(1/448), exactly as the reference computes it (a Python float that is an exact fp32).
 INV_E4M3_MAX: tl.constexpr = tl.constexpr(_INV_E4M3_MAX_F32)
+
+#: Largest finite values (exact fp32 numbers), the ``OUT_MAX`` of :func:`mx_decode_tile` for each output dtype.
+BF16_MAX: tl.constexpr = tl.constexpr(finite_max(torch.bfloat16))
+FP16_MAX: tl.constexpr = tl.constexpr(finite_max(torch.float16))
+FP32_MAX: tl.constexpr = tl.constexpr(finite_max(torch.float32))
+
+
+def out_max(dtype: torch.dtype) -> float:
+    """Host side: the ``OUT_MAX`` constexpr for values delivered as ``dtype`` (bf16 / fp16 / fp32)."""
+    return finite_max(dtype)
 
 
 @triton.jit
@@ -146,6 +162,33 @@ def e4m3_decode(q, INT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def mx_saturate(v, OUT_MAX: tl.constexpr):
+    """Clamp a float tile (fp32 or bf16) to +-``OUT_MAX``; NaN stays NaN (a comparison, not ``tl.minimum``, which
+    may drop NaN). Applied to decoded MX values, whose exact products are finite: an fp32 +-Inf there is an
+    overflow and becomes +-``OUT_MAX``."""
+    lim = tl.where(v < 0, -OUT_MAX, OUT_MAX).to(v.dtype)
+    return tl.where(tl.abs(v) > OUT_MAX, lim, v)
+
+
+@triton.jit
+def mx_decode_tile(q, b, INT_ROUND: tl.constexpr, OUT_MAX: tl.constexpr, AXIS: tl.constexpr = -1):
+    """Decode MXFP8 bytes to fp32: ``e4m3(q) * 2**(b - 127)`` saturated to +-``OUT_MAX``.
+
+    Args:
+        q: E4M3 bytes (any integer tile, values 0..255), e.g. ``[BM, NB, 32]`` (``AXIS=2`` or -1) or ``[BR, 32, BK]``
+           (``AXIS=1``): ``AXIS`` is the 32-value block axis.
+        b: E8M0 scale bytes (any integer tile), ``q``'s shape without ``AXIS``.
+        INT_ROUND: integer E4M3 decode (interpreter) or the hardware cast (:func:`e4m3_decode`).
+        OUT_MAX: largest finite value of the dtype the values are delivered in (:data:`BF16_MAX`, ...).
+    Returns:
+        fp32 tile of ``q``'s shape: finite wherever ``q`` and ``b`` are finite bytes, NaN where ``b == 255`` or
+        ``q & 0x7F == 0x7F``; bit for bit :func:`mxcomm.mx.dequantize` (before its cast to the output dtype).
+    """
+    v = e4m3_decode(q, INT_ROUND) * tl.expand_dims(mx_scale_value(b.to(tl.int32)), AXIS)
+    return mx_saturate(v, OUT_MAX)
+
+
+@triton.jit
 def bf16_rne_int(v):
     """fp32 -> bfloat16 by integer RNE (NaN -> canonical quiet NaN with sign); for the interpreter,
     whose bf16 cast truncates."""
@@ -229,25 +272,27 @@ def mx_quantize_tile_amax(xf, amax, MODE: tl.constexpr, INT_ROUND: tl.constexpr,
 
 
 @triton.jit
-def mx_qdq_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr = -1):
-    """``dequantize(quantize(x))`` of a register tile as fp32, bit for bit what decoding the bytes of
-    :func:`mx_quantize_tile` would give, without building the bytes: on the GPU the scaled values go through the
+def mx_qdq_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constexpr = -1,
+                OUT_MAX: tl.constexpr = BF16_MAX):
+    """``dequantize(quantize(x))`` of a register tile as fp32, bit for bit what :func:`mx_decode_tile` of the bytes
+    of :func:`mx_quantize_tile` would give, without building the bytes: on the GPU the scaled values go through the
     hardware E4M3 cast and straight back, and are multiplied by the block's scale (a NaN/Inf block gives NaN, as its
-    0x7F payload and 255 scale decode to). For kernels that only need the values a MXFP8 transport would deliver
+    0x7F payload and 255 scale decode to), then saturated to +-``OUT_MAX`` (default :data:`BF16_MAX`: values
+    delivered to a bf16 consumer). For kernels that only need the values a MXFP8 transport would deliver
     (combine on one rank). ``INT_ROUND``: the exact integer path (quantize, then decode).
 
     Args/returns: as :func:`mx_quantize_tile`, but one fp32 tile of ``x``'s shape.
     """
     if INT_ROUND:
         q, b = mx_quantize_tile(x, MODE, INT_ROUND, AXIS)
-        v = e4m3_decode(q, INT_ROUND) * tl.expand_dims(mx_scale_value(b.to(tl.int32)), AXIS)
+        v = mx_decode_tile(q, b, INT_ROUND, OUT_MAX, AXIS)
     else:
         xf = to_fp32(x, INT_ROUND)
         b = mx_scale_bytes(block_amax(xf, AXIS, INT_ROUND), MODE)
         y = xf * tl.expand_dims(mx_reciprocal(b), AXIS)  # b == 255: NaN
         # the cast saturates (cvt.rn.satfinite): no clamp needed; a NaN block's scale below is NaN
         d = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
-        v = d * tl.expand_dims(mx_scale_value(b), AXIS)
+        v = mx_saturate(d * tl.expand_dims(mx_scale_value(b), AXIS), OUT_MAX)
     return v
 
 
@@ -285,3 +330,46 @@ def grouped_padded_index(idx, ends_ptr, n_groups, ENDS_DIV: tl.constexpr, ALIGN:
     shift = tl.sum(tl.where(before, pad[None, :], 0), axis=1)
     last = tl.load(ends_ptr + tl.maximum(n_groups - 1, 0), mask=n_groups > 0, other=0) // ENDS_DIV
     return tl.where(i64 < last, i64 + shift, -1)
+
+
+@triton.jit
+def grouped_k_placement(kb, ends_ptr, n_groups, G_POW2: tl.constexpr):
+    """Where K-blocks ``kb`` (1D int tile) go in the grouped-along-K scale layout (:mod:`mxcomm.mx.layouts`), on
+    device without a scan over a host copy: groups by int32 element end offsets ``ends_ptr[0:n_groups]``
+    (non-decreasing, multiples of 32), ``n_g = K_g / 32`` blocks, width ``C_g = round_up(n_g, 4)``.
+
+    Returns:
+        ``(col0, j, width)`` int64 of ``kb``'s shape: the group's first padded column ``sum_{h<g} C_h``, the block's
+        column inside its group, and ``C_g``; all -1 for blocks past the last group. Same as
+        :func:`mxcomm.mx.layouts.grouped_k_placement`.
+    """
+    g = tl.arange(0, G_POW2)
+    gm = g < n_groups
+    end = (tl.load(ends_ptr + g, mask=gm, other=0) // 32).to(tl.int64)
+    start = (tl.load(ends_ptr + g - 1, mask=gm & (g > 0), other=0) // 32).to(tl.int64)
+    width = tl.where(gm, (end - start + 3) // 4 * 4, 0)
+    col0 = tl.cumsum(width, 0) - width
+    k64 = kb.to(tl.int64)
+    inside = (start[None, :] <= k64[:, None]) & (k64[:, None] < end[None, :]) & gm[None, :]  # one group at most
+    hit = tl.sum(inside.to(tl.int32), axis=1) > 0
+    c0 = tl.sum(tl.where(inside, col0[None, :], 0), axis=1)
+    st = tl.sum(tl.where(inside, start[None, :], 0), axis=1)
+    w = tl.sum(tl.where(inside, width[None, :], 0), axis=1)
+    return tl.where(hit, c0, -1), tl.where(hit, k64 - st, -1), tl.where(hit, w, -1)
+
+
+@triton.jit
+def grouped_k_scale_offset(r, kb, ends_ptr, n_groups, n_rows, G_POW2: tl.constexpr):
+    """Flat byte offsets of scale-matrix entries ``(r, kb)`` in the grouped-along-K layout of an ``n_rows``-row scale
+    matrix: ``round_up(n_rows, 128) * col0 + blocked_scale_offset(r, j, C_g / 4)`` (group g's own blocked matrix).
+
+    Args:
+        r: row indices, a ``[1, BC]`` tile; kb: K-block indices, 1D ``[BR]``; ends_ptr / n_groups / G_POW2: as in
+            :func:`grouped_k_placement`.
+    Returns:
+        ``(offsets [BR, BC] int64, valid [BR])``; ``valid`` is False for blocks past the last group.
+    """
+    col0, j, width = grouped_k_placement(kb, ends_ptr, n_groups, G_POW2)
+    rp = ((n_rows + 127) // 128 * 128).to(tl.int64)
+    off = rp * col0[:, None] + blocked_scale_offset(r.to(tl.int64), j[:, None], tl.maximum(width, 0)[:, None] // 4)
+    return off, width >= 0

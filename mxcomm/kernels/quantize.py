@@ -33,8 +33,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..mx import MXTensor, ScaleLayout, check_quantizable, grouped_k_cols, grouped_m_rows, round_up
 from ..mx.scales import BLOCK, SCALE_MODES, check_mode
-from .mx_device import SCALE_MODE_IDS, bf16_rne_int, blocked_scale_offset, e4m3_decode, grouped_padded_index
-from .mx_device import mx_quantize_tile, mx_scale_value
+from .mx_device import SCALE_MODE_IDS, bf16_rne_int, blocked_scale_offset, grouped_k_scale_offset, grouped_padded_index
+from .mx_device import mx_decode_tile, mx_quantize_tile, out_max
 
 LAYOUT_ROW = 0
 LAYOUT_BLOCKED = 1
@@ -108,7 +108,8 @@ def _quantize_cols_kernel(
     Program (pid_r, pid_k) handles row-blocks ``pid_r*BLOCK_R + [0, BLOCK_R)`` (32 rows each) and
     columns ``pid_k*BLOCK_K + [0, BLOCK_K)`` as a ``[BLOCK_R, 32, BLOCK_K]`` tile (loads coalesced
     along K). Scale matrix entry (r = column k, c = row-block): ROW stores at ``c*K + r``
-    (``[M/32, K]``); BLOCKED/GROUPED (grouped_k) store the transposed matrix ``[K, M/32]`` blocked.
+    (``[M/32, K]``); BLOCKED stores the transposed matrix ``[K, M/32]`` blocked; GROUPED (grouped_k) stores it
+    in the grouped-along-K layout (each group of row-blocks its own blocked matrix; s is pre-zeroed).
     """
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -123,16 +124,15 @@ def _quantize_cols_kernel(
     x = tl.load(x_ptr + offs, mask=m3, other=0.0)
     q, b = mx_quantize_tile(x, MODE, INT_ROUND, 1)
     tl.store(q_ptr + offs, q, mask=m3)
-    if LAYOUT == 0:
-        scol = rb
-        smask = rbmask[:, None] & cmask[None, :]
-    elif LAYOUT == 1:
-        scol = rb
-        smask = (rb < s_cols)[:, None] & (cols < s_rows)[None, :]
+    if LAYOUT == 2:
+        soff, ok = grouped_k_scale_offset(cols[None, :], rb, offs_ptr, n_groups, K, G_POW2)
+        smask = (ok & rbmask)[:, None] & cmask[None, :]
     else:
-        scol = grouped_padded_index(rb, offs_ptr, n_groups, 32, 4, G_POW2)
-        smask = ((scol >= 0) & rbmask)[:, None] & cmask[None, :]
-    soff = _scale_offsets(cols[None, :], scol[:, None], 1, K, s_cols // 4, LAYOUT)
+        if LAYOUT == 0:
+            smask = rbmask[:, None] & cmask[None, :]
+        else:
+            smask = (rb < s_cols)[:, None] & (cols < s_rows)[None, :]
+        soff = _scale_offsets(cols[None, :], rb[:, None], 1, K, s_cols // 4, LAYOUT)
     tl.store(s_ptr + soff, b, mask=smask)
 
 
@@ -140,10 +140,11 @@ def _quantize_cols_kernel(
 def _dequantize_rows_kernel(
     q_ptr, s_ptr, offs_ptr, out_ptr,
     M, K, n_groups, s_cols,
-    INT_ROUND: tl.constexpr, LAYOUT: tl.constexpr, BF16_INT: tl.constexpr,
+    INT_ROUND: tl.constexpr, LAYOUT: tl.constexpr, BF16_INT: tl.constexpr, OUT_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
 ):
-    """q [M, K] E4M3 bytes + scales (1x32 blocks, layout LAYOUT) -> out [M, K] (out's dtype)."""
+    """q [M, K] E4M3 bytes + scales (1x32 blocks, layout LAYOUT) -> out [M, K] (out's dtype; values saturated to
+    +-OUT_MAX, the out dtype's largest finite value)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     NBK: tl.constexpr = BLOCK_K // 32
@@ -163,8 +164,8 @@ def _dequantize_rows_kernel(
         srow = rows
         smask = rmask[:, None] & bmask[None, :]
     soff = _scale_offsets(srow[:, None], blks[None, :], nb, 1, s_cols // 4, LAYOUT)
-    b = tl.load(s_ptr + soff, mask=smask, other=0).to(tl.int32)
-    v = e4m3_decode(q, INT_ROUND) * tl.expand_dims(mx_scale_value(b), 2)
+    b = tl.load(s_ptr + soff, mask=smask, other=0)
+    v = mx_decode_tile(q, b, INT_ROUND, OUT_MAX, 2)
     if BF16_INT:
         v = bf16_rne_int(v)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=m3)
@@ -174,10 +175,11 @@ def _dequantize_rows_kernel(
 def _dequantize_cols_kernel(
     q_ptr, s_ptr, offs_ptr, out_ptr,
     M, K, n_groups, s_cols,
-    INT_ROUND: tl.constexpr, LAYOUT: tl.constexpr, BF16_INT: tl.constexpr,
+    INT_ROUND: tl.constexpr, LAYOUT: tl.constexpr, BF16_INT: tl.constexpr, OUT_MAX: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
 ):
-    """q [M, K] E4M3 bytes + scales (32x1 blocks, layout LAYOUT) -> out [M, K] (out's dtype)."""
+    """q [M, K] E4M3 bytes + scales (32x1 blocks, layout LAYOUT; GROUPED = grouped_k) -> out [M, K] (out's dtype;
+    values saturated to +-OUT_MAX, the out dtype's largest finite value)."""
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     rb = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -190,14 +192,13 @@ def _dequantize_cols_kernel(
     m3 = rbmask[:, None, None] & cmask[None, None, :]
     q = tl.load(q_ptr + offs, mask=m3, other=0)
     if LAYOUT == 2:
-        scol = grouped_padded_index(rb, offs_ptr, n_groups, 32, 4, G_POW2)
-        smask = ((scol >= 0) & rbmask)[:, None] & cmask[None, :]
+        soff, ok = grouped_k_scale_offset(cols[None, :], rb, offs_ptr, n_groups, K, G_POW2)
+        smask = (ok & rbmask)[:, None] & cmask[None, :]
     else:
-        scol = rb
         smask = rbmask[:, None] & cmask[None, :]
-    soff = _scale_offsets(cols[None, :], scol[:, None], 1, K, s_cols // 4, LAYOUT)
-    b = tl.load(s_ptr + soff, mask=smask, other=0).to(tl.int32)
-    v = e4m3_decode(q, INT_ROUND) * tl.expand_dims(mx_scale_value(b), 1)
+        soff = _scale_offsets(cols[None, :], rb[:, None], 1, K, s_cols // 4, LAYOUT)
+    b = tl.load(s_ptr + soff, mask=smask, other=0)
+    v = mx_decode_tile(q, b, INT_ROUND, OUT_MAX, 1)
     if BF16_INT:
         v = bf16_rne_int(v)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=m3)
@@ -450,8 +451,10 @@ def quantize_cols(
         layout: ``"row"``: scales ``[M/32, K]``; ``"blocked"``: the scale matrix ``[K, M/32]``
             (quantized axis last) blocked to ``[round_up(K,128), round_up(M/32,4)]``;
             ``"grouped_k"``: groups of rows of ``x`` (the wgrad reduction axis) given by ``group_offs``
-            (element end offsets, multiples of 32, not checked on the host), each group's scale
-            columns padded to a multiple of 4: ``[round_up(K,128), grouped_k_cols(M/32, G)]``.
+            (element end offsets, multiples of 32, not checked on the host), torch's 2d-2d layout
+            (:mod:`mxcomm.mx.layouts`): group g's ``[round_up(K,128), round_up(M_g/32, 4)]`` scales blocked on
+            their own from flat byte ``round_up(K,128) * sum_{h<g} round_up(M_h/32, 4)``; shape
+            ``[round_up(K,128), grouped_k_cols(M/32, G)]``, zero padding.
         group_offs: ``[G]`` int32 end offsets for ``"grouped_k"``.
         int_round / config: as in :func:`quantize_rows` (default config :func:`default_cols_config`).
     Returns:
@@ -511,7 +514,9 @@ def dequantize(
 
     Supports 2D tensors with axis 1 (layouts row / blocked / grouped_m) or axis 0 (row / blocked /
     grouped_k), and N-D row-layout tensors quantized along the last axis. Bit-identical to
-    :func:`mxcomm.mx.dequantize`; blocks with scale byte 255 come out NaN.
+    :func:`mxcomm.mx.dequantize`, whose rule it follows: values beyond ``dtype``'s largest finite value saturate
+    to it (a finite input stays finite through quantize -> dequantize); blocks with scale byte 255 and payload
+    bytes 0x7F/0xFF come out NaN.
 
     Args:
         mx: the MX tensor (payload float8_e4m3fn, uint8 scales).
@@ -554,7 +559,7 @@ def dequantize(
     n_groups = offs.numel() if offs is not None else 0
     s_cols = s.shape[-1]
     common = dict(INT_ROUND=ir, LAYOUT=int(_layout_id(lay)), BF16_INT=bool(ir and dtype == torch.bfloat16),
-                  G_POW2=triton.next_power_of_2(max(n_groups, 1)))
+                  OUT_MAX=out_max(dtype), G_POW2=triton.next_power_of_2(max(n_groups, 1)))
     offs_arg = offs if offs is not None else s
     if mx.axis == 1:
         cfg = config or default_rows_config(M, K, q.device, interpret_mode())

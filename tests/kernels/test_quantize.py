@@ -160,11 +160,12 @@ def _blocked_offset_kernel(o_ptr, R, C, n_col_tiles, BR: tl.constexpr, BC: tl.co
 
 
 @triton.jit
-def _qdq_kernel(x_ptr, o_ptr, M, K: tl.constexpr, NB: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+def _qdq_kernel(x_ptr, o_ptr, M, K: tl.constexpr, NB: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr,
+                OUT_MAX: tl.constexpr):
     r = tl.program_id(0)
     el = tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :]
     m = el < K
-    v = mx_qdq_tile(tl.load(x_ptr + r * K + el, mask=m, other=0.0), MODE, INT_ROUND, 1)
+    v = mx_qdq_tile(tl.load(x_ptr + r * K + el, mask=m, other=0.0), MODE, INT_ROUND, 1, OUT_MAX)
     tl.store(o_ptr + r * K + el, v, mask=m)
 
 
@@ -183,18 +184,20 @@ def random_fp32_bits(n, seed):
 @pytest.mark.parametrize("int_round", INT_ROUNDS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_qdq_tile_equals_dequantized_reference(dtype, mode, int_round):
+@pytest.mark.parametrize("sat", [torch.float32, torch.bfloat16])
+def test_qdq_tile_equals_dequantized_reference(dtype, mode, int_round, sat):
     """``mx_qdq_tile`` (the values a MXFP8 transport delivers, without the bytes; combine on one rank) equals the
     reference's quantize + dequantize bit for bit: wide exponent ranges, zero / NaN / Inf / subnormal / 448 / max
     blocks, blocks filled with the E4M3 tie values of the rounding tests, both scale modes; NaN exactly where the
-    reference has NaN. (On CPU only the integer path runs; the hardware-cast path is checked on a GPU.)"""
+    reference has NaN; saturated to the fp32 or the bf16 max as the reference's ``saturate_to`` does. (On CPU only
+    the integer path runs; the hardware-cast path is checked on a GPU.)"""
     x = wide_random((64, 224), dtype, seed=3 + MODES.index(mode))
     ties = ties_block_values()
     x[:5].reshape(-1)[: ties.numel()] = ties.to(dtype)  # rows 0-4 (a view: x is contiguous)
-    want = mx.quantize(x, mode=mode).dequantize(torch.float32)
+    want = mx.quantize(x, mode=mode).dequantize(torch.float32, saturate_to=sat)
     out = torch.full(x.shape, 7.0, dtype=torch.float32, device=DEV)
     _qdq_kernel[(x.shape[0],)](x.to(DEV).contiguous(), out, x.shape[0], K=x.shape[1], NB=8,
-                               MODE=SCALE_MODE_IDS[mode], INT_ROUND=int_round)
+                               MODE=SCALE_MODE_IDS[mode], INT_ROUND=int_round, OUT_MAX=torch.finfo(sat).max)
     got = out.cpu()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     fin = ~torch.isnan(want)
@@ -593,9 +596,13 @@ for ir in (False, True):
                                  BLOCK_K=256, G_POW2=16))
 dsig = {"q_ptr": "*u8", "s_ptr": "*u8", "offs_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "K": "i32",
         "n_groups": "i32", "s_cols": "i32", "INT_ROUND": "constexpr", "LAYOUT": "constexpr", "BF16_INT": "constexpr",
-        "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "G_POW2": "constexpr"}
+        "OUT_MAX": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "G_POW2": "constexpr"}
 out["deq-rows"] = compile_(Q._dequantize_rows_kernel, dsig, dict(INT_ROUND=False, LAYOUT=1, BF16_INT=False,
-                           BLOCK_M=8, BLOCK_K=1024, G_POW2=4))
+                           OUT_MAX=3.3895313892515355e38, BLOCK_M=8, BLOCK_K=1024, G_POW2=4))
+csig = {k: v for k, v in dsig.items() if k != "BLOCK_M"}
+csig = dict(csig, BLOCK_R="constexpr")
+out["deq-cols"] = compile_(Q._dequantize_cols_kernel, csig, dict(INT_ROUND=False, LAYOUT=2, BF16_INT=False,
+                           OUT_MAX=3.3895313892515355e38, BLOCK_R=2, BLOCK_K=256, G_POW2=16), num_warps=4)
 json.dump(out, sys.stdout)
 '''
 
@@ -633,3 +640,73 @@ def test_gpu_heuristics(monkeypatch):
     assert (cols.block_rows, cols.block_k, cols.num_warps) == (64, 256, 4)
     cols_small = kq.default_cols_config(64, 2048, cuda, False)
     assert cols_small.block_rows == 32
+
+
+# ------------------------------------------------------------------------------------------------
+# saturation: finite inputs near the top of the range stay finite through quantize -> dequantize
+# ------------------------------------------------------------------------------------------------
+def near_max_rows(dtype):
+    """``[22, 64]`` rows at/near ``dtype``'s largest finite value: all +-max, the top 16 finite values (one per
+    block with its negation), and 3.39e38 / 3.3895e38 (fp16: 65500, 65472) among small values of the same block."""
+    fmax = torch.finfo(dtype).max
+    ib = torch.int32 if dtype == torch.float32 else torch.int16
+    top = (torch.tensor([fmax], dtype=dtype).view(ib).long() - torch.arange(16)).to(ib).view(dtype).double()
+    rows = [torch.full((64,), fmax, dtype=torch.float64), torch.full((64,), -fmax, dtype=torch.float64)]
+    for v in top.tolist():
+        r = torch.zeros(64, dtype=torch.float64)
+        r[3], r[40] = v, -v
+        rows.append(r)
+    for v in ([3.39e38, -3.39e38, 3.3895e38, 3.0e38] if dtype != torch.float16 else [65500.0, -65504.0, 65472.0, 6e4]):
+        r = torch.linspace(-3.0, 3.0, 64, dtype=torch.float64)
+        r[7], r[33] = v, -v / 2
+        rows.append(r)
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("int_round", INT_ROUNDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_dequantize_kernels_saturate_like_reference(in_dtype, mode, int_round):
+    """Row- and column-wise quantize + the dequantize kernels (every layout, every output dtype) on near-max
+    inputs: bit for bit the reference, which saturates; finite everywhere."""
+    x = near_max_rows(in_dtype).to(DEV)
+    xc = x.t().contiguous()  # [64, 22]: the same values in 32x1 blocks
+    offs = torch.tensor([32, 32, 64], dtype=torch.int32, device=DEV)
+    cases = [(quantize_rows(x, mode=mode, layout=lay, int_round=int_round), mx.quantize(x, mode=mode, layout=lay))
+             for lay in ("row", "blocked")]
+    for lay in ("row", "blocked", "grouped_k"):
+        go = offs if lay == "grouped_k" else None
+        cases.append((quantize_cols(xc, mode=mode, layout=lay, group_offs=go, int_round=int_round),
+                      mx.quantize(xc, mode=mode, axis=0, layout=lay, group_offs=go)))
+    for got, ref in cases:
+        assert_same_mx(got, ref)
+        for dt in DTYPES:
+            y = dequantize(got, dt, int_round=int_round)
+            assert torch.isfinite(y).all(), (ref.layout, dt, int((~torch.isfinite(y)).sum()))
+            assert_same_dense(y, mx.dequantize(ref, dt))
+            if dt == in_dtype and mode == "rceil" and in_dtype != torch.float16:
+                assert (y.abs() == torch.finfo(dt).max).any()  # the saturating case is in the data
+
+
+@pytest.mark.parametrize("int_round", INT_ROUNDS)
+def test_dequantize_kernels_keep_nan(int_round):
+    """A NaN / Inf input block, a 0xFF scale byte over a zero payload and 0x7F / 0xFF payload bytes under a
+    finite near-max scale decode to NaN in the kernels as in the reference; the saturated values beside them
+    are finite."""
+    x = torch.full((2, 128), 3.39e38, dtype=torch.float32)
+    x[0, 5] = float("nan")
+    x[1, 40] = float("inf")
+    m = mx.quantize(x)
+    q = _u8(m.qdata).clone()
+    s = m.scales.clone()
+    s[0, 2] = 255
+    q[0, 64:96] = 0
+    q[1, 100], q[1, 101] = 0x7F, 0xFF
+    ref = mx.MXTensor(qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1)
+    dev = mx.MXTensor(qdata=ref.qdata.to(DEV), scales=ref.scales.to(DEV), axis=1)
+    for dt in DTYPES:
+        y = dequantize(dev, dt, int_round=int_round)
+        assert_same_dense(y, mx.dequantize(ref, dt))
+        nan = torch.isnan(y.cpu().float())
+        assert nan[0, :32].all() and nan[0, 64:96].all() and nan[1, 32:64].all() and nan[1, 100:102].all()
+        assert int(nan.sum()) == 32 * 3 + 2
