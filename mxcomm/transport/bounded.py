@@ -167,9 +167,22 @@ class BoundedGroup:
         ``input_split_sizes[p]`` rows of ``input`` go to rank ``p``; ``output_split_sizes[p]`` rows
         of ``output`` come from rank ``p`` (``None``: equal splits). Both tensors contiguous, same
         dtype and trailing shape. After a failure do not reuse ``output``: the abandoned collective
-        may still write into it."""
-        self._run("all_to_all_single", tag, lambda: dist.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group=self.group, async_op=True))
+        may still write into it.
+
+        Raises:
+            ValueError: on this rank only, before communicating: splits that do not add up to the
+                tensor's rows, or not ``world_size`` of them, or mismatched dtypes; the other ranks'
+                census then reports that this rank refused its input.
+        """
+        def issue():
+            if output.dtype != input.dtype or output.shape[1:] != input.shape[1:]:
+                raise ValueError(f"output {output.dtype} {tuple(output.shape)} and input {input.dtype} "
+                                 f"{tuple(input.shape)} must share the dtype and the trailing shape")
+            recv = _checked_splits(output, output_split_sizes, self.world_size, "output")
+            send = _checked_splits(input, input_split_sizes, self.world_size, "input")
+            return dist.all_to_all_single(output, input, recv, send, group=self.group, async_op=True)
+
+        self._run("all_to_all_single", tag, issue)
         return output
 
     def all_gather_object(self, obj, tag: CallTag) -> list:
@@ -206,7 +219,7 @@ class BoundedGroup:
         self._seq += 1
         t_enter = time.time()
         try:
-            work = issue()
+            work = issue()  # argument checks run here, before anything is sent
         except Exception as exc:  # refused before communicating: record it so the peers' census says so
             self._failure = f"{kind} for {tag} failed locally"
             self._publish(_Record(self.rank, seq, kind, tag, t_enter, time.time(), True, _short(exc)))
@@ -268,7 +281,7 @@ class BoundedGroup:
                          "sleeping, dead, or stuck elsewhere")
         if left:
             lines.append(", ".join(f"{self._name(r)} gave up on it {mine.t_enter - records[r].t_fail:.1f} s "
-                                   "before this rank arrived" for r in left))
+                                   f"before this rank arrived ({records[r].error})" for r in left))
         if local:
             lines.append("; ".join(f"{self._name(r)} refused its input: {records[r].error}" for r in local))
         if mismatched:
@@ -283,7 +296,9 @@ class BoundedGroup:
         head = (f"{self._name(self.rank)}: {mine.kind} for {mine.tag} (collective {mine.seq}) failed after "
                 f"{mine.t_fail - mine.t_enter:.1f} s (timeout {self.timeout_s:g} s; backend said: {mine.error})")
         tail = "The process group is unusable now: destroy it (dist.destroy_process_group()) and start over."
-        peers = sorted(set(missing + left + local + mismatched))
+        # Ranks that left before this one arrived are to blame only when nobody else is: a peer that
+        # failed fast because a third rank died left early too, but is not the cause.
+        peers = sorted(set(missing + local + mismatched)) or sorted(left)
         if not peers and problem is not None:
             peers = missing = others  # the census could not tell: any peer may be at fault
         if not peers:
@@ -292,6 +307,22 @@ class BoundedGroup:
         message = ". ".join([head] + lines + [tail])
         raise PeerTimeout(peers[-1], f"{mine.kind} for {mine.tag}", rank=self.rank, peers=tuple(peers),
                           missing=tuple(missing), message=message)
+
+
+def _checked_splits(t: torch.Tensor, splits, world: int, name: str):
+    """``splits`` after checking them against ``t`` (rows along dim 0); ``None`` passes (equal splits).
+
+    Gloo checks splits only inside its asynchronous work, where a refusal looks like any other
+    failure; checking here makes it a local ``ValueError`` that the peers' census can name."""
+    if splits is None:
+        if t.dim() == 0 or t.shape[0] % world:
+            raise ValueError(f"{name} has {t.shape[0] if t.dim() else 0} rows, not a multiple of world size {world}")
+        return None
+    splits = [int(n) for n in splits]
+    if len(splits) != world or min(splits) < 0 or sum(splits) != (t.shape[0] if t.dim() else 0):
+        raise ValueError(f"{name}_split_sizes {splits} must be {world} non-negative sizes adding up to the "
+                         f"{name}'s {t.shape[0] if t.dim() else 0} rows")
+    return splits
 
 
 def _short(exc: BaseException, limit: int = 300) -> str:
