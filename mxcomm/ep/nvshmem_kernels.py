@@ -43,8 +43,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kernels.mx_device import (bf16_rne_int, block_amax, blocked_scale_offset, e4m3_decode, mx_qdq_tile,
-                                 mx_quantize_tile, mx_quantize_tile_amax, mx_scale_value, to_fp32)
+from ..kernels.mx_device import (BF16_MAX, bf16_rne_int, block_amax, blocked_scale_offset, mx_decode_tile, mx_qdq_tile,
+                                 mx_quantize_tile, mx_quantize_tile_amax, to_fp32)
 from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
@@ -496,11 +496,11 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
                         src = comb_q_ptr + (slot0 + p64) * H + el
                     ssrc = comb_s_ptr + (slot0 + p64) * C + cols
                 if MX and OWN and not OWN_PASS:  # bf16 rows: the values combine_send_kernel's bytes would decode to
-                    v = mx_qdq_tile(tl.load(src, mask=m & ok, other=0.0), MODE, INT_ROUND, 1)
+                    v = mx_qdq_tile(tl.load(src, mask=m & ok, other=0.0), MODE, INT_ROUND, 1, BF16_MAX)
                 elif MX:  # MXFP8 rows as they are
                     q = tl.load(src, mask=m & ok, other=0)
                     sb = tl.load(ssrc, mask=cm & ok, other=127)
-                    v = e4m3_decode(q, INT_ROUND) * mx_scale_value(sb.to(tl.int32))[:, None]
+                    v = mx_decode_tile(q, sb, INT_ROUND, BF16_MAX)  # saturated: w <= 1 keeps y finite
                 else:
                     v = to_fp32(tl.load(src, mask=m & ok, other=0.0), INT_ROUND)
                 acc += w * v

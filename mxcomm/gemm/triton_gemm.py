@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..kernels.mx_device import bf16_rne_int, blocked_scale_offset, e4m3_decode, mx_scale_value
+from ..kernels.mx_device import BF16_MAX, bf16_rne_int, blocked_scale_offset, mx_decode_tile, mx_saturate, mx_scale_value
 from ..mx import MXTensor, ScaleLayout
 from ..mx.scales import BLOCK
 from . import _ops
@@ -65,17 +65,18 @@ def group_of_tile(offs_ptr, n_groups, tile_m, BLOCK_M: tl.constexpr, G_POW2: tl.
 
 @triton.jit
 def dequant_tile_bf16(q, b, INT_ROUND: tl.constexpr):
-    """E4M3 bytes ``q [R, NB, 32]`` (uint8) and E8M0 bytes ``b [R, NB]`` -> bf16 ``e4m3(q) * 2**(b-127)``.
+    """E4M3 bytes ``q [R, NB, 32]`` (uint8) and E8M0 bytes ``b [R, NB]`` -> bf16 ``e4m3(q) * 2**(b-127)``, saturated
+    to +-bf16 max (:func:`mxcomm.mx.dequantize`'s rule, NaN stays NaN).
 
     INT_ROUND: decode and round by integer arithmetic (exact in the interpreter); else hardware casts
-    (e4m3 -> bf16 is exact, the power-of-two product in bf16 is the RNE rounding of the exact product).
+    (e4m3 -> bf16 is exact, the power-of-two product in bf16 is the RNE rounding of the exact product; a product
+    above the bf16 max is at least 2**128, so it is Inf there and saturates the same way).
     """
     if INT_ROUND:
-        v = e4m3_decode(q, True) * tl.expand_dims(mx_scale_value(b.to(tl.int32)), 2)
-        out = bf16_rne_int(v)
+        out = bf16_rne_int(mx_decode_tile(q, b, True, BF16_MAX, 2))
     else:
         v = q.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-        out = v * tl.expand_dims(mx_scale_value(b.to(tl.int32)).to(tl.bfloat16), 2)
+        out = mx_saturate(v * tl.expand_dims(mx_scale_value(b.to(tl.int32)).to(tl.bfloat16), 2), BF16_MAX)
     return out
 
 

@@ -114,6 +114,26 @@ def test_triton_matches_dequant_bitwise_operands(block_k):
     assert torch.equal(t, d)
 
 
+def test_triton_mx_operand_near_bf16_max_decodes_saturated():
+    """An MX activation whose block max rounds to 2**128 (rceil) loads as the bf16 max (dequantize's saturation,
+    in the GEMM's load path), not Inf: y stays finite and equals the GEMM of the dequantized operand; with one
+    non-zero weight per output (a power of two) the result is exact."""
+    M, K, N = 32, 64, 32
+    bmax = torch.finfo(torch.bfloat16).max
+    x = torch.linspace(-1.0, 1.0, M * K).view(M, K)
+    x[0, 3], x[1, 3], x[2, 40], x[3, 3] = bmax, -3.39e38, 3.0e38, -bmax
+    offs = torch.tensor([M], dtype=torch.int32, device=DEV)
+    a = mx.quantize(x.to(torch.bfloat16).to(DEV), layout="grouped_m", group_offs=offs)
+    w = torch.zeros(1, N, K, dtype=torch.bfloat16, device=DEV)
+    w[0, 0, 3] = 2.0 ** -10
+    w[0, 1, 40] = 2.0 ** -20
+    t = triton_grouped_mm(a, w, offs)
+    d = triton_grouped_mm(mx.dequantize(a, torch.bfloat16), w, offs)
+    assert torch.isfinite(t).all()
+    assert torch.equal(t, d)
+    assert t[0, 0].item() == bmax * 2.0 ** -10 and t[3, 0].item() == -bmax * 2.0 ** -10
+
+
 def test_fit_k_step():
     cfg = GroupedGemmConfig(block_k=128)
     assert fit_k_step(cfg, 32).block_k == 32 and fit_k_step(cfg, 96).block_k == 128
