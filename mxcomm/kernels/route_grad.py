@@ -4,7 +4,10 @@
 expert outputs as they arrived at the token's rank (saved by the forward combine). The plain-torch
 reference is :func:`mxcomm.ep.backward_ref.route_weight_grad`, which dequantizes every row to fp32 in
 memory first (about 4 bytes x T x k x H of traffic, three times over); this kernel reads each payload
-byte once. Sums run in fp32 in a different order from the reference (equal to fp32 rounding).
+byte once. Sums run in fp32 in a different order from the reference (equal to fp32 rounding). MX rows decode
+as the forward combine decodes them (:func:`mxcomm.kernels.mx_device.mx_decode_tile`, saturated to the bf16
+max: ``rows.dequantize(torch.float32, saturate_to=torch.bfloat16)``), so the gradient is that of the function the
+forward computed.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..mx import MXTensor, ScaleLayout
-from .mx_device import e4m3_decode, mx_scale_value
+from .mx_device import BF16_MAX, mx_decode_tile
 
 
 @triton.jit
@@ -51,7 +54,8 @@ def route_weight_grad_kernel(gy_ptr, q_ptr, s_ptr, pos_ptr, out_ptr, T,
                 cols = c0 // 32 + bcols
                 sb = tl.load(s_ptr + (p64 * (H // 32))[:, None] + cols[None, :],
                              mask=ok[:, None] & (cols < H // 32)[None, :], other=127)
-                v3 = tl.reshape(e4m3_decode(q, INT_ROUND), (K_POW2, NB, 32)) * mx_scale_value(sb.to(tl.int32))[:, :, None]
+                # the values the forward combine summed: decoded, saturated to the bf16 max (bf16-origin rows)
+                v3 = mx_decode_tile(tl.reshape(q, (K_POW2, NB, 32)), sb, INT_ROUND, BF16_MAX)
                 v = tl.reshape(v3, (K_POW2, CHUNK))
             else:
                 v = q.to(tl.float32)

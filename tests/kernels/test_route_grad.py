@@ -86,3 +86,31 @@ def test_gpu_route_weight_grad_large(mxrows):
         pytest.fail("mxcomm.kernels was imported under TRITON_INTERPRET=1; run tests/kernels in a process without it")
     gy, rows, pos = _case(4096, 8, 7168, 32768, seed=9, mxrows=mxrows, nan_row=17, device="cuda")
     _check(route_weight_grad(gy, rows, pos), reference(gy, rows, pos), gy, rows, pos, exact=False)
+
+
+def test_mx_rows_near_bf16_max_decode_saturated():
+    """Rows at the top of the bf16 range (rceil rounds their block max to 2**128): each row decodes to the
+    values the forward combine summed, saturated to the bf16 max, so grad_w is finite; a one-hot grad_y picks
+    the saturated value times a power of two (exact)."""
+    bmax = torch.finfo(torch.bfloat16).max
+    vals = torch.linspace(-2.0, 2.0, 4 * 64).view(4, 64)
+    vals[0, 3], vals[1, 3], vals[2, 3], vals[3, 3] = bmax, -3.39e38, 3.0e38, 1.0
+    vals[0, 40] = -bmax
+    rows = mx.quantize(vals.to(torch.bfloat16))
+    rows = mx.MXTensor(qdata=rows.qdata.to(DEV), scales=rows.scales.to(DEV), axis=1)
+    T, k = 3, 2
+    pos = torch.tensor([[0, 1], [2, -1], [3, 0]], dtype=torch.int32)
+    gy = torch.zeros(T, 64)
+    gy[:, 3] = 2.0 ** -10
+    gy[2, 40] = 2.0 ** -12
+    got = route_weight_grad(gy.to(torch.bfloat16).to(DEV), rows, pos.to(DEV)).cpu()
+    assert torch.isfinite(got).all(), got
+    v = rows.dequantize(torch.float32, saturate_to=torch.bfloat16).cpu()
+    assert v[0, 3].item() == bmax and v[1, 3].item() == -bmax
+    want = torch.zeros(T, k)
+    for t in range(T):
+        for j in range(k):
+            p = int(pos[t, j])
+            if p >= 0:
+                want[t, j] = (v[p] * gy[t]).sum()
+    assert torch.equal(got, want)
