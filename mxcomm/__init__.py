@@ -1,27 +1,26 @@
 """mxcomm: MXFP8 expert-parallel communication.
 
-Layers (imports point down only): ``mx`` (format) -> ``kernels`` -> ``transport`` -> ``ep`` -> ``gemm`` -> ``nn``.
-``import mxcomm`` works on a CPU-only machine; GPU extras (nvshmem4py, cuda-python) load lazily. The names below
-are loaded on first use (PEP 562), so ``import mxcomm`` (and the ``mxcomm`` command's ``--help``) does not import
-torch.
+Layers are subpackages, imports point down only: ``mx`` (the format) -> ``kernels`` (Triton) and ``transport``
+(NVSHMEM bootstrap, symmetric heap, signals) -> ``ep`` (dispatch/combine) -> ``gemm`` (grouped GEMMs) -> ``nn``
+(the MoE layer); ``bench`` and ``cli`` sit on top, ``integrations`` (torchtitan, torchao) beside them.
+``import mxcomm`` loads nothing heavy: the names below load on first use (GPU extras such as nvshmem4py and
+cuda-python load only when a GPU path needs them).
 """
-from __future__ import annotations
-
 import importlib
 
 __version__ = "0.1.0"
+
+_NAMES = {"MXTensor": ".mx", "ScaleLayout": ".mx", "quantize": ".mx", "dequantize": ".mx"}
+
 __all__ = ["MXTensor", "ScaleLayout", "quantize", "dequantize", "__version__"]
 
-_LAZY = {"MXTensor": ".mx", "ScaleLayout": ".mx", "quantize": ".mx", "dequantize": ".mx"}
+
+def __getattr__(name):
+    mod = _NAMES.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'mxcomm' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod, __name__), name)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(__all__))
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES))

@@ -1,16 +1,30 @@
 """Expert-parallel dispatch/combine (MXFP8 or BF16 payload, expert-major aligned layout).
 
-Public API: :class:`EPConfig`, :class:`EPGroup` (``dispatch`` / ``combine``), the values
-:class:`DispatchResult` / :class:`EPHandle`, and the shared routing plan (:mod:`mxcomm.ep.plan`).
-Backends: ``"torch"`` reference (:mod:`mxcomm.ep.reference`), ``"nvshmem"`` (GPU).
-The single-process oracle for tests lives in :mod:`mxcomm.ep.oracle`.
+Public API: :class:`EPConfig`, :class:`EPGroup` (``dispatch`` / ``combine``, autograd-aware; ``steps``: the
+collectives without autograd), the values :class:`Dispatched` / :class:`EPHandle`, and the shared routing plan
+(:mod:`mxcomm.ep.plan`). Backends: ``"torch"`` (the reference, :mod:`mxcomm.ep.reference`, which also holds the
+single-process oracles the tests use) and ``"nvshmem"`` (GPU). Names load on first use, so ``import mxcomm.ep``
+costs nothing until one is touched.
 """
-from .config import EPConfig
-from .group import EPGroup
-from .handle import DispatchResult, EPHandle
-from .plan import BufferSizes, RoutingPlan, build_plan, buffer_sizes, local_counts, max_recv_rows, recv_rows
+import importlib
 
-__all__ = [
-    "EPConfig", "EPGroup", "DispatchResult", "EPHandle", "RoutingPlan", "build_plan", "local_counts",
-    "recv_rows", "max_recv_rows", "buffer_sizes", "BufferSizes",
-]
+_NAMES = {
+    "EPConfig": ".config", "PATHS": ".config", "TRANSPORTS": ".config", "PRECISIONS": ".config",
+    "EPGroup": ".group", "EPSteps": ".steps",
+    "Dispatched": ".handle", "EPHandle": ".handle", "CombineSaved": ".handle", "CombineGrads": ".handle",
+    "RoutingPlan": ".plan", "build_plan": ".plan", "local_counts": ".plan", "recv_rows": ".plan",
+    "max_recv_rows": ".plan", "buffer_sizes": ".plan", "BufferSizes": ".plan",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name):
+    mod = _NAMES.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'mxcomm.ep' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod, __name__), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES))

@@ -11,11 +11,15 @@ import zlib
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from ..mx.modes import SCALE_MODES
+
 PRECISIONS = ("mxfp8", "bf16")
-SCALE_MODES = ("rceil", "floor")
 BACKENDS = ("torch", "nvshmem")
 ALIGNS = (32, 128)
-TRANSPORTS = ("auto", "push", "put")
+#: How rows move, one vocabulary: ``EPGroup.path`` is one of these; ``EPConfig.transport`` is ``"auto"`` or one of
+#: the nvshmem backend's paths (``"local"``, ``"pull"``, ``"push"``, ``"put"``).
+PATHS = ("all_to_all", "local", "pull", "push", "put")
+TRANSPORTS = ("auto", "local", "pull", "push", "put")
 
 
 def _is_int(v) -> bool:
@@ -39,22 +43,24 @@ class EPConfig:
         backend: ``"torch"`` (reference, torch.distributed all-to-all; CPU/gloo and GPU/NCCL) or
             ``"nvshmem"`` (GPU kernels over NVSHMEM symmetric buffers).
         num_sms: SMs the GPU backend's kernels may use (None = backend default). Unused by ``torch``.
-        timeout_s: bound on every wait of the GPU backend (seconds). Unused by ``torch``.
+        timeout_s: bound on every wait (seconds): the GPU backend's device-side waits, and the reference
+            backend's collectives.
         exact_sizes: True: outputs sized exactly (needs a device-to-host sync). False: outputs sized
             to the worst case (:func:`mxcomm.ep.plan.max_recv_rows`); real sizes only in the
             device tensors ``offs`` / ``counts`` (the GPU backend then does no host sync; the
             reference backend still syncs internally because all-to-all split sizes live on the host).
-        transport: how the ``nvshmem`` backend moves rows. ``"auto"``: when every peer has a peer pointer
-            (one node, NVLink) dispatch *pulls* (each rank quantizes its token rows once into its own
-            symmetric send buffer, the sources tell each receiver which token fills each of its rows, and the
-            receiver reads them through peer pointers straight into its fresh output tensors) and
-            combine and combine backward *push* (kernels store into the peers' buffers); the
-            put-with-signal path otherwise. ``"push"``: peer-pointer stores for dispatch too (quantized rows
-            stored into the receivers' symmetric buffers, then copied out on the receiver; the earlier
-            design, kept to compare). ``"put"``: always the put-with-signal path (``csrc/put_signal.cu``: kernels
-            write into a local staging buffer, NVSHMEM puts one block per (destination, expert) and
-            signals), which is what peers on other nodes need; forcing it on one node tests that path
-            on a single GPU. Unused by ``torch``.
+        transport: how the ``nvshmem`` backend moves rows, one of :data:`TRANSPORTS` (the path names of
+            :data:`PATHS`, which ``EPGroup.path`` reports, plus ``"auto"``). ``"auto"``: ``"local"`` on one rank,
+            ``"pull"`` when every peer has a peer pointer (one node, NVLink), ``"put"`` otherwise.
+            ``"local"`` (one rank only): nothing leaves the GPU; dispatch quantizes each token row once and
+            stores it straight into its output rows. ``"pull"`` (several ranks): each rank quantizes its token
+            rows once into its own symmetric send buffer, the sources tell each receiver which token fills
+            each of its rows, and the receiver reads them through peer pointers straight into its fresh output;
+            combine and combine backward store into the peers' buffers. ``"push"``: peer-pointer stores for
+            dispatch too (quantized rows stored into the receivers' symmetric buffers, then copied out on the
+            receiver). ``"put"``: NVSHMEM put-with-signal (``csrc/put_signal.cu``: kernels write into a local
+            staging buffer, NVSHMEM puts one block per (destination, expert) and signals), what peers on other
+            nodes need; forcing it on one node tests that path on a single GPU. Unused by ``torch``.
     """
 
     num_experts: int
@@ -113,6 +119,10 @@ class EPConfig:
             errs.append(f"exact_sizes must be a bool, got {self.exact_sizes!r}")
         if self.transport not in TRANSPORTS:
             errs.append(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        elif self.transport == "local" and _is_int(world_size) and world_size != 1:
+            errs.append(f"transport 'local' moves nothing between ranks: it needs a group of 1 rank, not {world_size}")
+        elif self.transport == "pull" and world_size == 1:
+            errs.append("transport 'pull' reads from peers: a group of 1 rank uses 'local' (or 'auto')")
         if errs:
             raise ValueError("invalid EPConfig: " + "; ".join(errs))
 
@@ -141,4 +151,4 @@ class EPConfig:
         return out
 
 
-__all__ = ["EPConfig", "PRECISIONS", "SCALE_MODES", "BACKENDS", "ALIGNS", "TRANSPORTS"]
+__all__ = ["EPConfig", "PRECISIONS", "SCALE_MODES", "BACKENDS", "ALIGNS", "TRANSPORTS", "PATHS"]

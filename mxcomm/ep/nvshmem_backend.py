@@ -71,10 +71,9 @@ from .. import transport as tp
 from .config import EPConfig
 from ..kernels.route_grad import route_weight_grad
 from . import plan_kernels
-from .backward_ref import CombineGrads, CombineSaved
-from .handle import DispatchResult, EPHandle
+from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from .ids import check_expert_ids
-from .plan import RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows, recv_rows
+from .plan import RoutingPlan, buffer_regions, combine_regions, dispatch_path, local_counts, max_recv_rows, recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from . import put_path
 
@@ -138,6 +137,20 @@ def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
 
 
 @dataclass(frozen=True)
+class LocalBuffer:
+    """A buffer only this rank reads and writes, shaped like a symmetric one for the kernels: ``local`` the tensor,
+    ``peer_ptrs`` int64 ``[1]`` holding its address (the one-rank path's stand-in for ``SymmetricBuffer``)."""
+
+    local: torch.Tensor
+    peer_ptrs: torch.Tensor
+
+    @staticmethod
+    def empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> "LocalBuffer":
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return LocalBuffer(local=t, peer_ptrs=torch.tensor([t.data_ptr()], dtype=torch.int64, device=device))
+
+
+@dataclass(frozen=True)
 class Middle:
     """The plan (and row maps) of a dispatch's middle: ``live`` for the kernels the call enqueues at once (may be a
     captured graph's own memory, overwritten by its next replay), ``keep()`` the copies the handle keeps (call it
@@ -184,8 +197,10 @@ class NvshmemBackend:
 
     device_side_checks = True  # expert ids are checked here (see _checked_ids), not by the group
 
-    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, heap=None, puts=None):
+    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, group_id: int = 0, heap=None,
+                 puts=None):
         self.config = config
+        self.group_id = group_id
         self.rank, self.world = rank, world_size
         if heap is None:
             heap = self._open_heap(group, rank, world_size)
@@ -228,7 +243,8 @@ class NvshmemBackend:
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
         self.nslot = config.max_tokens_per_rank * config.topk
         self.recv_q, self.recv_s = bufs.get("ep.recv_q"), bufs["ep.recv_s"]  # no recv_q on the local path
-        self.comb_q, self.comb_s = bufs["ep.comb_q"], bufs["ep.comb_s"]  # 2 copies: see nvshmem_kernels
+        # rows returned by combine, 2 copies (see nvshmem_kernels); the local path's are made at first use
+        self._comb = (bufs["ep.comb_q"], bufs["ep.comb_s"]) if "ep.comb_q" in bufs else None
         self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
         self._flag_rows = tuple(self.flags.local[i] for i in range(3))
         # views made once: each tensor index costs the host microseconds per call
@@ -307,6 +323,19 @@ class NvshmemBackend:
     @property
     def memory_bytes(self) -> int:
         return self.heap.nbytes
+
+    # -- what the compiled ops carry (mxcomm.ep.backend.Backend) -------------------------------
+    def state_tensors(self, handle: EPHandle) -> list:
+        """Row origins (src, pos: int32 ``[R]``) and the device row count (int32 ``[1]``)."""
+        o = handle_origins(handle)
+        return [o.src, o.pos, handle.backend_state.num_rows_dev]
+
+    def state_shapes(self, num_tokens: int, num_rows: int) -> list:
+        return [(num_rows,), (num_rows,), (1,)]
+
+    def handle_fields(self, plan: RoutingPlan, tensors: list) -> dict:
+        src, pos, nrd = tensors
+        return dict(backend_state=NvshmemState(origins=RowOrigins(src=src, pos=pos), num_rows_dev=nrd))
 
     def _check(self, what: str, ids: torch.Tensor | None = None) -> int:
         """Raise now if a bounded wait (or the device-side input check) recorded an error: ONE host sync, which
@@ -719,12 +748,20 @@ class NvshmemBackend:
         out_x = self._received(plan, R, self.mx, q)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
-            config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,
-            device=x.device, backend_state=NvshmemState(origins=origins, num_rows_dev=plan.num_rows),
+            config=cfg, group_id=self.group_id, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights,
+            weights_version=topk_weights._version, num_tokens=T, num_rows=R, device=x.device,
+            backend_state=NvshmemState(origins=origins, num_rows_dev=plan.num_rows),
         )
         return result, handle
 
     # -- combine (and dispatch backward: the same direction) ---------------------------------
+    def _comb_buffers(self):
+        """``(comb_q, comb_s)``: the buffers combine returns rows into (symmetric; on the local path, where only a
+        combine that keeps its rows for the backward uses them, plain device buffers made at the first such call)."""
+        if self._comb is None:
+            self._comb = tuple(LocalBuffer.empty(r.shape, r.dtype, self.device) for r in combine_regions(self.config))
+        return self._comb
+
     def _to_origin(self, rows, handle: EPHandle, quantize_rows: bool, weights: torch.Tensor, what: str,
                    save: bool = False):
         """Send every real expert-major row to its origin slot, then reduce ``sum_j w[t,j] * row``.
@@ -751,10 +788,11 @@ class NvshmemBackend:
         own = self.local and not save
         if not own:  # the epoch picks the comb_q copy (parity) and tags the put path's signals; unused by `own`
             self.c_epoch.add_(1)
+        comb_q, comb_s = self._comb_buffers() if not own else (None, None)
         if self.put_mode:  # rows to staging at their own index; puts per (source, expert) block
             q_ptrs, s_ptrs = self._stage_ptrs, self._stage_s_ptrs
-        else:
-            q_ptrs, s_ptrs = self.comb_q.peer_ptrs, self.comb_s.peer_ptrs
+        elif not own:
+            q_ptrs, s_ptrs = comb_q.peer_ptrs, comb_s.peer_ptrs
         if not own:
             origins = handle_origins(handle)
             combine_send_kernel[(self.programs,)](
@@ -767,17 +805,20 @@ class NvshmemBackend:
             if self.put_mode:
                 slot0 = (self.c_epoch % 2) * self.nslot
                 blocks = put_path.combine_blocks(plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
-                self._put_blocks(blocks, self.comb_q, self.comb_s, 2, self.c_epoch)
+                self._put_blocks(blocks, comb_q, comb_s, 2, self.c_epoch)
             else:
                 wait_arrivals_kernel[(W,)](self._flag_rows[2], self._expect_rows[2], self.programs, self.err,
                                            self.timeout_ns)
         T = handle.num_tokens
         y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         w = weights.to(torch.float32).contiguous()
-        comb = self.comb_q.local if mx else self.comb_q.local.view(torch.bfloat16)
+        if own:  # the reduce reads the expert rows in place; its comb_* arguments are unused
+            comb, comb_s_local = payload, in_scales
+        else:
+            comb, comb_s_local = (comb_q.local if mx else comb_q.local.view(torch.bfloat16)), comb_s.local
         if T:
             combine_reduce_kernel[(min(T, self.dispatch_programs),)](
-                comb, self.comb_s.local, plan.send_pos, w, y, T, self.c_epoch, self.nslot,
+                comb, comb_s_local, plan.send_pos, w, y, T, self.c_epoch, self.nslot,
                 plan.dest_row, payload, in_scales,
                 H=H, K=cfg.topk, CHUNK=self._reduce_chunk(H, own, mx),
                 MX=mx, INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, MODE=self.mode_id,
@@ -793,12 +834,12 @@ class NvshmemBackend:
             if mx:
                 qids = par * (2 * self.nslot) + torch.arange(n, device=self.device)
                 saved = MXTensor(
-                    qdata=self.comb_q.local.view(-1, H).index_select(0, qids).view(torch.float8_e4m3fn),
-                    scales=self.comb_s.local.view(2 * self.nslot, -1).index_select(0, ids), axis=1,
+                    qdata=comb_q.local.view(-1, H).index_select(0, qids).view(torch.float8_e4m3fn),
+                    scales=comb_s.local.view(2 * self.nslot, -1).index_select(0, ids), axis=1,
                     layout=ScaleLayout.ROW, mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
                 )
             else:
-                saved = self.comb_q.local.view(torch.bfloat16).view(2 * self.nslot, -1).index_select(0, ids)
+                saved = comb_q.local.view(torch.bfloat16).view(2 * self.nslot, -1).index_select(0, ids)
         self._after_call(what, waited=not own)
         return y, saved
 

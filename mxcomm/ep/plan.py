@@ -249,19 +249,21 @@ def pull_entry_words(topk: int) -> int:
 
 
 def dispatch_path(config: EPConfig, world_size: int, put_path: bool | None = None) -> str:
-    """How the ``nvshmem`` backend moves rows towards the experts (the single source of that choice):
+    """How the ``nvshmem`` backend moves rows (the single source of that choice), one of ``"local"``, ``"pull"``,
+    ``"push"``, ``"put"`` (:data:`mxcomm.ep.config.PATHS`):
 
     * ``"put"``: put-with-signal (``put_path``; default ``config.transport == "put"``);
-    * ``"local"``: one rank with ``transport="auto"``: nothing leaves the GPU, so the sending kernel quantizes each
-      token row once and stores it straight into the fresh output at every selection's row (no symmetric buffer);
-    * ``"pull"``: ``transport="auto"`` with several ranks: receivers read packed rows through peer pointers;
+    * ``"local"``: one rank (``transport`` ``"auto"`` or ``"local"``): nothing leaves the GPU, so the sending kernel
+      quantizes each token row once and stores it straight into the fresh output at every selection's row;
+    * ``"pull"``: several ranks (``transport`` ``"auto"`` or ``"pull"``): receivers read packed rows through peer
+      pointers;
     * ``"push"``: ``transport="push"``: senders store into the receivers' ``recv_q``.
     """
     if put_path is None:
         put_path = config.transport == "put"
     if put_path:
         return "put"
-    if config.transport == "auto":
+    if config.transport in ("auto", "local", "pull"):
         return "local" if world_size == 1 else "pull"
     return "push"
 
@@ -273,8 +275,10 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     * ``ep.recv_s`` uint8 ``[R_max, H/32]``: their scale bytes, row-major at the payload rows (mxfp8; 1 byte for
       bf16); the receiver swizzles them into a fresh grouped-along-M blocked matrix.
     * ``ep.comb_q`` uint8 ``[2, T_max*k, 2H]``: rows returned by combine (two copies, alternate epochs; a BF16
-      row takes 2H bytes, MXFP8 rows are packed H bytes apart from the start of their copy).
-    * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes.
+      row takes 2H bytes, MXFP8 rows are packed H bytes apart from the start of their copy). Not on the local path:
+      there combine reads the expert rows in place, and a combine that keeps its rows for the backward writes them
+      into a plain device buffer allocated at its first use (same shape, not symmetric).
+    * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes (not on the local path either).
     * ``ep.counts`` int32 ``[W, E]``; ``ep.flags`` int64 ``[3, W]``.
 
     The local path (one rank, :func:`dispatch_path`) has no ``ep.recv_q`` (its rows go straight into the output;
@@ -300,12 +304,12 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     H = config.hidden
     R = max_recv_rows(config, world_size)
     mx = config.precision == "mxfp8"
-    nslot = config.max_tokens_per_rank * config.topk
-    regions = [] if path == "local" else [BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8)]
+    local = path == "local"
+    regions = [] if local else [BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8)]
+    regions.append(BufferRegion("ep.recv_s", (R, H // 32) if mx else (1,), torch.uint8))
+    if not local:
+        regions += combine_regions(config)
     regions += [
-        BufferRegion("ep.recv_s", (R, H // 32) if mx else (1,), torch.uint8),
-        BufferRegion("ep.comb_q", (2, nslot, 2 * H), torch.uint8),
-        BufferRegion("ep.comb_s", (2, nslot, H // 32), torch.uint8),
         BufferRegion("ep.counts", (world_size, config.num_experts), torch.int32),
         BufferRegion("ep.flags", (3, world_size), torch.int64),
     ]
@@ -324,12 +328,20 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     return regions
 
 
+def combine_regions(config: EPConfig) -> list[BufferRegion]:
+    """``ep.comb_q`` / ``ep.comb_s``: the rows combine returns to this rank (see :func:`buffer_regions`)."""
+    nslot = config.max_tokens_per_rank * config.topk
+    H = config.hidden
+    return [BufferRegion("ep.comb_q", (2, nslot, 2 * H), torch.uint8),
+            BufferRegion("ep.comb_s", (2, nslot, H // 32), torch.uint8)]
+
+
 @dataclass(frozen=True)
 class BufferSizes:
     """Bytes per rank of the GPU backend's symmetric buffers, by purpose (see :func:`buffer_regions`).
 
     dispatch_payload / dispatch_scales: received rows and their scale rows.
-    combine_payload: rows returned by combine, two copies (incl. their scale bytes).
+    combine_payload: rows returned by combine, two copies (incl. their scale bytes); 0 on the local path.
     counts, flags: the counts matrix and the signal words.
     put_staging: the put-with-signal path's staging and row-major scale buffers (0 without it).
     pull_send: the pull dispatch's send copies, their scales and the pull list (0 without it).
@@ -356,7 +368,7 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
     return BufferSizes(
         dispatch_payload=b.get("ep.recv_q", 0),
         dispatch_scales=b["ep.recv_s"],
-        combine_payload=b["ep.comb_q"] + b["ep.comb_s"],
+        combine_payload=b.get("ep.comb_q", 0) + b.get("ep.comb_s", 0),
         counts=b["ep.counts"],
         flags=b["ep.flags"],
         put_staging=sum(b.get(n, 0) for n in ("ep.stage_q", "ep.stage_s")),
@@ -366,5 +378,5 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
 
 __all__ = [
     "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
-    "max_rows_per_source", "max_recv_rows", "pull_entry_words", "dispatch_path", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
+    "max_rows_per_source", "max_recv_rows", "pull_entry_words", "dispatch_path", "combine_regions", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
 ]

@@ -1,6 +1,6 @@
-"""Registry of live :class:`~mxcomm.ep.group.EPGroup` objects by small int id (the buffer-registry
-kind of global state DESIGN.md allows): torch.library ops cannot take a Python object, so the ops
-of :mod:`mxcomm.ep.ops` carry ``group.op_id`` and look the group up here at run time."""
+"""Registry of live :class:`~mxcomm.ep.group.EPGroup` objects by small int id: torch.library ops cannot take a
+Python object, so the ops of :mod:`mxcomm.ep.compiled` carry ``group.op_id`` and look the group up here at run
+time (the one piece of process-wide state of the EP layer; weak references, ids never reused)."""
 from __future__ import annotations
 
 import itertools

@@ -2,7 +2,7 @@
 
 ``grad_w[t, j] = <grad_y[t], rows[pos[t, j]]>`` in fp32 (0 where ``pos[t, j] == -1``): the rows are the
 expert outputs as they arrived at the token's rank (saved by the forward combine). The plain-torch
-reference is :func:`mxcomm.ep.backward_ref.route_weight_grad`, which dequantizes every row to fp32 in
+reference is :func:`mxcomm.ep.reference.backward.route_weight_grad`, which dequantizes every row to fp32 in
 memory first (about 4 bytes x T x k x H of traffic, three times over); this kernel reads each payload
 byte once. Sums run in fp32 in a different order from the reference (equal to fp32 rounding). MX rows decode
 as the forward combine decodes them (:func:`mxcomm.kernels.mx_device.mx_decode_tile`, saturated to the bf16

@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..ep import EPConfig
-from ..ep.config import ALIGNS, BACKENDS, SCALE_MODES
+from ..ep.config import ALIGNS, BACKENDS, PRECISIONS, SCALE_MODES
 from ..gemm import GemmBackend
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-PRECISIONS = ("bf16", "mxfp8")
 SWIGLU_IMPLS = ("auto", "kernel", "reference")
 CACHE_REFRESH = ("check", "auto")
 

@@ -1,7 +1,7 @@
 """Grouped SwiGLU experts on expert-major rows, BF16 or MXFP8, with autograd.
 
 ``y[rows of e] = swiglu(a[rows of e] @ w13[e]^T) @ w2[e]^T`` for every local expert ``e``, rows grouped by
-``offs`` (int32 END offsets, as returned by :func:`mxcomm.ep.autograd.dispatch`).
+``offs`` (int32 END offsets, as returned by :meth:`mxcomm.ep.EPGroup.dispatch`).
 
 Weights (fp32 masters, the orientation :mod:`mxcomm.gemm` reads, ``y_g = a_g @ W_g^T``):
 

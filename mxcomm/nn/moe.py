@@ -15,7 +15,7 @@
 
 Expert parallelism: the EP group's world ``W`` splits the ``E`` experts into ``E/W`` local experts per rank
 (rank ``r`` holds global experts ``[r*E/W, (r+1)*E/W)``: :attr:`MoE.local_experts`). Each rank passes its own
-tokens; dispatch/combine move them to the experts' ranks and back (:mod:`mxcomm.ep.autograd`), both in forward
+tokens; dispatch/combine move them to the experts' ranks and back (:meth:`mxcomm.ep.EPGroup.dispatch` / ``combine``), both in forward
 and backward (collective: every rank must run every forward and backward of the layer, also with 0 tokens).
 The router and the shared expert are replicated: average their gradients across data-parallel ranks as for any
 dense weight. Expert weights are sharded: their gradients already hold every rank's tokens.
@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..ep import EPGroup
-from ..ep.autograd import combine, dispatch
 from ..gemm import GroupedLinearConfig, MXWeightCache, StaleWeightCacheError
 from .config import MoEConfig
 from .experts import ExpertOptions, grouped_swiglu
@@ -244,9 +243,9 @@ class MoE(nn.Module):
             x2 = x.reshape(-1, H)
             r = self.router(x2)
             xb = x2.to(torch.bfloat16)
-            d = dispatch(self.ep_group, xb, r.topk_idx, r.topk_weights)
+            d = self.ep_group.dispatch(xb, r.topk_idx, r.topk_weights)
             out = self._experts(d.x, d.offs, self.w13, self.w2, "")
-            y = combine(self.ep_group, out, d.handle)
+            y = self.ep_group.combine(out, d.handle)
             if self.shared_w13 is not None:
                 offs = torch.full((1,), xb.shape[0], dtype=torch.int32, device=xb.device)
                 y = y + self._experts(xb, offs, self.shared_w13, self.shared_w2, "shared_")

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from ep_cases import (Case, _cmp_bytes, _expect, check_combine, check_dispatch, each_case, make_expert_outs,
                       make_inputs)
 from mxcomm.ep import EPConfig, EPGroup
-from mxcomm.ep.autograd import combine, dispatch
-from mxcomm.ep.backward_ref import CombineSaved, oracle_combine_backward, oracle_dispatch_backward
+from mxcomm.ep.handle import CombineSaved
+from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch_backward
 from mxcomm.ep.handle import DispatchResult
-from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
+from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
 from mxcomm.mx import MXTensor, quantize
 from mxcomm.mx.subclass import MXFP8Tensor
 
@@ -81,7 +81,8 @@ def run_backward_case(group: EPGroup, case: Case, rank: int, fails: list, exact:
     dev = torch.device(case.device)
     xs, idxs, ws = make_inputs(case)
     expected, routes = oracle_dispatch(config, xs, idxs)
-    res, handle = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    res = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    handle = res.handle
     tag = f"{case.name}[rank {rank}]"
     outs = make_expert_outs(case, expected)
     grad_ys = make_grads(case, case.tokens)
@@ -89,14 +90,14 @@ def run_backward_case(group: EPGroup, case: Case, rank: int, fails: list, exact:
         q = (config.precision == "mxfp8") if qmode is None else qmode
         qtag = f"{tag} quantize={qmode}"
         # forward combine that keeps the returned rows
-        y, saved = group.combine_for_backward(outs[rank].to(dev), handle, quantize=qmode)
+        y, saved = group.steps.combine_for_backward(outs[rank].to(dev), handle, quantize=qmode)
         y_exp = oracle_combine(config, outs, routes, ws, quantize_rows=q)[rank]
         check_combine(f"{qtag} combine_for_backward", y, y_exp, fails, exact)
         if not isinstance(saved, CombineSaved) or isinstance(saved.rows, MXTensor) != q:
             fails.append(f"{qtag}: saved rows {type(saved).__name__} {type(getattr(saved, 'rows', None)).__name__}")
             continue
         # combine backward (with and without the route-weight gradient)
-        gr = group.combine_backward(grad_ys[rank].to(dev), handle, saved, quantize=qmode)
+        gr = group.steps.combine_backward(grad_ys[rank].to(dev), handle, saved, quantize=qmode)
         exp_g = oracle_combine_backward(config, grad_ys, routes, ws, outs, expected, quantize_rows=q)[rank]
         cfg_q = replace(config, precision="mxfp8" if q else "bf16")
         check_dispatch(
@@ -108,18 +109,18 @@ def run_backward_case(group: EPGroup, case: Case, rank: int, fails: list, exact:
         dropped = idxs[rank] < 0
         if dropped.any() and bool((gr.grad_weights.cpu()[dropped] != 0).any()):
             fails.append(f"{qtag}: dropped slots got a nonzero route-weight gradient")
-        gr2 = group.combine_backward(grad_ys[rank].to(dev), handle, None, quantize=qmode)
+        gr2 = group.steps.combine_backward(grad_ys[rank].to(dev), handle, None, quantize=qmode)
         if gr2.grad_weights is not None:
             fails.append(f"{qtag}: grad_weights without saved rows should be None")
         # dispatch backward: dense gradient (quantized or not) and an MX gradient sent as it is
         for as_mx in (False, True):
             grecv = make_grad_recvs(case, expected, as_mx)
-            gx = group.dispatch_backward(grecv[rank].to(dev) if not as_mx else _mx_to(grecv[rank], dev), handle,
+            gx = group.steps.dispatch_backward(grecv[rank].to(dev) if not as_mx else _mx_to(grecv[rank], dev), handle,
                                          quantize=qmode)
             gx_exp = oracle_dispatch_backward(config, grecv, routes, quantize_rows=q)[rank]
             check_combine(f"{qtag} dispatch_backward(mx={as_mx})", gx, gx_exp, fails, exact)
             if as_mx:  # the same value wrapped as MXFP8Tensor must give the same bytes
-                gx2 = group.dispatch_backward(MXFP8Tensor(_mx_to(grecv[rank], dev)), handle, quantize=qmode)
+                gx2 = group.steps.dispatch_backward(MXFP8Tensor(_mx_to(grecv[rank], dev)), handle, quantize=qmode)
                 _cmp_bytes(f"{qtag} dispatch_backward(MXFP8Tensor)", gx2, gx, fails)
 
 
@@ -146,7 +147,7 @@ def check_mx_grad_through_autograd(group: EPGroup, case: Case, rank: int, fails:
     xs, idxs, ws = make_inputs(case)
     expected, routes = oracle_dispatch(config, xs, idxs)
     x = xs[rank].to(dev).requires_grad_()
-    d = dispatch(group, x, idxs[rank].to(dev), ws[rank].to(dev))
+    d = group.dispatch(x, idxs[rank].to(dev), ws[rank].to(dev))
     if not isinstance(d.x, MXFP8Tensor):
         fails.append(f"mx grad through autograd: dispatch output is {type(d.x).__name__}")
         return
@@ -173,35 +174,36 @@ def bad_backward_inputs(rank: int, world: int, fails: list) -> None:
     cfg = case.config()
     grp = EPGroup(cfg)
     xs, idxs, ws = make_inputs(case)
-    res, h = grp.dispatch(xs[rank], idxs[rank], ws[rank])
+    res = grp.dispatch(xs[rank], idxs[rank], ws[rank])
+    h = res.handle
     T, H, R = 6, 64, res.num_rows
     gy = torch.randn(T, H).to(torch.bfloat16)
-    _expect(fails, "grad_y shape", ValueError, "shape", lambda: grp.combine_backward(gy[:-1], h))
-    _expect(fails, "grad_y dtype", TypeError, "bfloat16", lambda: grp.combine_backward(gy.float(), h))
-    _expect(fails, "grad_y type", TypeError, "tensor", lambda: grp.combine_backward(gy.tolist(), h))
-    _expect(fails, "handle type", TypeError, "EPHandle", lambda: grp.combine_backward(gy, (1,)))
-    _expect(fails, "saved type", TypeError, "CombineSaved", lambda: grp.combine_backward(gy, h, gy))
-    _expect(fails, "saved rows", ValueError, "saved.rows", lambda: grp.combine_backward(
+    _expect(fails, "grad_y shape", ValueError, "shape", lambda: grp.steps.combine_backward(gy[:-1], h))
+    _expect(fails, "grad_y dtype", TypeError, "bfloat16", lambda: grp.steps.combine_backward(gy.float(), h))
+    _expect(fails, "grad_y type", TypeError, "tensor", lambda: grp.steps.combine_backward(gy.tolist(), h))
+    _expect(fails, "handle type", TypeError, "EPHandle", lambda: grp.steps.combine_backward(gy, (1,)))
+    _expect(fails, "saved type", TypeError, "CombineSaved", lambda: grp.steps.combine_backward(gy, h, gy))
+    _expect(fails, "saved rows", ValueError, "saved.rows", lambda: grp.steps.combine_backward(
         gy, h, CombineSaved(rows=torch.zeros(3, 32, dtype=torch.bfloat16))))
-    _expect(fails, "grad_recv rows", ValueError, "shape", lambda: grp.dispatch_backward(
+    _expect(fails, "grad_recv rows", ValueError, "shape", lambda: grp.steps.dispatch_backward(
         torch.zeros(R + 1, H, dtype=torch.bfloat16), h))
-    _expect(fails, "grad_recv device", ValueError, "dispatch ran on", lambda: grp.dispatch_backward(
+    _expect(fails, "grad_recv device", ValueError, "dispatch ran on", lambda: grp.steps.dispatch_backward(
         torch.zeros(R, H, dtype=torch.bfloat16, device="meta"), h))
     colwise = quantize(torch.randn(R, H), axis=0)
-    _expect(fails, "grad_recv column-wise MX", ValueError, "axis 1", lambda: grp.dispatch_backward(colwise, h))
+    _expect(fails, "grad_recv column-wise MX", ValueError, "axis 1", lambda: grp.steps.dispatch_backward(colwise, h))
     other = EPGroup(replace(cfg, precision="bf16"))
-    _expect(fails, "foreign handle", ValueError, "different config", lambda: other.dispatch_backward(
+    _expect(fails, "foreign handle", ValueError, "different config", lambda: other.steps.dispatch_backward(
         torch.zeros(R, H, dtype=torch.bfloat16), h))
     x = xs[rank].clone().requires_grad_()
-    d = dispatch(grp, x, idxs[rank], ws[rank])
+    d = grp.dispatch(x, idxs[rank], ws[rank])
     o = d.dense(torch.bfloat16)
-    _expect(fails, "autograd grad_format", ValueError, "grad_format", lambda: combine(grp, o, d.handle, grad_format="x"))
+    _expect(fails, "autograd grad_format", ValueError, "grad_format", lambda: grp.combine(o, d.handle, grad_format="x"))
     _expect(fails, "autograd weights shape", ValueError, "topk_weights", lambda: combine(
         grp, o, d.handle, topk_weights=ws[rank][:, :1]))
-    _expect(fails, "autograd MX expert_out", TypeError, "dense", lambda: combine(grp, d.x, d.handle))  # mxfp8 case
-    _expect(fails, "autograd group", TypeError, "EPGroup", lambda: dispatch(None, x, idxs[rank], ws[rank]))
+    _expect(fails, "autograd MX expert_out", TypeError, "dense", lambda: grp.combine(d.x, d.handle))  # mxfp8 case
+    _expect(fails, "autograd group", TypeError, "EPConfig", lambda: EPGroup("not a config"))
     # a good collective after all that
-    y = combine(grp, o, d.handle)
+    y = grp.combine(o, d.handle)
     y.float().sum().backward()
     if x.grad is None or x.grad.shape != x.shape:
         fails.append("bad inputs: good autograd step after bad calls did not produce grad_x")
@@ -438,7 +440,7 @@ def moe_reference(case: MoECase, inp: dict, simulate: bool = False) -> dict:
 def moe_block(group: EPGroup, case: MoECase, x, idx, w, params):
     """The distributed MoE block: dispatch, plain-torch experts on the dense rows, combine."""
     El = case.experts_per_rank
-    d = dispatch(group, x, idx, w, grad_quantize=False if case.combine_bf16 else None)
+    d = group.dispatch(x, idx, w, grad_quantize=False if case.combine_bf16 else None)
     h = d.dense(torch.float32)
     offs, counts = d.offs.tolist(), d.counts.tolist()
     pieces, start = [], 0
@@ -449,7 +451,7 @@ def moe_block(group: EPGroup, case: MoECase, x, idx, w, params):
         start = offs[le]
     pieces.append(h.new_zeros(d.num_rows - start, case.hidden))
     expert_out = torch.cat(pieces).to(torch.bfloat16)
-    y = combine(group, expert_out, d.handle, grad_format=case.grad_format,
+    y = group.combine(expert_out, d.handle, grad_format=case.grad_format,
                 quantize=False if case.combine_bf16 else None)
     return y, isinstance(d.x, MXFP8Tensor)
 
@@ -619,10 +621,11 @@ def check_mismatched_transport_refused(group, case, rank: int, fails: list) -> N
     """nvshmem: a combine backward asking for the other transport precision fails with a clear error."""
     dev = torch.device(case.device)
     xs, idxs, ws = make_inputs(case)
-    res, handle = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    res = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    handle = res.handle
     gy = torch.zeros(handle.num_tokens, case.hidden, dtype=torch.bfloat16, device=dev)
     try:
-        group.combine_backward(gy, handle, None, quantize=case.precision != "mxfp8")
+        group.steps.combine_backward(gy, handle, None, quantize=case.precision != "mxfp8")
     except NotImplementedError as e:
         if "not supported" not in str(e):
             fails.append(f"mismatched transport[rank {rank}]: unclear message {e}")

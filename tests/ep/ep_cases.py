@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 
 from mxcomm.ep import EPConfig, EPGroup
-from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
+from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
 from mxcomm.mx import MXTensor, ScaleLayout
+from mxcomm.mx.subclass import MXFP8Tensor
 
 try:  # present in the spawned ranks (tests/ is on sys.path)
     from _dist import progress
@@ -148,7 +149,7 @@ def _cmp_bytes(what: str, got: torch.Tensor, exp: torch.Tensor, fails: list) -> 
 
 
 def check_dispatch(tag: str, res, exp, config: EPConfig, fails: list) -> None:
-    """Bit-exact comparison of a DispatchResult with the oracle's."""
+    """Bit-exact comparison of a dispatch's :class:`Dispatched` (or a backend's DispatchResult) with the oracle's."""
     if res.num_rows != exp.num_rows:
         fails.append(f"{tag}: num_rows {res.num_rows} != {exp.num_rows}")
         return
@@ -161,9 +162,9 @@ def check_dispatch(tag: str, res, exp, config: EPConfig, fails: list) -> None:
     if res.num_rows % config.align:
         fails.append(f"{tag}: num_rows {res.num_rows} not a multiple of align {config.align}")
     if config.precision == "mxfp8":
-        x = res.x
+        x = res.x.mx if isinstance(res.x, MXFP8Tensor) else res.x  # the public result carries the MX value as one
         if not isinstance(x, MXTensor):
-            fails.append(f"{tag}: x is {type(x).__name__}, expected MXTensor")
+            fails.append(f"{tag}: x is {type(res.x).__name__}, expected an MXFP8Tensor (or a backend's MXTensor)")
             return
         if x.layout != ScaleLayout.GROUPED_M or x.axis != 1 or x.mode != config.scale_mode:
             fails.append(f"{tag}: MXTensor layout/axis/mode {x.layout}/{x.axis}/{x.mode}")
@@ -183,8 +184,9 @@ def check_dispatch(tag: str, res, exp, config: EPConfig, fails: list) -> None:
 def check_nan_blocks(tag: str, res, config: EPConfig, fails: list) -> None:
     """Each received row's NaN/Inf element poisons only its own 32-block (one bad element per token)."""
     if config.precision == "mxfp8":
-        s = res.x.row_scales().cpu()
-        q = res.x.qdata.view(torch.uint8).cpu()
+        mx = res.x.mx if isinstance(res.x, MXFP8Tensor) else res.x
+        s = mx.row_scales().cpu()
+        q = mx.qdata.view(torch.uint8).cpu()
         nan_blocks = (s == 255).sum(1)
         if bool((nan_blocks > 1).any()):
             fails.append(f"{tag}: a row has more than one NaN block")
@@ -226,7 +228,8 @@ def run_case(group: EPGroup, case: Case, rank: int, fails: list, exact: list) ->
     dev = torch.device(case.device)
     xs, idxs, ws = make_inputs(case)
     expected, routes = oracle_dispatch(config, xs, idxs)
-    res, handle = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    res = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    handle = res.handle
     tag = f"{case.name}[rank {rank}]"
     check_dispatch(tag, res, expected[rank], config, fails)
     if case.nan_tokens:
@@ -253,9 +256,9 @@ def each_case(rank: int, world: int, cases: list, fails: list, run) -> dict:
         try:
             if cfg not in groups:
                 groups[cfg] = EPGroup(cfg)
-                auto = "local" if world == 1 else "peer_pull"
+                auto = "local" if world == 1 else "pull"
                 want = {"torch": "all_to_all"}.get(
-                    cfg.backend, {"put": "put_signal", "push": "peer_stores"}.get(cfg.transport, auto))
+                    cfg.backend, {"put": "put", "push": "push"}.get(cfg.transport, auto))
                 if groups[cfg].path != want:  # one node: "auto" means the pull dispatch (one rank: local)
                     fails.append(f"{case.name}[rank {rank}]: group path {groups[cfg].path!r}, expected {want!r}")
             run(groups[cfg], case)
@@ -401,7 +404,8 @@ def bad_inputs_worker(rank: int, world: int) -> dict:
     _expect(fails, "wrong device", ValueError, "device", lambda: grp.dispatch(x, idx.to("meta"), w))
     progress("good dispatch after bad inputs")
     expected, routes = oracle_dispatch(cfg, xs, idxs)
-    res, handle = grp.dispatch(x, idx, w)
+    res = grp.dispatch(x, idx, w)
+    handle = res.handle
     check_dispatch("after bad inputs", res, expected[rank], cfg, fails)
     outs = make_expert_outs(case, expected)
     o = outs[rank]
@@ -488,7 +492,8 @@ def nvshmem_soak_worker(rank: int, world: int, iters: int, seed: int = 5) -> dic
                        hot_expert=rng.randrange(E), used_experts=k + 1)
         xs, idxs, ws = make_inputs(case)
         expected, routes = oracle_dispatch(group.config, xs, idxs)
-        res, handle = group.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda())
+        res = group.dispatch(xs[rank].cuda(), idxs[rank].cuda(), ws[rank].cuda())
+        handle = res.handle
         got = row_checksums(res.x.qdata.view(torch.uint8)).cpu()
         want = row_checksums(expected[rank].x.qdata.view(torch.uint8))
         if not torch.equal(got, want) or not torch.equal(res.x.scales.cpu(), expected[rank].x.scales):
@@ -533,7 +538,8 @@ def nvshmem_replay_worker(rank: int, world: int, transport: str = "auto") -> dic
             bad[T // 2, 0] = E
             _expect(fails, f"{case.name} bad id", ValueError, "topk_idx", lambda: group.dispatch(
                 xs[rank].to(dev), bad.to(dev), ws[rank].to(dev)))
-        res, handle = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+        res = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+        handle = res.handle
         check_dispatch(case.name, res, expected[rank], group.config, fails)
         kept.append((case, handle, expected, routes, ws))
     for case, handle, expected, routes, ws in kept:

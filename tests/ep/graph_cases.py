@@ -8,7 +8,6 @@ import torch
 
 from _dist import bind_rank_gpu, progress
 from mxcomm.ep import EPConfig, EPGroup
-from mxcomm.ep import autograd as ag
 
 
 class _Block:
@@ -45,14 +44,14 @@ class _Block:
     def step(self):
         x = self.x.detach().requires_grad_()
         w = self.w.detach().requires_grad_()
-        d = ag.dispatch(self.group, x, self.idx, w)
+        d = self.group.dispatch(x, self.idx, w)
         h = d.dense(torch.float32)                                           # [R, H]
         rows = torch.arange(h.shape[0], device=self.dev)
         eid = torch.searchsorted(d.offs.to(torch.int64), rows, right=True)   # local expert of each row
         out = torch.zeros_like(h)
         for e in range(self.El):
             out = out + (eid == e).unsqueeze(1) * (h @ self.A[e])
-        y = ag.combine(self.group, out.to(torch.bfloat16), d.handle)
+        y = self.group.combine(out.to(torch.bfloat16), d.handle)
         loss = (y.float() * self.gy.float()).sum()
         gx, gw, gA = torch.autograd.grad(loss, [x, w, self.A])
         return y, gx, gw, gA

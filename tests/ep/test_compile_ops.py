@@ -1,11 +1,11 @@
-"""torch.compile without graph breaks: mxcomm.ep.ops custom ops (EPConfig.exact_sizes=False).
+"""torch.compile without graph breaks: the custom ops of mxcomm.ep.compiled (EPConfig.exact_sizes=False).
 
 A small MoE block (router softmax + top-k gather, dispatch, SwiGLU experts written with static
 shapes over the worst-case R rows, combine) is run
 
-* eagerly through :mod:`mxcomm.ep.autograd` (the reference here: the eager implementation),
-* eagerly through :func:`mxcomm.ep.ops.dispatch_op` / ``combine_op``,
-* under ``torch.compile(fullgraph=True)`` through :mod:`mxcomm.ep.autograd` (which routes to the ops),
+* eagerly through ``EPGroup.dispatch`` / ``combine`` (the reference here: the eager implementation),
+* eagerly through the ops (:func:`mxcomm.ep.compiled.dispatch`; combine follows the handle into the ops),
+* under ``torch.compile(fullgraph=True)`` through ``EPGroup.dispatch`` / ``combine`` (which route to the ops),
 
 and outputs and all gradients (x, route weights / router, expert parameters) must be bit-identical;
 ``torch._dynamo.explain`` must report one graph and zero graph breaks. Both precisions, worlds 1
@@ -26,15 +26,14 @@ COMPILE_BACKEND = os.environ.get("MXCOMM_COMPILE_BACKEND", "aot_eager")
 
 def moe_block(group, x, idx, w_leaf, Wr, params, router: bool, use_ops: bool, grad_format: str = "dense"):
     """Router -> dispatch -> static-shape SwiGLU experts over all R rows (masked per expert) -> combine."""
-    from mxcomm.ep import autograd as ag
-    from mxcomm.ep import ops
+    from mxcomm.ep import compiled
 
     if router:
         probs = torch.softmax(x.float() @ Wr, dim=-1)
         w = torch.gather(probs, 1, idx.clamp(min=0).to(torch.int64))
     else:
         w = w_leaf
-    d = (ops.dispatch_op if use_ops else ag.dispatch)(group, x, idx, w)
+    d = compiled.dispatch(group, x, idx, w, None) if use_ops else group.dispatch(x, idx, w)
     h = d.dense(torch.float32)
     R = h.shape[0]
     r = torch.arange(R, device=h.device).view(R, 1)
@@ -46,7 +45,7 @@ def moe_block(group, x, idx, w_leaf, Wr, params, router: bool, use_ops: bool, gr
         e = (F.silu(h @ w1) * (h @ w3)) @ w2
         out = torch.where((r >= start) & (r < end), e, out)
         start = d.offs[le].to(torch.int64)
-    return (ops.combine_op if use_ops else ag.combine)(group, out.to(torch.bfloat16), d.handle, grad_format=grad_format)
+    return group.combine(out.to(torch.bfloat16), d.handle, grad_format=grad_format)
 
 
 def make_inputs(rank: int, world: int, case: dict, device="cpu") -> dict:
@@ -154,7 +153,7 @@ def mx_grad_worker(rank: int, world: int) -> dict:
     """An MXFP8Tensor gradient reaching the dispatch op travels as it is (dispatch_backward_mx), equal to
     the eager group API's result; bad uses raise clear errors."""
     from mxcomm.ep import EPConfig, EPGroup
-    from mxcomm.ep import ops
+    from mxcomm.ep import compiled
     from mxcomm.mx import ScaleLayout, quantize
     from mxcomm.mx.subclass import MXFP8Tensor
 
@@ -163,8 +162,9 @@ def mx_grad_worker(rank: int, world: int) -> dict:
     cfg = EPConfig(num_experts=2 * world, hidden=64, topk=2, max_tokens_per_rank=20, exact_sizes=False)
     group = EPGroup(cfg)
     inp = make_inputs(rank, world, case)
-    res, h = group.dispatch(inp["x"], inp["idx"], inp["w"])
-    d = ops.dispatch_op(group, inp["x"], inp["idx"], inp["w"])
+    res = group.dispatch(inp["x"], inp["idx"], inp["w"])
+    h = res.handle
+    d = compiled.dispatch(group, inp["x"], inp["idx"], inp["w"], None)
     if not isinstance(d.x, MXFP8Tensor) or not torch.equal(d.x.qdata.view(torch.uint8), res.x.qdata.view(torch.uint8)):
         fails.append(f"rank {rank}: dispatch_op payload differs from EPGroup.dispatch")
     if not torch.equal(d.x.scales, res.x.scales) or not torch.equal(d.offs, res.offs):
@@ -173,23 +173,27 @@ def mx_grad_worker(rank: int, world: int) -> dict:
         fails.append(f"rank {rank}: mask-free grouped dense differs from MXTensor.dequantize")
     g = torch.randn(res.num_rows, 64, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
     gmx = quantize(g, mode=cfg.scale_mode).with_layout(ScaleLayout.GROUPED_M, res.offs)
-    want = group.dispatch_backward(gmx, h)
-    got = torch.ops.mxcomm_ep.dispatch_backward(MXFP8Tensor(gmx), h.topk_idx, list(d.handle.tensors),
+    want = group.steps.dispatch_backward(gmx, h)
+    got = torch.ops.mxcomm_ep.dispatch_backward(MXFP8Tensor(gmx), h.topk_idx, compiled.op_tensors(d.handle),
                                                 d.handle.group_id, 1)
     if not torch.equal(want, got):
         fails.append(f"rank {rank}: MX gradient through the dispatch_backward op differs from the group API")
-    want_dense = group.dispatch_backward(g, h)
-    got_dense = torch.ops.mxcomm_ep.dispatch_backward(g, h.topk_idx, list(d.handle.tensors), d.handle.group_id, 1)
+    want_dense = group.steps.dispatch_backward(g, h)
+    got_dense = torch.ops.mxcomm_ep.dispatch_backward(g, h.topk_idx, compiled.op_tensors(d.handle), d.handle.group_id, 1)
     if not torch.equal(want_dense, got_dense):
         fails.append(f"rank {rank}: dense gradient through the dispatch_backward op differs from the group API")
     # errors (no collective is started by any of these)
     bad_cfg = EPConfig(num_experts=2 * world, hidden=64, topk=2, max_tokens_per_rank=20, exact_sizes=True)
+    exact_group = EPGroup(bad_cfg)
+    other = EPGroup(cfg)  # same config, another group
+    zeros = torch.zeros(res.num_rows, 64, dtype=torch.bfloat16)
     checks = [
-        (ValueError, "exact_sizes=False", lambda: ops.dispatch_op(EPGroup(bad_cfg), inp["x"], inp["idx"], inp["w"])),
-        (TypeError, "EPGroup", lambda: ops.dispatch_op(object(), inp["x"], inp["idx"], inp["w"])),
-        (TypeError, "OpHandle", lambda: ops.combine_op(group, torch.zeros(res.num_rows, 64, dtype=torch.bfloat16), h)),
-        (ValueError, "expert_out", lambda: ops.combine_op(group, torch.zeros(3, 64, dtype=torch.bfloat16), d.handle)),
-        (ValueError, "no live EPGroup", lambda: ops.GROUPS.get(10 ** 9)),
+        (ValueError, "exact_sizes=False", lambda: compiled.dispatch(exact_group, inp["x"], inp["idx"], inp["w"], None)),
+        (TypeError, "EPHandle", lambda: group.combine(zeros, (1, 2))),
+        (ValueError, "another EPGroup", lambda: other.combine(zeros, h)),
+        (ValueError, "another EPGroup", lambda: other.combine(zeros, d.handle)),
+        (ValueError, "expert_out", lambda: group.combine(torch.zeros(3, 64, dtype=torch.bfloat16), d.handle)),
+        (ValueError, "no live EPGroup", lambda: compiled.GROUPS.get(10 ** 9)),
     ]
     for exc, needle, fn in checks:
         try:

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mxcomm.ep import EPConfig, EPGroup, build_plan, buffer_sizes, local_counts, max_recv_rows, recv_rows
-from mxcomm.ep.group import check_expert_ids, validate_dispatch_inputs
-from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
+from mxcomm.ep.ids import check_expert_ids
+from mxcomm.ep.validate import dispatch_inputs as validate_dispatch_inputs
+from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
 from mxcomm.ep.plan import max_rows_per_source, send_tokens
 from mxcomm.ep.reference import weighted_combine
 from mxcomm.mx import round_up
@@ -96,7 +97,11 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert b.dispatch_payload == (0 if world == 1 else payload)
     assert buffer_sizes(replace(cfg, transport="push"), world).dispatch_payload == payload
     assert b.dispatch_scales == (R * 224 if precision == "mxfp8" else 1)  # scale rows at the payload rows
-    assert b.combine_payload == 2 * 4096 * 8 * (7168 * 2 + 7168 // 32)
+    comb = 2 * 4096 * 8 * (7168 * 2 + 7168 // 32)
+    # one rank: combine reads the expert rows in place; its saved rows (for the backward) go into a plain buffer
+    # made at first use, not into symmetric memory
+    assert b.combine_payload == (0 if world == 1 else comb)
+    assert buffer_sizes(replace(cfg, transport="push"), world).combine_payload == comb
     # pull dispatch (transport "auto", several ranks): two send copies of the token rows (+ scales) and the pull
     # list (per source and token: a 2-word epoch tag + 8 rows, padded to 16 int32 words)
     row = 7168 + 224 if precision == "mxfp8" else 2 * 7168

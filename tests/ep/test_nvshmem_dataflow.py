@@ -12,7 +12,7 @@ import torch
 from heap_fakes import FakeBuf, FakeCtx
 from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.nvshmem_backend import _qdq_chunk, row_origins
-from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
+from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
 from mxcomm.ep.plan import build_plan, local_counts
 
 
@@ -385,7 +385,7 @@ def test_exact_mode_bad_ids_raise_the_detailed_error(transport):
 @pytest.mark.parametrize("plan_impl", ["torch", "triton"])
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
 def test_nvshmem_backward_loopback_match_oracle(precision, plan_impl, transport):
-    from mxcomm.ep.backward_ref import oracle_combine_backward, oracle_dispatch_backward
+    from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch_backward
 
     E, k, T, H = 4, 2, 7, 64
     q = precision == "mxfp8"
@@ -425,7 +425,7 @@ def test_weighted_dispatch_edge_weights_and_rows_bit_exact(transport):
     per slot): bit-exact to the oracle with weights +-Inf, NaN, +-0, tiny (products in the fp32 subnormal range) and
     huge, on gradient rows holding Inf, NaN, zeros next to large values (inf * 0 = NaN in the block) and BF16
     subnormals (which the interpreter's plain bf16 cast flushed: this test found that in the weighted path)."""
-    from mxcomm.ep.backward_ref import oracle_combine_backward
+    from mxcomm.ep.reference.oracle import oracle_combine_backward
 
     E, k, T, H = 4, 3, 8, 64
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=8, backend="nvshmem", num_sms=1,

@@ -13,8 +13,8 @@ import torch
 
 from heap_fakes import FakeBuf, FakeCtx
 from mxcomm.ep import EPConfig
-from mxcomm.ep.backward_ref import oracle_combine_backward, oracle_dispatch_backward
-from mxcomm.ep.oracle import oracle_combine, oracle_dispatch
+from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch_backward
+from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU tests run this path")
 

@@ -1,5 +1,5 @@
 """Route-weight gradient kernel (mxcomm.kernels.route_grad) against the plain-torch reference
-(mxcomm.ep.backward_ref.route_weight_grad): MXFP8 and BF16 rows, dropped slots, a NaN row, odd k, T = 0.
+(mxcomm.ep.reference.backward.route_weight_grad): MXFP8 and BF16 rows, dropped slots, a NaN row, odd k, T = 0.
 CPU: Triton interpreter, small sizes; GPU: large sizes. fp32 sums in another order: compared to a
 tolerance scaled by the sum of |terms|; exact where every product and sum is exact (small integers)."""
 import pytest
@@ -10,7 +10,7 @@ from _triton_mode import load_kernels  # noqa: E402
 load_kernels()
 
 from mxcomm import mx  # noqa: E402
-from mxcomm.ep.backward_ref import route_weight_grad as reference  # noqa: E402
+from mxcomm.ep.reference.backward import route_weight_grad as reference  # noqa: E402
 from mxcomm.kernels.quantize import interpret_mode  # noqa: E402
 from mxcomm.kernels.route_grad import route_weight_grad  # noqa: E402
 

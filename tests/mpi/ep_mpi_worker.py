@@ -81,7 +81,8 @@ class RecordingGroup:
         self.hash = hashlib.sha256()
 
     def dispatch(self, x, topk_idx, topk_weights):
-        res, handle = self.group.dispatch(x, topk_idx, topk_weights)
+        res = self.group.dispatch(x, topk_idx, topk_weights)
+        handle = res.handle
         h = self.hash
         h.update(f"dispatch R={res.num_rows};".encode())
         for t in (res.offs, res.counts):

@@ -17,11 +17,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..mx import MXTensor, ScaleLayout, quantize
-from ..mx.layouts import round_up
-from .config import EPConfig
-from .handle import DispatchResult
-from .plan import max_recv_rows
+from ...mx import MXTensor, ScaleLayout, quantize
+from ...mx.layouts import round_up
+from ..config import EPConfig
+from ..handle import CombineGrads, DispatchResult
+from ..plan import max_recv_rows
+from .backward import transport_values
 
 
 @dataclass(frozen=True)
@@ -159,4 +160,77 @@ def routed_sum(config: EPConfig, routes: OracleRoutes, vals: Sequence[torch.Tens
     return ys
 
 
-__all__ = ["oracle_dispatch", "oracle_combine", "routed_sum", "OracleRoutes"]
+# ------------------------------------------------------------- single-process oracle ----
+# Written from the contract with plain loops over the oracle's routes (mxcomm.ep.reference.oracle), not from
+# the routing plan, so that it checks the plan as well.
+
+def oracle_combine_backward(
+    config: EPConfig,
+    grad_ys: Sequence[torch.Tensor],
+    routes,
+    topk_weights: Sequence[torch.Tensor],
+    expert_outs: Sequence[torch.Tensor],
+    dispatch_results: Sequence,
+    quantize_rows: bool,
+) -> list[CombineGrads]:
+    """Expected combine backward of every rank.
+
+    Args:
+        grad_ys: per rank, bfloat16 ``[T_s, H]``.
+        routes: :class:`mxcomm.ep.reference.oracle.OracleRoutes` of the dispatch.
+        topk_weights: per rank, float ``[T_s, k]``.
+        expert_outs: per rank, bfloat16 ``[R_r, H]`` (the forward combine's input).
+        dispatch_results: per rank, the oracle's DispatchResult (for ``num_rows`` and ``offs``).
+        quantize_rows: MXFP8 transport (both ways) or BF16.
+    Returns:
+        per rank, :class:`CombineGrads` (``grad_weights`` float32 ``[T_r, k]`` computed in float64).
+    """
+    W = len(grad_ys)
+    H, k = config.hidden, config.topk
+    back = [transport_values(o, quantize_rows, config.scale_mode).to(torch.float64) for o in expert_outs]
+    gbuf = [torch.zeros(d.num_rows, H, dtype=torch.float32, device=d.offs.device) for d in dispatch_results]
+    gws = []
+    for s in range(W):
+        d = routes.dest[s]
+        T = d.shape[0]
+        gy = grad_ys[s].to(torch.float32)
+        w = topk_weights[s].to(torch.float32)
+        gw = torch.zeros(T, k, dtype=torch.float64)
+        for t in range(T):
+            for j in range(k):
+                r, row = int(d[t, j, 0]), int(d[t, j, 1])
+                if r < 0:
+                    continue
+                gbuf[r][row] = (w[t, j] * gy[t]).to(gbuf[r].device)
+                gw[t, j] = (gy[t].to(torch.float64).cpu() * back[r][row].cpu()).sum()
+        gws.append(gw.to(torch.float32).to(gy.device))
+    out = []
+    for r in range(W):
+        if quantize_rows:
+            g = quantize(gbuf[r], mode=config.scale_mode)
+            g = MXTensor(
+                qdata=g.qdata, scales=g.scales, axis=1, layout=ScaleLayout.ROW, mode=config.scale_mode,
+                orig_dtype=torch.bfloat16,
+            ).with_layout(ScaleLayout.GROUPED_M, dispatch_results[r].offs)
+        else:
+            g = gbuf[r].to(torch.bfloat16)
+        out.append(CombineGrads(grad_expert_out=g, grad_weights=gws[r]))
+    return out
+
+
+def oracle_dispatch_backward(
+    config: EPConfig, grad_recvs: Sequence, routes, quantize_rows: bool
+) -> list[torch.Tensor]:
+    """Expected dispatch backward (``grad_x``) of every rank: bfloat16 ``[T_s, H]``.
+
+    Args:
+        grad_recvs: per rank, bfloat16 ``[R_r, H]`` or :class:`MXTensor` (sent as it is).
+        routes: :class:`mxcomm.ep.reference.oracle.OracleRoutes` of the dispatch.
+        quantize_rows: MXFP8 transport of dense gradients.
+    """
+    vals = [transport_values(g, quantize_rows, config.scale_mode) for g in grad_recvs]
+    return routed_sum(config, routes, vals, None)
+
+
+__all__ = ["oracle_dispatch", "oracle_combine", "routed_sum", "OracleRoutes", "oracle_combine_backward",
+           "oracle_dispatch_backward"]

@@ -1,26 +1,20 @@
-"""Graph-break-free dispatch/combine for ``torch.compile``: ``torch.library`` custom ops with static shapes.
+"""The EP steps as ``torch.library`` custom ops with static shapes: how :meth:`EPGroup.dispatch
+<mxcomm.ep.group.EPGroup.dispatch>` / :meth:`~mxcomm.ep.group.EPGroup.combine` run under ``torch.compile`` (with
+``EPConfig.exact_sizes=False``) without a graph break. Internal: users call the group's methods, which route here
+when compiling; the ops also run eagerly (same values).
 
-    from mxcomm.ep.ops import dispatch_op, combine_op      # or mxcomm.ep.autograd.dispatch/combine,
-                                                           # which route here under torch.compile
-    d = dispatch_op(group, x, topk_idx, topk_weights)     # group.config.exact_sizes must be False
-    y = combine_op(group, expert_out, d.handle)
+Why ``exact_sizes=False`` only: the fake implementations must give exact output shapes without running the op.
+With ``exact_sizes=False`` the dispatch output has the static worst-case row count ``R = max_recv_rows(config, W)``
+(:func:`mxcomm.ep.plan.max_recv_rows`); everything else is sized from ``T``, ``k``, ``W``, ``E``, ``H``. (Exact
+sizes would need unbacked symints.)
 
-Works in eager mode too (same values as :func:`mxcomm.ep.autograd.dispatch` / ``combine``) and under
-``torch.compile(fullgraph=True)`` (no graph break: every op has a fake implementation).
-
-Why ``exact_sizes=False`` only: the fake implementations must give exact output shapes without
-running the op. With ``exact_sizes=False`` the dispatch output has the static worst-case row count
-``R = max_recv_rows(config, W)`` (:func:`mxcomm.ep.plan.max_recv_rows`); everything else is sized
-from ``T``, ``k``, ``W``, ``E``, ``H``. (Exact sizes would need unbacked symints.)
-
-Ops (namespace ``mxcomm_ep``; opaque to the compiler, each a collective; arguments are tensors,
-ints and strs only):
+Ops (namespace ``mxcomm_ep``; opaque to the compiler, each a collective; arguments are tensors, ints and strs):
 
 * ``dispatch(x, topk_idx, topk_weights, gid) -> Tensor[]``: ``[payload, scales, *plan, *state]``.
   payload float8_e4m3fn ``[R, H]`` (mxfp8) or bfloat16 ``[R, H]``; scales uint8 GROUPED_M
   ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` on ``offs`` (mxfp8) or uint8 ``[0]``; ``plan`` the
   :class:`RoutingPlan` tensors in :data:`PLAN_TENSORS` order; ``state`` the backend's handle state
-  (:data:`STATE_TENSORS`; none for the ``torch`` backend).
+  (``Backend.state_tensors``; none for the ``torch`` backend).
 * ``dispatch_backward(grad, topk_idx, handle, gid, quantize) -> Tensor``: bfloat16 ``[T, H]``.
   An :class:`MXFP8Tensor` ``grad`` is routed (``register_torch_dispatch``) to
   ``dispatch_backward_mx(qdata, scales, group_offs, layout, mode, ...)`` and travels as it is.
@@ -36,26 +30,25 @@ ints and strs only):
   dequantized through ``register_torch_dispatch`` with a mask-free GROUPED_M gather, so it traces;
   a plain tensor is cast). Differentiable (gradient passes straight through, as ``MXFP8Tensor.dequantize``).
 
-Group registry: ops cannot take an :class:`EPGroup`, so :data:`~mxcomm.ep.registry.GROUPS` maps a
-small int id to the group (weakly held; ids are never reused). Every group registers itself when it
-is built and keeps its id in ``EPGroup.op_id``, which the compiler reads as a constant attribute.
+Group registry: ops cannot take an :class:`EPGroup`, so :data:`~mxcomm.ep.registry.GROUPS` maps a small int id to
+the group (weakly held; ids are never reused). Every group registers itself when it is built and keeps its id in
+``EPGroup.op_id``, which the compiler reads as a constant attribute.
 
-Handle: :class:`OpHandle` holds the plan/state tensors (outputs of the dispatch op) and is rebuilt
-into an :class:`EPHandle` inside each op; the reference backend's host-side split sizes are
-recomputed there from ``plan.send_splits`` / ``recv_splits`` (a host sync inside an opaque op).
+Handle: the :class:`EPHandle` a compiled dispatch returns holds the plan tensors (outputs of the dispatch op) and
+the backend's state as flat tensors (``EPHandle.op_state``); each op rebuilds the backend's full handle from them
+(the reference backend's host-side split sizes are recomputed there from ``plan.send_splits`` / ``recv_splits``: a
+host sync inside an opaque op). A handle with ``op_state`` is always combined through the ops.
 
-Autograd: ``torch.autograd.Function``s around the ops (dynamo traces them into the graph). The MX
-dispatch output is ONE value, an :class:`MXFP8Tensor` built from the op's payload/scales inside the
-``Function`` (logical dtype bfloat16). Its gradient may be bfloat16 or an MXFP8Tensor (the
-``dispatch_backward`` op is written so that dynamo's speculation of the backward with an MXFP8Tensor
-gradient and the real bfloat16 gradient both trace). Not supported under torch.compile:
-``grad_format="mx"`` (an MXFP8Tensor *gradient* created in the backward graph does not trace in
-torch 2.13: dynamo fails with "create_node using arg not from this SubgraphTracer"); it works in eager
-mode. ``combine_op`` raises NotImplementedError for it when compiling.
+Autograd: ``torch.autograd.Function``s around the ops (dynamo traces them into the graph). The MX dispatch output
+is ONE value, an :class:`MXFP8Tensor` built from the op's payload/scales inside the ``Function`` (logical dtype
+bfloat16). Its gradient may be bfloat16 or an MXFP8Tensor (the ``dispatch_backward`` op is written so that
+dynamo's speculation of the backward with an MXFP8Tensor gradient and the real bfloat16 gradient both trace). Not
+supported under torch.compile: ``grad_format="mx"`` (an MXFP8Tensor *gradient* created in the backward graph does
+not trace in torch 2.13: dynamo fails with "create_node using arg not from this SubgraphTracer"); it works in eager
+mode, and combine raises NotImplementedError for it when compiling.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -64,52 +57,9 @@ from ..mx import MXTensor, ScaleLayout
 from ..mx.layouts import blocked_index, grouped_m_row_map, grouped_m_rows, round_up
 from ..mx.scales import BLOCK, scale_value
 from ..mx.subclass import MXFP8Tensor
-from .backward_ref import CombineSaved
-from .group import EPGroup
-from .handle import EPHandle
-from .plan import PLAN_TENSORS, RoutingPlan, max_recv_rows  # PLAN_TENSORS: carried by an OpHandle
+from .handle import CombineSaved, Dispatched, EPHandle
+from .plan import PLAN_TENSORS, RoutingPlan, max_recv_rows
 from .registry import GROUPS
-
-# Backend handle state carried by an OpHandle, per backend (all int32).
-STATE_TENSORS = {"torch": (), "nvshmem": ("origin_src", "origin_pos", "num_rows_dev")}
-
-
-# ---------------------------------------------------------------------------- registry ----
-
-def _group_id(group: EPGroup) -> int:
-    if not isinstance(group, EPGroup):
-        raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
-    return group.op_id  # registered in GROUPS when the group was built; a plain int attribute to dynamo
-
-
-# ------------------------------------------------------------------------------ handle ----
-
-@dataclass(frozen=True)
-class OpHandle:
-    """What combine and the backward passes need about one :func:`dispatch_op` (tensors only + ints).
-
-    Attributes:
-        group_id: :data:`GROUPS` id of the group.
-        tensors: ``(*plan, *state)`` in :data:`PLAN_TENSORS` + :data:`STATE_TENSORS` order.
-        topk_idx: the dispatch's ``[T, k]`` expert ids.
-        topk_weights: the ``[T, k]`` weights given to dispatch (attached to the autograd graph).
-        num_tokens: T. num_rows: R (= max_recv_rows).
-    """
-
-    group_id: int
-    tensors: tuple
-    topk_idx: torch.Tensor
-    topk_weights: torch.Tensor
-    num_tokens: int
-    num_rows: int
-
-    @property
-    def offs(self) -> torch.Tensor:
-        return self.tensors[PLAN_TENSORS.index("offs")]
-
-    @property
-    def counts(self) -> torch.Tensor:
-        return self.tensors[PLAN_TENSORS.index("expert_counts")]
 
 
 def _meta(gid: int):
@@ -120,50 +70,47 @@ def _meta(gid: int):
     return g, cfg, W, El, max_recv_rows(cfg, W)
 
 
-def _handle_shapes(cfg, W: int, El: int, R: int, T) -> list:
+def _handle_shapes(group, cfg, W: int, El: int, R: int, T) -> list:
     E, k = cfg.num_experts, cfg.topk
     plan = {
         "counts": (W, E), "dest_rank": (T, k), "dest_row": (T, k), "send_pos": (T, k), "send_order": (T * k,),
         "send_splits": (W,), "num_send": (1,), "recv_splits": (W,), "expert_counts": (El,), "offs": (El,),
         "src_row_start": (W, El), "src_send_pos": (W, El), "num_rows": (1,), "num_recv": (1,),
     }
-    state = {"origin_src": (R,), "origin_pos": (R,), "num_rows_dev": (1,)}
-    return [plan[n] for n in PLAN_TENSORS] + [state[n] for n in STATE_TENSORS[cfg.backend]]
+    return [plan[n] for n in PLAN_TENSORS] + list(group.backend.state_shapes(T, R))
 
 
-def _flatten_handle(h: EPHandle) -> list:
-    out = [getattr(h.plan, n) for n in PLAN_TENSORS]
-    if h.config.backend == "nvshmem":
-        from .nvshmem_backend import handle_origins
-
-        o = handle_origins(h)
-        out += [o.src, o.pos, h.backend_state.num_rows_dev]
+def _flatten_handle(group, h: EPHandle) -> list:
+    out = [getattr(h.plan, n) for n in PLAN_TENSORS] + list(group.backend.state_tensors(h))
     # fresh, contiguous copies: op outputs must not alias each other (and backend buffers are reused)
     return [t.to(torch.int32).contiguous().clone() for t in out]
 
 
-def _unflatten_handle(group: EPGroup, tensors, topk_idx, topk_weights) -> EPHandle:
+def _plan_of(group, tensors, T: int) -> RoutingPlan:
     cfg = group.config
-    n = len(PLAN_TENSORS)
-    tensors = list(tensors)
-    T = topk_idx.shape[0]
-    plan = RoutingPlan(
+    return RoutingPlan(
         rank=group.rank, world_size=group.world_size, num_experts=cfg.num_experts,
         num_local_experts=group.num_local_experts, align=cfg.align, topk=cfg.topk, num_tokens=T,
-        **dict(zip(PLAN_TENSORS, tensors[:n])),
+        **dict(zip(PLAN_TENSORS, list(tensors)[:len(PLAN_TENSORS)])),
     )
-    state, splits = None, {}
-    if cfg.backend == "nvshmem":
-        from .nvshmem_backend import NvshmemState, RowOrigins
 
-        src, pos, nrd = tensors[n:n + 3]
-        state = NvshmemState(origins=RowOrigins(src=src, pos=pos), num_rows_dev=nrd)
-    else:  # host split sizes of the reference backend's all-to-all (host sync, inside the op)
-        splits = dict(send_splits_host=tuple(plan.send_splits.tolist()), recv_splits_host=tuple(plan.recv_splits.tolist()))
+
+def _unflatten_handle(group, tensors, topk_idx, topk_weights) -> EPHandle:
+    """The backend's full :class:`EPHandle` from the flat tensors an op received (inside an op: may sync)."""
+    cfg = group.config
+    tensors = list(tensors)
+    T = topk_idx.shape[0]
+    plan = _plan_of(group, tensors, T)
     return EPHandle(
-        config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T,
-        num_rows=max_recv_rows(cfg, group.world_size), device=topk_idx.device, backend_state=state, **splits,
+        config=cfg, group_id=group.op_id, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights,
+        weights_version=topk_weights._version, num_tokens=T, num_rows=max_recv_rows(cfg, group.world_size),
+        device=topk_idx.device, **group.backend.handle_fields(plan, tensors[len(PLAN_TENSORS):]),
     )
+
+
+def op_tensors(h: EPHandle) -> list:
+    """The flat tensors an op takes for ``h`` (a handle of a compiled dispatch)."""
+    return [getattr(h.plan, n) for n in PLAN_TENSORS] + list(h.op_state)
 
 
 def _empty_u8(like: torch.Tensor) -> torch.Tensor:
@@ -185,27 +132,27 @@ def _dispatch_impl(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     group, cfg, W, El, R = _meta(gid)
     if cfg.exact_sizes:
         raise ValueError("mxcomm_ep::dispatch needs EPConfig.exact_sizes=False (static output shapes)")
-    res, h = group.dispatch(x, topk_idx, topk_weights)
+    res = group.steps.dispatch(x, topk_idx, topk_weights)
     if res.num_rows != R:  # pragma: no cover - backend contract
         raise RuntimeError(f"dispatch returned {res.num_rows} rows, expected max_recv_rows = {R}")
-    if isinstance(res.x, MXTensor):
+    if isinstance(res.x, MXFP8Tensor):
         payload, scales = res.x.qdata.contiguous(), res.x.scales.contiguous()
     else:
         payload, scales = res.x.contiguous(), _empty_u8(x)
     # payload/scales are fresh tensors in both backends (the nvshmem backend copies out of its buffers)
-    return [payload, scales] + _flatten_handle(h)
+    return [payload, scales] + _flatten_handle(group, res.handle)
 
 
 @_dispatch_impl.register_fake
 def _dispatch_fake(x, topk_idx, topk_weights, gid):
-    _, cfg, W, El, R = _meta(gid)
+    g, cfg, W, El, R = _meta(gid)
     H, T = cfg.hidden, x.shape[0]
     if cfg.precision == "mxfp8":
         payload = x.new_empty(R, H, dtype=torch.float8_e4m3fn)
         scales = x.new_empty(grouped_m_rows(R, El), round_up(H // BLOCK, 4), dtype=torch.uint8)
     else:
         payload, scales = x.new_empty(R, H, dtype=torch.bfloat16), x.new_empty(0, dtype=torch.uint8)
-    return [payload, scales] + [x.new_empty(s, dtype=torch.int32) for s in _handle_shapes(cfg, W, El, R, T)]
+    return [payload, scales] + [x.new_empty(s, dtype=torch.int32) for s in _handle_shapes(g, cfg, W, El, R, T)]
 
 
 @torch.library.custom_op("mxcomm_ep::dispatch_backward", mutates_args=())
@@ -214,7 +161,7 @@ def _dispatch_backward_impl(
 ) -> torch.Tensor:
     group = GROUPS.get(gid)
     h = _unflatten_handle(group, handle, topk_idx, torch.zeros(topk_idx.shape, device=topk_idx.device))
-    return group.dispatch_backward(grad.to(torch.bfloat16).contiguous(), h, quantize=bool(quantize))
+    return group.steps.dispatch_backward(grad.to(torch.bfloat16).contiguous(), h, quantize=bool(quantize))
 
 
 @_dispatch_backward_impl.register_fake
@@ -232,7 +179,7 @@ def _dispatch_backward_mx_impl(
     h = _unflatten_handle(group, handle, topk_idx, torch.zeros(topk_idx.shape, device=topk_idx.device))
     mx = MXTensor(qdata=qdata, scales=scales, axis=1, layout=ScaleLayout(layout), mode=mode,
                   orig_dtype=torch.bfloat16, group_offs=group_offs)
-    return group.dispatch_backward(mx, h)
+    return group.steps.dispatch_backward(mx, h)
 
 
 @_dispatch_backward_mx_impl.register_fake
@@ -260,8 +207,8 @@ def _combine_impl(
     h = _unflatten_handle(group, handle, topk_idx, topk_weights)
     n = h.num_tokens * group.config.topk
     if not save:
-        return group.combine(expert_out, h, quantize=bool(quantize)), _empty_u8(expert_out), _empty_u8(expert_out)
-    y, saved = group.combine_for_backward(expert_out, h, quantize=bool(quantize))
+        return group.steps.combine(expert_out, h, quantize=bool(quantize)), _empty_u8(expert_out), _empty_u8(expert_out)
+    y, saved = group.steps.combine_for_backward(expert_out, h, quantize=bool(quantize))
     rows = saved.rows
     if isinstance(rows, MXTensor):
         return y, _pad_rows(rows.qdata, n), _pad_rows(rows.row_scales(), n)
@@ -297,7 +244,7 @@ def _combine_backward_impl(
             rows = MXTensor(qdata=saved_q, scales=saved_s, axis=1, layout=ScaleLayout.ROW, mode=cfg.scale_mode,
                             orig_dtype=torch.bfloat16)
         saved = CombineSaved(rows=rows)
-    grads = group.combine_backward(grad_y.to(torch.bfloat16).contiguous(), h, saved, quantize=bool(quantize))
+    grads = group.steps.combine_backward(grad_y.to(torch.bfloat16).contiguous(), h, saved, quantize=bool(quantize))
     g = grads.grad_expert_out
     if isinstance(g, MXTensor) and grad_mx:
         payload, scales = g.qdata.contiguous(), g.scales.contiguous()
@@ -312,7 +259,7 @@ def _combine_backward_impl(
 
 @_combine_backward_impl.register_fake
 def _combine_backward_fake(grad_y, topk_weights, topk_idx, handle, saved_q, saved_s, gid, quantize, has_saved, grad_mx):
-    _, cfg, W, El, R = _meta(gid)
+    _g, cfg, W, El, R = _meta(gid)
     H = cfg.hidden
     gw = grad_y.new_empty(tuple(topk_idx.shape), dtype=torch.float32)
     if quantize and grad_mx:
@@ -427,99 +374,44 @@ class _CombineOpFn(torch.autograd.Function):
         return (g, gw) + (None,) * (7 + len(handle))
 
 
-# -------------------------------------------------------------------------- public API ----
+# ------------------------------------------------------------------------- entry points ----
 
-@dataclass(frozen=True)
-class OpDispatched:
-    """Output of :func:`dispatch_op` (same fields as :class:`mxcomm.ep.autograd.Dispatched`; ``handle``
-    is an :class:`OpHandle`). ``num_rows`` is R = max_recv_rows; real rows only in ``offs`` / ``counts``."""
-
-    x: torch.Tensor
-    offs: torch.Tensor
-    counts: torch.Tensor
-    num_rows: int
-    handle: OpHandle
-
-    def dense(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """``x`` as a dense ``dtype`` tensor (differentiable, traceable)."""
-        return dense(self.x, dtype)
-
-
-def dispatch_op(
-    group: EPGroup, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
-    grad_quantize: Optional[bool] = None,
-) -> OpDispatched:
-    """Differentiable, torch.compile-traceable dispatch (``group.config.exact_sizes`` must be False).
-
-    Args/semantics as :func:`mxcomm.ep.autograd.dispatch` (x bfloat16 ``[T, H]``, topk_idx int
-    ``[T, k]``, topk_weights float ``[T, k]`` kept attached in the handle for :func:`combine_op`).
-    Returns :class:`OpDispatched`: ``x`` an :class:`MXFP8Tensor` ``[R, H]`` (GROUPED_M scales on
-    ``offs``) for precision ``"mxfp8"``, else bfloat16 ``[R, H]``. Collective (forward and backward).
-    """
-    if not isinstance(group, EPGroup):
-        raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
+def dispatch(group, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+             grad_quantize: Optional[bool]) -> Dispatched:
+    """Differentiable, traceable dispatch through the ops (``group.config.exact_sizes`` must be False); called by
+    :meth:`EPGroup.dispatch` under torch.compile. The handle carries the plan and the backend state as op outputs
+    (``EPHandle.op_state``)."""
     cfg = group.config
     if cfg.exact_sizes:
-        raise ValueError("dispatch_op needs EPConfig.exact_sizes=False (static shapes); use mxcomm.ep.autograd.dispatch")
-    gid = _group_id(group)
+        raise ValueError("the compiled dispatch needs EPConfig.exact_sizes=False (static shapes)")
+    gid = group.op_id
     gq = cfg.precision == "mxfp8" if grad_quantize is None else bool(grad_quantize)
     w_in = topk_weights.detach() if isinstance(topk_weights, torch.Tensor) else topk_weights
     outs = _DispatchOpFn.apply(x, topk_idx, w_in, gid, int(gq), cfg.precision == "mxfp8", cfg.scale_mode)
-    val, handle = outs[0], tuple(outs[1:])
+    val, tensors = outs[0], tuple(outs[1:])
     R = max_recv_rows(cfg, group.world_size)
-    h = OpHandle(group_id=gid, tensors=handle, topk_idx=topk_idx, topk_weights=topk_weights,
-                 num_tokens=x.shape[0], num_rows=R)
-    return OpDispatched(x=val, offs=h.offs, counts=h.counts, num_rows=R, handle=h)
+    n = len(PLAN_TENSORS)
+    plan = _plan_of(group, tensors[:n], x.shape[0])
+    h = EPHandle(config=cfg, group_id=gid, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, weights_version=-1,
+                 num_tokens=x.shape[0], num_rows=R, device=x.device, op_state=tensors[n:])
+    return Dispatched(x=val, offs=plan.offs, counts=plan.expert_counts, num_rows=R, handle=h)
 
 
-def combine_op(
-    group: EPGroup, expert_out: torch.Tensor, handle: OpHandle, *, topk_weights: Optional[torch.Tensor] = None,
-    quantize: Optional[bool] = None, grad_quantize: Optional[bool] = None, grad_format: str = "dense",
-) -> torch.Tensor:
-    """Differentiable, torch.compile-traceable combine of a :func:`dispatch_op` (args as
-    :func:`mxcomm.ep.autograd.combine`). Returns bfloat16 ``[T, H]``. Collective (forward and backward).
-
-    Memory: when ``topk_weights`` requires grad, ``T*k`` returned rows are kept for the backward
-    (``T*k*H*33/32`` bytes with MXFP8 transport, ``*2`` with BF16).
-    """
-    if not isinstance(group, EPGroup):
-        raise TypeError(f"group must be an EPGroup, got {type(group).__name__}")
-    if not isinstance(handle, OpHandle):
-        raise TypeError(f"handle must be the OpHandle of a dispatch_op, got {type(handle).__name__}")
-    if grad_format not in ("dense", "mx"):
-        raise ValueError(f"grad_format must be one of ('dense', 'mx'), got {grad_format!r}")
-    if isinstance(expert_out, MXFP8Tensor):
-        raise TypeError("expert_out must be a dense bfloat16 tensor (combine of an MX expert output is not supported)")
+def combine(group, expert_out: torch.Tensor, handle: EPHandle, w: torch.Tensor, quantize: bool, grad_quantize: bool,
+            grad_format: str) -> torch.Tensor:
+    """Differentiable, traceable combine of a compiled dispatch's ``handle`` through the ops (arguments validated by
+    the caller, :meth:`EPGroup.combine`). Returns bfloat16 ``[T, H]``."""
     if grad_format == "mx" and torch.compiler.is_compiling():
         raise NotImplementedError(
             "grad_format='mx' is not supported under torch.compile (an MXFP8Tensor gradient built in the "
             "backward graph does not trace); use grad_format='dense' or run combine eagerly"
         )
     cfg = group.config
-    gid = _group_id(group)
-    if gid != handle.group_id:
-        raise ValueError("handle was made by a different EPGroup")
-    w = handle.topk_weights if topk_weights is None else topk_weights
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-        raise TypeError(f"topk_weights must be a floating torch.Tensor, got {getattr(w, 'dtype', type(w).__name__)}")
-    if tuple(w.shape) != tuple(handle.topk_idx.shape):
-        raise ValueError(f"topk_weights must have shape {tuple(handle.topk_idx.shape)}, got {tuple(w.shape)}")
-    if tuple(expert_out.shape) != (handle.num_rows, cfg.hidden) or expert_out.dtype != torch.bfloat16:
-        raise ValueError(
-            f"expert_out must be bfloat16 [R, hidden] = {(handle.num_rows, cfg.hidden)}, got "
-            f"{expert_out.dtype} {tuple(expert_out.shape)}"
-        )
-    mx = cfg.precision == "mxfp8"
-    q = mx if quantize is None else bool(quantize)
-    gq = mx if grad_quantize is None else bool(grad_quantize)
     save = int(torch.is_grad_enabled() and w.requires_grad)
     return _CombineOpFn.apply(
-        expert_out, w, handle.topk_idx, gid, int(q), int(gq), save, int(grad_format == "mx"), cfg.scale_mode,
-        *handle.tensors,
+        expert_out, w, handle.topk_idx, group.op_id, int(quantize), int(grad_quantize), save,
+        int(grad_format == "mx"), cfg.scale_mode, *op_tensors(handle),
     )
 
 
-__all__ = [
-    "dispatch_op", "combine_op", "dense", "OpDispatched", "OpHandle", "GROUPS",
-    "PLAN_TENSORS", "STATE_TENSORS", "grouped_m_dequantize",
-]
+__all__ = ["dispatch", "combine", "dense", "op_tensors", "grouped_m_dequantize", "PLAN_TENSORS"]

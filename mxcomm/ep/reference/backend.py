@@ -12,7 +12,7 @@ Dispatch:
      scales out grouped-along-M (``MXTensor.with_layout``).
 Combine: gather the expert rows in receive order, optionally quantize them (row-wise), the
 reverse all-to-all, then the weighted fp32 sum at the origin (k ascending).
-Backward (math in :mod:`mxcomm.ep.backward_ref`): combine backward = dispatch of the per-slot rows
+Backward (math in :mod:`mxcomm.ep.reference.backward`): combine backward = dispatch of the per-slot rows
 ``w * grad_y`` (fp32, then quantized) into the expert-major layout, plus the route-weight gradient
 from the rows kept by :meth:`TorchBackend.combine_for_backward`; dispatch backward = combine of
 ``grad_recv`` with all weights 1.
@@ -25,12 +25,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..mx import MXTensor, ScaleLayout, quantize
-from .config import EPConfig
-from .group import collective_device
-from .backward_ref import CombineGrads, CombineSaved, route_weight_grad, slot_grad_rows
-from .handle import DispatchResult, EPHandle
-from .plan import build_plan, local_counts, max_recv_rows, recv_rows, send_tokens
+from ...mx import MXTensor, ScaleLayout, quantize
+from ..collectives import collective_device
+from ..config import EPConfig
+from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
+from ..plan import build_plan, local_counts, max_recv_rows, recv_rows, send_tokens
+from .backward import route_weight_grad, slot_grad_rows
 
 
 def weighted_combine(rows: torch.Tensor, send_pos: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -59,14 +59,31 @@ def weighted_combine(rows: torch.Tensor, send_pos: torch.Tensor, topk_weights: t
 class TorchBackend:
     """Reference backend (see module doc). Built by :class:`mxcomm.ep.group.EPGroup`."""
 
+    path = "all_to_all"
     device_side_checks = False
+    memory_bytes = 0  # no symmetric buffers: every call allocates its own
 
-    def __init__(self, config: EPConfig, group, rank: int, world_size: int):
+    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, group_id: int = 0):
         self.config = config
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.group_id = group_id
         self.num_local_experts = config.num_local_experts(world_size)
+
+    # -- the backend protocol's small parts (mxcomm.ep.backend) -----------------------------------
+    def check_errors(self) -> None:
+        """Nothing to do: every call checks itself synchronously."""
+
+    def state_tensors(self, handle: EPHandle) -> list:
+        return []
+
+    def state_shapes(self, num_tokens: int, num_rows: int) -> list:
+        return []
+
+    def handle_fields(self, plan, tensors: list) -> dict:
+        """Host split sizes of the all-to-alls, read from the plan (a host sync)."""
+        return dict(send_splits_host=tuple(plan.send_splits.tolist()), recv_splits_host=tuple(plan.recv_splits.tolist()))
 
     # -- collectives (stage through the group's device when the data lives elsewhere) --------
     def _all_gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -109,8 +126,9 @@ class TorchBackend:
 
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
-            config=cfg, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens=T, num_rows=R,
-            device=dev, send_splits_host=tuple(send_splits), recv_splits_host=tuple(recv_splits),
+            config=cfg, group_id=self.group_id, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights,
+            weights_version=topk_weights._version, num_tokens=T, num_rows=R, device=dev,
+            send_splits_host=tuple(send_splits), recv_splits_host=tuple(recv_splits),
         )
         return result, handle
 
@@ -183,7 +201,7 @@ class TorchBackend:
 
     # -- backward ---------------------------------------------------------------------------
     def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved, quantize_rows: bool) -> CombineGrads:
-        """See :meth:`mxcomm.ep.group.EPGroup.combine_backward` (math in :mod:`mxcomm.ep.backward_ref`)."""
+        """See :meth:`mxcomm.ep.steps.EPSteps.combine_backward` (math in :mod:`mxcomm.ep.reference.backward`)."""
         plan = handle.plan
         send_splits, recv_splits = list(handle.send_splits_host), list(handle.recv_splits_host)
         g = slot_grad_rows(grad_y, handle.topk_weights, plan.send_order[: sum(send_splits)])  # fp32, send order
@@ -200,7 +218,7 @@ class TorchBackend:
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
 
     def dispatch_backward(self, grad_recv, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
-        """See :meth:`mxcomm.ep.group.EPGroup.dispatch_backward`."""
+        """See :meth:`mxcomm.ep.steps.EPSteps.dispatch_backward`."""
         plan = handle.plan
         rows = recv_rows(plan, sum(handle.recv_splits_host)).to(torch.int64)
         if isinstance(grad_recv, MXTensor):

@@ -1,0 +1,131 @@
+"""The autograd Functions behind :meth:`EPGroup.dispatch <mxcomm.ep.group.EPGroup.dispatch>` and
+:meth:`~mxcomm.ep.group.EPGroup.combine` (eager mode; under ``torch.compile`` the group routes to
+:mod:`mxcomm.ep.compiled`). One small Function per step, each a collective in forward and backward.
+
+Gradients:
+
+* combine backward (``EPGroup.steps.combine_backward``): ``w[t,j] * grad_y[t]`` goes to the expert ranks in the
+  dispatch layout (MXFP8 when ``grad_quantize``) -> gradient of ``expert_out``; ``grad_w[t,j] = <grad_y[t],
+  out[t,j] as received>`` -> gradient of ``topk_weights`` (0 for dropped slots). Only combine depends on the weights.
+* dispatch backward (``EPGroup.steps.dispatch_backward``): each row's gradient returns to its origin (MXFP8 when
+  ``grad_quantize``) and is summed over k -> gradient of ``x``.
+
+MX values cross autograd as ONE value, an :class:`MXFP8Tensor` (logical dtype bfloat16, shape ``[R, H]``, holding
+payload + GROUPED_M scales + offsets): the dispatch output with ``precision == "mxfp8"``, and - with
+``grad_format="mx"`` - the gradient of ``expert_out``, so an MX-aware dgrad GEMM consumes it without dequantize ->
+requantize. The gradient arriving at the dispatch output may be bfloat16 or an MXFP8Tensor (sent as it is).
+
+Collectives: both backward passes communicate. Every rank must run backward through every dispatch/combine it ran
+forward, in the same order. That holds when all ranks run the same model and each rank's loss is computed from its
+combine output - also on a rank with zero tokens, whose ``y`` is empty ``[0, H]`` (any expression of it connects the
+graph). A backward called without a gradient (``None``) is treated as zero, so the collective still runs.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from ..mx import MXTensor
+from ..mx.subclass import MXFP8Tensor
+from .handle import CombineSaved, Dispatched, EPHandle
+
+
+class _Box:
+    """Carries the non-tensor results of a forward out of ``Function.forward``."""
+
+    result = None
+
+
+class DispatchFn(torch.autograd.Function):
+    """``x -> dispatch(x)`` (the routing is not differentiable); backward = ``steps.dispatch_backward``."""
+
+    @staticmethod
+    def forward(ctx, x, steps, topk_idx, topk_weights, grad_quantize, box: _Box):
+        res: Dispatched = steps.dispatch(x, topk_idx, topk_weights)
+        box.result = res
+        ctx.steps, ctx.handle, ctx.grad_quantize = steps, res.handle, grad_quantize
+        ctx.set_materialize_grads(False)
+        return res.x
+
+    @staticmethod
+    def backward(ctx, grad):
+        h: EPHandle = ctx.handle
+        if grad is None:  # output unused by the loss: still take part in the collective
+            grad = torch.zeros(h.num_rows, h.config.hidden, dtype=torch.bfloat16, device=h.device)
+        elif not isinstance(grad, MXFP8Tensor):
+            grad = grad.to(torch.bfloat16).contiguous()
+        gx = ctx.steps.dispatch_backward(grad, h, quantize=ctx.grad_quantize)
+        return gx, None, None, None, None, None
+
+
+class CombineFn(torch.autograd.Function):
+    """``(expert_out, topk_weights) -> combine``; backward = ``steps.combine_backward`` (gradient of both)."""
+
+    @staticmethod
+    def forward(ctx, expert_out, topk_weights, steps, handle: EPHandle, quantize, grad_quantize, grad_format):
+        w = topk_weights.detach()
+        h = replace(handle, topk_weights=w, weights_version=w._version)
+        ctx.steps, ctx.handle, ctx.grad_quantize, ctx.grad_format = steps, h, grad_quantize, grad_format
+        ctx.w_dtype = topk_weights.dtype
+        ctx.set_materialize_grads(False)
+        ctx.saved_kind = None
+        if ctx.needs_input_grad[1]:
+            y, saved = steps.combine_for_backward(expert_out, h, quantize=quantize)
+            rows = saved.rows
+            if isinstance(rows, MXTensor):
+                ctx.saved_kind = ("mx", rows.mode)
+                ctx.save_for_backward(topk_weights, rows.qdata, rows.row_scales())
+            else:
+                ctx.saved_kind = ("dense", None)
+                ctx.save_for_backward(topk_weights, rows)
+        else:  # no route-weight gradient wanted: keep nothing but the weights
+            y = steps.combine(expert_out, h, quantize=quantize)
+            ctx.save_for_backward(topk_weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        h: EPHandle = ctx.handle
+        if grad_y is None:
+            grad_y = torch.zeros(h.num_tokens, h.config.hidden, dtype=torch.bfloat16, device=h.device)
+        w, *tensors = ctx.saved_tensors  # torch raises here if the weights were modified in place since forward
+        saved = None
+        if ctx.saved_kind is not None:
+            if ctx.saved_kind[0] == "mx":
+                saved = CombineSaved(rows=MXTensor(qdata=tensors[0], scales=tensors[1], axis=1, mode=ctx.saved_kind[1]))
+            else:
+                saved = CombineSaved(rows=tensors[0])
+        w = w.detach()
+        h = replace(h, topk_weights=w, weights_version=w._version)
+        grads = ctx.steps.combine_backward(grad_y.to(torch.bfloat16).contiguous(), h, saved, quantize=ctx.grad_quantize)
+        g = grads.grad_expert_out
+        if isinstance(g, MXTensor):
+            g = MXFP8Tensor(g, dtype=torch.bfloat16) if ctx.grad_format == "mx" else g.dequantize(torch.bfloat16)
+        gw = None if grads.grad_weights is None else grads.grad_weights.to(ctx.w_dtype)
+        return g, gw, None, None, None, None, None
+
+
+@torch.compiler.disable
+def dispatch(steps, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+             grad_quantize: Optional[bool]) -> Dispatched:
+    """Eager differentiable dispatch (see :meth:`EPGroup.dispatch`); a graph break under torch.compile."""
+    box = _Box()
+    # The weights go in detached: dispatch does not depend on them (its output needs a gradient only when x
+    # does); the handle carries the attached tensor to combine.
+    w_in = topk_weights.detach() if isinstance(topk_weights, torch.Tensor) else topk_weights
+    out = DispatchFn.apply(x, steps, topk_idx, w_in, grad_quantize, box)
+    res: Dispatched = box.result
+    handle = replace(res.handle, topk_weights=topk_weights)
+    return Dispatched(x=out, offs=res.offs, counts=res.counts, num_rows=res.num_rows, handle=handle)
+
+
+@torch.compiler.disable
+def combine(steps, expert_out: torch.Tensor, handle: EPHandle, w: torch.Tensor, quantize: Optional[bool],
+            grad_quantize: Optional[bool], grad_format: str) -> torch.Tensor:
+    """Eager differentiable combine (see :meth:`EPGroup.combine`; arguments validated by the caller)."""
+    return CombineFn.apply(expert_out, w, steps, handle, quantize, grad_quantize, grad_format)
+
+
+__all__ = ["DispatchFn", "CombineFn", "dispatch", "combine"]

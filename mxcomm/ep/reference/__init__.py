@@ -1,0 +1,16 @@
+"""The reference EP backend and the single-process oracles, fenced off from the fast path.
+
+* :class:`TorchBackend` (:mod:`.backend`): quantize, then torch.distributed all-to-all - what torchao-style MXFP8 EP
+  does today. The baseline every benchmark is compared to; runs on CPU (gloo) and GPU (NCCL).
+* :mod:`.backward`: the reference math of the backward passes.
+* :mod:`.oracle`: every rank's expected outputs computed in one process with plain loops from the contract, not
+  from the routing plan; what the tests compare every backend against.
+
+Nothing in the GPU backend imports from here (a test checks it).
+"""
+from .backend import TorchBackend, weighted_combine
+from .oracle import (OracleRoutes, oracle_combine, oracle_combine_backward, oracle_dispatch,
+                     oracle_dispatch_backward, routed_sum)
+
+__all__ = ["TorchBackend", "weighted_combine", "OracleRoutes", "oracle_dispatch", "oracle_combine", "routed_sum",
+           "oracle_combine_backward", "oracle_dispatch_backward"]
