@@ -101,7 +101,8 @@ def bench_case(args, precision: str, backend: str, sets, iters: int) -> dict:
 
         def disp():
             x, idx, w = cur["in"]
-            cur["res"], cur["h"] = grp.dispatch(x, idx, w)
+            cur["res"] = grp.dispatch(x, idx, w)
+            cur["h"] = cur["res"].handle
 
         setup(0)
         disp()
@@ -202,13 +203,15 @@ def profile(args, sets) -> int:
                                max_tokens_per_rank=args.tokens, precision=precision, backend="nvshmem",
                                num_sms=args.num_sms, exact_sizes=False))
         x, idx, w = sets[0]
-        res, h = grp.dispatch(x, idx, w)
+        res = grp.dispatch(x, idx, w)
+        h = res.handle
         out = torch.randn(res.num_rows, args.hidden, device="cuda").to(torch.bfloat16)
         grp.combine(out, h)
         torch.cuda.synchronize()
         with tprof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(3):
-                res, h = grp.dispatch(x, idx, w)
+                res = grp.dispatch(x, idx, w)
+                h = res.handle
                 grp.combine(out, h)
             torch.cuda.synchronize()
         print(f"--- {precision}: 3 x (dispatch + combine)")

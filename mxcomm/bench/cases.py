@@ -36,13 +36,13 @@ def random_rows(rows: int, hidden: int, device: torch.device, seed: int, rank: i
 
 def ep_transport(group: EPGroup, world) -> str:
     if group.config.backend == "nvshmem":
-        if group.path == "put_signal":
+        if group.path == "put":
             return ("nvshmem symmetric buffers, Triton kernels into a staging buffer, NVSHMEM put-with-signal "
                     "per (destination, expert) block")
         if group.path == "local":
             return ("nvshmem backend, one rank: Triton kernels write the outputs directly (no symmetric buffer on "
                     "the way)")
-        if group.path == "peer_pull":
+        if group.path == "pull":
             return ("nvshmem symmetric buffers, Triton kernels: dispatch receivers pull rows through peer pointers, "
                     "the other ops store into peers' buffers")
         return "nvshmem symmetric buffers, Triton kernels with peer stores"
@@ -65,7 +65,8 @@ def ep_dispatch_case(group: EPGroup, inputs: BenchInputs, world) -> CaseCall:
 def _dispatched(group: EPGroup, inputs: BenchInputs, world, seed: int) -> tuple:
     """One untimed dispatch: ``(handle, rows)``, ``rows`` random bfloat16 ``[R, H]`` in the dispatch output's
     layout (``R = handle.num_rows``; stand-in expert outputs or gradients of the dispatch output)."""
-    res, handle = group.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
+    res = group.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
+    handle = res.handle
     rows = random_rows(res.num_rows, group.config.hidden, inputs.x.device, seed, world.rank)
     return handle, rows
 
@@ -81,7 +82,7 @@ def ep_combine_case(group: EPGroup, inputs: BenchInputs, world, *, seed: int) ->
 
 
 def ep_combine_bwd_case(group: EPGroup, inputs: BenchInputs, world, *, seed: int) -> CaseCall:
-    """``group.combine_backward(grad_y, handle, saved)``: route-weighted gradients to the experts (the rows travel
+    """``group.steps.combine_backward(grad_y, handle, saved)``: route-weighted gradients to the experts (the rows travel
     like dispatch's) plus the route-weight gradient from ``saved``.
 
     Built untimed: one dispatch, one ``combine_for_backward`` of random expert rows ``[R, H]`` (its
@@ -90,19 +91,19 @@ def ep_combine_bwd_case(group: EPGroup, inputs: BenchInputs, world, *, seed: int
     float32 ``[T, k]``).
     """
     handle, out = _dispatched(group, inputs, world, seed)
-    _, saved = group.combine_for_backward(out, handle)
+    _, saved = group.steps.combine_for_backward(out, handle)
     grad_y = random_rows(inputs.x.shape[0], group.config.hidden, inputs.x.device, seed + 1, world.rank)
-    return CaseCall(fn=lambda: group.combine_backward(grad_y, handle, saved), transport=ep_transport(group, world))
+    return CaseCall(fn=lambda: group.steps.combine_backward(grad_y, handle, saved), transport=ep_transport(group, world))
 
 
 def ep_dispatch_bwd_case(group: EPGroup, inputs: BenchInputs, world, *, seed: int) -> CaseCall:
-    """``group.dispatch_backward(grad_recv, handle)``: each row's gradient back to its origin, summed over k (the
+    """``group.steps.dispatch_backward(grad_recv, handle)``: each row's gradient back to its origin, summed over k (the
     rows travel like combine's); ``grad_recv`` random bfloat16 ``[R, H]`` in the layout of one untimed dispatch.
 
     Transport follows the config (MXFP8 with ``precision == "mxfp8"``); returns bfloat16 ``[T, H]``.
     """
     handle, grad_recv = _dispatched(group, inputs, world, seed)
-    return CaseCall(fn=lambda: group.dispatch_backward(grad_recv, handle), transport=ep_transport(group, world))
+    return CaseCall(fn=lambda: group.steps.dispatch_backward(grad_recv, handle), transport=ep_transport(group, world))
 
 
 def _a2a(world) -> Callable:
@@ -150,8 +151,10 @@ def check_against_reference(group: EPGroup, ref: EPGroup, inputs: BenchInputs, *
 
     ``group`` may run in the no-host-sync mode (worst-case output rows, e.g. for ``--cuda-graph``): then its
     rows up to the reference's row count are compared (the rest is past the last group)."""
-    a, ha = group.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
-    b, hb = ref.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
+    a = group.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
+    ha = a.handle
+    b = ref.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
+    hb = b.handle
     R = hb.num_rows
     same = (ha.num_rows >= R and torch.equal(a.offs.cpu(), b.offs.cpu())
             and torch.equal(a.counts.cpu(), b.counts.cpu()))

@@ -69,9 +69,9 @@ CONVENTIONS = {
 IMPL_DESC = {
     "mxcomm": "this library: EPGroup.dispatch / combine (whole API call: routing plan, transfer, expert-major "
               "layout, MXFP8 scales in grouped-along-M layout; combine incl. weighted reduction); combine_bwd: "
-              "EPGroup.combine_backward with the CombineSaved of an untimed combine_for_backward (route weighting, "
+              "EPGroup.steps.combine_backward with the CombineSaved of an untimed combine_for_backward (route weighting, "
               "gradient quantization, transfer to the experts, route-weight gradient); dispatch_bwd: "
-              "EPGroup.dispatch_backward of a BF16 gradient (quantize, transfer to origins, sum over k)",
+              "EPGroup.steps.dispatch_backward of a BF16 gradient (quantize, transfer to origins, sum over k)",
     "reference": "reference path: EPConfig(backend='torch', precision='mxfp8'): quantize + all_gather counts + "
                  "all_to_all_single of payload and scales + permute to expert-major (combine: gather, quantize, "
                  "reverse all_to_all_single, dequantize, weighted reduction; backward ops: the same API as mxcomm)",

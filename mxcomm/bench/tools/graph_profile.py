@@ -86,7 +86,8 @@ def main() -> int:
     cur = {}
 
     def disp():
-        cur["res"], cur["h"] = grp.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+        cur["res"] = grp.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+        cur["h"] = cur["res"].handle
 
     disp()
     expert_out = torch.randn(cur["res"].num_rows, args.hidden, device="cuda").to(torch.bfloat16)

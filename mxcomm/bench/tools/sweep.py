@@ -33,15 +33,16 @@ def _inputs(T, H, E, k, rank, dev):
 
 
 def _ops(group, x, idx, w):
-    res, h = group.dispatch(x, idx, w)
+    res = group.dispatch(x, idx, w)
+    h = res.handle
     out = torch.randn(res.num_rows, x.shape[1], device=x.device).to(torch.bfloat16)
-    _, saved = group.combine_for_backward(out, h)
+    _, saved = group.steps.combine_for_backward(out, h)
     gy = torch.randn_like(x)
     return {
         "dispatch": lambda: group.dispatch(x, idx, w),
         "combine": lambda: group.combine(out, h),
-        "combine_bwd": lambda: group.combine_backward(gy, h, saved),
-        "dispatch_bwd": lambda: group.dispatch_backward(out, h),
+        "combine_bwd": lambda: group.steps.combine_backward(gy, h, saved),
+        "dispatch_bwd": lambda: group.steps.dispatch_backward(out, h),
     }
 
 
@@ -89,7 +90,7 @@ def main():
     for prec in a.precision.split(","):
         group = EPGroup(EPConfig(num_experts=a.experts, hidden=a.hidden, topk=a.topk, max_tokens_per_rank=a.tokens,
                                  precision=prec, backend="nvshmem"))
-        be = group._backend
+        be = group.backend
         ops = {n: f for n, f in _ops(group, x, idx, w).items() if n in a.ops.split(",")}
         for fn in ops.values():  # compile every kernel variant once
             fn()

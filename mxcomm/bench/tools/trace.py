@@ -40,15 +40,16 @@ def _calls(grp, T, H, E, k):
     x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
     idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :k].to(torch.int32)
     w = torch.rand(T, k, device="cuda", generator=g)
-    res, h = grp.dispatch(x, idx, w)
+    res = grp.dispatch(x, idx, w)
+    h = res.handle
     out = torch.randn(res.num_rows, H, device="cuda", generator=g).to(torch.bfloat16)
-    _, saved = grp.combine_for_backward(out, h)
+    _, saved = grp.steps.combine_for_backward(out, h)
     gy = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
     return {
         "dispatch": lambda: grp.dispatch(x, idx, w),
         "combine": lambda: grp.combine(out, h),
-        "combine_bwd": lambda: grp.combine_backward(gy, h, saved),
-        "dispatch_bwd": lambda: grp.dispatch_backward(out, h),
+        "combine_bwd": lambda: grp.steps.combine_backward(gy, h, saved),
+        "dispatch_bwd": lambda: grp.steps.dispatch_backward(out, h),
     }
 
 
