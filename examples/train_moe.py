@@ -55,14 +55,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, str(REPO))
 
+from mxcomm.ep.collectives import collective_device  # noqa: E402
+from mxcomm.ep.config import PRECISIONS  # noqa: E402
 from mxcomm.nn import MoE, MoEConfig, RouterConfig, attach_optimizer, init_single_process, make_ep_group  # noqa: E402
-from mxcomm.ep.group import collective_device  # noqa: E402
 from mxcomm.nn import moe_aux_loss  # noqa: E402
-
-PRECISIONS = ("bf16", "mxfp8")
 
 
 # ================================================================================ config ====
@@ -535,7 +532,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, Path, str, int]:
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="cpu (default on CPU), gpu (default with --device cuda), tiny (smoke test)")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out", default=str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxcomm"
+                                         / "examples"), help="folder for the CSV/JSON/PNG (default: outside the checkout)")
     ap.add_argument("--label", default=None, help="output file stem (default train_moe_<preset>)")
     ap.add_argument("--precisions", default=None, help="comma list of bf16,mxfp8")
     ap.add_argument("--log-every", type=int, default=50)
