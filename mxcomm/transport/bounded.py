@@ -37,6 +37,11 @@ its next call on the group then times out and its census names the ranks that ga
 down stays clean: ``torch.distributed.destroy_process_group()`` returns at once on gloo even with
 a collective pending (``ProcessGroup.abort()`` / ``shutdown()`` are no-ops on gloo in torch 2.13).
 
+Limits: tags are compared on the failure path only: ranks calling different operations whose
+collectives happen to match in shape complete without error. On NCCL, ``work.wait(timeout)``
+blocks the calling CPU thread until the GPU work completes (torch's ProcessGroupNCCL contract),
+unlike a plain ``wait()``, which only orders streams: a bounded call is a host synchronisation.
+
 Pure Python + torch: importable on a CPU machine.
 """
 from __future__ import annotations
