@@ -57,12 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args, parser: argparse.ArgumentParser, argv: list) -> int:
-    from .bench.launcher import BenchError, BenchTerminated, check_mps, launch, precheck, rank_main, run_joined
     from .bench.options import BenchOptions, OptionError, options_from_args
     from .bench.world import detect_launch
 
     info = detect_launch()
     if args._spec:  # a rank started by the launcher
+        from .bench.launcher import rank_main
+
         with open(args._spec) as f:
             spec = json.load(f)
         if info is None:
@@ -73,6 +74,8 @@ def _bench(args, parser: argparse.ArgumentParser, argv: list) -> int:
     try:
         opts = options_from_args(args, world_size=info.world if info else None,
                                  local_world_size=info.local_world if info else None)
+        from .bench.launcher import BenchError, BenchTerminated, check_mps, launch, precheck, run_joined
+
         if info is None:
             precheck(opts)
         else:

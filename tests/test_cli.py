@@ -73,11 +73,15 @@ def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int,
     assert rep["conventions"]["backward_baselines"]["a2a"] == {"combine_bwd": "dispatch", "dispatch_bwd": "combine"}
     names = {c["name"] for c in rep["cases"]}
     impls = rep["config"]["impls"]
+    # --backend torch: the mxcomm mxfp8 cases are the reference measurement, reported once
+    merged = rep["mxcomm_is_reference"]
+    assert merged == (rep["config"]["backend"] == "torch" and "reference" in impls and "mxcomm" in impls
+                      and "mxfp8" in rep["config"]["precisions"])
     for T in tokens:
         for op in ops:
             for p in precisions:
                 assert f"mxcomm/{p}/{op}/T{T}" in names
-            if "reference" in impls:
+            if "reference" in impls and not merged:
                 assert f"reference/mxfp8/{op}/T{T}" in names
             if "a2a" in impls:  # timed once per direction, backward ops included
                 assert f"a2a/bf16/{TWIN[op]}/T{T}" in names
@@ -105,6 +109,9 @@ def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int,
             for conv in ("dedup", "per_selection"):
                 g = c["gbps"][conv][timing]
                 assert g > 0 and _rel(g, b[conv] / (st["median"] * 1e-6) / 1e9) < 1e-9
+        # the traffic floor (formulas: tests/bench/test_bench_floor.py) and the time over it
+        assert c["floor_us"] > 0 and c["floor"]["bytes"] == c["floor"]["bytes_read"] + c["floor"]["bytes_written"]
+        assert _rel(c["time_over_floor"]["whole_call"], c["stats_us"]["whole_call"]["median"] / c["floor_us"]) < 1e-9
         for name, r in c["ratios"].items():
             key = BASELINE_KEYS[name]
             base = by[(key[0], key[1], TWIN[c["op"]] if key[0] in ("a2a", "vdev2d") else c["op"], c["tokens"])]
@@ -114,7 +121,7 @@ def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int,
                 want = base["stats_us"][timing]["median"] / c["stats_us"][timing]["median"]
                 assert _rel(v, want) < 1e-9
     # Every mxcomm case is compared to the baselines measured in the same run.
-    want = {f"vs_{b}" for b in ("reference", "a2a") if b in impls}
+    want = {f"vs_{b}" for b in ("reference", "a2a") if b in impls and not (b == "reference" and merged)}
     for c in rep["cases"]:
         if c["impl"] == "mxcomm" and c["precision"] == "mxfp8":
             assert want <= set(c["ratios"]), (c["name"], c["ratios"])
@@ -123,10 +130,13 @@ def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int,
 # --------------------------------------------------------------------------------- end to end ----
 
 def test_bench_cpu_launcher_end_to_end(tmp_path):
-    """Plain start on CPU: 4 gloo processes (the CPU default), a token sweep, table + JSON + plots."""
-    out = tmp_path / "res"
-    r = _run(["bench", *TINY, "--tokens", "16,32", "--out", str(out), "--label", "e2e"])
+    """Plain start on CPU: 4 gloo processes (the CPU default), a token sweep, table + JSON + plots, written under
+    $XDG_CACHE_HOME/mxcomm/bench/<label>-<timestamp> when no --out is given."""
+    env = dict(_env(), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    r = _run(["bench", *TINY, "--tokens", "16,32", "--label", "e2e"], env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (out,) = (tmp_path / "cache" / "mxcomm" / "bench").glob("e2e-*")
+    assert f"results written to {out}" in r.stdout
     rep = _load(out, "e2e")
     check_report(rep, ranks=4, tokens=[16, 32], hidden=64, topk=2, iters=3)
     assert rep["label"] == "e2e" and rep["world"]["launch"] == "launcher"
@@ -135,8 +145,13 @@ def test_bench_cpu_launcher_end_to_end(tmp_path):
     assert any(s["impl"] == "vdev2d" and s["reason"] for s in rep["skipped"])
     assert rep["ceilings"]["host_copy"]["gbps"] > 0
     impl_ops = {(c["impl"], c["precision"], c["op"]) for c in rep["cases"]}
-    assert impl_ops == ({(i, p, op) for i, p in (("mxcomm", "mxfp8"), ("mxcomm", "bf16"), ("reference", "mxfp8"))
-                         for op in OPS} | {("a2a", "bf16", "dispatch"), ("a2a", "bf16", "combine")})
+    # on CPU the library runs the reference backend: its mxfp8 cases are the reference ones, one row each
+    assert impl_ops == ({(i, p, op) for i, p in (("mxcomm", "mxfp8"), ("mxcomm", "bf16")) for op in OPS}
+                        | {("a2a", "bf16", "dispatch"), ("a2a", "bf16", "combine")})
+    assert rep["mxcomm_is_reference"] and rep["merged"][0]["impl"] == "reference"
+    for c in rep["cases"]:
+        assert bool(c.get("is_reference")) == (c["impl"] == "mxcomm" and c["precision"] == "mxfp8"), c["name"]
+    assert rep["floor_ceiling"] == "host_copy" and rep["mps"] is None
     # The backward ops against a2a: the forward case of the same direction (checked generally in check_report).
     by = {(c["impl"], c["precision"], c["op"], c["tokens"]): c for c in rep["cases"]}
     for T in (16, 32):
@@ -146,10 +161,13 @@ def test_bench_cpu_launcher_end_to_end(tmp_path):
             assert c["ratios"]["vs_a2a"]["whole_call"] == pytest.approx(want, rel=1e-12)
             assert c["bytes"] == by[("mxcomm", "mxfp8", fwd, T)]["bytes"]  # same rows, same payload
     table = (out / "ep_bench_e2e.txt").read_text()
-    assert "GB/s dedup" in table and "backward ops: x a2a" in table
+    assert "GB/s dedup" in table and "backward ops: x a2a" in table and "x floor" in table
+    assert "on CPU the library runs the reference backend: one row" in table
+    assert "x ref" not in table.splitlines()[[ln.startswith("op ") for ln in table.splitlines()].index(True)]
     ops_in_table = [ln.split()[0] for ln in table.splitlines() if ln.split() and ln.split()[0] in OPS]
     assert sorted(set(ops_in_table), key=ops_in_table.index) == list(OPS)  # table order
     assert "GB/s dedup" in r.stdout and str(out / "ep_bench_e2e.json") in r.stdout
+    assert not list((REPO / "bench" / "results").glob("e2e-*"))  # nothing written into the source tree
     try:
         import matplotlib  # noqa: F401
         for png in rep["files"]["plots"]:
@@ -236,6 +254,10 @@ def test_info_reports_environment_and_buffer_sizes():
         assert b["launcher_env"]["NVSHMEM_SYMMETRIC_SIZE"] == b["nvshmem_symmetric_size"]
     text = _run(["info", "--world", "2"], timeout=60)
     assert text.returncode == 0 and "ep.recv_q" in text.stdout and "NVSHMEM_SYMMETRIC_SIZE=" in text.stdout
+    if not d["machine"]["gpus"]:  # no GPU: nothing about NVLink multicast
+        assert d["nvlink_multicast"] is None and "multicast" not in text.stdout.lower()
+    else:
+        assert d["nvlink_multicast"] and "NVLink multicast:" in text.stdout
     put = _run(["info", "--world", "4", "--tokens", "128", "--precision", "mxfp8", "--transport", "put", "--json"],
                timeout=60)
     assert put.returncode == 0, put.stderr[-2000:]
@@ -244,6 +266,37 @@ def test_info_reports_environment_and_buffer_sizes():
     assert b["by_purpose"]["put_staging"] == buffer_sizes(cfg, 4).put_staging > 0
     assert b["total"] == sum(reg["bytes"] for reg in b["regions"]) == buffer_sizes(cfg, 4).total
     assert {"ep.stage_q", "ep.stage_s"} <= {reg["name"] for reg in b["regions"]}
+
+
+# ------------------------------------------------------------------------------- lazy imports ----
+
+_HEAVY = """
+import runpy, sys
+sys.argv = ["mxcomm", *sys.argv[1:]]
+try:
+    runpy.run_module("mxcomm", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton", "matplotlib")
+               or m == "mxcomm.ep" or m.startswith("mxcomm.ep."))
+print("HEAVY", code, ",".join(heavy[:8]), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args, code", [
+    (["--help"], 0), (["bench", "--help"], 0), (["info", "--help"], 0),
+    (["bench", "--tokens", "abc"], 2),                      # argparse error
+    (["bench", "--device", "cpu", "--hidden", "100"], 2),   # option check
+])
+def test_help_and_argument_errors_import_no_torch(args, code):
+    """`python -m mxcomm --help` (and argument errors) answer without importing torch, triton, matplotlib or
+    mxcomm.ep (checked in sys.modules of a fresh interpreter)."""
+    r = subprocess.run([sys.executable, "-c", _HEAVY, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=60)
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("HEAVY ")]
+    assert line, r.stderr[-2000:]
+    _, got_code, heavy = (line[-1].split(" ", 2) + [""])[:3]
+    assert got_code == str(code) and heavy == "", line[-1]
 
 
 # --------------------------------------------------------------------------------- bad options ----
@@ -313,7 +366,8 @@ def test_cpu_defaults_and_modes():
     o = options_from_args(_args())
     assert (o.tokens, o.hidden, o.topk, o.experts, o.ranks, o.backend) == ([64], 512, 8, 16, 4, "torch")
     assert o.side_channel == "gloo" and o.precisions == ["mxfp8", "bf16"] and o.label == "cpu-ep4"
-    assert o.out.startswith(os.path.join("bench", "results", "cpu-ep4-"))
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    assert o.out.startswith(os.path.join(cache, "mxcomm", "bench", "cpu-ep4-"))
     lat = options_from_args(_args("--mode", "latency"))
     assert lat.tokens == [16] and lat.iters > o.iters
     q = options_from_args(_args("--quick"))
@@ -508,15 +562,13 @@ def _failing_backend_worker(rank, world, opts_dict):
 
 
 def test_check_against_reference_in_a_world():
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _dist import run_world
+    from _dist import run_world  # tests/ is on sys.path (pytest's rootdir conftest)
 
     for res in run_world(2, _check_worker, timeout=120):
         assert res == [dict(dispatch_equal=True, combine_max_abs_diff=0.0)] * 2
 
 
 def test_phase_survives_a_backend_that_cannot_start(tmp_path):
-    sys.path.insert(0, str(Path(__file__).parent))
     from _dist import run_world
 
     from mxcomm.bench.report import build_report, format_table

@@ -9,7 +9,7 @@ Three ways a rank process starts:
   ``MASTER_ADDR:MASTER_PORT`` if set, else rank 0's host and a free port sent with mpi4py, else a
   file store in the temp folder named after the MPI job.
 
-Nothing here writes ``os.environ``.
+Nothing here writes ``os.environ``. torch is imported where a world is set up, so :func:`detect_launch` is cheap.
 """
 from __future__ import annotations
 
@@ -20,9 +20,6 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from typing import Mapping, Optional
-
-import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -113,9 +110,13 @@ class BenchWorld:
     devices: list
 
     def barrier(self) -> None:
+        import torch.distributed as dist
+
         dist.barrier(group=self.ctrl)
 
     def all_gather_object(self, obj) -> list:
+        import torch.distributed as dist
+
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.ctrl)
         return out
@@ -127,6 +128,9 @@ def init_world(info: LaunchInfo, *, device: str, side_channel: str, pg_timeout_s
 
     ``side_channel`` ``"auto"`` picks nccl when every local rank has a GPU of its own, else gloo.
     """
+    import torch
+    import torch.distributed as dist
+
     env = os.environ if environ is None else environ
     if device == "cuda":
         ngpu = torch.cuda.device_count()
@@ -165,6 +169,8 @@ def init_world(info: LaunchInfo, *, device: str, side_channel: str, pg_timeout_s
 
 def close_world(world: BenchWorld) -> None:
     """Finalise NVSHMEM if this process initialised it, then destroy the process groups (collective)."""
+    import torch.distributed as dist
+
     try:
         from .. import transport as tp
 
