@@ -552,8 +552,8 @@ def _check_worker(rank, world):
 
 
 def _failing_backend_worker(rank, world, opts_dict):
-    """run_phase when the mxcomm groups cannot be built and the reference backend lacks combine_backward (the
-    group raises NotImplementedError): those cases fail with the reason, the others still run."""
+    """run_phase when the mxcomm groups cannot be built and the reference backend lacks combine_backward: those
+    cases fail with the reason, the others still run."""
     from mxcomm.bench.harness import run_phase
     from mxcomm.ep.reference import TorchBackend
 
@@ -585,9 +585,9 @@ def test_phase_survives_a_backend_that_cannot_start(tmp_path):
                          ("reference", "dispatch_bwd")]:
             assert st[(impl, op, T)]["status"] == "ok" and len(st[(impl, op, T)]["samples_us"]["whole_call"]) == 2
     bwd = st[("reference", "combine_bwd", 4)]
-    assert bwd["status"] == "failed" and "NotImplementedError" in bwd["reason"] and "combine_backward" in bwd["reason"]
+    assert bwd["status"] == "failed" and "combine_backward" in bwd["reason"]  # the backend's error, named
     later = st[("reference", "combine_bwd", 8)]  # later token counts of that op only are skipped
-    assert later["status"] == "skipped" and "NotImplementedError" in later["reason"]
+    assert later["status"] == "skipped" and "combine_backward" in later["reason"]
     res.update(world=dict(ranks_per_gpu=1, side_channel="gloo"))
     rep = build_report(options=opts.to_dict(), world=res["world"], meta={}, phases=[res], command=["t"])
     table = format_table(rep)
