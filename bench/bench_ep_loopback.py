@@ -3,7 +3,7 @@ against the device copy ceiling and against the reference backend, measured in t
 
     python3 bench/bench_ep_loopback.py [--tokens 8192] [--hidden 7168] [--topk 8] [--experts 256]
 
-Needs nvshmem4py and the NVSHMEM environment (source scripts/gpu_env.sh). Writes
+Needs nvshmem4py and the NVSHMEM environment (source bench/gpu/env.sh). Writes
 bench/results/ep_loopback_h200.json (+ .png). Byte accounting (stated in the JSON):
 
 * dispatch: BF16 read once per token (T*H*2) + payload written once per selection
