@@ -16,7 +16,8 @@ torchtitan then calls ``wire_meshes(ep_mesh=...)`` from ``RoutedExperts.parallel
 the :class:`mxcomm.ep.EPGroup`). Without torchtitan's parallelize (a hand-built model) call
 ``dispatcher.wire_meshes(ep_mesh=mesh_or_None)`` yourself on every rank.
 
-All mxcomm calls go through :func:`_dispatch` and :func:`_combine` below.
+All mxcomm calls go through :func:`_dispatch` and :func:`_combine` below (``EPGroup.dispatch`` / ``EPGroup.combine``,
+the autograd-aware public pair).
 """
 from __future__ import annotations
 
@@ -150,7 +151,9 @@ class MXCommTokenDispatcher(BaseEPTokenDispatcher):
     ``HybridEPTokenDispatcher`` (``swap_token_dispatcher`` raises ``ValueError`` for this one), its only
     recipe (``mxfp8_rceil``) quantizes ``A`` itself, and torchao 0.18 accepts a pre-quantized ``A`` only with
     ``wgrad_with_hp`` and ROW scales (:func:`mxcomm.integrations.torchao.to_torchao_grouped_mm_input` makes
-    such a tensor from the dispatch output for code that calls torchao directly).
+    such a tensor from the dispatch output for code that calls torchao directly; its emulated forward is
+    tested on CPU). In torchao 0.18 that pre-quantized path is itself unfinished: the sm_100 forward reads
+    ``A.scales`` (the attribute is ``scale``) and the wgrad dequantizes ``A`` with a Triton kernel.
 
     EP off (``ep_mesh is None``): every rank holds all ``E`` experts; the dispatcher still runs mxcomm, over a
     process group of this rank alone (same layout, same MXFP8 rounding as with EP, no communication
