@@ -54,6 +54,10 @@ class Backend(Protocol):
     def check_errors(self) -> None:
         """Raise an error recorded on the device and not reported yet (no-op where every call checks itself)."""
 
+    def refuse(self, op: str, exc: BaseException) -> None:
+        """This rank refuses its input to ``op`` and raises ``exc`` without communicating: tell the peers if the
+        backend can (so that their bounded waits name this rank and the reason)."""
+
     def state_tensors(self, handle: EPHandle) -> list[torch.Tensor]:
         """The backend part of ``handle`` as int32 tensors (what a compiled graph carries between the ops)."""
 
@@ -65,18 +69,20 @@ class Backend(Protocol):
         ``plan`` and :meth:`state_tensors`' values."""
 
 
-def make_backend(config: EPConfig, group, rank: int, world_size: int, group_id: int) -> Backend:
-    """The backend ``config.backend`` names, for rank ``rank`` of ``world_size`` on process group ``group``."""
+def make_backend(config: EPConfig, group, rank: int, world_size: int, group_id: int, bounded=None) -> Backend:
+    """The backend ``config.backend`` names, for rank ``rank`` of ``world_size`` on process group ``group``
+    (``bounded``: the group's :class:`~mxcomm.transport.BoundedGroup`, through which the reference backend runs its
+    collectives)."""
     if config.backend == "torch":
         from .reference import TorchBackend
 
-        return TorchBackend(config, group, rank, world_size, group_id=group_id)
+        return TorchBackend(config, group, rank, world_size, group_id=group_id, bounded=bounded)
     if config.backend == "nvshmem":
         try:
             from .nvshmem_backend import NvshmemBackend  # type: ignore[import-not-found]
         except ImportError as e:
             raise ImportError(f"the 'nvshmem' EP backend is not available: {e}") from e
-        return NvshmemBackend(config, group, rank, world_size, group_id=group_id)
+        return NvshmemBackend(config, group, rank, world_size, group_id=group_id, bounded=bounded)
     raise ValueError(f"unknown backend {config.backend!r}")  # EPConfig.validate rejects it first
 
 

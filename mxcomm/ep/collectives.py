@@ -1,5 +1,5 @@
-"""Small torch.distributed helpers of the EP layer: where a collective's tensors live, and the check that every
-rank of a group holds the same :class:`~mxcomm.ep.config.EPConfig`."""
+"""Small torch.distributed helpers of the EP layer: where a collective's tensors live, and the collective check
+that every rank of a group holds the same valid :class:`~mxcomm.ep.config.EPConfig`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..transport.bounded import BoundedGroup, CallTag
 from .config import EPConfig
 
 
@@ -25,24 +26,28 @@ def collective_device(group, data_device: Optional[torch.device] = None) -> torc
     return torch.device("cpu")
 
 
-def check_config_agreement(config: EPConfig, group=None) -> None:
-    """All-gather ``config``'s fingerprint; raise ValueError naming differing fields and ranks.
-
-    Collective: every rank of ``group`` must call it (every rank raises on a mismatch).
-    """
-    world = dist.get_world_size(group)
+def agree_on_config(config, bounded: BoundedGroup) -> None:
+    """Every rank checks its own ``config`` (an :class:`EPConfig` valid for the group's size), the ranks vote, and
+    then compare fingerprints: a config that is invalid on some rank, or that differs between ranks, makes EVERY
+    rank raise the same ValueError naming the ranks and fields, within the group's timeout (collective)."""
+    world = bounded.world_size
+    if not isinstance(config, EPConfig):
+        err = f"config must be an EPConfig, got {type(config).__name__}"
+    else:
+        try:
+            config.validate(world)
+            err = None
+        except ValueError as e:
+            err = str(e)
+    bounded.agree(err is None, err or "", CallTag("EPGroup", 0, "config check"), what="EPConfig")
     if world == 1:
         return
-    dev = collective_device(group)
-    mine = torch.tensor(config.fingerprint_codes(), dtype=torch.int64, device=dev)
-    bufs = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(bufs, mine, group=group)
-    allc = torch.stack(bufs).cpu()
+    mine = torch.tensor(config.fingerprint_codes(), dtype=torch.int64, device=bounded.device)
+    allc = torch.stack(bounded.all_gather(mine, CallTag("EPGroup", 0, "config fingerprints"))).cpu()
     if bool((allc == allc[0:1]).all()):
         return
     # Mismatch (seen identically by every rank): gather readable values for the message.
-    objs = [None] * world
-    dist.all_gather_object(objs, config.fingerprint(), group=group)
+    objs = bounded.all_gather_object(config.fingerprint(), CallTag("EPGroup", 0, "config values"))
     names = [n for n, _ in config.fingerprint()]
     parts = []
     for i, name in enumerate(names):
@@ -54,4 +59,4 @@ def check_config_agreement(config: EPConfig, group=None) -> None:
     raise ValueError("EPConfig differs across ranks in " + "; ".join(parts))
 
 
-__all__ = ["collective_device", "check_config_agreement"]
+__all__ = ["collective_device", "agree_on_config"]

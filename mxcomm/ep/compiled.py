@@ -55,7 +55,7 @@ import torch
 
 from ..mx import MXTensor, ScaleLayout
 from ..mx.layouts import blocked_index, grouped_m_row_map, grouped_m_rows, round_up
-from ..mx.scales import BLOCK, scale_value
+from ..mx.scales import BLOCK, saturate_finite, scale_value
 from ..mx.subclass import MXFP8Tensor
 from .handle import CombineSaved, Dispatched, EPHandle
 from .plan import PLAN_TENSORS, RoutingPlan, max_recv_rows
@@ -284,7 +284,7 @@ def grouped_m_dequantize(qdata: torch.Tensor, scales: torch.Tensor, offs: torch.
     s = flat[blocked_index(rr, cc, scales.shape[-1] // 4).reshape(-1)].view(R, kb)
     s = torch.where(keep.view(R, 1), s, torch.zeros_like(s))
     vals = qdata.to(torch.float32).view(R, kb, BLOCK) * scale_value(s).unsqueeze(-1)
-    return vals.view(R, H).to(dtype)
+    return saturate_finite(vals.view(R, H), dtype).to(dtype)  # a finite MX value stays finite (mxcomm.mx.tensor)
 
 
 @torch.library.custom_op("mxcomm_ep::dense", mutates_args=())

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from ..mx.subclass import MXFP8Tensor
 from . import compiled, functions, validate
 from .backend import make_backend
-from .collectives import check_config_agreement
+from ..transport.bounded import BoundedGroup
+from .collectives import agree_on_config
 from .config import EPConfig
 from .handle import Dispatched, EPHandle
 from .plan import buffer_sizes
@@ -30,37 +31,46 @@ from .registry import GROUPS
 from .steps import EPSteps
 
 
+def _timeout_of(config) -> float:
+    """``config.timeout_s`` where it is usable, else 60 s (the vote that reports the bad config must still end)."""
+    t = getattr(config, "timeout_s", None)
+    ok = isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf")
+    return float(t) if ok else 60.0
+
+
 class EPGroup:
     """Expert-parallel dispatch/combine over a torch.distributed process group.
 
     Args:
-        config: :class:`EPConfig`; must be identical on every rank (checked, collective).
+        config: :class:`EPConfig`; must be valid and identical on every rank (checked collectively: a config that
+            is invalid on one rank, or differs between ranks, makes every rank raise a ValueError naming the ranks
+            and fields, within ``config.timeout_s``).
         group: process group (None = WORLD). ``torch.distributed`` must be initialised.
 
     Attributes:
         config, group, rank, world_size, num_local_experts, local_experts (range of global ids).
         steps: :class:`~mxcomm.ep.steps.EPSteps`, the collectives without autograd.
         backend: the backend object (:class:`~mxcomm.ep.backend.Backend`).
+        bounded: the :class:`~mxcomm.transport.BoundedGroup` over ``group`` (collectives bounded by ``timeout_s``).
         memory_bytes: symmetric-buffer bytes the backend allocated (0 for the reference backend, which allocates
             its buffers per call).
         op_id: the group's id (how the compiled ops and the handles name it).
     """
 
     def __init__(self, config: EPConfig, group=None):
-        if not isinstance(config, EPConfig):
-            raise TypeError(f"config must be an EPConfig, got {type(config).__name__}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("EPGroup needs torch.distributed initialised (init_process_group) first")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        config.validate(self.world_size)
-        check_config_agreement(config, group)
+        # every collective of the reference backend and the config vote below wait at most timeout_s
+        self.bounded = BoundedGroup(group, timeout_s=_timeout_of(config))
+        agree_on_config(config, self.bounded)  # every rank raises if the config is invalid or differs anywhere
         self.config = config
         self.num_local_experts = config.num_local_experts(self.world_size)
         self.local_experts = range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
         self.op_id: int = GROUPS.register(self)
-        self.backend = make_backend(config, group, self.rank, self.world_size, self.op_id)
+        self.backend = make_backend(config, group, self.rank, self.world_size, self.op_id, self.bounded)
         self.steps = EPSteps(config, self.op_id, self.backend)
         self.memory_bytes = self.backend.memory_bytes
 

@@ -197,10 +197,11 @@ class NvshmemBackend:
 
     device_side_checks = True  # expert ids are checked here (see _checked_ids), not by the group
 
-    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, group_id: int = 0, heap=None,
-                 puts=None):
+    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, group_id: int = 0, bounded=None,
+                 heap=None, puts=None):
         self.config = config
         self.group_id = group_id
+        self.bounded = bounded  # the group's BoundedGroup (bootstrap side channel); the data path waits on the device
         self.rank, self.world = rank, world_size
         if heap is None:
             heap = self._open_heap(group, rank, world_size)
@@ -323,6 +324,10 @@ class NvshmemBackend:
     @property
     def memory_bytes(self) -> int:
         return self.heap.nbytes
+
+    def refuse(self, op: str, exc: BaseException) -> None:
+        """Nothing to tell: the peers' device-side waits (bounded by ``timeout_s``) raise PeerTimeout naming this
+        rank."""
 
     # -- what the compiled ops carry (mxcomm.ep.backend.Backend) -------------------------------
     def state_tensors(self, handle: EPHandle) -> list:

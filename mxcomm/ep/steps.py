@@ -7,6 +7,7 @@ calls the backend. Every step is collective: every rank of the group calls the s
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Union
 
 import torch
@@ -26,6 +27,16 @@ class EPSteps:
         self.config = config
         self.group_id = group_id
         self.backend = backend
+
+    @contextlib.contextmanager
+    def _refusing(self, op: str):
+        """Run the argument checks of ``op``: a refusal (TypeError / ValueError / RuntimeError) is told to the backend
+        before it propagates, so that peers waiting for this rank learn why (``Backend.refuse``)."""
+        try:
+            yield
+        except (TypeError, ValueError, RuntimeError) as exc:
+            self.backend.refuse(op, exc)
+            raise
 
     def _quantize(self, quantize: Optional[bool]) -> bool:
         return self.config.precision == "mxfp8" if quantize is None else bool(quantize)
@@ -51,8 +62,9 @@ class EPSteps:
             :class:`Dispatched` (``x`` an :class:`MXFP8Tensor` or bfloat16 ``[R, H]``, expert-major).
         """
         self._refuse_exact_capture()
-        validate.dispatch_inputs(self.config, x, topk_idx, topk_weights,
-                                 check_values=not self.backend.device_side_checks)
+        with self._refusing("dispatch"):
+            validate.dispatch_inputs(self.config, x, topk_idx, topk_weights,
+                                     check_values=not self.backend.device_side_checks)
         res, handle = self.backend.dispatch(x, topk_idx, topk_weights)
         out = MXFP8Tensor(res.x, dtype=torch.bfloat16) if isinstance(res.x, MXTensor) else res.x
         return Dispatched(x=out, offs=res.offs, counts=res.counts, num_rows=res.num_rows, handle=handle)
@@ -83,9 +95,10 @@ class EPSteps:
 
     def _weighted(self, expert_out, handle: EPHandle, topk_weights) -> EPHandle:
         self._refuse_exact_capture()
-        validate.combine_inputs(self.config, self.group_id, expert_out, handle)
-        w = handle.topk_weights if topk_weights is None else topk_weights
-        validate.combine_weights(handle, w)
+        with self._refusing("combine"):
+            validate.combine_inputs(self.config, self.group_id, expert_out, handle)
+            w = handle.topk_weights if topk_weights is None else topk_weights
+            validate.combine_weights(handle, w)
         if w is handle.topk_weights:
             return handle
         from dataclasses import replace
@@ -108,9 +121,10 @@ class EPSteps:
             dropped slots) or None.
         """
         self._refuse_exact_capture()
-        validate.handle_of(self.config, self.group_id, handle)
-        validate.dense_grad("grad_y", grad_y, (handle.num_tokens, self.config.hidden), handle.device)
-        validate.combine_saved(self.config, handle, saved)
+        with self._refusing("combine_backward"):
+            validate.handle_of(self.config, self.group_id, handle)
+            validate.dense_grad("grad_y", grad_y, (handle.num_tokens, self.config.hidden), handle.device)
+            validate.combine_saved(self.config, handle, saved)
         return self.backend.combine_backward(grad_y, handle, saved, self._quantize(quantize))
 
     def dispatch_backward(self, grad_recv: Union[torch.Tensor, MXTensor], handle: EPHandle, *,
@@ -126,9 +140,10 @@ class EPSteps:
             bfloat16 ``[T, H]``: ``grad_x[t] = sum_j grad_recv[row(t, j)]`` in fp32, j ascending.
         """
         self._refuse_exact_capture()
-        validate.handle_of(self.config, self.group_id, handle)
         grad_recv = unwrap_mx(grad_recv)  # an MXFP8Tensor travels as its MXTensor
-        validate.grad_recv(self.config, handle, grad_recv)
+        with self._refusing("dispatch_backward"):
+            validate.handle_of(self.config, self.group_id, handle)
+            validate.grad_recv(self.config, handle, grad_recv)
         return self.backend.dispatch_backward(grad_recv, handle, self._quantize(quantize))
 
 

@@ -213,6 +213,17 @@ class BoundedGroup:
             subject = what if what is not None else str(tag)
             raise ValueError(f"{subject} is invalid on " + "; ".join(f"rank {r}: {msg}" for r, msg in bad))
 
+    def refuse(self, tag: CallTag, exc: BaseException) -> None:
+        """This rank refuses its input to the call ``tag`` (it raises ``exc`` without entering the collective):
+        leave a note so that the peers' census, should their collective time out waiting for this rank, says
+        so ("rank 1 refused its input: ...") instead of "did not arrive". The group stays usable (when every rank
+        refused the same call, no collective is pending); a failure path only: one store write."""
+        rec = _Record(self.rank, self._seq, "refused", tag, time.time(), time.time(), True, _short(exc))
+        try:
+            self._store.set(f"{_KEY_ROOT}/{self.instance}/refused/{self.rank}/{self._seq}", rec.to_json())
+        except Exception:  # noqa: BLE001 - the note is best effort: the peers still time out and name this rank
+            pass
+
     # ------------------------------------------------------------------ machinery
 
     def _run(self, kind: str, tag: CallTag, issue) -> None:
@@ -274,6 +285,15 @@ class BoundedGroup:
         records, problem2 = self._collect() if problem is None else ({}, problem)
         problem = problem or problem2
         others = [r for r in range(self.world_size) if r != self.rank]
+        for r in others:  # a rank that refused its input to this call (see refuse) never entered it
+            key = f"{_KEY_ROOT}/{self.instance}/refused/{r}/{mine.seq}"
+            try:
+                if r not in records and problem is None and self._store.check([key]):
+                    rec = _Record.from_json(self._store.get(key).decode())
+                    records[r] = _Record(r, mine.seq, mine.kind, mine.tag, rec.t_enter, rec.t_fail, True,
+                                         f"{rec.tag}: {rec.error}")
+            except Exception as exc:  # noqa: BLE001
+                problem = problem or _short(exc)
         missing = [r for r in others if r not in records]
         mismatched = [r for r in others if r in records and not records[r].same_call(mine)]
         local = [r for r in others if r in records and records[r].same_call(mine) and records[r].local]

@@ -19,13 +19,18 @@ from the rows kept by :meth:`TorchBackend.combine_for_backward`; dispatch backwa
 
 It synchronises with the host (split sizes of the all-to-all live on the host) in both size
 modes; ``exact_sizes=False`` only changes the output shapes.
+
+Every collective goes through the group's :class:`~mxcomm.transport.BoundedGroup`: it waits at most
+``EPConfig.timeout_s`` and carries a tag (``dispatch #5 (T=128)``); a peer that does not arrive, died, called another
+step or refused its input makes every rank that waited raise :class:`~mxcomm.transport.PeerTimeout` naming it. On
+NCCL a bounded wait blocks the host until the GPU work is done (a host sync per collective).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ...mx import MXTensor, ScaleLayout, quantize
+from ...transport.bounded import BoundedGroup, CallTag
 from ..collectives import collective_device
 from ..config import EPConfig
 from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
@@ -63,13 +68,26 @@ class TorchBackend:
     device_side_checks = False
     memory_bytes = 0  # no symmetric buffers: every call allocates its own
 
-    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, group_id: int = 0):
+    def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, group_id: int = 0,
+                 bounded: BoundedGroup | None = None):
         self.config = config
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.group_id = group_id
         self.num_local_experts = config.num_local_experts(world_size)
+        # every collective waits at most config.timeout_s and names the peers on failure (mxcomm.transport.bounded)
+        self.bounded = bounded if bounded is not None else BoundedGroup(group, timeout_s=config.timeout_s)
+        self._calls = 0  # calls of this group's steps: the tag each exchange carries
+        self._tag = CallTag("none", 0)
+
+    def _begin(self, op: str, detail: str) -> None:
+        """A step starts: the tag its exchanges carry (``op #n (detail)``), compared on a failure."""
+        self._calls += 1
+        self._tag = CallTag(op, self._calls, detail)
+
+    def refuse(self, op: str, exc: BaseException) -> None:
+        self.bounded.refuse(CallTag(op, self._calls + 1, "input refused"), exc)
 
     # -- the backend protocol's small parts (mxcomm.ep.backend) -----------------------------------
     def check_errors(self) -> None:
@@ -90,9 +108,7 @@ class TorchBackend:
         if self.world_size == 1:
             return counts.view(1, -1)
         dev = collective_device(self.group, counts.device)
-        c = counts.to(dev)
-        bufs = [torch.empty_like(c) for _ in range(self.world_size)]
-        dist.all_gather(bufs, c, group=self.group)
+        bufs = self.bounded.all_gather(counts.to(dev), self._tag)
         return torch.stack(bufs).to(counts.device)
 
     def _all_to_all(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
@@ -101,11 +117,12 @@ class TorchBackend:
             return send.clone()
         dev = collective_device(self.group, send.device)
         out = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=dev)
-        dist.all_to_all_single(out, send.to(dev).contiguous(), recv_splits, send_splits, group=self.group)
+        self.bounded.all_to_all_single(out, send.to(dev).contiguous(), recv_splits, send_splits, self._tag)
         return out.to(send.device)
 
     # -- dispatch ---------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        self._begin("dispatch", f"T={x.shape[0]}")
         cfg = self.config
         dev = x.device
         T, H = x.shape
@@ -186,15 +203,19 @@ class TorchBackend:
 
     # -- combine ----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
-        return self.combine_for_backward(expert_out, handle, quantize_rows)[0]
+        return self._combine(expert_out, handle, quantize_rows, "combine")[0]
 
     def combine_for_backward(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool):
         """Forward combine that also returns the rows as they arrived (see :class:`CombineSaved`)."""
+        return self._combine(expert_out, handle, quantize_rows, "combine_for_backward")
+
+    def _combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool, op: str):
+        self._begin(op, f"T={handle.num_tokens}")
         plan = handle.plan
         n_recv, n_send = sum(handle.recv_splits_host), sum(handle.send_splits_host)
         rows = expert_out[recv_rows(plan, n_recv).to(torch.int64)]  # [n_recv, H] in receive order
         back = self._rows_to_origin(rows, handle, quantize_rows)
-        vals = back.dequantize(torch.float32) if isinstance(back, MXTensor) else back.to(torch.float32)
+        vals = back.dequantize(torch.float32, saturate_to=torch.bfloat16) if isinstance(back, MXTensor) else back.to(torch.float32)
         assert vals.shape == (n_send, self.config.hidden)
         y = weighted_combine(vals, plan.send_pos, handle.topk_weights).to(torch.bfloat16)
         return y, CombineSaved(rows=back)
@@ -202,6 +223,7 @@ class TorchBackend:
     # -- backward ---------------------------------------------------------------------------
     def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved, quantize_rows: bool) -> CombineGrads:
         """See :meth:`mxcomm.ep.steps.EPSteps.combine_backward` (math in :mod:`mxcomm.ep.reference.backward`)."""
+        self._begin("combine_backward", f"T={handle.num_tokens}")
         plan = handle.plan
         send_splits, recv_splits = list(handle.send_splits_host), list(handle.recv_splits_host)
         g = slot_grad_rows(grad_y, handle.topk_weights, plan.send_order[: sum(send_splits)])  # fp32, send order
@@ -219,6 +241,7 @@ class TorchBackend:
 
     def dispatch_backward(self, grad_recv, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
         """See :meth:`mxcomm.ep.steps.EPSteps.dispatch_backward`."""
+        self._begin("dispatch_backward", f"T={handle.num_tokens}")
         plan = handle.plan
         rows = recv_rows(plan, sum(handle.recv_splits_host)).to(torch.int64)
         if isinstance(grad_recv, MXTensor):
@@ -230,7 +253,7 @@ class TorchBackend:
         else:
             sent = grad_recv[rows]
         back = self._rows_to_origin(sent, handle, quantize_rows)
-        vals = back.dequantize(torch.float32) if isinstance(back, MXTensor) else back.to(torch.float32)
+        vals = back.dequantize(torch.float32, saturate_to=torch.bfloat16) if isinstance(back, MXTensor) else back.to(torch.float32)
         ones = torch.ones(plan.send_pos.shape, dtype=torch.float32, device=vals.device)
         return weighted_combine(vals, plan.send_pos, ones).to(torch.bfloat16)
 

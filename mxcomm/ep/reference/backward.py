@@ -54,7 +54,7 @@ def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor],
     Returns:
         float32 ``[T, k]``.
     """
-    vals = rows.dequantize(torch.float32) if isinstance(rows, MXTensor) else rows.to(torch.float32)
+    vals = rows.dequantize(torch.float32, saturate_to=torch.bfloat16) if isinstance(rows, MXTensor) else rows.to(torch.float32)
     n, H = vals.shape
     T, k = send_pos.shape
     pos = send_pos.to(torch.int64)
@@ -69,9 +69,9 @@ def transport_values(rows: Union[MXTensor, torch.Tensor], quantize_rows: bool, m
     """float32 values of ``rows`` after transport: an MXTensor as it is; a dense tensor quantized
     row-wise (``mode``) and dequantized when ``quantize_rows``, else its own values."""
     if isinstance(rows, MXTensor):
-        return rows.dequantize(torch.float32)
+        return rows.dequantize(torch.float32, saturate_to=torch.bfloat16)
     if quantize_rows:
-        return quantize(rows, mode=mode).dequantize(torch.float32)
+        return quantize(rows, mode=mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
     return rows.to(torch.float32)
 
 

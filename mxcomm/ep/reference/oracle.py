@@ -126,7 +126,7 @@ def oracle_combine(
         quantize_rows: MXFP8 transport (row-wise, config scale mode) or BF16.
     """
     if quantize_rows:
-        vals = [quantize(o, mode=config.scale_mode).dequantize(torch.float32) for o in expert_outs]
+        vals = [quantize(o, mode=config.scale_mode).dequantize(torch.float32, saturate_to=torch.bfloat16) for o in expert_outs]
     else:
         vals = [o.to(torch.float32) for o in expert_outs]
     return routed_sum(config, routes, vals, topk_weights)
