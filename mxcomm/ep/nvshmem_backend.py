@@ -77,29 +77,41 @@ from .plan import RoutingPlan, buffer_regions, combine_regions, dispatch_path, l
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from . import put_path
 
-_CHUNK = 1024
-_PROGRAMS_PER_SM = 4  # combine send, copy-out
-# dispatch direction (dispatch_kernel, pack_rows_kernel; combine's reduce has its own chunks, 4 warps): 16 programs
-# per SM of 8 warps, row chunks of up to 8192 values (a whole row at H = 7168) - measured on an H200 at 8192 x 7168,
-# top-8, kernel times from CUDA-graph replays (bench/bench_ep_kernels.py, session 11, two runs in one device call,
-# bench/results/h200x2/s11/): dispatch_kernel 170.7 / 170.7 µs against 179.2 / 179.3 at session 7's 4 warps and
-# chunk 4096; pack_rows_kernel 44.6 / 45.2 against 48.1 / 47.8. These kernels are bound by memory: a last chunk
-# partly masked off costs little. The weighted dispatch (combine backward) quantizes per slot, with its own chunk
-# (_qdq_chunk) and 4 warps.
-_DISPATCH_PROGRAMS_PER_SM = 16
-_DISPATCH_CHUNK = 8192
-_REDUCE_CHUNK = 4096
-# The reduce of MXFP8 rows that arrived (several ranks): 2048 since session 9's kernel (scalar weight mask), lab on
-# one H200, two device calls: 165.7 / 163.8 µs at 2048 against 198.2 / 197.8 at 4096 (session 8's kernel: 210 at
-# 2048, 177 at 4096). The BF16 reduce keeps 4096 (not re-measured).
-_REDUCE_MX_CHUNK = 2048
-# Kernels that quantize every slot (combine backward's weighted dispatch, one rank's combine, which quantizes and
-# dequantizes each row in registers) are bound by arithmetic: their chunk divides H where it can (_qdq_chunk), since
-# a masked-off tail is computed all the same (session 9, one H200, one-rank reduce at H = 7168: 342.7 µs at 1024,
-# 400.0 at 2048, 582.9 at 4096).
-_QDQ_CHUNK = 1024
-_ROUTE_GRAD_PROGRAMS_PER_SM = 8  # route_weight_grad (4 warps each): see mxcomm.kernels.route_grad
 _MAX_PLAN_GRAPHS = 8  # captured plan graphs kept per backend (least recently used dropped)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch settings of the nvshmem backend's kernels (grids are ``per_sm * SMs``, the SMs being
+    ``EPConfig.num_sms`` or the whole GPU). The defaults are the fastest settings measured on an H200
+    (docs/benchmarks.md: the kernel labs and ``python -m mxcomm.bench.tools.sweep`` re-measure them on another GPU);
+    every rank of a group must use the same settings (receivers count the senders' programs).
+
+    Attributes:
+        dispatch_per_sm / dispatch_warps / dispatch_chunk: ``dispatch_kernel`` and ``pack_rows_kernel`` (memory-bound:
+            a whole row per chunk at H <= 8192); ``pull_rows_kernel`` uses the same grid.
+        weighted_warps / qdq_chunk: kernels that quantize every slot (combine backward's weighted dispatch, the
+            one-rank combine's in-register quantize-dequantize) are bound by arithmetic: their chunk divides H where it
+            can (:func:`_qdq_chunk`), since a masked-off tail is computed all the same.
+        send_per_sm / send_warps / send_rows / send_chunk: ``combine_send_kernel`` (a tile of rows x chunk values).
+        reduce_chunk / reduce_mx_chunk: ``combine_reduce_kernel`` on BF16 / MXFP8 rows that arrived.
+        route_grad_per_sm: ``route_weight_grad`` (4 warps per program).
+        push_per_sm: ``push_entries_kernel`` (pull dispatch).
+    """
+
+    dispatch_per_sm: int = 16
+    dispatch_warps: int = 8
+    dispatch_chunk: int = 8192
+    weighted_warps: int = 4
+    qdq_chunk: int = 1024
+    send_per_sm: int = 4
+    send_warps: int = 8
+    send_rows: int = 4
+    send_chunk: int = 1024
+    reduce_chunk: int = 4096
+    reduce_mx_chunk: int = 2048
+    route_grad_per_sm: int = 8
+    push_per_sm: int = 1
 
 
 @dataclass(frozen=True)
@@ -198,7 +210,7 @@ class NvshmemBackend:
     device_side_checks = True  # expert ids are checked here (see _checked_ids), not by the group
 
     def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, group_id: int = 0, bounded=None,
-                 heap=None, puts=None):
+                 heap=None, puts=None, launch: Optional[LaunchConfig] = None):
         self.config = config
         self.group_id = group_id
         self.bounded = bounded  # the group's BoundedGroup (bootstrap side channel); the data path waits on the device
@@ -217,14 +229,8 @@ class NvshmemBackend:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:  # Triton interpreter (tests of the data path on CPU)
             sms = 1
-        # persistent programs of the sending kernels (same on all ranks: receivers count their arrivals)
-        self.programs = sms * _PROGRAMS_PER_SM  # combine send
-        self.route_grad_programs = sms * _ROUTE_GRAD_PROGRAMS_PER_SM  # combine backward's route-weight gradient
-        self.dispatch_programs = sms * _DISPATCH_PROGRAMS_PER_SM  # dispatch_kernel (dispatch, combine backward)
-        self.send_warps = 8  # warps per program of combine send
-        self.send_rows, self.send_chunk = 4, _CHUNK  # combine send's tile: rows x row chunk (values)
-        self.dispatch_warps = 8  # dispatch_kernel (unweighted), pack_rows_kernel
-        self.weighted_warps = 4  # dispatch_kernel with WEIGHTED (combine backward)
+        self.sms = sms
+        self.launch = launch if launch is not None else LaunchConfig()
         # routing plan: "triton" (mxcomm.ep.plan_kernels: the id check + counts + per-block slot table in two kernels,
         # the plan in three, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the
         # GPU replayed from a CUDA graph captured per token count)
@@ -270,8 +276,7 @@ class NvshmemBackend:
             self._counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
         if self.pull:
             self.send_q, self.send_s, self.pull_list = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.pull_list"]
-            self.push_programs = sms  # push_entries_kernel (same on all ranks: receivers count their arrivals)
-            self.pull_programs = sms * _DISPATCH_PROGRAMS_PER_SM  # pull_rows_kernel
+
         if self.put_mode:
             self._init_put_path(bufs, puts)
 
@@ -305,21 +310,40 @@ class NvshmemBackend:
             )
         return tp.SymmetricHeap(ctx)
 
+    # -- launch settings (self.launch; grids are per-SM counts times self.sms, the same on every rank) -------
+    @property
+    def programs(self) -> int:
+        """Programs of combine_send_kernel (receivers count them: identical on every rank)."""
+        return self.sms * self.launch.send_per_sm
+
+    @property
+    def dispatch_programs(self) -> int:
+        """Programs of dispatch_kernel / pack_rows_kernel / pull_rows_kernel / the reduce."""
+        return self.sms * self.launch.dispatch_per_sm
+
+    @property
+    def push_programs(self) -> int:
+        return self.sms * self.launch.push_per_sm
+
+    @property
+    def route_grad_programs(self) -> int:
+        return self.sms * self.launch.route_grad_per_sm
+
     def _dispatch_warps(self, weighted: bool) -> int:
         """Warps per program of dispatch_kernel (``weighted``: combine backward's per-slot quantization)."""
-        return self.weighted_warps if weighted else self.dispatch_warps
+        return self.launch.weighted_warps if weighted else self.launch.dispatch_warps
 
-    @staticmethod
-    def _chunk(H: int, weighted: bool = False) -> int:
+    def _chunk(self, H: int, weighted: bool = False) -> int:
         """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot)."""
-        return _qdq_chunk(H) if weighted else min(_DISPATCH_CHUNK, triton_next_pow2(H))
+        if weighted:
+            return _qdq_chunk(H, self.launch.qdq_chunk)
+        return min(self.launch.dispatch_chunk, triton_next_pow2(H))
 
-    @staticmethod
-    def _reduce_chunk(H: int, own: bool, mx: bool) -> int:
+    def _reduce_chunk(self, H: int, own: bool, mx: bool) -> int:
         """Row chunk of combine_reduce_kernel: ``own and mx`` quantizes every slot (compute-bound), the others read."""
         if own and mx:
-            return _qdq_chunk(H)
-        return min(_REDUCE_MX_CHUNK if mx else _REDUCE_CHUNK, triton_next_pow2(H))
+            return _qdq_chunk(H, self.launch.qdq_chunk)
+        return min(self.launch.reduce_mx_chunk if mx else self.launch.reduce_chunk, triton_next_pow2(H))
 
     @property
     def memory_bytes(self) -> int:
@@ -496,7 +520,7 @@ class NvshmemBackend:
         C = self.config.hidden // 32
         if R:
             n_entries = self.world * self.config.max_tokens_per_rank
-            pull_rows_kernel[(min(max(R, n_entries), self.pull_programs),)](
+            pull_rows_kernel[(min(max(R, n_entries), self.dispatch_programs),)](
                 out.view(torch.int64), self.recv_s.local, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
                 self.send_s.peer_ptrs, self.pull_list.local, self.d_epoch, self.config.max_tokens_per_rank,
                 self.world, ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), C=C,
@@ -643,7 +667,7 @@ class NvshmemBackend:
             pack_rows_kernel[(min(T, self.dispatch_programs),)](
                 self._x_slot, T, q, self.send_s.local, self.d_epoch, self.config.max_tokens_per_rank,
                 H=H, CHUNK=self._chunk(H), MX=self.mx, MODE=self.mode_id, INT_ROUND=self.int_round, X_SLOT=True,
-                num_warps=self.dispatch_warps,
+                num_warps=self.launch.dispatch_warps,
             )
 
     def _pull_middle(self, counts_buf: torch.Tensor, ids: torch.Tensor) -> PlanOutputs:
@@ -802,10 +826,10 @@ class NvshmemBackend:
             origins = handle_origins(handle)
             combine_send_kernel[(self.programs,)](
                 payload, st.num_rows_dev, origins.src, origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
-                self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=self.send_rows,
-                CHUNK=min(self.send_chunk, triton_next_pow2(H)),
+                self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=self.launch.send_rows,
+                CHUNK=min(self.launch.send_chunk, triton_next_pow2(H)),
                 MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, STAGED=self.put_mode,
-                num_warps=self.send_warps,
+                num_warps=self.launch.send_warps,
             )
             if self.put_mode:
                 slot0 = (self.c_epoch % 2) * self.nslot
@@ -898,7 +922,7 @@ class NvshmemBackend:
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
 
 
-def _qdq_chunk(H: int, cap: int = _QDQ_CHUNK, floor: int = 512) -> int:
+def _qdq_chunk(H: int, cap: int = LaunchConfig.qdq_chunk, floor: int = 512) -> int:
     """Row chunk of the kernels that quantize every slot: among the powers of two in ``[floor, cap]`` the one that
     leaves the fewest values of the last chunk masked off (the larger on ties; below ``floor`` a 4-warp program
     holds too few values per thread); ``next_pow2(H)`` when that is smaller."""
@@ -915,4 +939,4 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-__all__ = ["NvshmemBackend", "row_origins", "RowOrigins", "handle_origins"]
+__all__ = ["NvshmemBackend", "LaunchConfig", "row_origins", "RowOrigins", "handle_origins"]

@@ -98,7 +98,7 @@ def check_env(environ: Mapping[str, str] | None = None) -> None:
         raise RuntimeError(
             "NVLink multicast must be disabled before NVSHMEM starts, but: " + "; ".join(bad)
             + f". Set them in the launching environment (export {fix}), e.g. from "
-            "mxcomm.transport.launcher_env(...) or scripts/gpu_env.sh; mxcomm never changes os.environ itself."
+            "mxcomm.transport.launcher_env(...) or bench/gpu/env.sh; mxcomm never changes os.environ itself."
         )
 
 

@@ -7,7 +7,7 @@ Outputs and every gradient are compared, over the whole world, with the float64 
 thresholds of test_nn_moe.py (plain reference and the simulated-rounding reference).
 
     python -m pytest -q -m gpu tests/nn/test_nn_gpu.py        # reference EP backend (NCCL world 1, gloo 2 ranks)
-    source scripts/gpu_env.sh && python -m pytest -q -m nvshmem tests/nn/test_nn_gpu.py   # nvshmem EP backend
+    source bench/gpu/env.sh && python -m pytest -q -m nvshmem tests/nn/test_nn_gpu.py   # nvshmem EP backend
 """
 import pytest
 import torch

@@ -4,7 +4,7 @@
 MPS daemon at 25 % each (an existing one named by CUDA_MPS_PIPE_DIRECTORY, else one started here
 in a private directory and stopped afterwards), or are skipped with the reason.
 
-Run on the GPU machine:  source scripts/gpu_env.sh && python3 -m pytest -m nvshmem tests/transport
+Run on the GPU machine:  source bench/gpu/env.sh && python3 -m pytest -m nvshmem tests/transport
 """
 from __future__ import annotations
 
