@@ -198,8 +198,8 @@ def bad_backward_inputs(rank: int, world: int, fails: list) -> None:
     d = grp.dispatch(x, idxs[rank], ws[rank])
     o = d.dense(torch.bfloat16)
     _expect(fails, "autograd grad_format", ValueError, "grad_format", lambda: grp.combine(o, d.handle, grad_format="x"))
-    _expect(fails, "autograd weights shape", ValueError, "topk_weights", lambda: combine(
-        grp, o, d.handle, topk_weights=ws[rank][:, :1]))
+    _expect(fails, "autograd weights shape", ValueError, "topk_weights", lambda: grp.combine(
+        o, d.handle, topk_weights=ws[rank][:, :1]))
     _expect(fails, "autograd MX expert_out", TypeError, "dense", lambda: grp.combine(d.x, d.handle))  # mxfp8 case
     _expect(fails, "autograd group", TypeError, "EPConfig", lambda: EPGroup("not a config"))
     # a good collective after all that
