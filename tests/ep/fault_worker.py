@@ -43,6 +43,7 @@ def _parse():
     ap.add_argument("--victim", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=3.0)
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--backend", default="nvshmem", help="'torch': the same steps on the reference backend, CPU (a dry run)")
     return ap.parse_args()
 
 
@@ -65,13 +66,15 @@ def main() -> int:
         from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
         from mxcomm.transport import PeerTimeout
 
-        torch.cuda.set_device(0)
+        dev = "cuda" if args.backend == "nvshmem" else "cpu"
+        if dev == "cuda":
+            torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(args.outdir, 'store')}",
                                 rank=args.rank, world_size=args.nranks, timeout=datetime.timedelta(seconds=120))
         W, r = args.nranks, args.rank
         E, H, k, Tmax = 4 * W, 256, 3, 64
-        base = Case("fault", tuple([Tmax] * W), E, H, k, max_tokens=Tmax, device="cuda", backend="nvshmem")
-        cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=Tmax, backend="nvshmem",
+        base = Case("fault", tuple([Tmax] * W), E, H, k, max_tokens=Tmax, device=dev, backend=args.backend)
+        cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=Tmax, backend=args.backend,
                        timeout_s=args.timeout_s)
         group = EPGroup(cfg)
         res["steps"].append("group")
@@ -81,9 +84,9 @@ def main() -> int:
             case = Case(f"c{i}", tuple(rng.choice([0, 1, 7, rng.randint(0, Tmax)]) for _ in range(W)), E, H, k,
                         max_tokens=Tmax, seed=7919 * i + 3, drop_p=rng.choice([0.0, 0.3]),
                         routing=rng.choice(["random", "random", "subset", "one_expert"]),
-                        hot_expert=rng.randrange(E), used_experts=k + 1, device="cuda", backend="nvshmem")
+                        hot_expert=rng.randrange(E), used_experts=k + 1, device=dev, backend=args.backend)
             xs, idxs, ws = make_inputs(case)
-            d = group.steps.dispatch(xs[r].cuda(), idxs[r].cuda(), ws[r].cuda())
+            d = group.steps.dispatch(xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev))
             if check:
                 expected, routes = oracle_dispatch(cfg, xs, idxs)
                 got = row_checksums(d.x.qdata.view(torch.uint8)).cpu()
@@ -92,7 +95,7 @@ def main() -> int:
                 if bad_rows or not torch.equal(d.x.scales.cpu(), expected[r].x.scales):
                     fails.append(f"call {i}: {bad_rows} dispatch rows (or the scales) differ from the oracle")
                 outs = make_expert_outs(case, expected)
-                y = group.steps.combine(outs[r].cuda(), d.handle)
+                y = group.steps.combine(outs[r].to(dev), d.handle)
                 check_combine(f"call {i} combine", y, oracle_combine(cfg, outs, routes, ws, quantize_rows=True)[r],
                               fails, [])
             return d, case
@@ -110,12 +113,13 @@ def main() -> int:
             for i in range(args.iters):
                 one_call(100 + i, True, fails)
                 if i == args.iters // 4 or i == args.iters - 1:
-                    torch.cuda.synchronize()
-                    mem.append({"device": torch.cuda.memory_allocated(), "rss": _rss_bytes()})
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                    mem.append({"device": torch.cuda.memory_allocated() if dev == "cuda" else 0, "rss": _rss_bytes()})
             res.update(soak_failures=fails[:50], soak_failed=len(fails), soak_calls=args.iters, memory=mem)
         else:
             xs, idxs, ws = make_inputs(base)
-            x, idx, w = xs[r].cuda(), idxs[r].cuda(), ws[r].cuda()
+            x, idx, w = xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev)
             victim = r == args.victim
             if args.phase == "dispatch" and victim:
                 save()
@@ -128,11 +132,12 @@ def main() -> int:
                 d = group.steps.dispatch(x, idx, w)
                 if args.phase == "combine":
                     if victim:
-                        torch.cuda.synchronize()
+                        if dev == "cuda":
+                            torch.cuda.synchronize()
                         save()
                         os.kill(os.getpid(), signal.SIGKILL)
                     t0 = time.monotonic()
-                    group.steps.combine(torch.zeros(d.num_rows, H, dtype=torch.bfloat16, device="cuda"), d.handle)
+                    group.steps.combine(torch.zeros(d.num_rows, H, dtype=torch.bfloat16, device=dev), d.handle)
                 res["raised"] = None
             except PeerTimeout as e:
                 res.update(raised="PeerTimeout", peer=e.peer, peers=list(e.peers), message=str(e))
