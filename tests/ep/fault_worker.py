@@ -43,6 +43,7 @@ def _parse():
     ap.add_argument("--victim", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=3.0)
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--max-s", type=float, default=1e9, help="soak: stop after this many seconds (calls done reported)")
     ap.add_argument("--backend", default="nvshmem", help="'torch': the same steps on the reference backend, CPU (a dry run)")
     return ap.parse_args()
 
@@ -110,13 +111,28 @@ def main() -> int:
         if args.phase == "soak":
             fails: list = []
             mem = []
-            for i in range(args.iters):
-                one_call(100 + i, True, fails)
-                if i == args.iters // 4 or i == args.iters - 1:
-                    if dev == "cuda":
-                        torch.cuda.synchronize()
-                    mem.append({"device": torch.cuda.memory_allocated() if dev == "cuda" else 0, "rss": _rss_bytes()})
-            res.update(soak_failures=fails[:50], soak_failed=len(fails), soak_calls=args.iters, memory=mem)
+            deadline = time.monotonic() + args.max_s
+            done = 0
+
+            def sample():
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                mem.append({"device": torch.cuda.memory_allocated() if dev == "cuda" else 0, "rss": _rss_bytes()})
+
+            # every rank stops at the same call: every 100 calls the ranks agree (over the gloo side channel) whether
+            # any of them has passed its time budget
+            while done < args.iters:
+                one_call(100 + done, True, fails)
+                done += 1
+                if done == min(200, args.iters // 4 or 1):
+                    sample()
+                if done % 100 == 0:
+                    stop = torch.tensor([int(time.monotonic() > deadline)])
+                    dist.all_reduce(stop)
+                    if int(stop):
+                        break
+            sample()
+            res.update(soak_failures=fails[:50], soak_failed=len(fails), soak_calls=done, memory=mem[-2:])
         else:
             xs, idxs, ws = make_inputs(base)
             x, idx, w = xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev)
