@@ -61,7 +61,8 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
 
 def _qdq(t: torch.Tensor, mode: str, axis: int = -1) -> torch.Tensor:
     """MXFP8 quantize -> dequantize along ``axis`` (rounded to fp32 first), back in t's dtype."""
-    return mx.quantize(t.to(torch.float32), mode=mode, axis=axis).dequantize(torch.float32, saturate_to=t.dtype).to(t.dtype)
+    sat = t.dtype if torch.finfo(t.dtype).max <= torch.finfo(torch.float32).max else None  # (a float64 reference: fp32's)
+    return mx.quantize(t.to(torch.float32), mode=mode, axis=axis).dequantize(torch.float32, saturate_to=sat).to(t.dtype)
 
 
 class _Sim(torch.autograd.Function):
