@@ -122,7 +122,9 @@ def wait_flag_geq(flag_ptr, expected, deadline_ns, err_ptr, peer):
         expected: epoch to wait for (flags only grow: no reset needed between calls).
         deadline_ns: absolute int64 deadline from :func:`deadline_after`.
         err_ptr: scalar pointer to an int64 error word; on timeout gets ``atomic_max`` of
-            ``(TIMEOUT_CODE << 32) | peer``.
+            ``(TIMEOUT_CODE << 32) | peer``. A wait also gives up as soon as the word is non-zero (an earlier wait
+            of the same call timed out: the call fails once, after one ``timeout_s``, not once per wait), without
+            recording anything itself (the peer named stays the one that did not arrive).
         peer: rank that was waited for (recorded in the error word).
 
     Returns:
@@ -131,11 +133,13 @@ def wait_flag_geq(flag_ptr, expected, deadline_ns, err_ptr, peer):
     """
     v = load_acquire(flag_ptr)
     now = globaltimer()
-    while (v < expected) & (now <= deadline_ns):
+    e = tl.load(err_ptr, volatile=True)
+    while (v < expected) & (now <= deadline_ns) & (e == 0):
         v = load_acquire(flag_ptr)
         now = globaltimer()
+        e = tl.load(err_ptr, volatile=True)
     ok = v >= expected
-    if v < expected:
+    if (v < expected) & (e == 0):  # this wait's own deadline passed (not given up for an earlier wait's error)
         word = (tl.zeros((), tl.int64) + peer) | _TIMEOUT_WORD
         tl.atomic_max(err_ptr, word, sem="relaxed", scope="gpu")
     return ok
