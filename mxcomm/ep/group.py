@@ -58,6 +58,8 @@ class EPGroup:
     """
 
     def __init__(self, config: EPConfig, group=None):
+        if not isinstance(config, EPConfig):  # a programming error, raised before any collective
+            raise TypeError(f"config must be an EPConfig, got {type(config).__name__}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("EPGroup needs torch.distributed initialised (init_process_group) first")
         self.group = group

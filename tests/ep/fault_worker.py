@@ -39,7 +39,8 @@ def _parse():
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--nranks", type=int, required=True)
     ap.add_argument("--outdir", required=True)
-    ap.add_argument("--phase", choices=("dispatch", "combine", "bad_ids", "soak"), required=True)
+    ap.add_argument("--phase", choices=("dispatch", "combine", "bad_ids", "soak", "sleep", "mismatch", "bad_config"),
+                    required=True)
     ap.add_argument("--victim", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=3.0)
     ap.add_argument("--iters", type=int, default=100)
@@ -77,6 +78,18 @@ def main() -> int:
         base = Case("fault", tuple([Tmax] * W), E, H, k, max_tokens=Tmax, device=dev, backend=args.backend)
         cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=Tmax, backend=args.backend,
                        timeout_s=args.timeout_s)
+        if args.phase == "bad_config":  # the victim's config is invalid (hidden not a multiple of 32)
+            from dataclasses import replace as _replace
+
+            t0 = time.monotonic()
+            try:
+                EPGroup(_replace(cfg, hidden=48) if r == args.victim else cfg)
+                res["raised"] = None
+            except ValueError as e:
+                res.update(raised="ValueError", message=str(e))
+            res["elapsed_s"] = time.monotonic() - t0
+            save()
+            return 0
         group = EPGroup(cfg)
         res["steps"].append("group")
         rng = random.Random(11)
@@ -103,7 +116,7 @@ def main() -> int:
 
         warm_fails: list = []
         for i in range(3):
-            one_call(i, True, warm_fails)
+            last, _ = one_call(i, True, warm_fails)
         res["warm_failures"] = warm_fails
         res["steps"].append("warm")
         save()
@@ -143,8 +156,13 @@ def main() -> int:
             if args.phase == "bad_ids" and victim:
                 idx = idx.clone()
                 idx[0, 0] = E  # out of range
+            if args.phase == "sleep" and victim:
+                time.sleep(args.timeout_s + 3.0)
             t0 = time.monotonic()
             try:
+                if args.phase == "mismatch" and victim:  # combines the last good dispatch while the others dispatch
+                    group.steps.combine(torch.zeros(last.num_rows, H, dtype=torch.bfloat16, device=dev), last.handle)
+                    raise AssertionError("not reached: the peers dispatch")
                 d = group.steps.dispatch(x, idx, w)
                 if args.phase == "combine":
                     if victim:
@@ -154,6 +172,8 @@ def main() -> int:
                         os.kill(os.getpid(), signal.SIGKILL)
                     t0 = time.monotonic()
                     group.steps.combine(torch.zeros(d.num_rows, H, dtype=torch.bfloat16, device=dev), d.handle)
+                if args.phase == "sleep" and victim:  # a late rank may see its call complete: the next one raises
+                    group.steps.dispatch(x, idx, w)
                 res["raised"] = None
             except PeerTimeout as e:
                 res.update(raised="PeerTimeout", peer=e.peer, peers=list(e.peers), message=str(e))

@@ -82,7 +82,6 @@ class RecordingGroup:
 
     def dispatch(self, x, topk_idx, topk_weights):
         res = self.group.dispatch(x, topk_idx, topk_weights)
-        handle = res.handle
         h = self.hash
         h.update(f"dispatch R={res.num_rows};".encode())
         for t in (res.offs, res.counts):
@@ -92,7 +91,7 @@ class RecordingGroup:
             _feed(h, res.x.scales)
         else:
             _feed(h, res.x)
-        return res, handle
+        return res
 
     def combine(self, expert_out, handle, *, quantize=None):
         y = self.group.combine(expert_out, handle, quantize=quantize)
