@@ -107,25 +107,29 @@ class CombineFn(torch.autograd.Function):
         return g, gw, None, None, None, None, None
 
 
-@torch.compiler.disable
 def dispatch(steps, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
              grad_quantize: Optional[bool]) -> Dispatched:
-    """Eager differentiable dispatch (see :meth:`EPGroup.dispatch`); a graph break under torch.compile."""
+    """Eager differentiable dispatch (see :meth:`EPGroup.dispatch`)."""
     box = _Box()
-    # The weights go in detached: dispatch does not depend on them (its output needs a gradient only when x
-    # does); the handle carries the attached tensor to combine.
-    w_in = topk_weights.detach() if isinstance(topk_weights, torch.Tensor) else topk_weights
+    # Weights that require grad go in detached: dispatch does not depend on them (its output needs a gradient
+    # only when x does); the handle carries the attached tensor to combine.
+    grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
+    w_in = topk_weights.detach() if grad_w else topk_weights
     out = DispatchFn.apply(x, steps, topk_idx, w_in, grad_quantize, box)
     res: Dispatched = box.result
-    handle = replace(res.handle, topk_weights=topk_weights)
+    handle = replace(res.handle, topk_weights=topk_weights) if grad_w else res.handle
     return Dispatched(x=out, offs=res.offs, counts=res.counts, num_rows=res.num_rows, handle=handle)
 
 
-@torch.compiler.disable
 def combine(steps, expert_out: torch.Tensor, handle: EPHandle, w: torch.Tensor, quantize: Optional[bool],
             grad_quantize: Optional[bool], grad_format: str) -> torch.Tensor:
     """Eager differentiable combine (see :meth:`EPGroup.combine`; arguments validated by the caller)."""
     return CombineFn.apply(expert_out, w, steps, handle, quantize, grad_quantize, grad_format)
 
 
-__all__ = ["DispatchFn", "CombineFn", "dispatch", "combine"]
+#: The same calls as graph breaks, for torch.compile of a group whose exact output sizes cannot be traced (the
+#: eager calls skip the wrapper: it costs host time on every call).
+dispatch_graph_break = torch.compiler.disable(dispatch)
+combine_graph_break = torch.compiler.disable(combine)
+
+__all__ = ["DispatchFn", "CombineFn", "dispatch", "combine", "dispatch_graph_break", "combine_graph_break"]

@@ -109,8 +109,10 @@ class EPGroup:
             precision ``"mxfp8"``, else bfloat16), ``offs`` / ``counts`` int32 ``[El]``, ``num_rows``, ``handle``.
         Collective (forward and backward): every rank of the group calls it.
         """
-        if not self.config.exact_sizes and torch.compiler.is_compiling():
-            return compiled.dispatch(self, x, topk_idx, topk_weights, grad_quantize)
+        if torch.compiler.is_compiling():
+            if not self.config.exact_sizes:
+                return compiled.dispatch(self, x, topk_idx, topk_weights, grad_quantize)
+            return functions.dispatch_graph_break(self.steps, x, topk_idx, topk_weights, grad_quantize)
         return functions.dispatch(self.steps, x, topk_idx, topk_weights, grad_quantize)
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, *, topk_weights: Optional[torch.Tensor] = None,
@@ -147,6 +149,8 @@ class EPGroup:
         if handle.op_state is not None:  # a dispatch that ran as a custom op: combine through the ops too
             validate.combine_inputs(self.config, self.op_id, expert_out, handle)
             return compiled.combine(self, expert_out, handle, w, q, gq, grad_format)
+        if torch.compiler.is_compiling():
+            return functions.combine_graph_break(self.steps, expert_out, handle, w, q, gq, grad_format)
         return functions.combine(self.steps, expert_out, handle, w, q, gq, grad_format)
 
     def check_errors(self) -> None:
