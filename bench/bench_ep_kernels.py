@@ -541,7 +541,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--timer", choices=("graph", "events"), default="graph",
                     help="graph: 10 launches captured in a CUDA graph, replay time / 10 (kernel time, no host launch "
-                         "gaps); events: CUDA events around one eager launch (sessions 4-6 used this: it includes "
+                         "gaps); events: CUDA events around one eager launch (it includes "
                          "part of the host's launch time, up to ~30 µs per Triton launch)")
     ap.add_argument("--ops", default="dispatch,naive,reduce")
     ap.add_argument("--impls", default="mxcomm.ep.nvshmem_kernels")

@@ -464,7 +464,7 @@ def test_finalize_cases_bandwidth_and_ratios():
     assert mx["ratios"]["vs_reference"]["whole_call"] > 1  # the reference samples are ~5x slower
     assert "vs_mxcomm_bf16" not in mx["ratios"]  # a failed case is no baseline
     assert cases[3]["gbps"] is None and cases[3]["ratios"] == {}
-    # one rank on one GPU: issue 3's byte count against the device copy ceiling of the run
+    # one rank on one GPU: the loopback byte count against the device copy ceiling of the run
     from mxcomm.bench.report import add_loopback_traffic
 
     add_loopback_traffic(mx, 32, 1000.0)
@@ -472,7 +472,7 @@ def test_finalize_cases_bandwidth_and_ratios():
     assert lt["bytes"] == 64 * 2 * 32 + 320 * 66
     assert lt["gbps"]["whole_call"] == pytest.approx(lt["bytes"] / (med * 1e-6) / 1e9)
     assert lt["fraction_of_device_copy"]["whole_call"] == pytest.approx(lt["gbps"]["whole_call"] / 1000.0)
-    assert "bytes_touched" not in lt  # dispatch: issue 3's count is what it touches
+    assert "bytes_touched" not in lt  # dispatch: the loopback count is what it touches
     add_loopback_traffic(cases[3], 32, 1000.0)
     assert "loopback_traffic" not in cases[3]  # no timings, no figure
     comb = finalize_cases([raw("mxcomm", "mxfp8", "combine", 66, 10.0)])[0]  # reads BF16 expert rows: 2H per selection

@@ -1,4 +1,4 @@
-"""CUDA graphs (issue: autograd / compile / graph modes): a whole MoE block forward + backward through
+"""CUDA graphs: a whole MoE block forward + backward through
 the nvshmem backend captured once and replayed with new inputs and routings, bit-identical to eager
 steps on the same inputs; capture of the exact-size mode refused with a clear error. 1 and 2 ranks
 (2 ranks: on two GPUs when there are two, else sharing one)."""
