@@ -137,17 +137,20 @@ class EPGroup:
         bytes with MXFP8 transport, ``* 2`` with BF16; ``n_send <= T*k``).
         Collective (forward and backward).
         """
-        validate.grad_format(grad_format)
-        if isinstance(expert_out, MXFP8Tensor):
-            raise TypeError("expert_out must be a dense bfloat16 tensor (combine of an MX expert output is not supported)")
-        validate.handle_of(self.config, self.op_id, handle)
-        w = handle.topk_weights if topk_weights is None else topk_weights
-        validate.combine_weights(handle, w)
+        with self.steps.refusing("combine"):  # a refusal is told to the peers before it propagates
+            validate.grad_format(grad_format)
+            if isinstance(expert_out, MXFP8Tensor):
+                raise TypeError("expert_out must be a dense bfloat16 tensor (combine of an MX expert output is not "
+                                "supported)")
+            validate.handle_of(self.config, self.op_id, handle)
+            w = handle.topk_weights if topk_weights is None else topk_weights
+            validate.combine_weights(handle, w)
         mx = self.config.precision == "mxfp8"
         q = mx if quantize is None else bool(quantize)
         gq = mx if grad_quantize is None else bool(grad_quantize)
         if handle.op_state is not None:  # a dispatch that ran as a custom op: combine through the ops too
-            validate.combine_inputs(self.config, self.op_id, expert_out, handle)
+            with self.steps.refusing("combine"):
+                validate.combine_inputs(self.config, self.op_id, expert_out, handle)
             return compiled.combine(self, expert_out, handle, w, q, gq, grad_format)
         if torch.compiler.is_compiling():
             return functions.combine_graph_break(self.steps, expert_out, handle, w, q, gq, grad_format)

@@ -29,7 +29,7 @@ class EPSteps:
         self.backend = backend
 
     @contextlib.contextmanager
-    def _refusing(self, op: str):
+    def refusing(self, op: str):
         """Run the argument checks of ``op``: a refusal (TypeError / ValueError / RuntimeError) is told to the backend
         before it propagates, so that peers waiting for this rank learn why (``Backend.refuse``)."""
         try:
@@ -62,7 +62,7 @@ class EPSteps:
             :class:`Dispatched` (``x`` an :class:`MXFP8Tensor` or bfloat16 ``[R, H]``, expert-major).
         """
         self._refuse_exact_capture()
-        with self._refusing("dispatch"):
+        with self.refusing("dispatch"):
             validate.dispatch_inputs(self.config, x, topk_idx, topk_weights,
                                      check_values=not self.backend.device_side_checks)
         res, handle = self.backend.dispatch(x, topk_idx, topk_weights)
@@ -95,7 +95,7 @@ class EPSteps:
 
     def _weighted(self, expert_out, handle: EPHandle, topk_weights) -> EPHandle:
         self._refuse_exact_capture()
-        with self._refusing("combine"):
+        with self.refusing("combine"):
             validate.combine_inputs(self.config, self.group_id, expert_out, handle)
             w = handle.topk_weights if topk_weights is None else topk_weights
             validate.combine_weights(handle, w)
@@ -121,7 +121,7 @@ class EPSteps:
             dropped slots) or None.
         """
         self._refuse_exact_capture()
-        with self._refusing("combine_backward"):
+        with self.refusing("combine_backward"):
             validate.handle_of(self.config, self.group_id, handle)
             validate.dense_grad("grad_y", grad_y, (handle.num_tokens, self.config.hidden), handle.device)
             validate.combine_saved(self.config, handle, saved)
@@ -141,7 +141,7 @@ class EPSteps:
         """
         self._refuse_exact_capture()
         grad_recv = unwrap_mx(grad_recv)  # an MXFP8Tensor travels as its MXTensor
-        with self._refusing("dispatch_backward"):
+        with self.refusing("dispatch_backward"):
             validate.handle_of(self.config, self.group_id, handle)
             validate.grad_recv(self.config, handle, grad_recv)
         return self.backend.dispatch_backward(grad_recv, handle, self._quantize(quantize))
