@@ -108,7 +108,7 @@ class Dispatched:
         """``x`` as a dense ``dtype`` ``[R, H]`` tensor (differentiable; dequantizes an MXFP8 dispatch)."""
         if isinstance(self.x, MXFP8Tensor):
             if torch.compiler.is_compiling():
-                from .compiled import dense  # a custom op with a fake implementation: traces without a break
+                from .dense import dense  # a custom op with a fake implementation: traces without a break
 
                 return dense(self.x, dtype)
             return self.x.dequantize(dtype)

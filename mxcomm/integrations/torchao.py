@@ -40,7 +40,6 @@ tensor from mxcomm's dispatch output.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
