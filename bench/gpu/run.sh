@@ -7,7 +7,8 @@
 # Stages:
 #   tests     GPU tests: gpu/nvshmem-marked suites (GPU_TEST_WORKERS in parallel), the device-agnostic kernel tests on
 #             CUDA, the mpirun NVSHMEM tests (serial), the put-signal transport tests (own MPS), then the 4-rank EP
-#             tests under MPS (started and stopped here); TEST_K: extra pytest -k expression
+#             tests and the fault tests (killed rank, bad ids, soak: MXCOMM_SOAK_S seconds per world, default 120)
+#             under MPS (started and stopped here); TEST_K: extra pytest -k expression
 #   cli       the nvshmem-marked CLI tests (tests/test_cli.py)
 #   loopback  mxcomm bench, 1 rank: 8192 tokens x 7168, top-8, 256 experts (the GPU's own memory, no NVLink)
 #   shared2   mxcomm bench, 2 ranks on one GPU under MPS (--mps start): protocol and traffic floor, NOT NVLink
@@ -55,11 +56,11 @@ if has tests; then
   # mpirun NVSHMEM jobs run serially afterwards: next to many parallel NVSHMEM jobs one once died in NVSHMEM's
   # start-up ("Failed to open shared memory slab").
   kexpr=${TEST_K:-}
-  k=(-k "not four_ranks and not mps and not mpirun_nvshmem${kexpr:+ and ($kexpr)}")
+  k=(-k "not four_ranks and not mps and not faults_gpu and not mpirun_nvshmem${kexpr:+ and ($kexpr)}")
   par=()
   [[ ${GPU_TEST_WORKERS:-4} -gt 1 ]] && python3 -c 'import xdist' 2>/dev/null && par=(-n "${GPU_TEST_WORKERS:-4}")
   timeout "${GPU_TEST_TIMEOUT:-540}" python3 -m pytest -q -rs -m "gpu or nvshmem" -p no:cacheprovider "${par[@]}" "${k[@]}" \
-      tests/kernels tests/ep tests/transport tests/gemm tests/mpi tests/nn tests/test_cli.py tests/bench 2>&1 \
+      tests/kernels tests/ep tests/transport tests/gemm tests/mpi tests/nn tests/integrations tests/test_cli.py tests/bench 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -60
   note "gpu tests" "${PIPESTATUS[0]}"
   # Device-agnostic kernel tests (unmarked: on CUDA when there is a GPU, under the interpreter otherwise).
@@ -75,8 +76,8 @@ if has tests; then
       | tee "$OUT/gpu_tests_transport_mps.log" | tail -15
   note "gpu tests (transport/put-signal, own MPS)" "${PIPESTATUS[0]}"
   if mxcomm_mps_start 4; then  # 4 ranks of the EP tests need MPS
-    timeout 300 python3 -m pytest -q -m nvshmem -p no:cacheprovider \
-        -k "(four_ranks or mps) and not under_mps${kexpr:+ and ($kexpr)}" tests/ep tests/mpi 2>&1 \
+    MXCOMM_SOAK_S=${MXCOMM_SOAK_S:-120} timeout 540 python3 -m pytest -q -rA -m nvshmem -p no:cacheprovider \
+        -k "(four_ranks or mps or faults_gpu) and not under_mps${kexpr:+ and ($kexpr)}" tests/ep tests/mpi 2>&1 \
         | tee "$OUT/gpu_tests_mps.log" | tail -15
     r=${PIPESTATUS[0]}
     mxcomm_mps_stop
