@@ -303,7 +303,8 @@ class Lab:
 
         def pack(programs=progs, warps=4, chunk=chunk0):
             mod.pack_rows_kernel[(min(T, programs),)](
-                self.x, T, send_q, send_s, epoch, T, H=H, CHUNK=chunk, MX=True, MODE=0, INT_ROUND=self.interp,
+                self.x, T, send_q, send_s, epoch, T, T * H, send_s, send_s, H=H, CHUNK=chunk, MX=True, MODE=0,
+                INT_ROUND=self.interp,
                 num_warps=warps)
 
         # the pull list of this plan (one entry per token; the entry kernel is part of the plan step, not timed)
@@ -317,7 +318,7 @@ class Lab:
 
         def pull_rows(programs=progs, warps=4, chunk=512):
             mod.pull_rows_kernel[(min(max(R, T), programs),)](
-                out_q.view(torch.int64), s, self.plan.num_rows, src, R, sqp, ssp, plist, epoch, T, 1,
+                out_q.view(torch.int64), s, self.plan.num_rows, src, R, sqp, ssp, plist, epoch, T, 1, T * H // 8,
                 ROW_WORDS=words, CHUNK=min(chunk, triton.next_power_of_2(words)), C=C, C_POW2=triton.next_power_of_2(C),
                 K=self.k, EW=ew, MX=True, num_warps=warps)
 

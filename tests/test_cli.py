@@ -253,7 +253,9 @@ def test_info_reports_environment_and_buffer_sizes():
         assert b["total"] == buffer_sizes(cfg, b["world"]).total
         assert b["launcher_env"]["NVSHMEM_SYMMETRIC_SIZE"] == b["nvshmem_symmetric_size"]
     text = _run(["info", "--world", "2"], timeout=60)
-    assert text.returncode == 0 and "ep.recv_q" in text.stdout and "NVSHMEM_SYMMETRIC_SIZE=" in text.stdout
+    # world 2: the pull path (send copies and pull list, no receive buffer)
+    assert text.returncode == 0 and "ep.send_q" in text.stdout and "NVSHMEM_SYMMETRIC_SIZE=" in text.stdout
+    assert "ep.recv_q" not in text.stdout
     if not d["machine"]["gpus"]:  # no GPU: nothing about NVLink multicast
         assert d["nvlink_multicast"] is None and "multicast" not in text.stdout.lower()
     else:

@@ -44,7 +44,12 @@ Combine (and dispatch backward) send each expert-major row back to its origin at
 fp32. On one rank (local path) nothing travels (unless combine keeps the rows for its backward): no send kernel, the
 reduce reads each row from the expert output, quantized in registers exactly as the send kernel would have.
 Combine backward is a dispatch whose kernel multiplies each slot's row by its route weight and
-quantizes per slot (the weighting fused with the gradient quantization).
+quantizes per slot (the weighting fused with the gradient quantization). On the pull path it mirrors the pull
+dispatch: the origin packs each BF16 gradient row once, with its route weights, into its send copy
+(``pack_rows_kernel``), the ready handshake, one pull-list entry per (token, destination rank), and each expert rank
+reads every listed row once and weights and quantizes it per slot where it lands (``pull_weighted_kernel``), into
+fresh tensors. So the pull path has no symmetric receive buffer at all: its symmetric memory does not depend on
+the routing (see :func:`mxcomm.ep.plan.buffer_regions`).
 
 Buffer reuse without a global barrier: ops towards the experts (dispatch, combine backward) start
 with the counts / "ready" exchange, so nobody writes into a rank's receive buffer before that rank
@@ -249,7 +254,9 @@ class NvshmemBackend:
         self.pull, self.local = self.path == "pull", self.path == "local"
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
         self.nslot = config.max_tokens_per_rank * config.topk
-        self.recv_q, self.recv_s = bufs.get("ep.recv_q"), bufs["ep.recv_s"]  # no recv_q on the local path
+        # only the push and put paths receive into symmetric memory (recv_q); the local path stages its scale rows in
+        # recv_s; the pull path has neither (fresh tensors per call)
+        self.recv_q, self.recv_s = bufs.get("ep.recv_q"), bufs.get("ep.recv_s")
         # rows returned by combine, 2 copies (see nvshmem_kernels); the local path's are made at first use
         self._comb = (bufs["ep.comb_q"], bufs["ep.comb_s"]) if "ep.comb_q" in bufs else None
         self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
@@ -276,6 +283,7 @@ class NvshmemBackend:
             self._counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
         if self.pull:
             self.send_q, self.send_s, self.pull_list = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.pull_list"]
+            self.send_w = bufs["ep.send_w"]
 
         if self.put_mode:
             self._init_put_path(bufs, puts)
@@ -509,29 +517,40 @@ class NvshmemBackend:
             )
         return out
 
-    def _pull_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int) -> torch.Tensor:
-        """Pull dispatch: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read once from
-        its source's send copy and stored at all its rows (scale rows into ``recv_s``); padding and tail rows
-        zero."""
+    def _pull_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int):
+        """Pull dispatch: ``(rows, scale_rows)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed
+        token read once from its source's send copy and stored at all its rows, padding and tail rows zero; and
+        (MX) a fresh uint8 ``[R, H/32]`` of their scale rows, row-major (unfilled rows undefined)."""
         from .nvshmem_kernels import pull_rows_kernel
 
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
         words = row_bytes // 8
         C = self.config.hidden // 32
+        srows = self._scale_rows(R, self.mx)
         if R:
-            n_entries = self.world * self.config.max_tokens_per_rank
+            T_max = self.config.max_tokens_per_rank
+            n_entries = self.world * T_max
             pull_rows_kernel[(min(max(R, n_entries), self.dispatch_programs),)](
-                out.view(torch.int64), self.recv_s.local, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
-                self.send_s.peer_ptrs, self.pull_list.local, self.d_epoch, self.config.max_tokens_per_rank,
-                self.world, ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), C=C,
+                out.view(torch.int64), srows, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
+                self.send_s.peer_ptrs, self.pull_list.local, self.d_epoch, T_max, self.world,
+                T_max * 2 * self.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), C=C,
                 C_POW2=triton_next_pow2(C), K=self.config.topk, EW=self.pull_list.local.shape[-1], MX=self.mx,
                 num_warps=4,
             )
-        return out
+        return out, srows
 
-    def _grouped_scales(self, plan: RoutingPlan, R: int) -> torch.Tensor:
+    def _scale_rows(self, R: int, mx: bool) -> torch.Tensor:
+        """The row-major scale rows a receiving kernel of this call writes: on the pull path a fresh uint8
+        ``[R, H/32]`` (uint8 ``[1]`` placeholder without MX), else this rank's ``recv_s``."""
+        if not self.pull:
+            return self.recv_s.local
+        if not mx:
+            return self.err.view(torch.uint8)
+        return torch.empty(R, self.config.hidden // 32, dtype=torch.uint8, device=self.device)
+
+    def _grouped_scales(self, plan: RoutingPlan, R: int, scale_rows: torch.Tensor) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
-        received rows (zeros for padding), from the row-major scale rows in ``recv_s``."""
+        received rows (zeros for padding), from their row-major scale rows ``scale_rows`` (uint8 ``[>= R, H/32]``)."""
         from .nvshmem_kernels import scale_rows_to_grouped_kernel
 
         C = self.config.hidden // 32
@@ -540,7 +559,7 @@ class NvshmemBackend:
         word = C % 4 == 0  # 4-byte columns (H a multiple of 128)
         ncols = cp // 4 if word else cp
         cb = triton_next_pow2(ncols) if word else min(32, triton_next_pow2(cp))
-        src = self.recv_s.local.view(-1)[: self.R_max * C]
+        src = scale_rows.reshape(-1)
         scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(ncols, cb))](
             src.view(torch.int32) if word else src, out.view(torch.int32) if word else out, plan.offs,
             plan.num_rows, plan.expert_counts, self.El, cp // 4, C=C, CB=cb, G_POW2=triton_next_pow2(self.El), WORD=word,
@@ -584,12 +603,13 @@ class NvshmemBackend:
         self._remember_graph(key, g)
         return g(topk_idx)
 
-    def _received(self, plan: RoutingPlan, R: int, mx: bool, q: torch.Tensor):
+    def _received(self, plan: RoutingPlan, R: int, mx: bool, q: torch.Tensor, scale_rows: torch.Tensor):
         """The received rows ``q`` (fresh uint8 ``[R, row bytes]``, from ``_copy_out`` / ``_pull_out`` / ``_local_out``)
-        as the dispatch-layout output: bf16 rows, or an MXTensor with its scales swizzled out of ``recv_s``."""
+        as the dispatch-layout output: bf16 rows, or an MXTensor with its scales swizzled out of ``scale_rows`` (the
+        row-major scale rows the receiving kernel wrote: :meth:`_scale_rows`)."""
         if not mx:
             return q.view(torch.bfloat16)
-        s = self._grouped_scales(plan, R)
+        s = self._grouped_scales(plan, R, scale_rows)
         return MXTensor(
             qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1, layout=ScaleLayout.GROUPED_M,
             mode=self.config.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
@@ -656,19 +676,23 @@ class NvshmemBackend:
             wait_arrivals_kernel[(self.world,)](self._flag_rows[1], self._expect_rows[1], self.dispatch_programs, self.err,
                                                 self.timeout_ns)
 
-    def _pack(self, T: int) -> None:
-        """Pull dispatch: this rank's ``T`` token rows (bf16 ``[T, H]`` at the address in ``_x_slot``), quantized
-        once (MX), into this epoch's send copy."""
+    def _pack(self, T: int, g: Optional[torch.Tensor] = None, w: Optional[torch.Tensor] = None) -> None:
+        """Pull path: into this epoch's send copy, either this rank's ``T`` token rows (bf16 ``[T, H]`` at the
+        address in ``_x_slot``), quantized once (MX), or (combine backward) the BF16 gradient rows ``g`` ``[T, H]`` as
+        they are with their fp32 route weights ``w`` ``[T, k]`` (into ``send_w``)."""
         from .nvshmem_kernels import pack_rows_kernel
 
-        H = self.config.hidden
-        if T:
-            q = self.send_q.local if self.mx else self.send_q.local.view(torch.bfloat16)
-            pack_rows_kernel[(min(T, self.dispatch_programs),)](
-                self._x_slot, T, q, self.send_s.local, self.d_epoch, self.config.max_tokens_per_rank,
-                H=H, CHUNK=self._chunk(H), MX=self.mx, MODE=self.mode_id, INT_ROUND=self.int_round, X_SLOT=True,
-                num_warps=self.launch.dispatch_warps,
-            )
+        H, T_max, k = self.config.hidden, self.config.max_tokens_per_rank, self.config.topk
+        if not T:
+            return
+        mx = self.mx and g is None
+        q = self.send_q.local if mx else self.send_q.local.view(torch.bfloat16)
+        pack_rows_kernel[(min(T, self.dispatch_programs),)](
+            self._x_slot if g is None else g, T, q, self.send_s.local, self.d_epoch, T_max,
+            T_max * 2 * H if mx else T_max * H, self.err if w is None else w, self.send_w.local,
+            H=H, CHUNK=self._chunk(H), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, X_SLOT=g is None,
+            K=k, K_POW2=triton_next_pow2(k), WEIGHTS=w is not None, num_warps=self.launch.dispatch_warps,
+        )
 
     def _pull_middle(self, counts_buf: torch.Tensor, ids: torch.Tensor) -> PlanOutputs:
         """The middle of a pull dispatch, between the id check and the receivers' gather: epoch += 1, pack
@@ -765,16 +789,19 @@ class NvshmemBackend:
         # the output kernel first (on the live plan), then the copies the handle keeps, while it runs
         live = mid.live
         if self.local:
-            q = self._local_out(x, live.plan, R, self.mx, x, weighted=False)
+            q, srows = self._local_out(x, live.plan, R, self.mx, x, weighted=False), self.recv_s.local
         else:
             o = RowOrigins(src=live.extra["origin_src"][:R], pos=live.extra["origin_pos"][:R])
-            q = (self._pull_out if self.pull else self._copy_out)(live.plan, o, R, H if self.mx else 2 * H)
+            if self.pull:
+                q, srows = self._pull_out(live.plan, o, R, H if self.mx else 2 * H)
+            else:
+                q, srows = self._copy_out(live.plan, o, R, H if self.mx else 2 * H), self.recv_s.local
         po = mid.keep()
         plan = po.plan
         if self.local:
             topk_idx = po.extra["ids"]
         origins = None if self.local else RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
-        out_x = self._received(plan, R, self.mx, q)
+        out_x = self._received(plan, R, self.mx, q, srows)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
             config=cfg, group_id=self.group_id, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -889,6 +916,26 @@ class NvshmemBackend:
         return self._to_origin(grad_recv, handle, quantize_rows, ones, "dispatch-backward arrivals")[0]
 
     # -- combine backward (the dispatch direction) ------------------------------------------
+    def _pull_weighted(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool):
+        """Pull path, combine backward, receiver: ``(rows, scale_rows)`` like :meth:`_pull_out`, each listed token's
+        BF16 gradient row read once from its source's send copy and ``w[t, j] * g[t]`` quantized (MX) or rounded per
+        slot into the fresh ``[R, H]`` rows (uint8 MX payload / bf16 bytes); padding and tail rows zero."""
+        from .nvshmem_kernels import pull_weighted_kernel
+
+        H, T_max, k = self.config.hidden, self.config.max_tokens_per_rank, self.config.topk
+        row_bytes = H if mx else 2 * H
+        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
+        srows = self._scale_rows(R, mx)
+        if R:
+            pull_weighted_kernel[(min(max(R, self.world * T_max), self.dispatch_programs),)](
+                out if mx else out.view(torch.bfloat16), srows, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
+                self.send_w.peer_ptrs, self.pull_list.local, self.d_epoch, T_max, self.world, T_max * H,
+                H=H, CHUNK=self._chunk(H, True), K=k, EW=self.pull_list.local.shape[-1], MX=mx, MODE=self.mode_id,
+                INT_ROUND=self.int_round, ZCHUNK=min(512, triton_next_pow2(row_bytes // 8)),
+                num_warps=self._dispatch_warps(True),
+            )
+        return out, srows
+
     def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved, quantize_rows: bool) -> CombineGrads:
         """``g = w[t,j] * grad_y[t]`` quantized per slot in the sending kernel (route weighting fused with
         the gradient quantization) and stored at the slot's dispatch row on the expert rank; the
@@ -905,17 +952,27 @@ class NvshmemBackend:
         g = grad_y.contiguous()
         w = handle.topk_weights.to(torch.float32).contiguous()
         R = handle.num_rows
+        srows = self.recv_s.local if not self.pull else None
         if self.local:  # one rank: straight into the output, no handshake, nothing to wait for
             q = self._local_out(g, plan, R, quantize_rows, w, weighted=True)
+        elif self.pull:
+            # the BF16 rows and weights into this epoch's send copy; ready handshake (every peer finished reading the
+            # copy and the pull list of the last call in this direction); one pull-list entry per (token, rank), as in
+            # dispatch; the receivers read each row once and weight + quantize it per slot where it lands
+            self.d_epoch.add_(1)
+            self._pack(g.shape[0], g=g, w=w)
+            self._exchange(None)
+            self._push_entries(plan)
+            q, srows = self._pull_weighted(plan, st.origins, R, quantize_rows)
         else:
             self.d_epoch.add_(1)
             # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
             self._exchange(None)
             self._send_to_experts(g, plan, w, weighted=True, mx=quantize_rows)
         self._after_call("combine-backward arrivals", waited=not self.local)
-        if not self.local:
+        if not (self.local or self.pull):
             q = self._copy_out(plan, st.origins, R, cfg.hidden * (1 if quantize_rows else 2))
-        grad_out = self._received(plan, R, quantize_rows, q)
+        grad_out = self._received(plan, R, quantize_rows, q, srows)
         # one Triton kernel reading the saved MXFP8/BF16 rows (the torch reference dequantizes them all first)
         grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos,
                                                                  programs=self.route_grad_programs)

@@ -4,10 +4,11 @@ system scope. Every wait is bounded (``mxcomm.transport.flags.wait_flag_geq``).
 
 Buffers (all symmetric, same layout on every rank; ``W`` ranks):
 
-* ``recv_q``  uint8 ``[R_max, H * B]`` (B = 1 for MXFP8, 2 for BF16): dispatched rows, expert-major.
+* ``recv_q``  uint8 ``[R_max, H * B]`` (B = 1 for MXFP8, 2 for BF16): dispatched rows, expert-major (push and
+  put paths).
 * ``recv_s``  uint8 ``[R_max, H/32]``: their scale bytes (MXFP8), row-major at the payload rows; the
   receiver swizzles them into a fresh grouped-along-M blocked matrix (``scale_rows_to_grouped_kernel``).
-  The pull dispatch's receiver stages the scale rows it pulled here itself (local stores).
+  The pull path's receivers stage the scale rows they pull in a fresh tensor instead.
 * ``comb_q``  uint8 ``[2, T_max * k, 2H]``: rows returned by combine, at the origin's send position
   (BF16: 2H bytes a row; MXFP8: H bytes a row, packed from the start of the copy, so a block of rows
   is contiguous for the put path). Two copies, used by alternate combine epochs.
@@ -22,9 +23,12 @@ counts. The pull dispatch's ``send_q`` has two copies for the same reason as com
 rows before the counts exchange, while a peer may still be reading the previous dispatch's rows; the
 copy it writes was last read two dispatch-direction epochs ago, and every peer finished that read
 before it published the counts of the epoch in between.
-* ``send_q``  uint8 ``[2, T_max, H * B]``, ``send_s`` uint8 ``[2, T_max, H/32]`` (pull dispatch, the default
-  on one node): each token row of this rank quantized once (``pack_rows_kernel``), row ``t`` of the copy
-  picked by the dispatch epoch's parity; the receivers read the rows they need from here (``pull_rows_kernel``).
+* ``send_q``  uint8 ``[2, T_max, 2H]``, ``send_s`` uint8 ``[2, T_max, H/32]``, ``send_w`` fp32 ``[2, T_max, k]``
+  (pull path, the default on one node): each token row of this rank quantized once (``pack_rows_kernel``; MXFP8
+  rows H bytes apart from the start of a copy) or, for combine backward, its BF16 gradient row with its route
+  weights; row ``t`` of the copy picked by the epoch's parity (dispatch and combine backward share the
+  dispatch-direction epoch, so the parity argument below covers both); the receivers read the rows they need
+  from here (``pull_rows_kernel``, ``pull_weighted_kernel``).
 * ``pull_list`` int32 ``[W, T_max, EW]`` (pull dispatch): entry ``[s, t]`` = source ``s``'s token ``t`` is
   received here, with its expert-major rows (``push_entries_kernel``); tagged with the 64-bit epoch, so
   entries of earlier calls are skipped without clearing. The same reasoning as for ``recv_q`` keeps it race-free:
@@ -216,18 +220,23 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
 
 
 @triton.jit
-def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max,
+def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_elems, w_ptr, send_w_ptr,
                      H: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
-                     INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr = False):
-    """Pull dispatch, sender: every token row read once and (MX) quantized once into this rank's send copy
+                     INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr = False, K: tl.constexpr = 1,
+                     K_POW2: tl.constexpr = 1, WEIGHTS: tl.constexpr = False):
+    """Pull path, sender: every token row read once and (MX) quantized once into this rank's send copy
     ``par = epoch % 2``, row ``t``; the receivers read the rows they need from there.
 
     Args:
         x_ptr: bf16 ``[T, H]`` contiguous; with ``X_SLOT``, an int64 word holding that tensor's address (so a
             CUDA graph captured once replays with each call's ``x``).
-        send_q_ptr: this rank's ``send_q``: uint8 ``[2, T_max, H]`` (MX) or bf16 ``[2, T_max, H]``.
+        send_q_ptr: this rank's ``send_q`` (uint8 ``[2, T_max, 2H]``) as uint8 (MX: H-byte rows) or bf16 (H-value
+            rows); row ``t`` of copy ``par`` starts at element ``par * copy_elems + t * H``.
         send_s_ptr: uint8 ``[2, T_max, H/32]`` row-major scales (MX only).
-        epoch_ptr: int64 dispatch epoch (already advanced for this call).
+        epoch_ptr: int64 epoch of this call (already advanced).
+        w_ptr / send_w_ptr (``WEIGHTS``, combine backward): fp32 ``[T, K]`` route weights, copied to this rank's
+            ``send_w`` (fp32 ``[2, T_max, K]``) at row ``t`` of copy ``par``; unused otherwise. ``K_POW2``:
+            ``next_pow2(K)``.
     Grid: any; persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -236,7 +245,9 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max,
     C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
-    row0 = (tl.load(epoch_ptr) % 2) * T_max
+    par = tl.load(epoch_ptr) % 2
+    row0 = par * T_max
+    copy0 = par * copy_elems
     if X_SLOT:
         x_ptr = tl.load(x_ptr).to(tl.pointer_type(tl.bfloat16))
     t = pid
@@ -245,7 +256,7 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max,
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
             x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
-            dst = send_q_ptr + tl.multiple_of(drow * H + c0, 16) + offs
+            dst = send_q_ptr + tl.multiple_of(copy0 + t.to(tl.int64) * H + c0, 16) + offs
             if MX:
                 q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
                 tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
@@ -253,6 +264,10 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max,
                 tl.store(send_s_ptr + drow * C + cols, s, mask=cols < C)
             else:
                 tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), x, mask=m)
+        if WEIGHTS:
+            kk = tl.arange(0, K_POW2)
+            wv = tl.load(w_ptr + t * K + kk, mask=kk < K, other=0.0)
+            tl.store(send_w_ptr + drow * K + kk, wv, mask=kk < K)
         t += G
 
 
@@ -303,7 +318,7 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers,
 
 @triton.jit
 def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers, s_peers, list_ptr, epoch_ptr,
-                     T_max, W, ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
+                     T_max, W, copy_words, ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
                      K: tl.constexpr, EW: tl.constexpr, MX: tl.constexpr):
     """Pull dispatch, receiver: every token listed in this rank's pull list for this epoch is read ONCE from
     its source's send copy (through the peer pointer) and stored at each of its expert-major rows here: the
@@ -316,10 +331,11 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
         dst_s_ptr: uint8 ``[>= n_rows, C]`` row-major scale rows (this rank's ``recv_s``; MX only).
         n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[>= R_out]`` origin rank, -1 = padding (the plan's).
         q_peers / s_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as int64 rows of
-            ``ROW_WORDS``) / ``send_s`` (uint8 rows of ``C``).
+            ``ROW_WORDS``; copy 1 starts ``copy_words`` words after copy 0) / ``send_s`` (uint8 rows of ``C``).
         list_ptr: this rank's ``pull_list``, int32 ``[W, T_max, EW]``; entry ``[s, t]`` belongs to this call
             when its words 0-1 hold the epoch (others are older: skipped); words 2.. are its K rows.
-        epoch_ptr: int64 dispatch epoch; the rows are in send copy ``epoch % 2`` (row ``par * T_max + t``).
+        epoch_ptr: int64 dispatch epoch; the rows are in send copy ``par = epoch % 2`` (payload word
+            ``par * copy_words + t * ROW_WORDS``, scale row ``par * T_max + t``).
     Grid: any; persistent over entries, then over output rows.
     """
     pid = tl.program_id(0)
@@ -329,6 +345,7 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
     tag_lo = ep.to(tl.int32)
     tag_hi = (ep >> 32).to(tl.int32)
     row0 = (ep % 2) * T_max
+    copy0 = (ep % 2) * copy_words
     scols = tl.arange(0, C_POW2)
     i = pid
     while i < W * T_max:
@@ -336,7 +353,8 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
         ok = (tl.load(e) == tag_lo) & (tl.load(e + 1) == tag_hi)
         s = i // T_max
         srow = (row0 + i % T_max).to(tl.int64)
-        sbase = tl.load(q_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.int64)) + srow * ROW_WORDS
+        sbase = (tl.load(q_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.int64)) + copy0
+                 + (i % T_max).to(tl.int64) * ROW_WORDS)
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
             v = tl.load(sbase + c0 + offs, mask=m & ok, other=0)  # once over the link
@@ -358,6 +376,87 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
             tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=m & pad)
+        r += G
+
+
+@triton.jit
+def pull_weighted_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, g_peers, w_peers, list_ptr, epoch_ptr,
+                         T_max, W, copy_elems, H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr,
+                         EW: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr,
+                         ZCHUNK: tl.constexpr):
+    """Combine backward on the pull path, receiver: every token listed in this rank's pull list for this epoch has
+    its BF16 gradient row ``g[t]`` read ONCE from its source's send copy (through the peer pointer), and for each of
+    its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read from the source's ``send_w``) is quantized
+    (MX: the block maxima taken as ``|w| * max|g|``, exactly as ``dispatch_kernel``'s ``WEIGHTED`` mode) or rounded
+    to BF16 and stored at the slot's expert-major row: the route weighting fused with the gradient quantization
+    where the rows land. Then every row ``r < R_out`` that is not a real row is zeroed.
+
+    Args:
+        dst_ptr: the fresh output ``[R_out, H]``: uint8 (MX payload) or bf16.
+        dst_s_ptr: uint8 ``[>= n_rows, H/32]`` row-major scale rows (MX only; a fresh tensor).
+        n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[>= R_out]`` origin rank, -1 = padding (the handle's).
+        g_peers / w_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as bf16 rows of ``H``;
+            copy 1 starts ``copy_elems`` values after copy 0) / ``send_w`` (fp32 ``[2, T_max, K]``).
+        list_ptr: this rank's ``pull_list``, int32 ``[W, T_max, EW]``, written for this epoch by the sources
+            (``push_entries_kernel``); entries of other epochs are skipped.
+        epoch_ptr: int64 epoch of this call; the rows are in copy ``epoch % 2``.
+        CHUNK: row chunk (a power of two, a multiple of 32); ZCHUNK: int64 words per store of the zeroing loop (a
+            power of two).
+    Grid: any; persistent over entries, then over output rows.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    ep = tl.load(epoch_ptr)
+    tag_lo = ep.to(tl.int32)
+    tag_hi = (ep >> 32).to(tl.int32)
+    par = ep % 2
+    i = pid
+    while i < W * T_max:
+        e = list_ptr + i.to(tl.int64) * EW
+        ok = (tl.load(e) == tag_lo) & (tl.load(e + 1) == tag_hi)
+        if ok:
+            s = i // T_max
+            t = (i % T_max).to(tl.int64)
+            gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + t * H
+            wbase = tl.load(w_peers + s).to(tl.pointer_type(tl.float32)) + (par * T_max + t) * K
+            for c0 in tl.static_range(0, H, CHUNK):
+                m = (c0 + offs) < H
+                cols = c0 // 32 + bcols
+                cm = cols < C
+                x = tl.load(gbase + c0 + offs, mask=m, other=0.0)  # once over the link
+                xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
+                if MX:
+                    ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
+                for j in tl.static_range(K):
+                    r = tl.load(e + 2 + j).to(tl.int64)
+                    if r >= 0:
+                        wv = tl.load(wbase + j)
+                        xw = wv * xf
+                        dst = dst_ptr + tl.multiple_of(r * H + c0, 16) + offs
+                        if MX:
+                            q2, sc = mx_quantize_tile_amax(tl.reshape(xw, (NB, 32)), tl.abs(wv) * ax, MODE, INT_ROUND, 1)
+                            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
+                            tl.store(dst_s_ptr + r * C + cols, sc, mask=cm)
+                        elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
+                            tl.store(dst, bf16_rne_int(xw), mask=m)
+                        else:
+                            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), xw.to(tl.bfloat16), mask=m)
+        i += G
+    WORDS: tl.constexpr = H // 8 if MX else H // 4
+    out = dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    n_rows = tl.load(n_rows_ptr)
+    zoffs = tl.arange(0, ZCHUNK)
+    zero = tl.zeros([ZCHUNK], dtype=tl.int64)
+    r = pid
+    while r < R_out:
+        pad = ~_real_row(r, n_rows, row_src_ptr)
+        for c0 in tl.static_range(0, WORDS, ZCHUNK):
+            zm = (c0 + zoffs) < WORDS
+            tl.store(out + r.to(tl.int64) * WORDS + c0 + zoffs, zero, mask=zm & pad)
         r += G
 
 

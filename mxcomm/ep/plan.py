@@ -271,9 +271,10 @@ def dispatch_path(config: EPConfig, world_size: int, put_path: bool | None = Non
 def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = None) -> list[BufferRegion]:
     """The symmetric buffers the ``nvshmem`` backend allocates per rank (the single source of their sizes).
 
-    * ``ep.recv_q`` uint8 ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes): received rows, expert-major.
+    * ``ep.recv_q`` uint8 ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes): received rows, expert-major (push
+      and put paths only: sized for the worst-case routing).
     * ``ep.recv_s`` uint8 ``[R_max, H/32]``: their scale bytes, row-major at the payload rows (mxfp8; 1 byte for
-      bf16); the receiver swizzles them into a fresh grouped-along-M blocked matrix.
+      bf16); the receiver swizzles them into a fresh grouped-along-M blocked matrix (not on the pull path).
     * ``ep.comb_q`` uint8 ``[2, T_max*k, 2H]``: rows returned by combine (two copies, alternate epochs; a BF16
       row takes 2H bytes, MXFP8 rows are packed H bytes apart from the start of their copy). Not on the local path:
       there combine reads the expert rows in place, and a combine that keeps its rows for the backward writes them
@@ -282,12 +283,15 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     * ``ep.counts`` int32 ``[W, E]``; ``ep.flags`` int64 ``[3, W]``.
 
     The local path (one rank, :func:`dispatch_path`) has no ``ep.recv_q`` (its rows go straight into the output;
-    ``ep.recv_s`` stages their scale rows). The pull dispatch (``config.transport == "auto"`` off the put path, several
-    ranks) adds:
+    ``ep.recv_s`` stages their scale rows). The pull path (``config.transport == "auto"`` off the put path, several
+    ranks) has neither ``ep.recv_q`` nor ``ep.recv_s``: receivers read what they need from the senders' copies into
+    fresh tensors (dispatch and combine backward alike), so no symmetric buffer depends on the routing. It adds:
 
-    * ``ep.send_q`` uint8 ``[2, T_max, H]`` (mxfp8) or ``[2, T_max, 2H]`` (bf16): this rank's token rows,
-      quantized once, in two copies (alternate dispatch epochs); receivers read them through peer pointers;
-    * ``ep.send_s`` uint8 ``[2, T_max, H/32]``: their scale bytes (mxfp8; 1 byte for bf16);
+    * ``ep.send_q`` uint8 ``[2, T_max, 2H]``: this rank's token rows in two copies (alternate epochs of the
+      dispatch direction): MXFP8 rows (H bytes apart from the start of a copy, quantized once) for dispatch, BF16
+      gradient rows for combine backward; receivers read them through peer pointers;
+    * ``ep.send_s`` uint8 ``[2, T_max, H/32]``: the MXFP8 rows' scale bytes (1 byte for bf16);
+    * ``ep.send_w`` float32 ``[2, T_max, k]``: combine backward's route weights of those rows;
     * ``ep.pull_list`` int32 ``[W, T_max, pull_entry_words(k)]``: the receiver's pull list. Source ``s`` writes
       entry ``[s, t]`` for each of its tokens ``t`` that this rank receives: ``[epoch (2 words), row of slot 0,
       ..., row of slot k-1]`` (expert-major rows here, -1 for slots going elsewhere); the receiver reads each listed
@@ -304,10 +308,12 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     H = config.hidden
     R = max_recv_rows(config, world_size)
     mx = config.precision == "mxfp8"
-    local = path == "local"
-    regions = [] if local else [BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8)]
-    regions.append(BufferRegion("ep.recv_s", (R, H // 32) if mx else (1,), torch.uint8))
-    if not local:
+    regions = []
+    if path in ("push", "put"):
+        regions.append(BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8))
+    if path != "pull":
+        regions.append(BufferRegion("ep.recv_s", (R, H // 32) if mx else (1,), torch.uint8))
+    if path != "local":
         regions += combine_regions(config)
     regions += [
         BufferRegion("ep.counts", (world_size, config.num_experts), torch.int32),
@@ -316,8 +322,9 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     T = config.max_tokens_per_rank
     if path == "pull":
         regions += [
-            BufferRegion("ep.send_q", (2, T, H * (1 if mx else 2)), torch.uint8),
+            BufferRegion("ep.send_q", (2, T, 2 * H), torch.uint8),
             BufferRegion("ep.send_s", (2, T, H // 32) if mx else (1,), torch.uint8),
+            BufferRegion("ep.send_w", (2, T, config.topk), torch.float32),
             BufferRegion("ep.pull_list", (world_size, T, pull_entry_words(config.topk)), torch.int32),
         ]
     if path == "put":
@@ -340,11 +347,11 @@ def combine_regions(config: EPConfig) -> list[BufferRegion]:
 class BufferSizes:
     """Bytes per rank of the GPU backend's symmetric buffers, by purpose (see :func:`buffer_regions`).
 
-    dispatch_payload / dispatch_scales: received rows and their scale rows.
+    dispatch_payload / dispatch_scales: received rows and their scale rows (0 on the pull path).
     combine_payload: rows returned by combine, two copies (incl. their scale bytes); 0 on the local path.
     counts, flags: the counts matrix and the signal words.
     put_staging: the put-with-signal path's staging and row-major scale buffers (0 without it).
-    pull_send: the pull dispatch's send copies, their scales and the pull list (0 without it).
+    pull_send: the pull path's send copies, their scales and weights, and the pull list (0 without it).
     """
 
     dispatch_payload: int
@@ -367,12 +374,12 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
     b = {r.name: r.nbytes for r in buffer_regions(config, world_size, put_path)}
     return BufferSizes(
         dispatch_payload=b.get("ep.recv_q", 0),
-        dispatch_scales=b["ep.recv_s"],
+        dispatch_scales=b.get("ep.recv_s", 0),
         combine_payload=b.get("ep.comb_q", 0) + b.get("ep.comb_s", 0),
         counts=b["ep.counts"],
         flags=b["ep.flags"],
         put_staging=sum(b.get(n, 0) for n in ("ep.stage_q", "ep.stage_s")),
-        pull_send=sum(b.get(n, 0) for n in ("ep.send_q", "ep.send_s", "ep.pull_list")),
+        pull_send=sum(b.get(n, 0) for n in ("ep.send_q", "ep.send_s", "ep.send_w", "ep.pull_list")),
     )
 
 

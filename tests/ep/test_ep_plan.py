@@ -93,21 +93,24 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert max_rows_per_source(cfg, world) == 4096 * min(8, El)
     b = buffer_sizes(cfg, world)
     payload = R * 7168 * (1 if precision == "mxfp8" else 2)
-    # one rank (transport "auto"): the local path writes the output directly, no receive buffer
-    assert b.dispatch_payload == (0 if world == 1 else payload)
-    assert buffer_sizes(replace(cfg, transport="push"), world).dispatch_payload == payload
-    assert b.dispatch_scales == (R * 224 if precision == "mxfp8" else 1)  # scale rows at the payload rows
+    scales = R * 224 if precision == "mxfp8" else 1  # scale rows at the payload rows
+    push = buffer_sizes(replace(cfg, transport="push"), world)
+    # one rank (transport "auto"): the local path writes the output directly, no receive buffer (its scale rows are
+    # staged in recv_s); several ranks (the pull path): no receive buffer at all, nothing sized by the routing
+    assert b.dispatch_payload == 0
+    assert b.dispatch_scales == (scales if world == 1 else 0)
+    assert push.dispatch_payload == payload and push.dispatch_scales == scales
     comb = 2 * 4096 * 8 * (7168 * 2 + 7168 // 32)
     # one rank: combine reads the expert rows in place; its saved rows (for the backward) go into a plain buffer
     # made at first use, not into symmetric memory
     assert b.combine_payload == (0 if world == 1 else comb)
-    assert buffer_sizes(replace(cfg, transport="push"), world).combine_payload == comb
-    # pull dispatch (transport "auto", several ranks): two send copies of the token rows (+ scales) and the pull
-    # list (per source and token: a 2-word epoch tag + 8 rows, padded to 16 int32 words)
-    row = 7168 + 224 if precision == "mxfp8" else 2 * 7168
-    pull = 2 * 4096 * row + (0 if precision == "mxfp8" else 1) + world * 4096 * 16 * 4
+    assert push.combine_payload == comb
+    # the pull path (transport "auto", several ranks): two send copies of 2H bytes per token row (MXFP8 rows for
+    # dispatch, BF16 gradient rows for combine backward) + scale bytes + fp32 route weights, and the pull list (per
+    # source and token: a 2-word epoch tag + 8 rows, padded to 16 int32 words)
+    pull = 2 * 4096 * 2 * 7168 + (2 * 4096 * 224 if precision == "mxfp8" else 1) + 2 * 4096 * 8 * 4 + world * 4096 * 16 * 4
     assert b.pull_send == (0 if world == 1 else pull)
-    assert buffer_sizes(replace(cfg, transport="push"), world).pull_send == 0
+    assert push.pull_send == 0
     assert b.total == EPGroup.buffer_bytes(cfg, world)
     assert b.total == b.dispatch_payload + b.dispatch_scales + b.combine_payload + b.counts + b.flags + b.pull_send
     with pytest.raises(ValueError):
@@ -115,7 +118,8 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
 
 
 def test_mxfp8_buffers_smaller_than_bf16():
-    cfg = EPConfig(num_experts=16, hidden=4096, topk=4, max_tokens_per_rank=1024)
+    """The push path's receive buffer holds MXFP8 rows in about half the bytes (the pull path has none)."""
+    cfg = EPConfig(num_experts=16, hidden=4096, topk=4, max_tokens_per_rank=1024, transport="push")
     mx, bf = buffer_sizes(cfg, 4), buffer_sizes(replace(cfg, precision="bf16"), 4)
     assert mx.dispatch_payload + mx.dispatch_scales < 0.55 * bf.dispatch_payload
 
@@ -342,4 +346,6 @@ def test_put_path_buffers_are_counted_in_the_memory_report():
     assert auto.put_staging == 0
     assert put.put_staging == R * 2 * H + R * (H // 32)  # stage rows, stage scales
     assert put.pull_send == 0 < auto.pull_send  # the put path does not pull
-    assert put.total == auto.total - auto.pull_send + put.put_staging
+    # the put path receives into symmetric buffers (recv_q, recv_s) and stages; the pull path does neither
+    assert auto.dispatch_payload == auto.dispatch_scales == 0 < put.dispatch_payload
+    assert put.total == (auto.total - auto.pull_send + put.put_staging + put.dispatch_payload + put.dispatch_scales)

@@ -8,6 +8,7 @@ are GPU tests (tests/ep/test_nvshmem_gpu.py).
 
 import pytest
 import torch
+import triton
 
 from heap_fakes import FakeBuf, FakeCtx
 from mxcomm.ep import EPConfig, EPGroup
@@ -125,7 +126,8 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     counts = torch.stack([local_counts(i, E) for i in idxs])
     plans = [build_plan(counts, idxs[r], r, align) for r in range(W)]
     EW = pull_entry_words(k)
-    send_q = [torch.randint(0, 256, (2, T_max, H * B), dtype=torch.uint8, generator=g) for _ in range(W)]
+    send_q = [torch.randint(0, 256, (2, T_max, 2 * H), dtype=torch.uint8, generator=g) for _ in range(W)]
+    copy_bytes = T_max * 2 * H  # copy 1 starts here; MX rows are H bytes apart from a copy's start
     send_s = [torch.randint(0, 256, (2, T_max, C), dtype=torch.uint8, generator=g) for _ in range(W)]
     lists = [torch.randint(-1, 50, (W, T_max, EW), dtype=torch.int32, generator=g) for _ in range(W)]
     for lst in lists:  # entries of earlier dispatches, garbage rows: must be skipped
@@ -146,7 +148,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
         recv_s = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)
         words = H * B // 8
         pull_rows_kernel[(3,)](out.view(torch.int64), recv_s, plans[d].num_rows, o.src, R, ptrs(send_q), ptrs(send_s),
-                               lists[d], ep, T_max, W, ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
+                               lists[d], ep, T_max, W, copy_bytes // 8, ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
                                C_POW2=triton.next_power_of_2(C), K=k, EW=EW, MX=mx)
         want = torch.zeros(R, H * B, dtype=torch.uint8)
         real = torch.zeros(R, dtype=torch.bool)
@@ -155,7 +157,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
                 for j in range(k):
                     if int(plans[s].dest_rank[t, j]) == d:
                         r = int(plans[s].dest_row[t, j])
-                        want[r] = send_q[s][1, t]
+                        want[r] = send_q[s].view(-1)[copy_bytes + t * H * B: copy_bytes + (t + 1) * H * B]
                         real[r] = True
                         if mx:
                             assert torch.equal(recv_s[r], send_s[s][1, t])
@@ -166,6 +168,87 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
             fresh = (lists[d][s, :, 0] == epoch) & (lists[d][s, :, 1] == 0)
             goes = (plans[s].dest_rank == d).any(dim=1) if Ts[s] else torch.zeros(0, dtype=torch.bool)
             assert fresh[: Ts[s]].tolist() == goes.tolist() and not fresh[Ts[s]:].any()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through backward)")
+@pytest.mark.parametrize("W,E,k,mx", [(2, 8, 3, True), (3, 6, 4, True), (2, 4, 2, False), (3, 6, 3, False)])
+def test_pull_path_combine_backward_weights_where_rows_land(W, E, k, mx):
+    """Combine backward on the pull path, ranks simulated in one process: each source packs its BF16 gradient rows
+    and fp32 route weights once into its send copy (copy 1 of an odd epoch; copy 0 untouched), writes one pull-list
+    entry per (token, receiving rank), and each receiver reads every listed row once and stores ``w[t, j] * g[t]``
+    quantized (MX, row-major scale rows) or rounded to BF16 at each slot's row - bit-exact to the plain-torch
+    quantization of the fp32 product, padding and tail rows zero. Weights 0, negative, tiny; rows with Inf/NaN;
+    ranks with zero tokens; dropped slots."""
+    from mxcomm.ep.nvshmem_kernels import pack_rows_kernel, pull_weighted_kernel, push_entries_kernel
+    from mxcomm.ep.plan import pull_entry_words
+    from mxcomm.mx import quantize
+
+    g = torch.Generator().manual_seed(W * 31 + E + k)
+    H, T_max, align, epoch = 64, 6, 4, 7
+    C = H // 32
+    Ts = [0] + [T_max - r + 1 for r in range(1, W)]
+    idxs = [_routing(W, T, E, k, g, drop=0.2) for T in Ts]
+    counts = torch.stack([local_counts(i, E) for i in idxs])
+    plans = [build_plan(counts, idxs[r], r, align) for r in range(W)]
+    EW = pull_entry_words(k)
+    gs = [(torch.randn(T, H, generator=g) * 3).to(torch.bfloat16) for T in Ts]
+    ws = [torch.randn(T, k, generator=g) for T in Ts]
+    for T, gy, w in zip(Ts, gs, ws):
+        if T:
+            gy[0, 5], gy[-1, 40] = float("inf"), float("nan")
+            w[0, 0], w[-1, -1] = 0.0, 1e-30
+    send_q = [torch.randint(0, 256, (2, T_max, 2 * H), dtype=torch.uint8, generator=g) for _ in range(W)]
+    send_s = [torch.zeros(1, dtype=torch.uint8) for _ in range(W)]
+    send_w = [torch.randn(2, T_max, k, generator=g) for _ in range(W)]
+    copy0 = [q[0].clone() for q in send_q]
+    lists = [torch.randint(-1, 50, (W, T_max, EW), dtype=torch.int32, generator=g) for _ in range(W)]
+    for lst in lists:  # entries of earlier calls: must be skipped
+        lst[:, :, 0], lst[:, :, 1] = epoch - 1, 0
+    flags = [torch.zeros(3, W, dtype=torch.int64) for _ in range(W)]
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    ep = torch.tensor([epoch], dtype=torch.int64)
+    for s in range(W):
+        pack_rows_kernel[(2,)](gs[s], Ts[s], send_q[s].view(torch.bfloat16), send_s[s], ep, T_max, T_max * H, ws[s],
+                               send_w[s], H=H, CHUNK=64, MX=False, MODE=0, INT_ROUND=True, K=k,
+                               K_POW2=triton.next_power_of_2(k), WEIGHTS=True)
+        assert torch.equal(send_q[s][0], copy0[s])  # the other copy is not written
+        assert torch.equal(send_q[s][1].view(torch.bfloat16)[: Ts[s]].view(torch.int16), gs[s].view(torch.int16))
+        assert torch.equal(send_w[s][1, : Ts[s]], ws[s])
+        push_entries_kernel[(2,)](plans[s].dest_rank, plans[s].dest_row, Ts[s], ptrs(lists), ptrs(flags), ep, s, W,
+                                  T_max, K=k, EW=EW, BLOCK=4)
+    B = 1 if mx else 2
+    for d in range(W):
+        n_rows = int(plans[d].num_rows)
+        R = n_rows + 5
+        o = row_origins(plans[d], R)
+        out = torch.randint(0, 256, (R, H * B), dtype=torch.uint8, generator=g)
+        srows = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)
+        pull_weighted_kernel[(3,)](out if mx else out.view(torch.bfloat16), srows, plans[d].num_rows, o.src, R,
+                                   ptrs(send_q), ptrs(send_w), lists[d], ep, T_max, W, T_max * H, H=H, CHUNK=32, K=k,
+                                   EW=EW, MX=mx, MODE=0, INT_ROUND=True, ZCHUNK=4)
+        want = torch.zeros(R, H * B, dtype=torch.uint8)
+        real = torch.zeros(R, dtype=torch.bool)
+        for s in range(W):
+            for t in range(Ts[s]):
+                for j in range(k):
+                    if int(plans[s].dest_rank[t, j]) != d:
+                        continue
+                    r = int(plans[s].dest_row[t, j])
+                    prod = ws[s][t, j] * gs[s][t].float()
+                    real[r] = True
+                    if mx:
+                        q = quantize(prod[None], mode="rceil")
+                        want[r] = q.qdata.view(torch.uint8)[0]
+                        assert torch.equal(srows[r], q.scales.view(-1)), (s, t, j)
+                    else:
+                        want[r] = prod.to(torch.bfloat16).view(torch.uint8)
+        assert int(real.sum()) == int(plans[d].num_recv)
+        if mx:
+            assert torch.equal(out, want)
+        else:  # bit-exact, except that a NaN is any NaN (torch keeps the product's NaN payload, the kernel one NaN)
+            o, wv = out.view(torch.bfloat16), want.view(torch.bfloat16)
+            assert torch.equal(o.isnan(), wv.isnan())
+            assert torch.equal(torch.where(o.isnan(), 0, o.view(torch.int16)), torch.where(wv.isnan(), 0, wv.view(torch.int16)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through combine)")
@@ -551,8 +634,19 @@ for mx in (True, False):
             K=8, EW=16, MX=mx)
 for mx in (True, False):
     for slot in (True, False):  # x by address (the backend), x as a tensor (the kernel lab)
-        compile(nk.pack_rows_kernel, dict(x_ptr=i64 if slot else "*bf16", send_q_ptr=u8 if mx else "*bf16",
-                send_s_ptr=u8, epoch_ptr=i64), H=7168, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False, X_SLOT=slot)
+        ptx = compile(nk.pack_rows_kernel, dict(x_ptr=i64 if slot else "*bf16", send_q_ptr=u8 if mx else "*bf16",
+                      send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32", send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=mx,
+                      MODE=0, INT_ROUND=False, X_SLOT=slot, K=1, K_POW2=1, WEIGHTS=False)
+        assert "st.global.v4.b32" in ptx, ("pack", mx, slot)
+# combine backward, pull path: the BF16 rows + weights packed; the receiver weights and quantizes per slot
+compile(nk.pack_rows_kernel, dict(x_ptr="*bf16", send_q_ptr="*bf16", send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32",
+        send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=False, MODE=0, INT_ROUND=False, X_SLOT=False, K=8, K_POW2=8,
+        WEIGHTS=True)
+for mx in (True, False):
+    ptx = compile(nk.pull_weighted_kernel, dict(dst_ptr=u8 if mx else "*bf16", dst_s_ptr=u8, n_rows_ptr=i32,
+                  row_src_ptr=i32, g_peers=i64, w_peers=i64, list_ptr=i32, epoch_ptr=i64), H=7168, CHUNK=2048, K=8,
+                  EW=16, MX=mx, MODE=0, INT_ROUND=False, ZCHUNK=512)
+    assert "st.global.v4.b32" in ptx, ("pull weighted", mx)
 compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, list_peers=i64, flags_peers=i64,
         epoch_ptr=i64), K=8, EW=16, BLOCK=64)
 print("ok")
