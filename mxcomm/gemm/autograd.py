@@ -13,7 +13,12 @@ MXFP8 path (an :class:`~mxcomm.gemm.weights.MXWeightCache` is given):
   dtype (fp32): the gradient of the function the forward computed (its MX input, dequantized), not of the
   unquantized activation. The MX input is what is saved for backward (33/32 bytes per value).
 
-BF16 path (``cache=None``): ``a`` (dequantized if MX) times ``W`` cast to BF16; BF16 dgrad, the same wgrad.
+BF16 path (``cache=None`` or a :class:`~mxcomm.gemm.weights.BF16WeightCache`): ``a`` (dequantized if MX) times
+``W`` in BF16; BF16 dgrad, the same wgrad. Without a cache the fp32 master is cast to BF16 in the forward and
+again in the backward; with a :class:`~mxcomm.gemm.weights.BF16WeightCache` both read the cache's copy (the same
+bits: ``master.to(torch.bfloat16)`` at the last refresh), the backward checking the cache generation of its
+forward (weights changed between forward and backward -> error). Either way the wgrad goes to the master, in its
+dtype.
 
 The gradient for ``a`` is a dense tensor in ``a``'s dtype (BF16 for MX inputs that are tensors); a plain
 MXTensor input (not a tensor) gets no gradient.
@@ -30,7 +35,7 @@ from . import _ops
 from .backend import GemmBackend
 from .grouped import bf16_grouped_2d3d, grouped_mm, grouped_mm_bf16, grouped_wgrad
 from .triton_gemm import GroupedGemmConfig
-from .weights import MXWeightCache
+from .weights import BF16WeightCache, MXWeightCache
 
 
 @dataclass(frozen=True)
@@ -79,20 +84,26 @@ class MXGroupedLinear(torch.autograd.Function):
         a: ``[M_total, K]`` dense tensor, MXTensor, or object/tensor with an ``.mx`` MXTensor.
         weight: master ``[G, N, K]`` (the Parameter; receives the wgrad in its dtype).
         offs: ``[G]`` int32 group end offsets.
-        cache: :class:`MXWeightCache` of ``weight`` (MXFP8 path) or None (BF16 path).
+        cache: :class:`MXWeightCache` of ``weight`` (MXFP8 path), :class:`BF16WeightCache` of ``weight`` (BF16
+            path on the cached copy) or None (BF16 path, master cast per call).
         config: :class:`GroupedLinearConfig`.
     Returns BF16 ``[M_total, N]`` (rows past ``offs[-1]`` zero).
     """
 
     @staticmethod
-    def forward(ctx, a, weight, offs, cache: Optional[MXWeightCache], config: GroupedLinearConfig):
+    def forward(ctx, a, weight, offs, cache, config: GroupedLinearConfig):
         fn = "MXGroupedLinear"
         if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
             raise TypeError(f"{fn}: weight must be the [G, N, K] master tensor")
+        if cache is not None and not isinstance(cache, (MXWeightCache, BF16WeightCache)):
+            raise TypeError(f"{fn}: cache must be an MXWeightCache, a BF16WeightCache or None, got "
+                            f"{type(cache).__name__}")
         if cache is not None and cache.master is not weight:
-            raise ValueError(f"{fn}: the MXWeightCache was built for another master tensor")
+            raise ValueError(f"{fn}: the {type(cache).__name__} was built for another master tensor")
         mxa = _ops.as_mx(a)
-        ctx.use_mx = cache is not None
+        ctx.use_mx = isinstance(cache, MXWeightCache)
+        ctx.bf16_cache = cache if isinstance(cache, BF16WeightCache) else None
+        ctx.weight_dtype = weight.dtype
         ctx.config = config
         ctx.a_dtype = a.dtype if isinstance(a, torch.Tensor) and mxa is None else torch.bfloat16
         if ctx.use_mx:
@@ -109,8 +120,13 @@ class MXGroupedLinear(torch.autograd.Function):
             _save_mx(ctx, mxa, offs)
         else:
             a16 = _ops.dequantize(mxa, torch.bfloat16) if mxa is not None else a.detach()
-            y = grouped_mm_bf16(a16, weight.detach(), offs)
-            ctx.save_for_backward(a16, weight.detach(), offs)
+            if ctx.bf16_cache is not None:
+                w = cache.weight()  # checked (or auto-refreshed) BF16 copy
+                ctx.generation = cache.generation
+            else:
+                w = weight.detach()  # cast to BF16 inside grouped_mm_bf16, and again in backward
+            y = grouped_mm_bf16(a16, w, offs)
+            ctx.save_for_backward(a16, w, offs)
         return y
 
     @staticmethod
@@ -119,9 +135,9 @@ class MXGroupedLinear(torch.autograd.Function):
         grad_y = grad_y.to(torch.bfloat16).contiguous()
         need_a, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_a = grad_w = None
+        weight_dtype = ctx.weight_dtype
         if ctx.use_mx:
             x, offs = _load_mx(ctx)
-            weight_dtype = ctx.cache.master.dtype
             if need_a:
                 dw = ctx.cache.dgrad_weight(expected_generation=ctx.generation)
                 if config.quantize_dgrad:
@@ -131,10 +147,11 @@ class MXGroupedLinear(torch.autograd.Function):
                 else:
                     grad_a = grouped_mm_bf16(grad_y, dw, offs)
         else:
+            if ctx.bf16_cache is not None:  # before touching the saved copy: refreshed / master changed -> raise
+                ctx.bf16_cache._check_generation(ctx.generation)
             x, w, offs = ctx.saved_tensors
-            weight_dtype = w.dtype
             if need_a:
-                # grad_a[rows g] = grad_y[rows g] @ W_g: b = W [G, N(red), K(out)] as stored
+                # grad_a[rows g] = grad_y[rows g] @ W_g: b = W [G, N(red), K(out)] as stored (cast unless cached)
                 grad_a = bf16_grouped_2d3d(grad_y, w.to(torch.bfloat16), offs.to(torch.int32))
         if need_a:
             grad_a = grad_a.to(ctx.a_dtype)
@@ -143,7 +160,8 @@ class MXGroupedLinear(torch.autograd.Function):
         return grad_a, grad_w, None, None, None
 
 
-def grouped_linear(a, weight: torch.Tensor, offs: torch.Tensor, cache: Optional[MXWeightCache] = None,
+def grouped_linear(a, weight: torch.Tensor, offs: torch.Tensor,
+                   cache: Optional[MXWeightCache | BF16WeightCache] = None,
                    config: Optional[GroupedLinearConfig] = None) -> torch.Tensor:
     """Autograd-aware expert projection ``y[rows of g] = a[rows of g] @ weight[g]^T`` (see the module docstring).
 
@@ -151,7 +169,8 @@ def grouped_linear(a, weight: torch.Tensor, offs: torch.Tensor, cache: Optional[
         a: ``[M_total, K]`` dense tensor, MXTensor, or object/tensor with an ``.mx`` MXTensor (expert-major).
         weight: ``[G, N, K]`` master weight (Parameter).
         offs: ``[G]`` int32 group end offsets.
-        cache: :class:`MXWeightCache` of ``weight`` for the MXFP8 path; None = BF16 path.
+        cache: :class:`MXWeightCache` of ``weight`` for the MXFP8 path; :class:`BF16WeightCache` of ``weight`` for
+            the BF16 path on its cached copy (bit-identical to None); None = BF16 path, master cast per call.
         config: :class:`GroupedLinearConfig` (default options).
     Returns:
         BF16 ``[M_total, N]``.

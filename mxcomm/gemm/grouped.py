@@ -6,7 +6,8 @@ Conventions (all functions):
   ``offs`` = int32 END offsets ``[G]``, non-decreasing, ``offs[-1] <= M_total`` (values are not checked on
   CUDA: that would sync). Rows past ``offs[-1]`` belong to no group: their output rows are **zero**.
 * Weights are ``[G, N_out, K_red]`` (``y_g = a_g @ W_g^T``): an :class:`~mxcomm.gemm.weights.MXWeightCache`
-  (its forward copy), an :class:`~mxcomm.gemm.weights.MXWeight`, or a dense tensor.
+  (its forward copy), an :class:`~mxcomm.gemm.weights.MXWeight`, a :class:`~mxcomm.gemm.weights.BF16WeightCache`
+  (its BF16 copy), or a dense tensor.
 * Output BF16 ``[M_total, N_out]``.
 
 ``torch._grouped_mm`` (BF16, what the ``dequant`` backend and :func:`grouped_mm_bf16` call), as checked in the
@@ -35,7 +36,7 @@ from ..mx import MXTensor, ScaleLayout
 from . import _ops
 from .backend import GemmBackend, check_native_allowed, select_backend
 from .triton_gemm import GroupedGemmConfig, triton_grouped_mm, triton_grouped_wgrad, zero_rows_past_end
-from .weights import MXWeight, MXWeightCache
+from .weights import BF16WeightCache, MXWeight, MXWeightCache
 
 _DENSE = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -47,6 +48,8 @@ def _resolve_weight(w, fn: str):
     """-> MXWeight or a dense 3D tensor ``[G, N, K]``."""
     if isinstance(w, MXWeightCache):
         return w.forward_weight()
+    if isinstance(w, BF16WeightCache):
+        return w.weight()
     if isinstance(w, MXWeight):
         return w
     if isinstance(w, torch.Tensor):
@@ -55,7 +58,8 @@ def _resolve_weight(w, fn: str):
         if w.dtype not in _DENSE:
             raise TypeError(f"{fn}: dense weights must be bfloat16 / float16 / float32, got {w.dtype}")
         return w
-    raise TypeError(f"{fn}: weights must be an MXWeightCache, MXWeight or a [G, N, K] tensor, got {type(w).__name__}")
+    raise TypeError(f"{fn}: weights must be an MXWeightCache, BF16WeightCache, MXWeight or a [G, N, K] tensor, got "
+                    f"{type(w).__name__}")
 
 
 def _check_a_mx(a: MXTensor, fn: str) -> None:
@@ -236,7 +240,8 @@ def grouped_mm_bf16(a: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
 
     Args:
         a: ``[M_total, K]`` bf16 (fp16/fp32 are cast to bf16).
-        w: dense ``[G, N, K]`` (cast to bf16), or an MXWeight / MXWeightCache (dequantized to bf16).
+        w: dense ``[G, N, K]`` (cast to bf16), a :class:`BF16WeightCache` (its checked copy, no cast), or an
+            MXWeight / MXWeightCache (dequantized to bf16).
         offs: ``[G]`` int32 group end offsets.
     Returns:
         BF16 ``[M_total, N]``, rows past ``offs[-1]`` zero. ``torch._grouped_mm`` on CUDA and where the CPU build

@@ -1,5 +1,6 @@
-"""MXFP8 expert weights: one GEMM orientation (:class:`MXWeight`) and the two-orientation cache refreshed
-from the fp32 master (:class:`MXWeightCache`).
+"""Expert weights cached from the fp32 master: MXFP8 in one GEMM orientation (:class:`MXWeight`), the
+two-orientation MXFP8 cache (:class:`MXWeightCache`) and the BF16 copy of the BF16 GEMM path
+(:class:`BF16WeightCache`). Both caches follow the same staleness rules (:class:`StaleWeightCacheError`).
 
 Orientation convention: an :class:`MXWeight` holds ``qdata [G, N_out, K_red]`` (row-major, contiguous) with
 1x32 blocks along ``K_red``, the reduction axis of the GEMM that reads it: ``y_g = a_g @ W_g^T``.
@@ -16,6 +17,10 @@ bytes (row layout; the blocked layout pads N to 128 and K/32 to 4) per orientati
 **2 x 33/32 = 2.0625 bytes per weight** for forward + dgrad (against 4 for the fp32 master and 2 for a BF16
 copy). ``keep_bf16=True`` adds a dequantized BF16 copy of each orientation (+4 bytes per weight) so the
 Hopper ``dequant`` backend skips the per-call weight dequantize.
+
+:class:`BF16WeightCache` holds ``master.to(torch.bfloat16)`` (**2 bytes per weight**), bit-identical to the cast
+the BF16 path otherwise does in every forward and again in every backward; forward and dgrad read the same copy
+(a BF16 GEMM reads either orientation of one dense tensor).
 """
 from __future__ import annotations
 
@@ -176,10 +181,10 @@ class MXWeight:
 
 
 # ----------------------------------------------------------------------------------------------
-# the two-orientation cache
+# staleness rules shared by the caches
 # ----------------------------------------------------------------------------------------------
 class StaleWeightCacheError(RuntimeError):
-    """The fp32 master weight changed since the MXFP8 cache was built (call ``refresh()``)."""
+    """The master weight changed since the weight cache (MXFP8 or BF16) was built (call ``refresh()``)."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,85 @@ def _stamp(t: torch.Tensor) -> _Stamp:
     return _Stamp(t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
-class MXWeightCache:
+class _MasterCache:
+    """What both weight caches share: the master, its stamp (storage pointer, autograd version counter, shape,
+    strides, dtype, device) taken at each :meth:`refresh`, :attr:`generation` (bumped by every refresh),
+    :meth:`mark_stale`, :meth:`check` (raise or, with ``auto_refresh``, refresh) and :meth:`attach_optimizer`.
+    Subclasses implement :meth:`_rebuild` (the copies, from the current master) and :meth:`nbytes`."""
+
+    _kind = "weight"
+
+    def __init__(self, master: torch.Tensor, auto_refresh: bool):
+        self.master = master
+        self.auto_refresh = bool(auto_refresh)
+        self.generation = 0
+        self._stamp: Optional[_Stamp] = None
+        self._marked_stale = False
+
+    def _rebuild(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- state --------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Rebuild the cached copies from the current master; bumps :attr:`generation`."""
+        self._rebuild()
+        self._stamp = _stamp(self.master)
+        self._marked_stale = False
+        self.generation += 1
+
+    def mark_stale(self) -> None:
+        """Declare the master changed (for writes the version counter cannot see)."""
+        self._marked_stale = True
+
+    def is_stale(self) -> bool:
+        return self._marked_stale or self._stamp != _stamp(self.master)
+
+    def check(self) -> None:
+        """Raise :class:`StaleWeightCacheError` (or refresh, with ``auto_refresh``) if the master changed."""
+        if not self.is_stale():
+            return
+        if self.auto_refresh:
+            self.refresh()
+            return
+        raise StaleWeightCacheError(
+            f"{type(self).__name__} of master {tuple(self.master.shape)} is stale: the master weight changed (version "
+            f"{self._stamp.version} -> {self.master._version}, or storage moved, or mark_stale()) since the last "
+            "refresh(); call cache.refresh() after optimizer.step() / load_state_dict(), or build the cache with "
+            "auto_refresh=True, or cache.attach_optimizer(opt)")
+
+    def _check_generation(self, expected_generation: int) -> None:
+        """Backward side: raise if the cache was refreshed, or its master changed, since the forward that ran at
+        ``expected_generation`` (never refreshes: the backward must use the forward's weights)."""
+        if self.generation != expected_generation or self.is_stale():
+            raise StaleWeightCacheError(
+                f"the master weight or its {self._kind} cache changed between forward and backward (cache generation "
+                f"{expected_generation} -> {self.generation}, stale={self.is_stale()}); run backward before "
+                "optimizer.step()")
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer):
+        """Refresh after every ``optimizer.step()`` (also covers fused optimizers, which the version counter
+        misses). Returns the hook handle (``handle.remove()`` detaches)."""
+        return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.refresh())
+
+    def nbytes(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.master.shape
+
+
+def _check_master(master, cls: str) -> None:
+    if not isinstance(master, torch.Tensor) or master.dim() != 3:
+        raise TypeError(f"{cls} needs a 3D master weight tensor [G, N, K]")
+    if master.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"master weight must be float32 / bfloat16 / float16, got {master.dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the two-orientation MXFP8 cache
+# ----------------------------------------------------------------------------------------------
+class MXWeightCache(_MasterCache):
     """MXFP8 forward and dgrad copies of an expert weight master ``[G, N, K]`` (y_g = a_g W_g^T).
 
     Both copies are rebuilt together by :meth:`refresh` - call it after every optimizer step and after
@@ -220,64 +303,30 @@ class MXWeightCache:
         build_dgrad: build the dgrad copy (False for inference).
     """
 
+    _kind = "MXFP8"
+
     def __init__(self, master: torch.Tensor, *, mode: str = "rceil", scale_layout: Optional[str] = None,
                  auto_refresh: bool = False, keep_bf16: bool = False, build_dgrad: bool = True):
-        if not isinstance(master, torch.Tensor) or master.dim() != 3:
-            raise TypeError("MXWeightCache needs a 3D master weight tensor [G, N, K]")
-        if master.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"master weight must be float32 / bfloat16 / float16, got {master.dtype}")
+        _check_master(master, "MXWeightCache")
         if master.shape[1] % BLOCK or master.shape[2] % BLOCK:
             raise ValueError(f"master weight {tuple(master.shape)}: N and K must be multiples of 32")
-        self.master = master
+        super().__init__(master, auto_refresh)
         self.mode = mode
         if scale_layout is None:
             scale_layout = ScaleLayout.BLOCKED if native_mxfp8_supported(master.device) else ScaleLayout.ROW
         self.scale_layout = ScaleLayout(scale_layout)
-        self.auto_refresh = bool(auto_refresh)
         self.keep_bf16 = bool(keep_bf16)
         self.build_dgrad = bool(build_dgrad)
-        self.generation = 0
         self._forward: Optional[MXWeight] = None
         self._dgrad: Optional[MXWeight] = None
-        self._stamp: Optional[_Stamp] = None
-        self._marked_stale = False
         self.refresh()
 
-    # -- state --------------------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Rebuild the forward (and dgrad) MXFP8 copies from the current master; bumps :attr:`generation`."""
+    def _rebuild(self) -> None:
+        """The forward (and dgrad) MXFP8 copies from the current master."""
         w = self.master
         kw = dict(mode=self.mode, layout=self.scale_layout, keep_bf16=self.keep_bf16)
         self._forward = MXWeight.from_dense(w, transpose=False, **kw)
         self._dgrad = MXWeight.from_dense(w, transpose=True, **kw) if self.build_dgrad else None
-        self._stamp = _stamp(w)
-        self._marked_stale = False
-        self.generation += 1
-
-    def mark_stale(self) -> None:
-        """Declare the master changed (for writes the version counter cannot see)."""
-        self._marked_stale = True
-
-    def is_stale(self) -> bool:
-        return self._marked_stale or self._stamp != _stamp(self.master)
-
-    def check(self) -> None:
-        """Raise :class:`StaleWeightCacheError` (or refresh, with ``auto_refresh``) if the master changed."""
-        if not self.is_stale():
-            return
-        if self.auto_refresh:
-            self.refresh()
-            return
-        raise StaleWeightCacheError(
-            f"MXWeightCache of master {tuple(self.master.shape)} is stale: the master weight changed (version "
-            f"{self._stamp.version} -> {self.master._version}, or storage moved, or mark_stale()) since the last "
-            "refresh(); call cache.refresh() after optimizer.step() / load_state_dict(), or build the cache with "
-            "auto_refresh=True, or cache.attach_optimizer(opt)")
-
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer):
-        """Refresh after every ``optimizer.step()`` (also covers fused optimizers, which the version counter
-        misses). Returns the hook handle (``handle.remove()`` detaches)."""
-        return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.refresh())
 
     # -- access -------------------------------------------------------------------------------
     def forward_weight(self) -> MXWeight:
@@ -296,11 +345,7 @@ class MXWeightCache:
         if not self.build_dgrad:
             raise RuntimeError("this MXWeightCache was built with build_dgrad=False")
         if expected_generation is not None:
-            if self.generation != expected_generation or self.is_stale():
-                raise StaleWeightCacheError(
-                    "the master weight or its MXFP8 cache changed between forward and backward (cache generation "
-                    f"{expected_generation} -> {self.generation}, stale={self.is_stale()}); run backward before "
-                    "optimizer.step()")
+            self._check_generation(expected_generation)
         else:
             self.check()
         return self._dgrad
@@ -309,13 +354,80 @@ class MXWeightCache:
         """Persistent bytes held (both orientations, scales and optional BF16 copies)."""
         return sum(w.nbytes() for w in (self._forward, self._dgrad) if w is not None)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.master.shape
-
     def __repr__(self) -> str:
         return (f"MXWeightCache(master={tuple(self.master.shape)} {self.master.dtype}, mode={self.mode}, "
                 f"scale_layout={self.scale_layout.value}, generation={self.generation}, nbytes={self.nbytes()})")
 
 
-__all__ = ["MXWeight", "MXWeightCache", "StaleWeightCacheError", "rows_to_blocked3d", "blocked3d_to_rows"]
+# ----------------------------------------------------------------------------------------------
+# the BF16 copy
+# ----------------------------------------------------------------------------------------------
+class BF16WeightCache(_MasterCache):
+    """BF16 copy of an expert weight master ``[G, N, K]`` for the BF16 grouped GEMMs (forward ``a @ W_g^T`` and
+    dgrad ``grad_y @ W_g`` both read it), so the fp32 master is cast once per optimizer step instead of in every
+    forward and again in every backward.
+
+    The copy is bit-identical to ``master.to(torch.bfloat16)`` (the same round-to-nearest-even cast, done by
+    ``copy_`` into a persistent buffer), so every output and gradient equals the uncached BF16 path's. Gradients
+    still go to the master (the autograd function takes the master as its weight input and returns the wgrad in
+    the master's dtype).
+
+    Staleness: the rules of :class:`MXWeightCache` - every access compares the master's storage pointer and
+    version counter with those at the last :meth:`refresh`; a changed master raises
+    :class:`StaleWeightCacheError`, or refreshes when ``auto_refresh=True``. Writes the version counter misses
+    (``p.data``, fused optimizers) need :meth:`attach_optimizer` or :meth:`mark_stale` / :meth:`refresh`. The
+    backward checks that the cache was not refreshed and the master not changed since its forward, and never
+    refreshes.
+
+    :meth:`refresh` writes into the existing buffer when shape and device are unchanged (no second copy alive
+    during the refresh); a forward whose backward has not run yet then raises at that backward (generation check).
+
+    Memory: **2 bytes per weight** (``G * N * K * 2``), persistent, on the master's device.
+
+    Args:
+        master: ``[G, N, K]`` float32 / float16 master weight (a bfloat16 master is copied too, which only costs
+            memory: the uncached path does not cast it).
+        auto_refresh: refresh instead of raising when the master changed.
+    """
+
+    _kind = "BF16"
+
+    def __init__(self, master: torch.Tensor, *, auto_refresh: bool = False):
+        _check_master(master, "BF16WeightCache")
+        super().__init__(master, auto_refresh)
+        self._weight: Optional[torch.Tensor] = None
+        self.refresh()
+
+    def _rebuild(self) -> None:
+        """``master.to(torch.bfloat16)`` into the persistent buffer (a new one if shape or device changed)."""
+        with torch.no_grad():
+            w = self.master.detach()
+            if self._weight is None or self._weight.shape != w.shape or self._weight.device != w.device:
+                self._weight = None  # drop the old buffer before allocating its replacement
+                self._weight = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
+            self._weight.copy_(w)  # the cast of master.to(torch.bfloat16), into a contiguous buffer
+
+    def weight(self, expected_generation: Optional[int] = None) -> torch.Tensor:
+        """Checked BF16 copy ``[G, N, K]`` (contiguous; do not modify it).
+
+        Args:
+            expected_generation: the :attr:`generation` the forward used (backward side); if given, a refresh
+                since then or a master changed since then raises, and nothing is refreshed.
+        """
+        if expected_generation is not None:
+            self._check_generation(expected_generation)
+        else:
+            self.check()
+        return self._weight
+
+    def nbytes(self) -> int:
+        """Persistent bytes held (2 per weight)."""
+        return 0 if self._weight is None else self._weight.numel() * self._weight.element_size()
+
+    def __repr__(self) -> str:
+        return (f"BF16WeightCache(master={tuple(self.master.shape)} {self.master.dtype}, "
+                f"generation={self.generation}, nbytes={self.nbytes()})")
+
+
+__all__ = ["MXWeight", "MXWeightCache", "BF16WeightCache", "StaleWeightCacheError", "rows_to_blocked3d",
+           "blocked3d_to_rows"]

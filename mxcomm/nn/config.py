@@ -80,7 +80,8 @@ class MoEConfig:
         ffn_dim: hidden width F of each routed SwiGLU expert; a multiple of 32.
         num_experts: E, global number of routed experts (a multiple of the EP world size).
         topk: k, experts per token.
-        precision: ``"bf16"``: BF16 dispatch/combine transport and BF16 grouped GEMMs (fp32 accumulation);
+        precision: ``"bf16"``: BF16 dispatch/combine transport and BF16 grouped GEMMs (fp32 accumulation) on
+            cached BF16 copies of the fp32 master weights (see ``bf16_weight_cache``);
             ``"mxfp8"``: MXFP8 transport, MXFP8 grouped GEMMs against cached MXFP8 copies of the fp32 master
             weights, fused SwiGLU + quantize (Triton on CUDA, plain-torch reference elsewhere), MXFP8 dgrad.
         shared_ffn_dim: hidden width of an always-on shared SwiGLU expert (0 = none); a multiple of 32.
@@ -96,10 +97,16 @@ class MoEConfig:
         swiglu_impl: fused SwiGLU + quantize of the MXFP8 path: ``"auto"`` (Triton kernel for CUDA tensors,
             plain-torch reference math otherwise), ``"kernel"`` (always the Triton kernel: a CUDA tensor, or a
             CPU tensor under ``TRITON_INTERPRET=1``), ``"reference"``.
-        cache_refresh: what the MXFP8 weight caches do when the master weights changed since their last
-            refresh: ``"check"`` (default) raises :class:`mxcomm.gemm.StaleWeightCacheError`; ``"auto"``
-            rebuilds them. Either way, call :meth:`MoE.attach_optimizer` (or :meth:`MoE.refresh_caches` after
-            each step): only that also sees updates the version counter misses (fused optimizers, ``p.data``).
+        bf16_weight_cache: ``precision="bf16"`` only: keep a BF16 copy of each fp32 expert master
+            (:class:`mxcomm.gemm.weights.BF16WeightCache`, 2 bytes per weight), cast once per refresh (after
+            each optimizer step) instead of in every forward and again in every backward. Outputs and
+            gradients are bit-identical either way. False = cast per call (no extra memory, no refresh needed).
+            Not built for bfloat16 masters (nothing to cast).
+        cache_refresh: what the weight caches (MXFP8, and BF16 with ``bf16_weight_cache``) do when the master
+            weights changed since their last refresh: ``"check"`` (default) raises
+            :class:`mxcomm.gemm.StaleWeightCacheError`; ``"auto"`` rebuilds them. Either way, call
+            :meth:`MoE.attach_optimizer` (or :meth:`MoE.refresh_caches` after each step): only that also sees
+            updates the version counter misses (fused optimizers, ``p.data``).
         ep_timeout_s: bound on every wait of the nvshmem backend.
     """
 
@@ -118,6 +125,7 @@ class MoEConfig:
     gemm_backend: Optional[str] = None
     quantize_dgrad: bool = True
     swiglu_impl: str = "auto"
+    bf16_weight_cache: bool = True
     cache_refresh: str = "check"
     ep_timeout_s: float = 30.0
 
@@ -157,6 +165,8 @@ class MoEConfig:
             errs.append(f"quantize_dgrad must be a bool, got {self.quantize_dgrad!r}")
         if self.swiglu_impl not in SWIGLU_IMPLS:
             errs.append(f"swiglu_impl must be one of {SWIGLU_IMPLS}, got {self.swiglu_impl!r}")
+        if not isinstance(self.bf16_weight_cache, bool):
+            errs.append(f"bf16_weight_cache must be a bool, got {self.bf16_weight_cache!r}")
         if self.cache_refresh not in CACHE_REFRESH:
             errs.append(f"cache_refresh must be one of {CACHE_REFRESH}, got {self.cache_refresh!r}")
         if not _is_real(self.ep_timeout_s) or self.ep_timeout_s <= 0:

@@ -12,8 +12,9 @@ Weights (fp32 masters, the orientation :mod:`mxcomm.gemm` reads, ``y_g = a_g @ W
 
 Precision paths:
 
-* ``"bf16"``: ``a`` BF16 (dense), BF16 grouped GEMMs (:func:`mxcomm.gemm.grouped_mm_bf16`, weights cast per
-  call), ``h = bf16(silu(gate.float()) * up.float())`` in plain torch, BF16 dgrad, fp32 wgrad.
+* ``"bf16"``: ``a`` BF16 (dense), BF16 grouped GEMMs (:func:`mxcomm.gemm.grouped_mm_bf16`) on the weights'
+  :class:`mxcomm.gemm.weights.BF16WeightCache` copies when given, else on the masters cast per call (the same
+  bits), ``h = bf16(silu(gate.float()) * up.float())`` in plain torch, BF16 dgrad, fp32 wgrad.
 * ``"mxfp8"``: ``a`` MXFP8 (the dispatch output, an :class:`mxcomm.mx.subclass.MXFP8Tensor` with GROUPED_M
   scales; a dense input is quantized), MXFP8 grouped GEMMs against :class:`mxcomm.gemm.MXWeightCache`
   copies, fused SwiGLU + quantize (:func:`swiglu_mx`) whose MXFP8 output feeds the down projection
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from .. import mx
 from ..gemm import GroupedLinearConfig, MXWeightCache, grouped_linear
+from ..gemm.weights import BF16WeightCache
 from ..mx import MXTensor
 from ..mx.subclass import MXFP8Tensor, unwrap_mx
 
@@ -158,7 +160,8 @@ def _empty_rows(a, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
 
 def grouped_swiglu(
     a: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, opts: ExpertOptions, *,
-    cache13: Optional[MXWeightCache] = None, cache2: Optional[MXWeightCache] = None,
+    cache13: Optional[MXWeightCache | BF16WeightCache] = None,
+    cache2: Optional[MXWeightCache | BF16WeightCache] = None,
 ) -> torch.Tensor:
     """SwiGLU experts on expert-major rows (see the module docstring).
 
@@ -167,7 +170,8 @@ def grouped_swiglu(
         offs: int32 ``[G]`` END offsets of the ``G = w13.shape[0]`` groups; rows past ``offs[-1]`` give zeros.
         w13: ``[G, 2F, H]`` master (gate rows then up rows). w2: ``[G, H, F]`` master.
         opts: :class:`ExpertOptions`.
-        cache13 / cache2: the :class:`MXWeightCache` of ``w13`` / ``w2`` (required for ``"mxfp8"``).
+        cache13 / cache2: the :class:`MXWeightCache` of ``w13`` / ``w2`` (required for ``"mxfp8"``); for
+            ``"bf16"`` optional :class:`~mxcomm.gemm.weights.BF16WeightCache` copies (None = cast per call).
     Returns:
         bfloat16 ``[M, H]`` (differentiable w.r.t. ``a``, ``w13``, ``w2``). ``M == 0``: an empty output still
         attached to ``a`` and the weights (their gradients are zero), no GEMM launched.
@@ -175,15 +179,19 @@ def grouped_swiglu(
     if a.shape[0] == 0:
         return _empty_rows(a, w13, w2)
     if opts.precision == "mxfp8":
-        if cache13 is None or cache2 is None:
+        if not isinstance(cache13, MXWeightCache) or not isinstance(cache2, MXWeightCache):
             raise ValueError("grouped_swiglu: the mxfp8 path needs the MXWeightCache of w13 and w2")
         gu = grouped_linear(a, w13, offs, cache13, opts.gemm)
         h = swiglu_mx(gu, offs, mode=opts.scale_mode, impl=opts.swiglu_impl)
         return grouped_linear(h, w2, offs, cache2, opts.gemm)
+    for c in (cache13, cache2):
+        if c is not None and not isinstance(c, BF16WeightCache):
+            raise TypeError(f"grouped_swiglu: the bf16 path takes BF16WeightCache copies (or None), got "
+                            f"{type(c).__name__}")
     if isinstance(a, MXFP8Tensor):
         a = a.dequantize(torch.bfloat16)
-    gu = grouped_linear(a.to(torch.bfloat16), w13, offs, None, opts.gemm)
-    return grouped_linear(swiglu_bf16(gu), w2, offs, None, opts.gemm)
+    gu = grouped_linear(a.to(torch.bfloat16), w13, offs, cache13, opts.gemm)
+    return grouped_linear(swiglu_bf16(gu), w2, offs, cache2, opts.gemm)
 
 
 __all__ = ["swiglu_bf16", "swiglu_mx", "grouped_swiglu", "ExpertOptions"]

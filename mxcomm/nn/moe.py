@@ -9,7 +9,7 @@
     ep = make_ep_group(cfg)                    # one EPGroup per config, shared by all layers (collective)
     moe = MoE(cfg, ep_group=ep, device="cuda")
     opt = torch.optim.AdamW(model.parameters())
-    moe.attach_optimizer(opt)                  # MXFP8 weight caches rebuilt after every opt.step()
+    moe.attach_optimizer(opt)                  # weight caches (MXFP8 / BF16) rebuilt after every opt.step()
     y = moe(x)                                 # x [..., dim] any float dtype -> y like x
     loss = task_loss(y) + moe.aux_loss         # aux_loss: None unless router.aux_loss_coef > 0
 
@@ -22,7 +22,10 @@ dense weight. Expert weights are sharded: their gradients already hold every ran
 
 Memory (per rank): fp32 masters ``4 * (3*E/W*F*H + 3*Fs*H + E*H)`` bytes; ``precision="mxfp8"`` adds the
 persistent MXFP8 weight caches, 2 x 33/32 bytes per expert (and shared-expert) weight (forward copy blocked
-along K, dgrad copy blocked along N; :class:`mxcomm.gemm.MXWeightCache`).
+along K, dgrad copy blocked along N; :class:`mxcomm.gemm.MXWeightCache`); ``precision="bf16"`` with
+``bf16_weight_cache=True`` (the default) adds a BF16 copy, 2 bytes per expert (and shared-expert) weight
+(:class:`mxcomm.gemm.weights.BF16WeightCache`), in exchange for not casting the fp32 masters in every forward and
+backward. The router weight is never cached (it runs in fp32).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch.nn as nn
 
 from ..ep import EPGroup
 from ..gemm import GroupedLinearConfig, MXWeightCache, StaleWeightCacheError
+from ..gemm.weights import BF16WeightCache
 from .config import MoEConfig
 from .experts import ExpertOptions, grouped_swiglu
 from .router import Router, RouterOutput
@@ -81,12 +85,15 @@ class MoE(nn.Module):
     :attr:`aux_loss` is the router's load-balancing loss (None when disabled) and :attr:`last_routing` the
     :class:`RouterOutput`.
 
-    MXFP8 weight caches (``precision="mxfp8"``): built at the first forward (and rebuilt when the parameters
-    moved to another device). After the master weights change they must be rebuilt: :meth:`attach_optimizer`
-    does it after every ``optimizer.step()``, :meth:`refresh_caches` does it by hand; ``load_state_dict`` on
-    this module rebuilds them itself. A forward with stale caches raises
-    :class:`mxcomm.gemm.StaleWeightCacheError` (``cache_refresh="check"``) or rebuilds them
-    (``cache_refresh="auto"``); a backward whose weights changed since its forward always raises.
+    Weight caches of the expert (and shared-expert) weights: MXFP8 copies for ``precision="mxfp8"``
+    (:class:`mxcomm.gemm.MXWeightCache`), BF16 copies for ``precision="bf16"`` with ``bf16_weight_cache=True``
+    (the default; :class:`mxcomm.gemm.weights.BF16WeightCache`, bit-identical to casting the masters per call).
+    Built at the first forward (and rebuilt when the parameters moved to another device). After the master
+    weights change they must be rebuilt: :meth:`attach_optimizer` does it after every ``optimizer.step()``,
+    :meth:`refresh_caches` does it by hand; ``load_state_dict`` / :meth:`load_global_weights` on this module
+    rebuild them themselves. A forward with stale caches raises :class:`mxcomm.gemm.StaleWeightCacheError`
+    (``cache_refresh="check"``) or rebuilds them (``cache_refresh="auto"``); a backward whose weights changed
+    since its forward always raises.
     """
 
     def __init__(self, config: MoEConfig, ep_group: Optional[EPGroup] = None, *, process_group=None,
@@ -122,7 +129,7 @@ class MoE(nn.Module):
             gemm=GroupedLinearConfig(backend=config.gemm_backend, mode=config.scale_mode,
                                      quantize_dgrad=config.quantize_dgrad),
         )
-        self._caches: dict[str, MXWeightCache] = {}
+        self._caches: dict[str, MXWeightCache | BF16WeightCache] = {}
         self.aux_loss: Optional[torch.Tensor] = None
         self.last_routing: Optional[RouterOutput] = None
         self.register_load_state_dict_post_hook(_drop_caches_after_load)
@@ -156,7 +163,7 @@ class MoE(nn.Module):
 
         Args (each optional): router ``[E, H]``; w13 ``[E, 2F, H]`` and w2 ``[E, H, F]`` for ALL E experts
         (this rank keeps rows :attr:`local_experts`); shared_w13 ``[2Fs, H]`` or ``[1, 2Fs, H]``;
-        shared_w2 ``[H, Fs]`` or ``[1, H, Fs]``. The MXFP8 caches are rebuilt at the next forward.
+        shared_w2 ``[H, Fs]`` or ``[1, H, Fs]``. The weight caches are rebuilt at the next forward.
         """
         sl = slice(self.local_experts.start, self.local_experts.stop)
         pairs = [(self.router.weight, router, None), (self.w13, w13, sl), (self.w2, w2, sl)]
@@ -178,56 +185,71 @@ class MoE(nn.Module):
             p.copy_(src[how] if isinstance(how, slice) else src)
         self._drop_caches()
 
-    # -- MXFP8 weight caches ----------------------------------------------------------------------
+    # -- weight caches (MXFP8, or BF16 for the bf16 path) -----------------------------------------
     def _drop_caches(self) -> None:
         self._caches = {}
 
     def _apply(self, fn, *args, **kwargs):
-        # .to() / .cuda() / .half() move or convert the masters: caches are rebuilt at the next forward
+        # .to() / .cuda() / .half() move or convert the masters: caches are rebuilt (or dropped) at the next forward
         out = super()._apply(fn, *args, **kwargs)
         self._drop_caches()
         return out
 
     def refresh_caches(self) -> None:
-        """Rebuild every MXFP8 weight cache from the current fp32 masters (call after ``optimizer.step()`` /
-        loading weights, unless :meth:`attach_optimizer` does it). No-op for ``precision="bf16"`` or before the
-        first forward."""
+        """Rebuild every weight cache (MXFP8, or BF16 for ``precision="bf16"``) from the current fp32 masters (call
+        after ``optimizer.step()`` / loading weights, unless :meth:`attach_optimizer` does it). No-op without
+        caches (``precision="bf16"`` with ``bf16_weight_cache=False``) or before the first forward."""
         for c in self._caches.values():
             c.refresh()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer):
-        """Rebuild the MXFP8 caches after every ``optimizer.step()`` (a step post-hook; covers fused optimizers,
+        """Rebuild the weight caches after every ``optimizer.step()`` (a step post-hook; covers fused optimizers,
         which the version counter misses). Returns the hook handle (``.remove()`` detaches)."""
         return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.refresh_caches())
 
-    def _cache(self, name: str, p: torch.Tensor) -> MXWeightCache:
+    def _cache_kind(self, p: torch.Tensor):
+        """The cache class for master ``p`` (None: cast per call)."""
+        if self.config.precision == "mxfp8":
+            return MXWeightCache
+        if self.config.bf16_weight_cache and p.dtype != torch.bfloat16:
+            return BF16WeightCache
+        return None
+
+    def _cache(self, name: str, p: torch.Tensor):
+        """The checked cache of master ``p`` (built on first use; stale -> raise or rebuild per cache_refresh)."""
+        kind = self._cache_kind(p)
+        if kind is None:
+            return None
         c = self._caches.get(name)
-        if c is None or c.master is not p:
-            c = MXWeightCache(p, mode=self.config.scale_mode, auto_refresh=False)
+        if c is None or c.master is not p or type(c) is not kind:
+            c = (MXWeightCache(p, mode=self.config.scale_mode, auto_refresh=False) if kind is MXWeightCache
+                 else BF16WeightCache(p, auto_refresh=False))
             self._caches[name] = c
         elif c.is_stale():
             if self.config.cache_refresh == "auto":
                 c.refresh()
             else:
+                what = "MXFP8" if kind is MXWeightCache else "BF16"
                 raise StaleWeightCacheError(
-                    f"MoE: the MXFP8 cache of {name} is stale (the fp32 master changed since it was built). Call "
-                    "moe.attach_optimizer(optimizer) once (refreshes after every step), or moe.refresh_caches() "
-                    "after optimizer.step() / weight loading, or build the layer with cache_refresh='auto'.")
+                    f"MoE: the {what} weight cache of {name} is stale (the fp32 master changed since it was built). "
+                    "Call moe.attach_optimizer(optimizer) once (refreshes after every step), or moe.refresh_caches() "
+                    "after optimizer.step() / weight loading, or build the layer with cache_refresh='auto'"
+                    + (" (or bf16_weight_cache=False: cast per call)." if what == "BF16" else "."))
         return c
 
     def caches(self) -> dict:
-        """The MXFP8 weight caches built so far, by parameter name (empty for bf16)."""
+        """The weight caches built so far, by parameter name (MXFP8 for mxfp8, BF16 for bf16 with
+        ``bf16_weight_cache``; empty otherwise)."""
         return dict(self._caches)
 
     def cache_bytes(self) -> int:
-        """Persistent bytes of the MXFP8 weight caches built so far (2 x 33/32 per weight, plus scale padding)."""
+        """Persistent bytes of the weight caches built so far (MXFP8: 2 x 33/32 per weight plus scale padding;
+        BF16: 2 per weight)."""
         return sum(c.nbytes() for c in self._caches.values())
 
     # -- forward --------------------------------------------------------------------------------
     def _experts(self, a, offs, w13, w2, prefix: str) -> torch.Tensor:
-        c13 = c2 = None
-        if self.config.precision == "mxfp8":
-            c13, c2 = self._cache(prefix + "w13", w13), self._cache(prefix + "w2", w2)
+        c13, c2 = self._cache(prefix + "w13", w13), self._cache(prefix + "w2", w2)
         return grouped_swiglu(a, offs, w13, w2, self.opts, cache13=c13, cache2=c2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

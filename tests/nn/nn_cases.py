@@ -38,11 +38,13 @@ class NNCase:
     scale_mode: str = "rceil"
     weight_std: float = 0.1
     seed: int = 0
+    bf16_weight_cache: bool = True
 
     def config(self, **kw) -> MoEConfig:
         c = MoEConfig(
             dim=self.dim, ffn_dim=self.ffn_dim, num_experts=self.num_experts, topk=self.topk,
             precision=self.precision, shared_ffn_dim=self.shared_ffn_dim, scale_mode=self.scale_mode,
+            bf16_weight_cache=self.bf16_weight_cache,
             router=RouterConfig(score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
                                 route_scale=self.route_scale, aux_loss_coef=self.aux_loss_coef),
             max_tokens_per_rank=max(max(self.tokens), 1),
@@ -171,7 +173,9 @@ def gather_world(case: NNCase, per_rank: list, key: str) -> torch.Tensor:
 
 def gpu_extras_worker(rank: int, world: int) -> dict:
     """CUDA-only checks in one process: the Triton SwiGLU+quantize path (auto on CUDA) against the reference math,
-    and MXFP8 caches following optimizer steps (attach_optimizer) on the GPU. Returns failure strings."""
+    MXFP8 and BF16 caches following optimizer steps (attach_optimizer) on the GPU, and the BF16 cache against the
+    cast-per-call path (forward bit-identical; gradients >= 100 dB, which allows for atomics in the GPU reductions).
+    Returns failure strings."""
     fails = []
     dev = torch.device("cuda", torch.cuda.current_device())
     case = NNCase("gpu_extras", "mxfp8", tokens=(200,), dim=128, ffn_dim=256, shared_ffn_dim=64, seed=31)
@@ -195,7 +199,39 @@ def gpu_extras_worker(rank: int, world: int) -> dict:
     with torch.no_grad():
         if not torch.equal(moe(x), fresh(x)):
             fails.append("after optimizer steps the layer's output differs from a fresh layer with the same weights")
+    fails += _gpu_bf16_cache_checks(dev)
     return {"failures": fails}
+
+
+def _gpu_bf16_cache_checks(dev) -> list:
+    fails = []
+    case = NNCase("gpu_bf16_cache", "bf16", tokens=(200,), dim=128, ffn_dim=256, shared_ffn_dim=64, seed=32)
+    w, inp = global_weights(case), inputs(case)
+    cached = build_layer(case, w, device=dev)
+    plain = build_layer(case, w, device=dev, bf16_weight_cache=False)
+    a, b = step(cached, inp["xs"][0], inp["gs"][0]), step(plain, inp["xs"][0], inp["gs"][0])
+    if set(cached.caches()) != {"w13", "w2", "shared_w13", "shared_w2"} or plain.caches():
+        fails.append(f"bf16 caches: {sorted(cached.caches())} (cached layer), {sorted(plain.caches())} (plain)")
+    if not torch.equal(a["y"], b["y"]):
+        fails.append("bf16 cache: y differs from the cast-per-call layer")
+    for key in GRAD_KEYS:
+        if a.get(key) is not None and sqnr_db(a[key], b[key]) < 100.0:
+            fails.append(f"bf16 cache: {key} {sqnr_db(a[key], b[key]):.1f} dB against the cast-per-call layer")
+    opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    cached.attach_optimizer(opt)
+    x = inp["xs"][0].to(dev)
+    for _ in range(2):
+        opt.zero_grad()
+        cached(x).float().square().mean().backward()
+        opt.step()
+    cur = {"router": cached.router.weight, "w13": cached.w13, "w2": cached.w2, "shared_w13": cached.shared_w13,
+           "shared_w2": cached.shared_w2}
+    fresh = build_layer(case, {k: v.detach().clone() for k, v in cur.items()}, device=dev, bf16_weight_cache=False)
+    with torch.no_grad():
+        if not torch.equal(cached(x), fresh(x)):
+            fails.append("bf16 cache: after optimizer steps the output differs from a cast-per-call layer with the "
+                         "same weights")
+    return fails
 
 
 def world1_pg():

@@ -1,5 +1,6 @@
 """MoE layer in one process (a gloo world of 1): shapes, dtypes, outputs and every gradient against the float64
-single-process reference built from the same global weights, MXFP8 weight-cache refresh rules, input errors.
+single-process reference built from the same global weights, MXFP8 weight-cache refresh rules, input errors
+(the BF16 weight cache: test_nn_bf16_cache.py).
 
 SQNR thresholds (``10 log10(|ref|^2 / |got - ref|^2)`` over the whole tensor), two references:
 
@@ -219,9 +220,15 @@ def test_load_state_dict_and_load_global_weights_rebuild_caches():
         assert torch.equal(moe(x), _fresh_y(case, moe, x))
 
 
-def test_bf16_layer_has_no_caches():
+def test_bf16_layer_caches():
+    """bf16 layers keep BF16 copies by default (2 bytes per expert weight; tests/nn/test_nn_bf16_cache.py checks them
+    against the cast-per-call path), none with bf16_weight_cache=False."""
     case = NNCase("bf16", "bf16")
     moe = build_layer(case, global_weights(case))
+    with torch.no_grad():
+        moe(inputs(case)["xs"][0])
+    assert set(moe.caches()) == {"w13", "w2"} and moe.cache_bytes() == 2 * (moe.w13.numel() + moe.w2.numel())
+    moe = build_layer(case, global_weights(case), bf16_weight_cache=False)
     with torch.no_grad():
         moe(inputs(case)["xs"][0])
     assert moe.caches() == {} and moe.cache_bytes() == 0

@@ -23,6 +23,7 @@ WORLD_MX_DB = 60.0
 
 CASES = [
     NNCase("w2_bf16_shared", "bf16", tokens=(40, 27), shared_ffn_dim=32, seed=21),
+    NNCase("w2_bf16_shared_cast", "bf16", tokens=(40, 27), shared_ffn_dim=32, seed=21, bf16_weight_cache=False),
     NNCase("w2_mx_shared", "mxfp8", tokens=(33, 48), shared_ffn_dim=32, seed=22),
     NNCase("w2_mx_sigmoid_zero_tokens", "mxfp8", tokens=(0, 45), score_func="sigmoid", seed=23),
     NNCase("w2_bf16_shared_zero_tokens", "bf16", tokens=(37, 0), shared_ffn_dim=32, seed=24),
@@ -38,6 +39,20 @@ def world2_results():
 @pytest.fixture(scope="module")
 def world1():
     yield from world1_pg()
+
+
+def test_world2_bf16_cache_is_bit_identical(world2_results):
+    """In the world of 2 as well, the BF16 weight cache (default) gives the cast-per-call results bit for bit."""
+    for r in world2_results:
+        a, b = r["w2_bf16_shared"], r["w2_bf16_shared_cast"]
+        assert set(a) == set(b)
+        for key, v in a.items():
+            if key == "aux" or v is None:
+                assert v == b[key], key
+            elif key == "local_experts":
+                assert v == b[key]
+            else:
+                assert torch.equal(torch.from_numpy(v), torch.from_numpy(b[key])), key
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
