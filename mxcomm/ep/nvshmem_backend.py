@@ -1,6 +1,11 @@
 """The ``nvshmem`` EP backend: dispatch/combine kernels that quantize in registers and write into
 peers' NVSHMEM symmetric buffers (peer pointers, release/acquire flags at system scope, bounded waits).
 
+This module is the engine every path shares (epochs, flags and counts, error words and bounded waits, the routing
+plan and its captured graphs, output formatting, the reduce at the origin, the compiled-op state);
+:mod:`mxcomm.ep.nvshmem_paths` holds one class per path (local, pull, push, put), each owning its buffers and
+launching its kernels (:mod:`mxcomm.ep.nvshmem_kernels`).
+
 One call of :meth:`NvshmemBackend.dispatch` (all on the current CUDA stream), with the default pull
 dispatch (``transport="auto"`` on one node):
 
@@ -80,7 +85,7 @@ from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from .ids import check_expert_ids
 from .plan import RoutingPlan, buffer_regions, combine_regions, dispatch_path, local_counts, max_recv_rows, recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
-from . import put_path
+from .nvshmem_paths import PATHS
 
 _MAX_PLAN_GRAPHS = 8  # captured plan graphs kept per backend (least recently used dropped)
 
@@ -212,7 +217,7 @@ class NvshmemBackend:
     existing initialisation). The symmetric buffers are allocated once here.
     """
 
-    device_side_checks = True  # expert ids are checked here (see _checked_ids), not by the group
+    device_side_checks = True  # expert ids are checked here (see checked_ids), not by the group
 
     def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, group_id: int = 0, bounded=None,
                  heap=None, puts=None, launch: Optional[LaunchConfig] = None):
@@ -251,21 +256,18 @@ class NvshmemBackend:
         # towards the experts: "pull" (the default on one node: receivers read the packed rows through peer
         # pointers), "local" (one rank: straight into the output), "push" or "put" (mxcomm.ep.plan.dispatch_path)
         self.path = dispatch_path(config, W, self.put_mode)
-        self.pull, self.local = self.path == "pull", self.path == "local"
+        self.local = self.path == "local"
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
         self.nslot = config.max_tokens_per_rank * config.topk
-        # only the push and put paths receive into symmetric memory (recv_q); the local path stages its scale rows in
-        # recv_s; the pull path has neither (fresh tensors per call)
-        self.recv_q, self.recv_s = bufs.get("ep.recv_q"), bufs.get("ep.recv_s")
         # rows returned by combine, 2 copies (see nvshmem_kernels); the local path's are made at first use
         self._comb = (bufs["ep.comb_q"], bufs["ep.comb_s"]) if "ep.comb_q" in bufs else None
         self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
-        self._flag_rows = tuple(self.flags.local[i] for i in range(3))
+        self.flag_rows = tuple(self.flags.local[i] for i in range(3))
         # views made once: each tensor index costs the host microseconds per call
         self.epoch = torch.zeros(2, dtype=torch.int64, device=self.device)  # [dispatch, combine]
         self.d_epoch, self.c_epoch = self.epoch[0:1], self.epoch[1:2]
         self.expect = torch.zeros(3, W, dtype=torch.int64, device=self.device)  # arrivals expected per flags[i, s]
-        self._expect_rows = tuple(self.expect[i] for i in range(3))
+        self.expect_rows = tuple(self.expect[i] for i in range(3))
         # the words the host reads at its one sync of an exact-size call (one transfer): [0] a bounded wait's timeout
         # (mxcomm.transport.errors), [1] bad expert ids seen on the device, [2] the row count of the last plan
         self.status = torch.zeros(3, dtype=torch.int64, device=self.device)
@@ -277,30 +279,17 @@ class NvshmemBackend:
         self._ones = torch.ones(config.max_tokens_per_rank * config.topk, dtype=torch.float32, device=self.device)
         self._pinned = None
         self._plan_graphs: dict = {}  # ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph, LRU first
-        if self.pull or self.local:
-            # inputs of the captured middle of a dispatch (see _run_middle): fixed addresses
-            self._x_slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # address of this call's x (pull)
-            self._counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
-        if self.pull:
-            self.send_q, self.send_s, self.pull_list = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.pull_list"]
-            self.send_w = bufs["ep.send_w"]
+        # this call's counts (check_and_count writes them here on the local and pull paths): a fixed-address input of
+        # the captured middle of a dispatch (see run_middle)
+        self.counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
+        # the path object: its buffers and kernels (mxcomm.ep.nvshmem_paths)
+        impl = PATHS[self.path]
+        self.impl = impl(self, bufs, puts) if self.path == "put" else impl(self, bufs)
 
-        if self.put_mode:
-            self._init_put_path(bufs, puts)
-
-    def _init_put_path(self, bufs: dict, puts) -> None:
-        """Staging buffers, their pointers as the kernels' ``*_peers`` (every entry = staging) and the
-        constant put batches of the count exchange and the ready handshake."""
-        W, E, dev = self.world, self.config.num_experts, self.device
-        self.puts = put_path.Puts() if puts is None else puts
-        self.put_chunks = 4  # pieces per put entry (same on every rank: the signal count depends on it)
-        self.stage_q, self.stage_s = bufs["ep.stage_q"], bufs["ep.stage_s"]
-        self._stage_ptrs = torch.full((W,), self.stage_q.local.data_ptr(), dtype=torch.int64, device=dev)
-        self._stage_s_ptrs = torch.full((W,), self.stage_s.local.data_ptr(), dtype=torch.int64, device=dev)
-        self._counts_batch = put_path.row_batch(W, self.rank, 4 * E, dev)
-        self._ready_batch = put_path.row_batch(W, self.rank, 0, dev)
-        self._all_src = torch.arange(W, dtype=torch.int32, device=dev)
-        self._per_call = 2 * self.El * self.put_chunks  # signals per source and call (payload + scales)
+    @property
+    def puts(self):
+        """The put path's NVSHMEM put/wait interface (``mxcomm.ep.put_path.Puts``); AttributeError elsewhere."""
+        return self.impl.puts
 
     @staticmethod
     def _open_heap(group, rank: int, world_size: int):
@@ -337,11 +326,11 @@ class NvshmemBackend:
     def route_grad_programs(self) -> int:
         return self.sms * self.launch.route_grad_per_sm
 
-    def _dispatch_warps(self, weighted: bool) -> int:
+    def dispatch_warps(self, weighted: bool) -> int:
         """Warps per program of dispatch_kernel (``weighted``: combine backward's per-slot quantization)."""
         return self.launch.weighted_warps if weighted else self.launch.dispatch_warps
 
-    def _chunk(self, H: int, weighted: bool = False) -> int:
+    def chunk(self, H: int, weighted: bool = False) -> int:
         """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot)."""
         if weighted:
             return _qdq_chunk(H, self.launch.qdq_chunk)
@@ -377,7 +366,7 @@ class NvshmemBackend:
     def _check(self, what: str, ids: torch.Tensor | None = None) -> int:
         """Raise now if a bounded wait (or the device-side input check) recorded an error: ONE host sync, which
         reads the status words (one transfer). Returns the row count of the last plan (``status[2]``: written by
-        :meth:`_compute_plan`, so after a dispatch's plan it is that dispatch's ``num_rows``). ``ids``: the caller's
+        :meth:`compute_plan`, so after a dispatch's plan it is that dispatch's ``num_rows``). ``ids``: the caller's
         ``topk_idx`` of this call, whose id check was deferred to this sync (bad ids raise the detailed error of
         :func:`mxcomm.ep.ids.check_expert_ids`)."""
         self._pending = None
@@ -417,7 +406,7 @@ class NvshmemBackend:
         self.input_err.add_(bad.any().to(torch.int64))
         return torch.where(bad, torch.full_like(idx, -1), idx).to(topk_idx.dtype)
 
-    def _checked_ids(self, topk_idx: torch.Tensor, sync: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def checked_ids(self, topk_idx: torch.Tensor, sync: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, counts)``: the expert ids checked on the device (bad ids and repeats within a token become
         -1: nothing is sent for them, ``input_err`` records them) and this rank's int32 ``[E]`` counts.
 
@@ -428,7 +417,7 @@ class NvshmemBackend:
         E = self.config.num_experts
         if self.plan_impl == "triton":
             c = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True, prefix_buf=self._slot_prefix,
-                                             counts_out=self._counts_in if (self.pull or self.local) else None)
+                                             counts_out=self.counts_in if self.path in ("pull", "local") else None)
             ids, counts = c.ids, c.counts
         else:
             ids = self._sanitize(topk_idx)
@@ -437,7 +426,7 @@ class NvshmemBackend:
             self._raise_bad_ids(topk_idx)
         return ids, counts
 
-    def _capturing(self) -> bool:
+    def capturing(self) -> bool:
         """True while the current stream is being captured into a CUDA graph."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -448,7 +437,7 @@ class NvshmemBackend:
         groups is refused by ``EPGroup`` before it gets here."""
         self._check("device error words")
 
-    def _after_call(self, what: str, waited: bool) -> None:
+    def after_call(self, what: str, waited: bool) -> None:
         """The error check that ends a call whose output sizes are known without the device: exact-size mode syncs
         (:meth:`_check`) when the call ``waited`` for peers (a bounded wait may have timed out); a call that waited for
         nothing (one rank, nothing sent) could not have recorded an error, so it does not sync - its host returns
@@ -462,7 +451,7 @@ class NvshmemBackend:
         """No-host-sync mode: raise an error recorded by an EARLIER call (if its copy has landed), and
         start the non-blocking copy of this call's error word; it is raised by a later call. While
         capturing a CUDA graph nothing is checked (see :meth:`check_errors`)."""
-        if self._capturing():
+        if self.capturing():
             return
         if self._pending is not None and self._pending[1].query():
             host, _, pwhat = self._pending
@@ -479,74 +468,6 @@ class NvshmemBackend:
             ev = torch.cuda.Event()
             ev.record()
             self._pending = (host, ev, what)
-
-    def _copy_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int) -> torch.Tensor:
-        """Fresh uint8 ``[R, row_bytes]`` of the received rows, copied out of ``recv_q``; padding and tail rows
-        zero (push dispatch, combine backward)."""
-        from .nvshmem_kernels import copy_out_rows_kernel
-
-        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
-        words = row_bytes // 8
-        if R:
-            src = self.recv_q.local.view(-1)[: self.R_max * row_bytes].view(torch.int64)
-            copy_out_rows_kernel[(min(R, self.programs * 4),)](
-                src, out.view(torch.int64), plan.num_rows, origins.src, R,
-                ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), num_warps=4,
-            )
-        return out
-
-    def _local_out(self, x: torch.Tensor, plan: RoutingPlan, R: int, mx: bool, w: torch.Tensor,
-                   weighted: bool) -> torch.Tensor:
-        """Local path (one rank): fresh uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes) written by ``dispatch_kernel``
-        itself: each row of ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized
-        (MX), stored at every selection's expert-major row, its scale row into ``recv_s``; padding and tail rows zeroed
-        by the same launch (``ZERO_PAD``: only those rows are visited). No symmetric buffer holds the payload and
-        nothing is copied afterwards."""
-        from .nvshmem_kernels import dispatch_kernel
-
-        cfg = self.config
-        T, H = x.shape
-        row_bytes = H if mx else 2 * H
-        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
-        if R:
-            dispatch_kernel[(self.dispatch_programs,)](
-                x, T, plan.dest_rank, plan.dest_row, out if mx else out.view(torch.bfloat16), self.recv_s.peer_ptrs,
-                self.flags.peer_ptrs, 0, 1, w, plan.offs, plan.expert_counts, plan.num_rows, R, self.El, H=H,
-                K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
-                WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True, num_warps=self._dispatch_warps(weighted),
-            )
-        return out
-
-    def _pull_out(self, plan: RoutingPlan, origins: "RowOrigins", R: int, row_bytes: int):
-        """Pull dispatch: ``(rows, scale_rows)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed
-        token read once from its source's send copy and stored at all its rows, padding and tail rows zero; and
-        (MX) a fresh uint8 ``[R, H/32]`` of their scale rows, row-major (unfilled rows undefined)."""
-        from .nvshmem_kernels import pull_rows_kernel
-
-        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
-        words = row_bytes // 8
-        C = self.config.hidden // 32
-        srows = self._scale_rows(R, self.mx)
-        if R:
-            T_max = self.config.max_tokens_per_rank
-            n_entries = self.world * T_max
-            pull_rows_kernel[(min(max(R, n_entries), self.dispatch_programs),)](
-                out.view(torch.int64), srows, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
-                self.send_s.peer_ptrs, self.pull_list.local, self.d_epoch, T_max, self.world,
-                T_max * 2 * self.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, triton_next_pow2(words)), C=C,
-                C_POW2=triton_next_pow2(C), K=self.config.topk, EW=self.pull_list.local.shape[-1], MX=self.mx,
-                num_warps=4,
-            )
-        return out, srows
-
-    def _scale_rows(self, R: int, mx: bool) -> torch.Tensor:
-        """The row-major scale rows a receiving kernel of this call writes: on the pull path a fresh uint8
-        ``[R, H/32]`` (uint8 ``[1]`` placeholder without MX), else this rank's ``recv_s``."""
-        if not self.pull:
-            return self.recv_s.local
-        if not mx:
-            return self.err.view(torch.uint8)
-        return torch.empty(R, self.config.hidden // 32, dtype=torch.uint8, device=self.device)
 
     def _grouped_scales(self, plan: RoutingPlan, R: int, scale_rows: torch.Tensor) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
@@ -575,7 +496,7 @@ class NvshmemBackend:
         o = row_origins(plan, self.R_max)
         return {"origin_src": o.src, "origin_pos": o.pos}
 
-    def _compute_plan(self, counts: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
+    def compute_plan(self, counts: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
         """The plan (and row origins) from the counts matrix, with ``self.plan_impl``'s kernels."""
         T, k = topk_idx.shape
         if self.plan_impl == "triton" and T:
@@ -590,23 +511,23 @@ class NvshmemBackend:
             self._rows_word.copy_(po.plan.num_rows)
         return po
 
-    def _plan(self, topk_idx: torch.Tensor) -> PlanOutputs:
+    def plan_from_counts(self, topk_idx: torch.Tensor) -> PlanOutputs:
         """The routing plan of this call from the exchanged counts: replayed from a CUDA graph captured
         once per token count and plan implementation on the GPU (see plan_graph), computed eagerly elsewhere."""
         T, k = topk_idx.shape
-        if self.device.type != "cuda" or T == 0 or self._capturing():  # an outer capture records the kernels
-            return self._compute_plan(self.counts.local, topk_idx)
+        if self.device.type != "cuda" or T == 0 or self.capturing():  # an outer capture records the kernels
+            return self.compute_plan(self.counts.local, topk_idx)
         key = ("plan", T, topk_idx.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:
-            g = PlanGraph(self.counts.local, T, k, topk_idx.dtype, self._compute_plan)
+            g = PlanGraph(self.counts.local, T, k, topk_idx.dtype, self.compute_plan)
         self._remember_graph(key, g)
         return g(topk_idx)
 
     def _received(self, plan: RoutingPlan, R: int, mx: bool, q: torch.Tensor, scale_rows: torch.Tensor):
-        """The received rows ``q`` (fresh uint8 ``[R, row bytes]``, from ``_copy_out`` / ``_pull_out`` / ``_local_out``)
+        """The received rows ``q`` (fresh uint8 ``[R, row bytes]``, from the path's dispatch or combine backward)
         as the dispatch-layout output: bf16 rows, or an MXTensor with its scales swizzled out of ``scale_rows`` (the
-        row-major scale rows the receiving kernel wrote: :meth:`_scale_rows`)."""
+        row-major scale rows the receiving kernel wrote)."""
         if not mx:
             return q.view(torch.bfloat16)
         s = self._grouped_scales(plan, R, scale_rows)
@@ -616,120 +537,16 @@ class NvshmemBackend:
         )
 
     # -- dispatch ----------------------------------------------------------------------------
-    def _refuse_put_capture(self) -> None:
-        if self.put_mode and self._capturing():
-            raise NotImplementedError(
-                "the put-with-signal path (transport='put' or peers on other nodes) has not been tested under "
-                "CUDA graph capture; capture is refused before any work"
-            )
-
-    def _exchange(self, my_counts: torch.Tensor | None) -> None:
-        """Publish this rank's int32 ``[E]`` counts to every rank and wait (bounded) for everybody's (``None``:
-        the "ready" handshake only). Epoch ``self.epoch[0]`` must already be advanced."""
-        from .nvshmem_kernels import exchange_counts_kernel
-
-        W = self.world
-        if self.put_mode:
-            if my_counts is not None:
-                self.counts.local[self.rank].copy_(my_counts)
-            batch = self._ready_batch if my_counts is None else self._counts_batch
-            sig = self._flag_rows[0]
-            self.puts.put(self.counts.local, self.counts.local, batch, sig, self.rank, self.err, 1)
-            self.puts.wait(sig, self._all_src, self.d_epoch, 1, self.err, self.timeout_ns)
-            return
-        E = 0 if my_counts is None else self.config.num_experts
-        exchange_counts_kernel[(W,)](
-            self.err if my_counts is None else my_counts, self.counts.peer_ptrs, self.flags.peer_ptrs,
-            self._flag_rows[0], self.d_epoch, self.err, self.timeout_ns, self.rank, E,
-            E_POW2=triton_next_pow2(max(E, 1)),
-        )
-
-    def _put_blocks(self, blocks: "put_path.BlockPuts", dst_q, dst_s, row: int, epoch: torch.Tensor) -> None:
-        """Put path: put the staged blocks (payload, scales), wait (bounded) for every source's blocks
-        of this epoch in ``flags[row]``, then quiet (the staging buffer may be rewritten after it)."""
-        sig, C = self._flag_rows[row], self.put_chunks
-        self.puts.put(dst_q.local, self.stage_q.local, blocks.payload, sig, self.rank, self.err, C)
-        self.puts.put(dst_s.local, self.stage_s.local, blocks.scales, sig, self.rank, self.err, C)
-        self.puts.wait(sig, self._all_src, epoch, self._per_call, self.err, self.timeout_ns)
-        self.puts.quiet()
-
-    def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, weighted: bool, mx: bool) -> None:
-        """Each row of ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) to its slots'
-        expert-major rows on the destinations (MXFP8 when ``mx``), then wait for every source's rows."""
-        from .nvshmem_kernels import dispatch_kernel, wait_arrivals_kernel
-
-        cfg = self.config
-        T, H = x.shape
-        if self.put_mode:  # staging rows = send positions, puts signal
-            rows, q_ptrs, s_ptrs = plan.send_pos, self._stage_ptrs, self._stage_s_ptrs
-        else:
-            rows, q_ptrs, s_ptrs = plan.dest_row, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs
-        dispatch_kernel[(self.dispatch_programs,)](
-            x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, self.flags.peer_ptrs, self.rank, self.world, w,
-            plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=cfg.topk, CHUNK=self._chunk(H, weighted), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round,
-            WEIGHTED=weighted, ARRIVE=not self.put_mode, num_warps=self._dispatch_warps(weighted),
-        )
-        if self.put_mode:
-            blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0)
-            self._put_blocks(blocks, self.recv_q, self.recv_s, 1, self.d_epoch)
-        else:
-            wait_arrivals_kernel[(self.world,)](self._flag_rows[1], self._expect_rows[1], self.dispatch_programs, self.err,
-                                                self.timeout_ns)
-
-    def _pack(self, T: int, g: Optional[torch.Tensor] = None, w: Optional[torch.Tensor] = None) -> None:
-        """Pull path: into this epoch's send copy, either this rank's ``T`` token rows (bf16 ``[T, H]`` at the
-        address in ``_x_slot``), quantized once (MX), or (combine backward) the BF16 gradient rows ``g`` ``[T, H]`` as
-        they are with their fp32 route weights ``w`` ``[T, k]`` (into ``send_w``)."""
-        from .nvshmem_kernels import pack_rows_kernel
-
-        H, T_max, k = self.config.hidden, self.config.max_tokens_per_rank, self.config.topk
-        if not T:
-            return
-        mx = self.mx and g is None
-        q = self.send_q.local if mx else self.send_q.local.view(torch.bfloat16)
-        pack_rows_kernel[(min(T, self.dispatch_programs),)](
-            self._x_slot if g is None else g, T, q, self.send_s.local, self.d_epoch, T_max,
-            T_max * 2 * H if mx else T_max * H, self.err if w is None else w, self.send_w.local,
-            H=H, CHUNK=self._chunk(H), MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, X_SLOT=g is None,
-            K=k, K_POW2=triton_next_pow2(k), WEIGHTS=w is not None, num_warps=self.launch.dispatch_warps,
-        )
-
-    def _pull_middle(self, counts_buf: torch.Tensor, ids: torch.Tensor) -> PlanOutputs:
-        """The middle of a pull dispatch, between the id check and the receivers' gather: epoch += 1, pack
-        (``x`` from ``_x_slot``), counts exchange (``_counts_in``), the plan of ``ids`` on the exchanged
-        ``counts_buf``, token ids to the receivers and the bounded wait for every source's."""
-        self.d_epoch.add_(1)
-        self._pack(ids.shape[0])  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
-        self._exchange(self._counts_in)
-        po = self._compute_plan(counts_buf, ids)
-        self._push_entries(po.plan)
-        return po
-
-    def _local_middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
-        """The middle of a local (one-rank) dispatch, all of it before the output kernel: the id check of the caller's
-        ``topk_idx`` and the counts (:meth:`_checked_ids`, read at the call's one host sync), epoch += 1, the counts
-        as the counts matrix, the plan of the checked ids on it. ``extra["ids"]``: the checked ids."""
-        ids, my_counts = self._checked_ids(topk_idx, sync=False)
-        self.d_epoch.add_(1)
-        counts_buf[0].copy_(my_counts)
-        po = self._compute_plan(counts_buf, ids)
-        return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
-
-    def _run_middle(self, x: torch.Tensor, ids: torch.Tensor, my_counts: Optional[torch.Tensor]) -> "Middle":
-        """Run :meth:`_pull_middle` for this call's ``x`` / checked ``ids`` / ``my_counts``, or :meth:`_local_middle`
-        for the caller's unchecked ids (``my_counts`` None: the id check is part of the middle). On the GPU it is
-        captured into a CUDA graph per (path, token count, id dtype, plan implementation) after the first eager call
-        with that key and replayed afterwards (its launches cost the host more than its GPU work); its inputs go
-        through fixed-address buffers (``x`` by address). Eager on the interpreter, for T = 0, and inside an outer
-        capture (which records its kernels). Returns the outputs for use at once (``live``: a replay's own memory)
-        and how to keep them (``keep()``: the caller's copies; enqueue before the next dispatch)."""
-        middle = self._pull_middle if self.pull else self._local_middle
-        if self.pull:
-            self._x_slot.fill_(x.data_ptr())
-            if my_counts.data_ptr() != self._counts_in.data_ptr():  # (check_and_count writes it in place)
-                self._counts_in.copy_(my_counts)
+    def run_middle(self, middle: Callable[[torch.Tensor, torch.Tensor], PlanOutputs], ids: torch.Tensor) -> "Middle":
+        """Run a path's dispatch middle ``middle(counts_buf, ids)`` (the pull path's pack, exchange, plan and entries;
+        the local path's id check and plan) for this call's ``ids``. On the GPU it is captured into a CUDA graph per
+        (path, token count, id dtype, plan implementation) after the first eager call with that key and replayed
+        afterwards (its launches cost the host more than its GPU work); its inputs go through fixed-address buffers
+        (the path's, and ``counts_in``). Eager on the interpreter, for T = 0, and inside an outer capture (which records
+        its kernels). Returns the outputs for use at once (``live``: a replay's own memory) and how to keep them
+        (``keep()``: the caller's copies; enqueue before the next dispatch)."""
         T, k = ids.shape
-        if self.device.type != "cuda" or T == 0 or self._capturing():
+        if self.device.type != "cuda" or T == 0 or self.capturing():
             return Middle.owned(middle(self.counts.local, ids))
         key = (self.path, T, ids.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
@@ -748,65 +565,40 @@ class NvshmemBackend:
             self._plan_graphs.pop(next(iter(self._plan_graphs)))
         self._plan_graphs[key] = g
 
-    def _push_entries(self, plan: RoutingPlan) -> None:
-        """Pull dispatch: one pull-list entry per (token, destination rank) on the destination, then wait
-        (bounded) for every source's."""
-        from .nvshmem_kernels import push_entries_kernel, wait_arrivals_kernel
+    def output_rows(self, what: str, ids: torch.Tensor | None = None) -> int:
+        """The row count of this dispatch's output: exact-size mode reads it at the call's one host sync with the error
+        words (:meth:`_check`; ``ids``: the caller's ids whose check was deferred to it); no-sync mode: the worst case
+        ``R_max``, errors raised by a later call."""
+        if self.config.exact_sizes:
+            return self._check(what, ids=ids)
+        self._check_async(what)
+        return self.R_max
 
-        T = plan.dest_rank.shape[0]
-        push_entries_kernel[(self.push_programs,)](
-            plan.dest_rank, plan.dest_row, T, self.pull_list.peer_ptrs, self.flags.peer_ptrs, self.d_epoch,
-            self.rank, self.world, self.config.max_tokens_per_rank, K=self.config.topk,
-            EW=self.pull_list.local.shape[-1], BLOCK=64, num_warps=4,
-        )
-        wait_arrivals_kernel[(self.world,)](self._flag_rows[1], self._expect_rows[1], self.push_programs, self.err,
-                                            self.timeout_ns)
+    def origins_from(self, po: PlanOutputs, R: int) -> "RowOrigins":
+        """The first ``R`` row origins computed with the plan ``po``."""
+        return RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
+
+    def origins_of(self, handle: EPHandle) -> "RowOrigins":
+        return handle_origins(handle)
+
+    @staticmethod
+    def next_pow2(n: int) -> int:
+        return triton_next_pow2(n)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         cfg = self.config
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the nvshmem backend runs on {self.device}")
-        self._refuse_put_capture()
-        T, H = x.shape
-        x = x.contiguous()
-        given_idx = topk_idx
-        if self.local:  # sends nothing: the id check is part of the middle, read at the output size sync
-            mid = self._run_middle(x, topk_idx, None)
-        else:
-            topk_idx, my_counts = self._checked_ids(topk_idx)
-        if self.pull:
-            mid = self._run_middle(x, topk_idx, my_counts)
-        elif not self.local:
-            self.d_epoch.add_(1)
-            self._exchange(my_counts)
-            mid = Middle.owned(self._plan(topk_idx))
-            self._send_to_experts(x, mid.live.plan, x, weighted=False, mx=self.mx)
-        if cfg.exact_sizes:
-            R = self._check("dispatch arrivals", ids=given_idx if self.local else None)
-        else:
-            R = self.R_max
-            self._check_async("dispatch arrivals")
-        # the output kernel first (on the live plan), then the copies the handle keeps, while it runs
-        live = mid.live
-        if self.local:
-            q, srows = self._local_out(x, live.plan, R, self.mx, x, weighted=False), self.recv_s.local
-        else:
-            o = RowOrigins(src=live.extra["origin_src"][:R], pos=live.extra["origin_pos"][:R])
-            if self.pull:
-                q, srows = self._pull_out(live.plan, o, R, H if self.mx else 2 * H)
-            else:
-                q, srows = self._copy_out(live.plan, o, R, H if self.mx else 2 * H), self.recv_s.local
-        po = mid.keep()
-        plan = po.plan
-        if self.local:
-            topk_idx = po.extra["ids"]
-        origins = None if self.local else RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
-        out_x = self._received(plan, R, self.mx, q, srows)
+        self.impl.refuse_capture()
+        T = x.shape[0]
+        rows = self.impl.dispatch(x.contiguous(), topk_idx)
+        plan, R = rows.kept.plan, rows.num_rows
+        out_x = self._received(plan, R, self.mx, rows.q, rows.scale_rows)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
-            config=cfg, group_id=self.group_id, plan=plan, topk_idx=topk_idx, topk_weights=topk_weights,
+            config=cfg, group_id=self.group_id, plan=plan, topk_idx=rows.ids, topk_weights=topk_weights,
             weights_version=topk_weights._version, num_tokens=T, num_rows=R, device=x.device,
-            backend_state=NvshmemState(origins=origins, num_rows_dev=plan.num_rows),
+            backend_state=NvshmemState(origins=rows.origins, num_rows_dev=plan.num_rows),
         )
         return result, handle
 
@@ -825,12 +617,11 @@ class NvshmemBackend:
         ``rows``: bf16 ``[R, H]`` (quantized in the sending kernel when ``quantize_rows``) or an
         ``MXTensor`` (travels as it is). Returns ``(y, saved_rows or None)``.
         """
-        from .nvshmem_kernels import combine_reduce_kernel, combine_send_kernel, wait_arrivals_kernel
+        from .nvshmem_kernels import combine_reduce_kernel
 
-        self._refuse_put_capture()
+        self.impl.refuse_capture()
         cfg = self.config
-        st: NvshmemState = handle.backend_state
-        H, W = cfg.hidden, self.world
+        H = cfg.hidden
         plan = handle.plan
         passthrough = isinstance(rows, MXTensor)
         mx = quantize_rows or passthrough
@@ -845,26 +636,8 @@ class NvshmemBackend:
         if not own:  # the epoch picks the comb_q copy (parity) and tags the put path's signals; unused by `own`
             self.c_epoch.add_(1)
         comb_q, comb_s = self._comb_buffers() if not own else (None, None)
-        if self.put_mode:  # rows to staging at their own index; puts per (source, expert) block
-            q_ptrs, s_ptrs = self._stage_ptrs, self._stage_s_ptrs
-        elif not own:
-            q_ptrs, s_ptrs = comb_q.peer_ptrs, comb_s.peer_ptrs
         if not own:
-            origins = handle_origins(handle)
-            combine_send_kernel[(self.programs,)](
-                payload, st.num_rows_dev, origins.src, origins.pos, q_ptrs, s_ptrs, self.flags.peer_ptrs,
-                self.rank, W, self.c_epoch, self.nslot, in_scales, H=H, BR=self.launch.send_rows,
-                CHUNK=min(self.launch.send_chunk, triton_next_pow2(H)),
-                MX=mx, MODE=self.mode_id, INT_ROUND=self.int_round, PASS=passthrough, STAGED=self.put_mode,
-                num_warps=self.launch.send_warps,
-            )
-            if self.put_mode:
-                slot0 = (self.c_epoch % 2) * self.nslot
-                blocks = put_path.combine_blocks(plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
-                self._put_blocks(blocks, comb_q, comb_s, 2, self.c_epoch)
-            else:
-                wait_arrivals_kernel[(W,)](self._flag_rows[2], self._expect_rows[2], self.programs, self.err,
-                                           self.timeout_ns)
+            self.impl.send_to_origins(payload, in_scales, handle, mx, passthrough, comb_q, comb_s)
         T = handle.num_tokens
         y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         w = weights.to(torch.float32).contiguous()
@@ -896,7 +669,7 @@ class NvshmemBackend:
                 )
             else:
                 saved = comb_q.local.view(torch.bfloat16).view(2 * self.nslot, -1).index_select(0, ids)
-        self._after_call(what, waited=not own)
+        self.after_call(what, waited=not own)
         return y, saved
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
@@ -916,31 +689,11 @@ class NvshmemBackend:
         return self._to_origin(grad_recv, handle, quantize_rows, ones, "dispatch-backward arrivals")[0]
 
     # -- combine backward (the dispatch direction) ------------------------------------------
-    def _pull_weighted(self, plan: RoutingPlan, origins: "RowOrigins", R: int, mx: bool):
-        """Pull path, combine backward, receiver: ``(rows, scale_rows)`` like :meth:`_pull_out`, each listed token's
-        BF16 gradient row read once from its source's send copy and ``w[t, j] * g[t]`` quantized (MX) or rounded per
-        slot into the fresh ``[R, H]`` rows (uint8 MX payload / bf16 bytes); padding and tail rows zero."""
-        from .nvshmem_kernels import pull_weighted_kernel
-
-        H, T_max, k = self.config.hidden, self.config.max_tokens_per_rank, self.config.topk
-        row_bytes = H if mx else 2 * H
-        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=self.device)
-        srows = self._scale_rows(R, mx)
-        if R:
-            pull_weighted_kernel[(min(max(R, self.world * T_max), self.dispatch_programs),)](
-                out if mx else out.view(torch.bfloat16), srows, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
-                self.send_w.peer_ptrs, self.pull_list.local, self.d_epoch, T_max, self.world, T_max * H,
-                H=H, CHUNK=self._chunk(H, True), K=k, EW=self.pull_list.local.shape[-1], MX=mx, MODE=self.mode_id,
-                INT_ROUND=self.int_round, ZCHUNK=min(512, triton_next_pow2(row_bytes // 8)),
-                num_warps=self._dispatch_warps(True),
-            )
-        return out, srows
-
     def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved, quantize_rows: bool) -> CombineGrads:
         """``g = w[t,j] * grad_y[t]`` quantized per slot in the sending kernel (route weighting fused with
         the gradient quantization) and stored at the slot's dispatch row on the expert rank; the
         route-weight gradient from the saved rows at home."""
-        self._refuse_put_capture()
+        self.impl.refuse_capture()
         cfg = self.config
         if quantize_rows != self.mx:
             raise NotImplementedError(
@@ -948,31 +701,10 @@ class NvshmemBackend:
                 f"dispatch buffers sized for precision={cfg.precision!r}); quantize={quantize_rows} is not supported"
             )
         plan = handle.plan
-        st: NvshmemState = handle.backend_state
-        g = grad_y.contiguous()
         w = handle.topk_weights.to(torch.float32).contiguous()
-        R = handle.num_rows
-        srows = self.recv_s.local if not self.pull else None
-        if self.local:  # one rank: straight into the output, no handshake, nothing to wait for
-            q = self._local_out(g, plan, R, quantize_rows, w, weighted=True)
-        elif self.pull:
-            # the BF16 rows and weights into this epoch's send copy; ready handshake (every peer finished reading the
-            # copy and the pull list of the last call in this direction); one pull-list entry per (token, rank), as in
-            # dispatch; the receivers read each row once and weight + quantize it per slot where it lands
-            self.d_epoch.add_(1)
-            self._pack(g.shape[0], g=g, w=w)
-            self._exchange(None)
-            self._push_entries(plan)
-            q, srows = self._pull_weighted(plan, st.origins, R, quantize_rows)
-        else:
-            self.d_epoch.add_(1)
-            # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
-            self._exchange(None)
-            self._send_to_experts(g, plan, w, weighted=True, mx=quantize_rows)
-        self._after_call("combine-backward arrivals", waited=not self.local)
-        if not (self.local or self.pull):
-            q = self._copy_out(plan, st.origins, R, cfg.hidden * (1 if quantize_rows else 2))
-        grad_out = self._received(plan, R, quantize_rows, q, srows)
+        rows = self.impl.combine_backward(grad_y.contiguous(), w, handle, quantize_rows)
+        self.after_call("combine-backward arrivals", waited=rows.waited)
+        grad_out = self._received(plan, handle.num_rows, quantize_rows, rows.q, rows.scale_rows)
         # one Triton kernel reading the saved MXFP8/BF16 rows (the torch reference dequantizes them all first)
         grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos,
                                                                  programs=self.route_grad_programs)
