@@ -19,6 +19,13 @@ Collectives: both backward passes communicate. Every rank must run backward thro
 forward, in the same order. That holds when all ranks run the same model and each rank's loss is computed from its
 combine output - also on a rank with zero tokens, whose ``y`` is empty ``[0, H]`` (any expression of it connects the
 graph). A backward called without a gradient (``None``) is treated as zero, so the collective still runs.
+
+Streams (``stream=``, :mod:`mxcomm.ep.streams`): ``Function.apply`` runs with the communication stream current, so
+the autograd node records that stream and the engine runs the backward collective on it, making it wait for the
+gradient's producer and the consumers wait for it (the engine's own stream rule for every op). The engine marks
+the plain gradient tensors it moves between streams for the caching allocator but not the tensors inside an
+:class:`MXFP8Tensor` gradient: the backward marks those itself (an MX gradient arriving on the communication stream;
+an MX ``grad_format="mx"`` gradient leaving for the stream the forward was called from).
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch
 
 from ..mx import MXTensor
 from ..mx.subclass import MXFP8Tensor
+from . import streams
 from .handle import CombineSaved, Dispatched, EPHandle
 
 
@@ -42,10 +50,11 @@ class DispatchFn(torch.autograd.Function):
     """``x -> dispatch(x)`` (the routing is not differentiable); backward = ``steps.dispatch_backward``."""
 
     @staticmethod
-    def forward(ctx, x, steps, topk_idx, topk_weights, grad_quantize, box: _Box):
+    def forward(ctx, x, steps, topk_idx, topk_weights, grad_quantize, box: _Box, caller=None):
         res: Dispatched = steps.dispatch(x, topk_idx, topk_weights)
         box.result = res
         ctx.steps, ctx.handle, ctx.grad_quantize = steps, res.handle, grad_quantize
+        ctx.caller = caller  # the caller's stream when called with stream= (this runs on the communication stream)
         ctx.set_materialize_grads(False)
         return res.x
 
@@ -56,18 +65,22 @@ class DispatchFn(torch.autograd.Function):
             grad = torch.zeros(h.num_rows, h.config.hidden, dtype=torch.bfloat16, device=h.device)
         elif not isinstance(grad, MXFP8Tensor):
             grad = grad.to(torch.bfloat16).contiguous()
+        elif ctx.caller is not None:  # an MX gradient made on another stream: keep its inner tensors until read here
+            streams.record(grad, torch.cuda.current_stream(grad.device))
         gx = ctx.steps.dispatch_backward(grad, h, quantize=ctx.grad_quantize)
-        return gx, None, None, None, None, None
+        return gx, None, None, None, None, None, None
 
 
 class CombineFn(torch.autograd.Function):
     """``(expert_out, topk_weights) -> combine``; backward = ``steps.combine_backward`` (gradient of both)."""
 
     @staticmethod
-    def forward(ctx, expert_out, topk_weights, steps, handle: EPHandle, quantize, grad_quantize, grad_format):
+    def forward(ctx, expert_out, topk_weights, steps, handle: EPHandle, quantize, grad_quantize, grad_format,
+                caller=None):
         w = topk_weights.detach()
         h = replace(handle, topk_weights=w, weights_version=w._version)
         ctx.steps, ctx.handle, ctx.grad_quantize, ctx.grad_format = steps, h, grad_quantize, grad_format
+        ctx.caller = caller  # the caller's stream when called with stream= (this runs on the communication stream)
         ctx.w_dtype = topk_weights.dtype
         ctx.set_materialize_grads(False)
         ctx.saved_kind = None
@@ -103,28 +116,49 @@ class CombineFn(torch.autograd.Function):
         g = grads.grad_expert_out
         if isinstance(g, MXTensor):
             g = MXFP8Tensor(g, dtype=torch.bfloat16) if ctx.grad_format == "mx" else g.dequantize(torch.bfloat16)
+            if ctx.caller is not None and isinstance(g, MXFP8Tensor):  # most likely read on the caller's stream
+                streams.record(g, ctx.caller)
         gw = None if grads.grad_weights is None else grads.grad_weights.to(ctx.w_dtype)
-        return g, gw, None, None, None, None, None
+        return g, gw, None, None, None, None, None, None
 
 
 def dispatch(steps, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-             grad_quantize: Optional[bool]) -> Dispatched:
-    """Eager differentiable dispatch (see :meth:`EPGroup.dispatch`)."""
+             grad_quantize: Optional[bool], stream: Optional[torch.cuda.Stream] = None) -> Dispatched:
+    """Eager differentiable dispatch (see :meth:`EPGroup.dispatch`; ``stream`` checked by the caller). With
+    ``stream``: run on it (:mod:`mxcomm.ep.streams`), the result carries the event."""
+    if stream is None:
+        return _dispatch(steps, x, topk_idx, topk_weights, grad_quantize, None)
+    caller = streams.begin(stream, (x, topk_idx, topk_weights))
+    with torch.cuda.stream(stream):
+        res = _dispatch(steps, x, topk_idx, topk_weights, grad_quantize, caller)
+        event = streams.finish(stream, res, caller)
+    return replace(res, event=event)
+
+
+def _dispatch(steps, x, topk_idx, topk_weights, grad_quantize, caller) -> Dispatched:
     box = _Box()
     # Weights that require grad go in detached: dispatch does not depend on them (its output needs a gradient
     # only when x does); the handle carries the attached tensor to combine.
     grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
     w_in = topk_weights.detach() if grad_w else topk_weights
-    out = DispatchFn.apply(x, steps, topk_idx, w_in, grad_quantize, box)
+    out = DispatchFn.apply(x, steps, topk_idx, w_in, grad_quantize, box, caller)
     res: Dispatched = box.result
     handle = replace(res.handle, topk_weights=topk_weights) if grad_w else res.handle
     return Dispatched(x=out, offs=res.offs, counts=res.counts, num_rows=res.num_rows, handle=handle)
 
 
 def combine(steps, expert_out: torch.Tensor, handle: EPHandle, w: torch.Tensor, quantize: Optional[bool],
-            grad_quantize: Optional[bool], grad_format: str) -> torch.Tensor:
-    """Eager differentiable combine (see :meth:`EPGroup.combine`; arguments validated by the caller)."""
-    return CombineFn.apply(expert_out, w, steps, handle, quantize, grad_quantize, grad_format)
+            grad_quantize: Optional[bool], grad_format: str, stream: Optional[torch.cuda.Stream] = None):
+    """Eager differentiable combine (see :meth:`EPGroup.combine`; arguments validated by the caller): the bfloat16
+    ``[T, H]`` output, or with ``stream`` a :class:`~mxcomm.ep.streams.Combined` (output + event of the call on
+    ``stream``)."""
+    if stream is None:
+        return CombineFn.apply(expert_out, w, steps, handle, quantize, grad_quantize, grad_format)
+    caller = streams.begin(stream, (expert_out, w, handle))
+    with torch.cuda.stream(stream):
+        y = CombineFn.apply(expert_out, w, steps, handle, quantize, grad_quantize, grad_format, caller)
+        event = streams.finish(stream, y, caller)
+    return streams.Combined(y=y, event=event)
 
 
 #: The same calls as graph breaks, for torch.compile of a group whose exact output sizes cannot be traced (the

@@ -6,21 +6,33 @@
     y = group.combine(experts(out.dense(), out.offs), out.handle)   # bf16 [T, H]
     loss(y).backward()                                  # gradients reach x, topk_weights (router), the experts
 
+    c = group.combine(expert_out, out.handle, stream=comm)   # on the stream `comm`: a Combined (y + event)
+    other_layer_gemm()                                  # overlaps the combine (on the current stream)
+    y = c.wait()                                        # the current stream waits for the combine
+
 :meth:`EPGroup.dispatch` / :meth:`EPGroup.combine` are autograd-aware and run under ``torch.compile`` (with
 ``EPConfig.exact_sizes=False`` without a graph break: :mod:`mxcomm.ep.compiled`). ``EPGroup.steps``
 (:class:`~mxcomm.ep.steps.EPSteps`) holds the four collectives without autograd. The group checks that the config is
 identical on every rank, validates every call's inputs before anything is written or sent
 (:mod:`mxcomm.ep.validate`) and delegates to a backend (:mod:`mxcomm.ep.backend`).
+
+``stream=`` (:mod:`mxcomm.ep.streams`) runs a call on a communication stream and returns its completion event with
+the result. The calls of one group share symmetric buffers and epochs: issue them in the same order on every rank
+and never concurrently on two streams (all on one communication stream, or ordered by events); compute on other
+streams may run concurrently. ``EPGroup.steps`` takes no ``stream=``: it runs on the current stream, and a framework
+that calls it on a side stream does the waits, ``record_stream`` marks and events itself
+(:func:`mxcomm.ep.streams.begin` / :func:`~mxcomm.ep.streams.finish` are those steps). See docs/design.md,
+"Overlapping communication with compute".
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..mx.subclass import MXFP8Tensor
-from . import compiled, functions, validate
+from . import compiled, functions, streams, validate
 from .backend import make_backend
 from ..transport.bounded import BoundedGroup
 from .collectives import agree_on_config
@@ -29,6 +41,7 @@ from .handle import Dispatched, EPHandle
 from .plan import buffer_sizes
 from .registry import GROUPS
 from .steps import EPSteps
+from .streams import Combined
 
 
 def _timeout_of(config) -> float:
@@ -94,7 +107,7 @@ class EPGroup:
         return buffer_sizes(config, world_size, put_path).total
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
-                 grad_quantize: Optional[bool] = None) -> Dispatched:
+                 grad_quantize: Optional[bool] = None, stream: Optional[torch.cuda.Stream] = None) -> Dispatched:
         """Send each token's row to the ranks of its top-k experts (differentiable with respect to ``x``).
 
         Args:
@@ -104,11 +117,21 @@ class EPGroup:
                 graph) in the handle so that :meth:`combine` weights with them and differentiates with respect to
                 them. Do not modify them in place until combine and its backward ran (combine raises if you do).
             grad_quantize: MXFP8 transport of the gradient in the backward (default: ``precision == "mxfp8"``).
+            stream: None (default): everything on the current stream. A ``torch.cuda.Stream`` on ``x``'s device: the
+                call (and later its backward) runs on that stream after it waited for the current one; the result's
+                ``event`` says when it finished (``out.event.wait()`` before reading ``out``'s tensors on another
+                stream; do not modify the inputs in place before that). Not under ``torch.compile``; CUDA tensors only.
         Returns:
             :class:`Dispatched`: ``x`` ``[R, H]`` expert-major (an :class:`MXFP8Tensor` with GROUPED_M scales for
-            precision ``"mxfp8"``, else bfloat16), ``offs`` / ``counts`` int32 ``[El]``, ``num_rows``, ``handle``.
+            precision ``"mxfp8"``, else bfloat16), ``offs`` / ``counts`` int32 ``[El]``, ``num_rows``, ``handle``,
+            ``event`` (an :class:`~mxcomm.ep.streams.EPEvent` with ``stream``, else None).
         Collective (forward and backward): every rank of the group calls it.
         """
+        if stream is not None:
+            streams.refuse_compiling()
+            with self.steps.refusing("dispatch"):  # before any work: TypeError / ValueError
+                streams.check_stream(stream, x)
+            return functions.dispatch(self.steps, x, topk_idx, topk_weights, grad_quantize, stream)
         if torch.compiler.is_compiling():
             if not self.config.exact_sizes:
                 return compiled.dispatch(self, x, topk_idx, topk_weights, grad_quantize)
@@ -117,7 +140,8 @@ class EPGroup:
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, *, topk_weights: Optional[torch.Tensor] = None,
                 quantize: Optional[bool] = None, grad_quantize: Optional[bool] = None,
-                grad_format: str = "dense") -> torch.Tensor:
+                grad_format: str = "dense",
+                stream: Optional[torch.cuda.Stream] = None) -> Union[torch.Tensor, Combined]:
         """Return expert rows to their origin and reduce: ``y[t] = sum_j w[t,j] * out[row(t,j)]`` (differentiable
         with respect to ``expert_out`` and the weights).
 
@@ -131,13 +155,23 @@ class EPGroup:
             grad_quantize: MXFP8 transport of ``w * grad_y`` in the backward (default: ``precision == "mxfp8"``).
             grad_format: ``"dense"``: ``expert_out`` gets a bfloat16 gradient; ``"mx"``: an :class:`MXFP8Tensor`
                 (GROUPED_M scales, ready for an MX dgrad GEMM) when the gradient travelled as MXFP8.
+            stream: None (default): everything on the current stream, returns the tensor. A ``torch.cuda.Stream`` on
+                ``expert_out``'s device: the call (and later its backward) runs on that stream after it waited for the
+                current one, and returns a :class:`~mxcomm.ep.streams.Combined` (``y`` and ``event``; ``c.wait()``
+                makes the current stream wait and returns ``y``). Do not modify the inputs in place before the event.
+                Not under ``torch.compile``, nor with the handle of a dispatch that ran as a custom op.
         Returns:
-            bfloat16 ``[T, H]``, reduced in fp32 with ``j`` ascending; dropped slots contribute 0.
+            bfloat16 ``[T, H]``, reduced in fp32 with ``j`` ascending; dropped slots contribute 0 (inside a
+            :class:`~mxcomm.ep.streams.Combined` with ``stream``).
         Memory: when the weights require grad, the returned rows are kept for the backward (``n_send * H * 33/32``
         bytes with MXFP8 transport, ``* 2`` with BF16; ``n_send <= T*k``).
         Collective (forward and backward).
         """
+        if stream is not None:
+            streams.refuse_compiling()
         with self.steps.refusing("combine"):  # a refusal is told to the peers before it propagates
+            if stream is not None:
+                streams.check_stream(stream, expert_out)
             validate.grad_format(grad_format)
             if isinstance(expert_out, MXFP8Tensor):
                 raise TypeError("expert_out must be a dense bfloat16 tensor (combine of an MX expert output is not "
@@ -151,7 +185,12 @@ class EPGroup:
         if handle.op_state is not None:  # a dispatch that ran as a custom op: combine through the ops too
             with self.steps.refusing("combine"):
                 validate.combine_inputs(self.config, self.op_id, expert_out, handle)
+                if stream is not None:
+                    raise ValueError("stream= is not supported with the handle of a dispatch that ran as a custom "
+                                     "op (torch.compile): the ops run on the current stream")
             return compiled.combine(self, expert_out, handle, w, q, gq, grad_format)
+        if stream is not None:
+            return functions.combine(self.steps, expert_out, handle, w, q, gq, grad_format, stream)
         if torch.compiler.is_compiling():
             return functions.combine_graph_break(self.steps, expert_out, handle, w, q, gq, grad_format)
         return functions.combine(self.steps, expert_out, handle, w, q, gq, grad_format)

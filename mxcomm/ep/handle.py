@@ -14,6 +14,7 @@ from ..mx import MXTensor
 from ..mx.subclass import MXFP8Tensor
 from .config import EPConfig
 from .plan import RoutingPlan
+from .streams import EPEvent
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class Dispatched:
         counts: int32 ``[El]`` real (unpadded) rows per local expert.
         num_rows: R (``offs[-1]`` with exact sizes, else the worst-case bound; rows past ``offs[-1]`` are zero).
         handle: the :class:`EPHandle` for combine.
+        event: with ``EPGroup.dispatch(..., stream=s)``, the :class:`~mxcomm.ep.streams.EPEvent` of the call (the
+            other fields are written on ``s``: ``event.wait()`` before reading them); else None.
     """
 
     x: torch.Tensor
@@ -98,6 +101,7 @@ class Dispatched:
     counts: torch.Tensor
     num_rows: int
     handle: EPHandle
+    event: Optional[EPEvent] = None
 
     @property
     def mx(self) -> Optional[MXTensor]:
