@@ -7,7 +7,8 @@
 # Stages:
 #   tests     GPU tests: gpu/nvshmem-marked suites (GPU_TEST_WORKERS in parallel), the device-agnostic kernel tests on
 #             CUDA, the mpirun NVSHMEM tests (serial), the put-signal transport tests (own MPS), then the 4-rank EP
-#             tests and the fault tests (killed rank, bad ids, soak: MXCOMM_SOAK_S seconds per world, default 120)
+#             tests and the fault tests (killed rank, bad ids, soak: 10000 calls per world or MXCOMM_SOAK_S seconds,
+#             default 170)
 #             under MPS (started and stopped here); TEST_K: extra pytest -k expression
 #   cli       the nvshmem-marked CLI tests (tests/test_cli.py)
 #   loopback  mxcomm bench, 1 rank: 8192 tokens x 7168, top-8, 256 experts (the GPU's own memory, no NVLink)
@@ -76,7 +77,7 @@ if has tests; then
       | tee "$OUT/gpu_tests_transport_mps.log" | tail -15
   note "gpu tests (transport/put-signal, own MPS)" "${PIPESTATUS[0]}"
   if mxcomm_mps_start 4; then  # 4 ranks of the EP tests need MPS
-    MXCOMM_SOAK_S=${MXCOMM_SOAK_S:-120} timeout 540 python3 -m pytest -q -rA -m nvshmem -p no:cacheprovider \
+    MXCOMM_SOAK_S=${MXCOMM_SOAK_S:-170} timeout 570 python3 -m pytest -q -rA -m nvshmem -p no:cacheprovider \
         -k "(four_ranks or mps or faults_gpu) and not under_mps${kexpr:+ and ($kexpr)}" tests/ep tests/mpi 2>&1 \
         | tee "$OUT/gpu_tests_mps.log" | tail -15
     r=${PIPESTATUS[0]}

@@ -14,8 +14,10 @@ from typing import Optional
 import torch
 
 from mxcomm.ep import EPConfig, EPGroup
+from mxcomm.ep.handle import DispatchResult
+from mxcomm.ep.plan import max_recv_rows
 from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
-from mxcomm.mx import MXTensor, ScaleLayout
+from mxcomm.mx import MXTensor, ScaleLayout, quantize
 from mxcomm.mx.subclass import MXFP8Tensor
 
 try:  # present in the spawned ranks (tests/ is on sys.path)
@@ -276,6 +278,141 @@ def run_cases(rank: int, world: int, cases: list) -> dict:
     fails, exact = [], []
     each_case(rank, world, cases, fails, lambda group, case: run_case(group, case, rank, fails, exact))
     return {"failures": fails, "cases": len(cases), "combine_exact": sum(exact), "combine_checks": len(exact)}
+
+
+# ------------------------------------------------ rank-local reference (the fault soak) ----
+# The oracle computes every rank's outputs with loops over experts and sources (the spec). A long soak needs only
+# its own rank's outputs, per call: the same contract computed with a few vectorized torch ops (still written from
+# the contract, not from mxcomm.ep.plan). test_faults_reference.py checks it bit-for-bit against the oracle over the
+# standard and random case matrices, and the soak itself cross-checks it against the oracle every few calls.
+
+@dataclass(frozen=True)
+class RankRows:
+    """One rank's receive layout: ``num_rows``, int32 ``offs`` / ``counts`` [El] (what make_expert_outs reads)."""
+
+    num_rows: int
+    offs: torch.Tensor
+    counts: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SoakRoutes:
+    """Where every source slot goes, for the whole world (CPU).
+
+    ``dest[s]``: int64 ``[T_s, k, 2]`` (rank, row), -1 if dropped (as :class:`OracleRoutes.dest`); ``rows[r]``: the
+    :class:`RankRows` of rank ``r``; ``by_rank[r]``: (global token index, row) int64 of every row rank ``r`` receives,
+    in row order; ``tok0[s]``: index of source ``s``'s first token in the concatenation of every rank's tokens."""
+
+    dest: list
+    rows: list
+    by_rank: list
+    tok0: list
+
+
+def soak_routes(config: EPConfig, topk_idxs) -> SoakRoutes:
+    """The receive layout of every rank from the ids of every rank (the oracle's contract, vectorized): expert ``e``
+    on rank ``e // El``; its group holds source 0's slots in ``(t, j)`` row-major order, then source 1's, ...,
+    padded with zero rows to a multiple of ``align``; groups in local expert order."""
+    W = len(topk_idxs)
+    config.validate(W)
+    E, k, A = config.num_experts, config.topk, config.align
+    El = E // W
+    Ts = [int(i.shape[0]) for i in topk_idxs]
+    tok0 = [0]
+    for T in Ts:
+        tok0.append(tok0[-1] + T)
+    flat = torch.cat([i.reshape(-1).to(device="cpu", dtype=torch.int64) for i in topk_idxs])  # (s, t, j) order
+    src = torch.repeat_interleave(torch.arange(W), torch.tensor([T * k for T in Ts], dtype=torch.int64))
+    tok = torch.cat([torch.arange(T * k) // k + tok0[s] for s, T in enumerate(Ts)]) if flat.numel() else flat
+    live = torch.nonzero(flat >= 0).view(-1)
+    e = flat[live]
+    order = torch.sort(e * W + src[live], stable=True).indices  # expert, then source, then (t, j)
+    e_sorted = e[order]
+    counts_e = torch.bincount(e, minlength=E)[:E]
+    padded = (counts_e + (A - 1)) // A * A
+    ends = padded.view(W, El).cumsum(1)
+    group_start = (ends - padded.view(W, El)).reshape(E)
+    first = torch.cumsum(counts_e, 0) - counts_e  # where each expert's slots start in the sorted order
+    row_sorted = group_start[e_sorted] + torch.arange(e_sorted.numel()) - first[e_sorted]
+    row = torch.empty_like(row_sorted)
+    row[order] = row_sorted
+    d_rank = torch.full_like(flat, -1)
+    d_row = torch.full_like(flat, -1)
+    d_rank[live] = e // El
+    d_row[live] = row
+    dest, at = [], 0
+    for T in Ts:
+        dest.append(torch.stack([d_rank[at:at + T * k], d_row[at:at + T * k]], dim=1).view(T, k, 2))
+        at += T * k
+    tok_sorted = tok[live][order]
+    rank_ends = torch.cumsum(counts_e.view(W, El).sum(1), 0).tolist()
+    rows, by_rank, lo = [], [], 0
+    R_max = None if config.exact_sizes else max_recv_rows(config, W)
+    for r in range(W):
+        hi = rank_ends[r]
+        by_rank.append((tok_sorted[lo:hi], row_sorted[lo:hi]))
+        lo = hi
+        offs = ends[r].to(torch.int32)
+        rows.append(RankRows(num_rows=int(offs[-1]) if R_max is None else R_max, offs=offs,
+                             counts=counts_e[r * El:(r + 1) * El].to(torch.int32)))
+    return SoakRoutes(dest=dest, rows=rows, by_rank=by_rank, tok0=tok0)
+
+
+def rank_dispatch_expected(config: EPConfig, xs, routes: SoakRoutes, rank: int) -> DispatchResult:
+    """Rank ``rank``'s expected dispatch output (as ``oracle_dispatch(config, xs, ids)[0][rank]``, bit for bit),
+    quantizing only the rows it receives (row-wise quantization: a row's bytes depend on that row only)."""
+    H = config.hidden
+    rows = routes.rows[rank]
+    tok, row = routes.by_rank[rank]
+    R = rows.num_rows
+    mxfp8 = config.precision == "mxfp8"
+    x_all = torch.cat([x.cpu() for x in xs]) if len(xs) > 1 else xs[0].cpu()
+    got = x_all[tok]
+    if mxfp8:
+        payload = torch.zeros(R, H, dtype=torch.uint8)
+        scales = torch.zeros(R, H // 32, dtype=torch.uint8)
+        if tok.numel():
+            q = quantize(got, mode=config.scale_mode)
+            payload[row] = q.qdata.view(torch.uint8)
+            scales[row] = q.scales
+        x_out = MXTensor(
+            qdata=payload.view(torch.float8_e4m3fn), scales=scales, axis=1, layout=ScaleLayout.ROW,
+            mode=config.scale_mode, orig_dtype=torch.bfloat16,
+        ).with_layout(ScaleLayout.GROUPED_M, rows.offs)
+    else:
+        payload = torch.zeros(R, 2 * H, dtype=torch.uint8)
+        if tok.numel():
+            payload[row] = got.contiguous().view(torch.uint8)
+        x_out = payload.view(torch.bfloat16)
+    return DispatchResult(x=x_out, offs=rows.offs, counts=rows.counts, num_rows=R)
+
+
+def rank_combine_expected(config: EPConfig, expert_outs, routes: SoakRoutes, topk_weights, rank: int,
+                          quantize_rows: bool) -> torch.Tensor:
+    """Rank ``rank``'s expected combine output (as ``oracle_combine(...)[rank]``, bit for bit): its slots' rows
+    gathered from every rank's ``expert_outs``, decoded (row-wise MXFP8 round trip or the bf16 value), then
+    ``sum_j w[t, j] * row`` in fp32, ``j`` ascending, dropped slots adding +0."""
+    d = routes.dest[rank]
+    T, k = d.shape[0], d.shape[1]
+    H = config.hidden
+    dr, drow = d[..., 0].reshape(-1), d[..., 1].reshape(-1)
+    g = torch.zeros(T * k, H, dtype=torch.bfloat16)
+    for r, o in enumerate(expert_outs):
+        sel = torch.nonzero(dr == r).view(-1)
+        if sel.numel():
+            g[sel] = o.cpu()[drow[sel]]
+    if quantize_rows:
+        v = quantize(g, mode=config.scale_mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
+    else:
+        v = g.to(torch.float32)
+    v = v.view(T, k, H)
+    w = topk_weights[rank].cpu().to(torch.float32)
+    live = (d[..., 0] >= 0).unsqueeze(-1)
+    acc = torch.zeros(T, H, dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32)
+    for j in range(k):
+        acc = acc + torch.where(live[:, j], w[:, j:j + 1] * v[:, j], zero)
+    return acc.to(torch.bfloat16)
 
 
 # ---------------------------------------------------------------- case lists ----
@@ -562,4 +699,5 @@ __all__ = [
     "nvshmem_cases_worker", "each_case",
     "Case", "make_inputs", "make_expert_outs", "standard_cases", "random_cases", "run_cases", "soak_worker",
     "bad_inputs_worker", "config_mismatch_worker", "gpu_cases_worker", "check_dispatch", "row_checksums",
+    "RankRows", "SoakRoutes", "soak_routes", "rank_dispatch_expected", "rank_combine_expected",
 ]
