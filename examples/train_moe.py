@@ -319,7 +319,7 @@ def train_one(cfg: TrainConfig, precision: str, data: torch.Tensor, log_every: i
     other = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    attach_optimizer(model, opt)  # MXFP8 weight caches rebuilt after every step
+    attach_optimizer(model, opt)  # weight caches (MXFP8 / BF16) rebuilt after every step
     n_val = max(cfg.seq + 2, data.numel() // 20)
     train_data, val_data = data[:-n_val], data[-n_val:]
     batches = Batches(train_data, cfg.seq, cfg.batch, rank, world, cfg.seed)

@@ -8,7 +8,8 @@
   the Hopper default), ``triton`` (Triton grouped GEMM decoding E4M3 in its load path), ``reference`` (CPU).
   On Hopper MXFP8 is emulated: the arithmetic is BF16 on the dequantized values.
 * :class:`MXWeightCache`: forward (blocks along K) and dgrad (blocks along N) MXFP8 copies of the fp32 master,
-  ``refresh()`` after each optimizer step; stale use raises.
+  ``refresh()`` after each optimizer step; stale use raises. :class:`BF16WeightCache`: the BF16 copy of the master
+  (the BF16 path's weight, cast once per refresh instead of in every forward and backward), same rules.
 * :class:`MXGroupedLinear` / :func:`grouped_linear`: autograd Function.
 """
 from .autograd import GroupedLinearConfig, MXGroupedLinear, grouped_linear
@@ -36,12 +37,12 @@ from .triton_gemm import (
     triton_grouped_wgrad,
     zero_rows_past_end,
 )
-from .weights import MXWeight, MXWeightCache, StaleWeightCacheError
+from .weights import BF16WeightCache, MXWeight, MXWeightCache, StaleWeightCacheError
 
 __all__ = [
     "grouped_mm", "grouped_mm_bf16", "grouped_wgrad", "reference_grouped_mm", "reference_grouped_wgrad",
     "native_args", "GemmBackend", "EMULATED_DEFAULT", "select_backend", "native_mxfp8_supported",
-    "check_native_allowed", "device_capability", "MXWeight", "MXWeightCache", "StaleWeightCacheError",
+    "check_native_allowed", "device_capability", "BF16WeightCache", "MXWeight", "MXWeightCache", "StaleWeightCacheError",
     "MXGroupedLinear", "GroupedLinearConfig", "grouped_linear", "GroupedGemmConfig", "default_gemm_config",
     "fit_k_step",
     "triton_grouped_mm", "triton_grouped_wgrad", "zero_rows_past_end",
