@@ -87,7 +87,7 @@ from .plan import RoutingPlan, buffer_regions, combine_regions, dispatch_path, l
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from .nvshmem_paths import PATHS
 
-_MAX_PLAN_GRAPHS = 8  # captured plan graphs kept per backend (least recently used dropped)
+_MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently used dropped)
 
 
 @dataclass(frozen=True)
@@ -279,6 +279,7 @@ class NvshmemBackend:
         self._ones = torch.ones(config.max_tokens_per_rank * config.topk, dtype=torch.float32, device=self.device)
         self._pinned = None
         self._plan_graphs: dict = {}  # ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph, LRU first
+        self._seen_keys: dict = {}  # keys of run_middle seen once and not captured yet, oldest first
         # this call's counts (check_and_count writes them here on the local and pull paths): a fixed-address input of
         # the captured middle of a dispatch (see run_middle)
         self.counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
@@ -541,7 +542,8 @@ class NvshmemBackend:
         """Run a path's dispatch middle ``middle(counts_buf, ids)`` (the pull path's pack, exchange, plan and entries;
         the local path's id check and plan) for this call's ``ids``. On the GPU it is captured into a CUDA graph per
         (path, token count, id dtype, plan implementation) after the first eager call with that key and replayed
-        afterwards (its launches cost the host more than its GPU work); its inputs go through fixed-address buffers
+        afterwards (its launches cost the host more than its GPU work; a key is captured at its second call, so a
+        token count seen once is never captured); its inputs go through fixed-address buffers
         (the path's, and ``counts_in``). Eager on the interpreter, for T = 0, and inside an outer capture (which records
         its kernels). Returns the outputs for use at once (``live``: a replay's own memory) and how to keep them
         (``keep()``: the caller's copies; enqueue before the next dispatch)."""
@@ -550,8 +552,15 @@ class NvshmemBackend:
             return Middle.owned(middle(self.counts.local, ids))
         key = (self.path, T, ids.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
-        if g is None:  # first call with this key: eager (compiles every kernel), then capture for the next ones
+        if g is None:
+            # eager (the first call with a key compiles every kernel); captured at the key's second call, so a token
+            # count seen once (a last, smaller batch) costs no capture
             po = middle(self.counts.local, ids)
+            if self._seen_keys.pop(key, None) is None:
+                while len(self._seen_keys) >= 8 * _MAX_PLAN_GRAPHS:
+                    self._seen_keys.pop(next(iter(self._seen_keys)))
+                self._seen_keys[key] = True
+                return Middle.owned(po)
             g = PlanGraph(self.counts.local, T, k, ids.dtype, middle, warmup=False)
             self._remember_graph(key, g)
             return Middle.owned(po)

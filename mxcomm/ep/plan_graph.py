@@ -140,11 +140,21 @@ class PlanGraph:
                 body()  # warm-up outside capture (allocator, cub temp storage)
             torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            out = body()
-            # from the graph's pool: kept, refreshed by every replay
-            self.copier = OutputCopier({**{n: getattr(out.plan, n) for n in PLAN_TENSORS}, **out.extra})
-            self.copier.fill()
+        # captured on a side stream without ``torch.cuda.graph``'s entry work (a device synchronize, ``gc.collect()``
+        # and ``empty_cache()``: tens of milliseconds in a large process, paid at every new token count); only this
+        # stream's work is recorded, and the allocations it makes come from the graph's private pool
+        cap = torch.cuda.Stream(dev)
+        cap.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(cap):
+            self.graph.capture_begin()
+            try:
+                out = body()
+                # from the graph's pool: kept, refreshed by every replay
+                self.copier = OutputCopier({**{n: getattr(out.plan, n) for n in PLAN_TENSORS}, **out.extra})
+                self.copier.fill()
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(dev).wait_stream(cap)
         self.live = out
         self.template = out.plan
 
