@@ -13,7 +13,7 @@
 #   cli       the nvshmem-marked CLI tests (tests/test_cli.py)
 #   loopback  mxcomm bench, 1 rank: 8192 tokens x 7168, top-8, 256 experts (the GPU's own memory, no NVLink)
 #   shared2   mxcomm bench, 2 ranks on one GPU under MPS (--mps start): protocol and traffic floor, NOT NVLink
-#   shared4   mxcomm bench, 4 ranks on one GPU under MPS, 1/4 of the SMs each: protocol and floor, NOT NVLink
+#   shared4   mxcomm bench, 4 ranks on one GPU under MPS (1/4 of the SMs each, by MPS): protocol and floor, NOT NVLink
 #   multi     mxcomm bench, one rank per visible GPU (NVLink), 4096 and 8192 tokens (needs 2+ GPUs)
 #   latency   mxcomm bench, one rank per visible GPU, 128 tokens, mxcomm timed as CUDA graph replays
 #   lab       the EP kernel lab (bench/bench_ep_kernels.py) and the loopback profile (bench/bench_ep_loopback.py)
@@ -92,8 +92,8 @@ if has cli; then
   note "cli gpu tests" "${PIPESTATUS[0]}"
 fi
 has loopback && bench h200-loopback-t8192 --ranks 1 --tokens 8192 --hidden 7168 --topk 8 --experts 256 "$@"
-has shared2 && bench h200-2ranks-1gpu-mps --ranks 2 --ranks-per-gpu 2 --mps start --tokens 4096 --num-sms $((sms / 2)) "$@"
-has shared4 && bench h200-4ranks-1gpu-mps --ranks 4 --ranks-per-gpu 4 --mps start --tokens 4096 --num-sms $((sms / 4)) "$@"
+has shared2 && bench h200-2ranks-1gpu-mps --ranks 2 --ranks-per-gpu 2 --mps start --tokens 4096 "$@"
+has shared4 && bench h200-4ranks-1gpu-mps --ranks 4 --ranks-per-gpu 4 --mps start --tokens 4096 "$@"
 if has multi; then
   if [[ $ngpu -ge 2 ]]; then
     bench "h200x${ngpu}-ep${ngpu}" --tokens 4096,8192 "$@"

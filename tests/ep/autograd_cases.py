@@ -286,6 +286,7 @@ class MoECase:
     device: str = "cpu"
     backend: str = "torch"
     transport: str = "auto"
+    num_sms: Optional[int] = None  # the nvshmem backend's SM budget (None: the whole GPU)
 
     @property
     def num_experts(self) -> int:
@@ -296,7 +297,7 @@ class MoECase:
             num_experts=self.num_experts, hidden=self.hidden, topk=self.topk,
             max_tokens_per_rank=max(max(self.tokens), 1), align=self.align, precision=self.precision,
             scale_mode=self.scale_mode, exact_sizes=self.exact_sizes, backend=self.backend, timeout_s=60.0,
-            transport=self.transport,
+            transport=self.transport, num_sms=self.num_sms,
         )
 
 
@@ -634,14 +635,15 @@ def check_mismatched_transport_refused(group, case, rank: int, fails: list) -> N
 
 
 def gpu_world_worker(rank: int, world: int, backend: str = "torch", n_ops: Optional[int] = None,
-                     transport: str = "auto") -> dict:
+                     transport: str = "auto", num_sms: Optional[int] = None) -> dict:
     """GPU variant: every case with CUDA tensors (``backend``: "torch" reference or "nvshmem"; ``transport``
-    of the nvshmem backend: "auto" or "put")."""
+    of the nvshmem backend: "auto" or "put"; ``num_sms``: its SM budget)."""
     from _dist import bind_rank_gpu
 
     dev = bind_rank_gpu(rank)
-    ops = [replace(c, device=dev, backend=backend, transport=transport) for c in backward_op_cases(world, seed=3)][:n_ops]
-    moe = [replace(c, device=dev, backend=backend, transport=transport) for c in moe_cases(world, seed=3)]
+    ops = [replace(c, device=dev, backend=backend, transport=transport, num_sms=num_sms)
+           for c in backward_op_cases(world, seed=3)][:n_ops]
+    moe = [replace(c, device=dev, backend=backend, transport=transport, num_sms=num_sms) for c in moe_cases(world, seed=3)]
     if backend == "nvshmem":
         ops = [matched_transport(c) for c in ops]
     out = world_worker(rank, world, ops, moe, False)

@@ -54,13 +54,14 @@ class Case:
     device: str = "cpu"
     backend: str = "torch"
     transport: str = "auto"
+    num_sms: Optional[int] = None  # the nvshmem backend's SM budget (None: the whole GPU)
 
     def config(self) -> EPConfig:
         return EPConfig(
             num_experts=self.num_experts, hidden=self.hidden, topk=self.topk,
             max_tokens_per_rank=self.max_tokens or max(max(self.tokens), 1), align=self.align,
             precision=self.precision, scale_mode=self.scale_mode, exact_sizes=self.exact_sizes,
-            backend=self.backend, timeout_s=60.0, transport=self.transport,
+            backend=self.backend, timeout_s=60.0, transport=self.transport, num_sms=self.num_sms,
         )
 
 
