@@ -8,10 +8,10 @@ BF16 grouped GEMM of another layer runs on the current stream (EP = 1: one proce
     python bench/bench_overlap.py --device cpu --smoke --out /tmp/overlap.json   # CPU: reference backend, no streams
 
 The combine: ``EPGroup.combine(expert_out, handle)`` of one dispatch of ``--tokens`` tokens (top-``--topk`` of
-``--experts`` experts, all local), its kernels confined to ``--num-sms`` SMs (``EPConfig.num_sms``, default 24: one
-program per budgeted SM, which leaves the rest of the GPU to the GEMM). The GEMM ("another layer"):
-``torch._grouped_mm`` BF16 ``[rows, H] x [G, H, N]`` with ``G`` equal groups (``--gemm-experts``) of
-``--gemm-rows / G`` rows (on the CPU: mxcomm.gemm's BF16 grouped GEMM).
+``--experts`` experts, all local), its kernels sized for ``--num-sms`` SMs (``EPConfig.num_sms``, default 24: the
+grids are ``per_sm * num_sms`` programs, which leaves most of the GPU to the GEMM; the hardware still places them on
+any SM). The GEMM ("another layer"): ``torch._grouped_mm`` BF16 ``[rows, H] x [G, H, N]`` with ``G`` equal groups
+(``--gemm-experts``) of ``--gemm-rows / G`` rows (on the CPU: mxcomm.gemm's BF16 grouped GEMM).
 
 Timed cases (CUDA events on the current stream; median over ``--iters`` rounds after ``--warmup``, the cases
 interleaved in every round; each sample starts behind a sleep kernel of ``--host-lead-us`` so that the host has

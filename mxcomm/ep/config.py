@@ -42,9 +42,7 @@ class EPConfig:
             payload and for the quantized combine transport.
         backend: ``"torch"`` (reference, torch.distributed all-to-all; CPU/gloo and GPU/NCCL) or
             ``"nvshmem"`` (GPU kernels over NVSHMEM symmetric buffers).
-        num_sms: SM budget of the GPU backend's persistent kernels (None = the whole GPU): with N, each runs N
-            programs, one per budgeted SM, so the rest of the GPU stays free for concurrent work (docs/design.md,
-            "SM budget"). Unused by ``torch``.
+        num_sms: SMs the GPU backend's kernels may use (None = backend default). Unused by ``torch``.
         timeout_s: bound on every wait (seconds): the GPU backend's device-side waits, and the reference
             backend's collectives.
         exact_sizes: True: outputs sized exactly (needs a device-to-host sync). False: outputs sized

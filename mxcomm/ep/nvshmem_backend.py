@@ -92,9 +92,8 @@ _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently u
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Launch settings of the nvshmem backend's kernels (grids are ``per_sm`` programs per SM of the GPU; with an SM
-    budget ``EPConfig.num_sms`` one program per budgeted SM with the warps of its ``per_sm`` programs, at most 32:
-    :meth:`NvshmemBackend.grid`). The defaults are the fastest settings measured on an H200
+    """Launch settings of the nvshmem backend's kernels (grids are ``per_sm * SMs``, the SMs being
+    ``EPConfig.num_sms`` or the whole GPU). The defaults are the fastest settings measured on an H200
     (docs/benchmarks.md: the kernel labs and ``python -m mxcomm.bench.tools.sweep`` re-measure them on another GPU);
     every rank of a group must use the same settings (receivers count the senders' programs).
 
@@ -241,7 +240,6 @@ class NvshmemBackend:
         else:  # Triton interpreter (tests of the data path on CPU)
             sms = 1
         self.sms = sms
-        self.sm_budget = config.num_sms is not None  # see grid()
         self.launch = launch if launch is not None else LaunchConfig()
         # routing plan: "triton" (mxcomm.ep.plan_kernels: the id check + counts + per-block slot table in two kernels,
         # the plan in three, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the
@@ -310,44 +308,28 @@ class NvshmemBackend:
             )
         return tp.SymmetricHeap(ctx)
 
-    # -- launch settings (self.launch; the same on every rank) -------------------------------------------------
-    # Without an SM budget (EPConfig.num_sms None) a persistent kernel runs ``per_sm`` programs per SM of the GPU. With
-    # one, it runs ONE program per budgeted SM, with the warps of its ``per_sm`` programs (at most 32): the hardware
-    # places programs on any free SM, so only the grid size keeps a kernel on ``num_sms`` SMs and leaves the rest to
-    # concurrent work (a GEMM on another stream).
-    def grid(self, per_sm: int) -> int:
-        """Programs of a persistent kernel whose launch setting is ``per_sm`` programs per SM."""
-        return self.sms if self.sm_budget else self.sms * per_sm
-
-    def warps(self, base: int, per_sm: int) -> int:
-        """Warps per program of a persistent kernel launched with ``base`` warps and ``per_sm`` programs per SM."""
-        if not self.sm_budget:
-            return base
-        return 1 << (min(32, base * per_sm).bit_length() - 1)  # a power of two, at most 32
-
+    # -- launch settings (self.launch; grids are per-SM counts times self.sms, the same on every rank) -------
     @property
     def programs(self) -> int:
         """Programs of combine_send_kernel (receivers count them: identical on every rank)."""
-        return self.grid(self.launch.send_per_sm)
+        return self.sms * self.launch.send_per_sm
 
     @property
     def dispatch_programs(self) -> int:
         """Programs of dispatch_kernel / pack_rows_kernel / pull_rows_kernel / the reduce."""
-        return self.grid(self.launch.dispatch_per_sm)
+        return self.sms * self.launch.dispatch_per_sm
 
     @property
     def push_programs(self) -> int:
-        return self.grid(self.launch.push_per_sm)
+        return self.sms * self.launch.push_per_sm
 
     @property
     def route_grad_programs(self) -> int:
-        return self.grid(self.launch.route_grad_per_sm)
+        return self.sms * self.launch.route_grad_per_sm
 
     def dispatch_warps(self, weighted: bool) -> int:
-        """Warps per program of dispatch_kernel / pack_rows_kernel (``weighted``: combine backward's per-slot
-        quantization)."""
-        return self.warps(self.launch.weighted_warps if weighted else self.launch.dispatch_warps,
-                          self.launch.dispatch_per_sm)
+        """Warps per program of dispatch_kernel (``weighted``: combine backward's per-slot quantization)."""
+        return self.launch.weighted_warps if weighted else self.launch.dispatch_warps
 
     def chunk(self, H: int, weighted: bool = False) -> int:
         """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot)."""
@@ -678,7 +660,7 @@ class NvshmemBackend:
                 plan.dest_row, payload, in_scales,
                 H=H, K=cfg.topk, CHUNK=self._reduce_chunk(H, own, mx),
                 MX=mx, INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, MODE=self.mode_id,
-                num_warps=self.warps(4, self.launch.dispatch_per_sm),
+                num_warps=4,
             )
         saved = None
         if save:  # the rows as they arrived, by send position (copy: the buffer is reused)
@@ -734,8 +716,7 @@ class NvshmemBackend:
         grad_out = self._received(plan, handle.num_rows, quantize_rows, rows.q, rows.scale_rows)
         # one Triton kernel reading the saved MXFP8/BF16 rows (the torch reference dequantizes them all first)
         grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos,
-                                                                 programs=self.route_grad_programs,
-                                                                 num_warps=self.warps(4, self.launch.route_grad_per_sm))
+                                                                 programs=self.route_grad_programs)
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
 
 

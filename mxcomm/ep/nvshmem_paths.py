@@ -105,7 +105,7 @@ class EnginePath:
             payload, handle.backend_state.num_rows_dev, origins.src, origins.pos, q_ptrs, s_ptrs, e.flags.peer_ptrs,
             e.rank, e.world, e.c_epoch, e.nslot, in_scales, H=H, BR=e.launch.send_rows,
             CHUNK=min(e.launch.send_chunk, e.next_pow2(H)), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
-            PASS=passthrough, STAGED=staged, num_warps=e.warps(e.launch.send_warps, e.launch.send_per_sm),
+            PASS=passthrough, STAGED=staged, num_warps=e.launch.send_warps,
         )
 
     # -- per path ----------------------------------------------------------------------------
@@ -215,7 +215,7 @@ class PullPath(EnginePath):
             self.x_slot if g is None else g, T, q, self.send_s.local, e.d_epoch, T_max,
             T_max * 2 * H if mx else T_max * H, e.err if w is None else w, self.send_w.local,
             H=H, CHUNK=e.chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, X_SLOT=g is None,
-            K=k, K_POW2=e.next_pow2(k), WEIGHTS=w is not None, num_warps=e.dispatch_warps(False),
+            K=k, K_POW2=e.next_pow2(k), WEIGHTS=w is not None, num_warps=e.launch.dispatch_warps,
         )
 
     def _push_entries(self, plan: RoutingPlan) -> None:
@@ -227,7 +227,7 @@ class PullPath(EnginePath):
         push_entries_kernel[(e.push_programs,)](
             plan.dest_rank, plan.dest_row, plan.dest_rank.shape[0], self.pull_list.peer_ptrs, e.flags.peer_ptrs,
             e.d_epoch, e.rank, e.world, e.config.max_tokens_per_rank, K=e.config.topk,
-            EW=self.pull_list.local.shape[-1], BLOCK=64, num_warps=e.warps(4, e.launch.push_per_sm),
+            EW=self.pull_list.local.shape[-1], BLOCK=64, num_warps=4,
         )
         wait_arrivals_kernel[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.push_programs, e.err, e.timeout_ns)
 
@@ -260,8 +260,7 @@ class PullPath(EnginePath):
                 out.view(torch.int64), srows, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
                 self.send_s.peer_ptrs, self.pull_list.local, e.d_epoch, T_max, e.world,
                 T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, e.next_pow2(words)), C=C,
-                C_POW2=e.next_pow2(C), K=e.config.topk, EW=self.pull_list.local.shape[-1], MX=e.mx,
-                num_warps=e.warps(4, e.launch.dispatch_per_sm),
+                C_POW2=e.next_pow2(C), K=e.config.topk, EW=self.pull_list.local.shape[-1], MX=e.mx, num_warps=4,
             )
         return out, srows
 
@@ -355,9 +354,9 @@ class PushPath(EnginePath):
         words = row_bytes // 8
         if R:
             src = self.recv_q.local.view(-1)[: e.R_max * row_bytes].view(torch.int64)
-            copy_out_rows_kernel[(min(R, e.grid(4 * e.launch.send_per_sm)),)](
+            copy_out_rows_kernel[(min(R, e.programs * 4),)](
                 src, out.view(torch.int64), plan.num_rows, origins.src, R,
-                ROW_WORDS=words, CHUNK=min(512, e.next_pow2(words)), num_warps=e.warps(4, 4 * e.launch.send_per_sm),
+                ROW_WORDS=words, CHUNK=min(512, e.next_pow2(words)), num_warps=4,
             )
         return out
 

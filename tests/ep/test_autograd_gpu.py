@@ -56,7 +56,8 @@ def test_nvshmem_backward_two_ranks_one_gpu():
 @pytest.mark.nvshmem
 @pytest.mark.parametrize("world", [1, 2])
 def test_nvshmem_backward_with_an_sm_budget(world):
-    """EPConfig(num_sms=8): every persistent kernel runs one (wider) program per budgeted SM; the same cases match."""
+    """EPConfig(num_sms=8): grids sized for 8 SMs (per_sm * 8 programs, other launch counts than the default); the
+    same cases match."""
     res = run_world(world, gpu_world_worker, "nvshmem", None, "auto", 8, env=_nvshmem_env(), timeout=900)
     _check_world(res, moe_cases(world, seed=3))
 
