@@ -368,15 +368,7 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
                 r = tl.load(e + 2 + j, mask=ok, other=-1)
                 tl.store(dst_s_ptr + r.to(tl.int64) * C + scols, sv, mask=(scols < C) & (r >= 0))
         i += G
-    n_rows = tl.load(n_rows_ptr)
-    zero = tl.zeros([CHUNK], dtype=tl.int64)
-    r = pid
-    while r < R_out:
-        pad = ~_real_row(r, n_rows, row_src_ptr)
-        for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
-            m = (c0 + offs) < ROW_WORDS
-            tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=m & pad)
-        r += G
+    _zero_pad_rows(dst_ptr, n_rows_ptr, row_src_ptr, R_out, pid, G, ROW_WORDS, CHUNK)
 
 
 @triton.jit
@@ -447,17 +439,8 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, g_p
                             tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), xw.to(tl.bfloat16), mask=m)
         i += G
     WORDS: tl.constexpr = H // 8 if MX else H // 4
-    out = dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-    n_rows = tl.load(n_rows_ptr)
-    zoffs = tl.arange(0, ZCHUNK)
-    zero = tl.zeros([ZCHUNK], dtype=tl.int64)
-    r = pid
-    while r < R_out:
-        pad = ~_real_row(r, n_rows, row_src_ptr)
-        for c0 in tl.static_range(0, WORDS, ZCHUNK):
-            zm = (c0 + zoffs) < WORDS
-            tl.store(out + r.to(tl.int64) * WORDS + c0 + zoffs, zero, mask=zm & pad)
-        r += G
+    _zero_pad_rows(dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True), n_rows_ptr, row_src_ptr, R_out, pid, G, WORDS,
+                   ZCHUNK)
 
 
 @triton.jit
@@ -608,6 +591,22 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T,
             else:
                 tl.store(y_ptr + t.to(tl.int64) * H + el, acc.to(tl.bfloat16), mask=m)
         t += G
+
+
+@triton.jit
+def _zero_pad_rows(dst_ptr, n_rows_ptr, row_src_ptr, R_out, pid, G, ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program ``pid`` of ``G``'s share of zeroing every row ``r < R_out`` of a fresh ``[R_out, ROW_WORDS]`` int64 view
+    that is not a real row (padding, and rows past ``n_rows`` in the worst-case-sized mode; see :func:`_real_row`)."""
+    offs = tl.arange(0, CHUNK)
+    n_rows = tl.load(n_rows_ptr)
+    zero = tl.zeros([CHUNK], dtype=tl.int64)
+    r = pid
+    while r < R_out:
+        pad = ~_real_row(r, n_rows, row_src_ptr)
+        for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
+            m = (c0 + offs) < ROW_WORDS
+            tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=m & pad)
+        r += G
 
 
 @triton.jit
