@@ -2,10 +2,17 @@
 
     python3 -m mxcomm.bench.tools.host_costs
 
-Each line: median host time per operation over many repetitions (no device sync inside the loop).
+Each line: median host time per operation over many repetitions (no device sync inside the loop). The launch lines
+compare Triton's launcher with a CUDA C++ kernel of the same 12 arguments built to a cubin with ``nvcc`` and launched
+through cuda-python (``cuda.core.launch``, as ``mxcomm.transport.put_signal`` launches its kernels); that line is
+skipped, with the reason, where ``nvcc`` or ``cuda.core`` is missing.
 """
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -32,6 +39,65 @@ def _cost(name, fn, n=2000):
     print(f"{name:48s} {statistics.median(ts):7.2f} us")
 
 
+_NOOP12_CU = r"""
+extern "C" __global__ void noop12(long long *a, long long *b, long long *c, int *d, int *e, int *f,
+                                  int n1, int n2, int n3, int n4, int n5, int n6) {
+    if (n1 < 0) a[threadIdx.x] = b[threadIdx.x];
+}
+"""
+
+
+def build_noop_cubin(arch: str, out_dir: Path) -> Path:
+    """``noop12`` (the CUDA C++ twin of the Triton kernel timed here) compiled with ``nvcc -cubin -arch=<arch>`` into
+    ``out_dir``; raises FileNotFoundError without ``nvcc``, CalledProcessError when it fails."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists():
+        raise FileNotFoundError("nvcc not found")
+    src, out = out_dir / "noop12.cu", out_dir / "noop12.cubin"
+    src.write_text(_NOOP12_CU)
+    subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-o", str(out), str(src)], check=True, capture_output=True)
+    return out
+
+
+def _cubin_launch_cost(t, u) -> None:
+    """The 12-argument no-op kernel as a cubin launched through ``cuda.core.launch`` (numpy scalars, as the put path
+    passes them)."""
+    import numpy as np
+
+    try:
+        import cuda.core as cc
+
+        cc.ObjectCode  # noqa: B018 - cuda.core >= 0.4 exports it at the top level
+    except (ImportError, AttributeError) as exc:
+        print(f"{'cuda.core launch of a cubin, 12 args':48s} skipped: cuda.core missing ({exc})")
+        return
+    major, minor = torch.cuda.get_device_capability()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = build_noop_cubin(f"sm_{major}{minor}", Path(tmp))
+        except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+            print(f"{'cuda.core launch of a cubin, 12 args':48s} skipped: nvcc build failed ({exc})")
+            return
+        cc.Device(torch.cuda.current_device()).set_current()
+        kernel = cc.ObjectCode.from_cubin(path.read_bytes(), name="noop12.cubin").get_kernel("noop12")
+
+    class _Stream:  # torch's current stream as cuda.core takes it (the __cuda_stream__ protocol)
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __cuda_stream__(self):
+            return (0, self.handle)
+
+    stream = _Stream(int(torch.cuda.current_stream().cuda_stream))
+    cfg = cc.LaunchConfig(grid=1, block=128)
+    ptrs = [np.uint64(x.data_ptr()) for x in (t, t, t, u, u, u)]
+    ints = [np.int32(v) for v in (1, 2, 3, 4, 5, 6)]
+    _cost("cuda.core launch of a cubin, 12 args", lambda: cc.launch(stream, cfg, kernel, *ptrs, *ints))
+    _cost("cuda.core launch, args converted per call", lambda: cc.launch(
+        stream, cfg, kernel, *[np.uint64(x.data_ptr()) for x in (t, t, t, u, u, u)],
+        *[np.int32(v) for v in (1, 2, 3, 4, 5, 6)]))
+
+
 def main():
     d = torch.device("cuda")
     t = torch.zeros(1024, dtype=torch.int64, device=d)
@@ -42,6 +108,7 @@ def main():
     args = (t, t, t, u, u, u, 1, 2, 3, 4, 5, 6, 128)
     _cost("compiled kernel .run (no binder)", lambda: k.run(1, 1, 1, stream, k.function, k.packed_metadata, None, None,
                                                             None, *args))
+    _cubin_launch_cost(t, u)
     _cost("torch.empty(65536, 7168, uint8)", lambda: torch.empty(65536, 7168, dtype=torch.uint8, device=d))
     _cost("tensor slice t[0:1]", lambda: t[0:1])
     _cost("tensor.view(int32)", lambda: t.view(torch.int32))
