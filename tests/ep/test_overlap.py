@@ -6,7 +6,7 @@ CPU (reference backend, gloo worlds of 1 and 2): a bad ``stream`` (not a torch.c
 ``torch.compile`` a call with ``stream=`` compiles nothing (fullgraph raises); the tensors a result holds are found
 for ``record_stream``.
 
-GPU (nvshmem backend, marked ``nvshmem``; run by the lead on the GPU machine, after ``source bench/gpu/env.sh``):
+GPU (nvshmem backend, marked ``nvshmem``; on a GPU machine, after ``source bench/gpu/env.sh``):
 ``python -m pytest -m nvshmem tests/ep/test_overlap.py``. Forward and backward on a side stream are bit-identical to
 the same calls on the current stream, with sleeps that expose a missing wait (the call waits for the caller's
 stream, the event comes after the last kernel, the backward's gradients reach the current stream); inputs dropped
