@@ -41,7 +41,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -320,22 +319,6 @@ def run_rank(a, dims: dict) -> int:
 
 
 # ------------------------------------------------------------------------------ several ranks: the parent ----
-def _kill(procs) -> None:
-    """Stop our rank processes (each started in its own session: its process group id is its pid)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [p for p in procs if p.poll() is None]
-        if not alive:
-            return
-        for p in alive:
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(p.poll() is None for p in alive):
-            time.sleep(0.1)
-
-
 def _dim_args(a, dims: dict) -> list:
     return ["--device", a.device, "--dim", str(dims["dim"]), "--ffn", str(dims["ffn"]), "--experts",
             str(dims["experts"]), "--topk", str(dims["topk"]), "--tokens", str(dims["tokens"]), "--iters",
@@ -408,6 +391,8 @@ def run_ranks(a, dims: dict) -> int:
             else:
                 base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // N)))
             base.update(mps_env)
+            from mxcomm.bench.launcher import kill_ranks
+
             procs, logs = [], {}
             try:
                 for r in range(N):
@@ -428,7 +413,7 @@ def run_ranks(a, dims: dict) -> int:
                         break
                     time.sleep(0.1)
             finally:
-                _kill(procs)
+                kill_ranks(procs)
             codes = [p.returncode for p in procs]
             if timed_out or any(codes) or not os.path.exists(result_path):
                 why = f"timed out after {a.timeout} s" if timed_out else f"rank exit codes {codes}"

@@ -118,7 +118,9 @@ def _visible_gpus(env: dict) -> list:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _kill(procs) -> None:
+def kill_ranks(procs) -> None:
+    """Stop rank processes started each in its own session (``start_new_session=True``: the process group id is the
+    pid): SIGTERM to each group, then SIGKILL to those still alive 5 s later."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in procs if p.poll() is None]
         if not alive:
@@ -203,7 +205,7 @@ def run_phase_processes(opts: BenchOptions, phase: str, impls: list, workdir: st
                 break
             time.sleep(0.2)
     finally:
-        _kill(procs)
+        kill_ranks(procs)
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
     codes = [p.returncode for p in procs]
@@ -433,4 +435,4 @@ def _warn_heap(opts: BenchOptions) -> None:
 
 __all__ = ["launch", "run_joined", "rank_main", "BenchError", "PhaseRun", "child_env", "symmetric_bytes",
            "plan_phases", "run_phase_processes", "precheck", "check_mps", "needs_mps", "BenchTerminated",
-           "watch_parent"]
+           "watch_parent", "kill_ranks"]
