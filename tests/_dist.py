@@ -126,6 +126,18 @@ def run_world(
     return [results[r] for r in range(world)]
 
 
+def expect_error(out: dict, name: str, exc: type, needle: str, fn) -> None:
+    """Run ``fn`` in a rank process and record in ``out[name]`` whether it raised ``exc`` with ``needle`` in its
+    message (``"ok"``), raised something else, or nothing (``"no error"``); the test asserts on ``out``."""
+    try:
+        fn()
+        out[name] = "no error"
+    except exc as e:
+        out[name] = "ok" if needle in str(e) else f"message: {e}"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out[name] = f"{type(e).__name__}: {e}"
+
+
 def bind_rank_gpu(rank: int) -> str:
     """From a GPU worker: bind this process to GPU ``rank % device_count`` and return ``"cuda:i"``.
 

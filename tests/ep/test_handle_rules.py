@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import run_world
+from _dist import expect_error, run_world
 
 
 def worker(rank: int, world: int) -> dict:
@@ -20,13 +20,7 @@ def worker(rank: int, world: int) -> dict:
     idx = torch.tensor([[0, 1], [2, 3], [1, -1], [3, 0], [0, 2], [-1, -1]])
 
     def expect(name, exc, needle, fn):
-        try:
-            fn()
-            out[name] = "no error"
-        except exc as e:
-            out[name] = "ok" if needle in str(e) else f"message: {e}"
-        except Exception as e:  # noqa: BLE001
-            out[name] = f"{type(e).__name__}: {e}"
+        expect_error(out, name, exc, needle, fn)
 
     # 1. weights changed in place between dispatch and combine
     w = torch.rand(6, 2)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import run_world
+from _dist import expect_error as _expect, run_world
 
 
 def _fake_stream():
@@ -28,16 +28,6 @@ def _fake_stream():
         return object.__new__(torch.cuda.Stream)
     except TypeError:
         return None
-
-
-def _expect(out: dict, name: str, exc: type, needle: str, fn) -> None:
-    try:
-        fn()
-        out[name] = "no error"
-    except exc as e:
-        out[name] = "ok" if needle in str(e) else f"message: {e}"
-    except Exception as e:  # noqa: BLE001
-        out[name] = f"{type(e).__name__}: {e}"
 
 
 def _inputs(rank: int, T: int, H: int, E: int, k: int, device="cpu"):
