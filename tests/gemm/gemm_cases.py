@@ -77,3 +77,29 @@ def assert_close_gemm(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor
 
 def dq(m, dtype=torch.float32):
     return mx.dequantize(m, dtype)
+
+
+def master_updates():
+    """(name, function(param) that changes the master in a way the version counter / pointer check sees)."""
+    def inplace(p):
+        with torch.no_grad():
+            p.add_(1.0)
+
+    def sgd(p):
+        p.grad = torch.ones_like(p)
+        torch.optim.SGD([p], lr=0.1).step()
+
+    def adamw_foreach(p):
+        p.grad = torch.ones_like(p)
+        torch.optim.AdamW([p], lr=0.1, foreach=True).step()
+
+    def load_state(p):
+        m = torch.nn.Module()
+        m.w = p
+        m.load_state_dict({"w": torch.zeros_like(p)})
+
+    def rebind(p):
+        p.data = p.data.clone() + 1  # new storage: the pointer check sees it
+
+    return [("inplace", inplace), ("sgd", sgd), ("adamw_foreach", adamw_foreach), ("load_state_dict", load_state),
+            ("rebind_data", rebind)]

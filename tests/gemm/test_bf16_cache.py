@@ -5,7 +5,7 @@ generation check)."""
 import pytest
 import torch
 
-from gemm_cases import DEV, make_offs, rand
+from gemm_cases import DEV, make_offs, master_updates, rand
 
 from mxcomm.gemm import MXWeightCache, StaleWeightCacheError, grouped_linear, grouped_mm_bf16
 from mxcomm.gemm.weights import BF16WeightCache
@@ -86,33 +86,7 @@ def test_grouped_linear_on_the_cache_is_bit_identical(pattern, master_dtype):
     assert torch.equal(grouped_mm_bf16(x, BF16WeightCache(W), offs), grouped_mm_bf16(x, W, offs))
 
 
-def _updates():
-    """(name, function(param) that changes the master in a way the version counter / pointer check sees)."""
-    def inplace(p):
-        with torch.no_grad():
-            p.add_(1.0)
-
-    def sgd(p):
-        p.grad = torch.ones_like(p)
-        torch.optim.SGD([p], lr=0.1).step()
-
-    def adamw_foreach(p):
-        p.grad = torch.ones_like(p)
-        torch.optim.AdamW([p], lr=0.1, foreach=True).step()
-
-    def load_state(p):
-        m = torch.nn.Module()
-        m.w = p
-        m.load_state_dict({"w": torch.zeros_like(p)})
-
-    def rebind(p):
-        p.data = p.data.clone() + 1  # new storage: the pointer check sees it
-
-    return [("inplace", inplace), ("sgd", sgd), ("adamw_foreach", adamw_foreach), ("load_state_dict", load_state),
-            ("rebind_data", rebind)]
-
-
-@pytest.mark.parametrize("name, update", _updates(), ids=[n for n, _ in _updates()])
+@pytest.mark.parametrize("name, update", master_updates(), ids=[n for n, _ in master_updates()])
 def test_stale_cache_raises_then_refresh_follows(name, update):
     p = torch.nn.Parameter(rand((2, 32, 64), 5))
     c = BF16WeightCache(p)
