@@ -106,7 +106,8 @@ def test_no_import_cycles():
     assert not cycle, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycle[:10])
 
 
-@pytest.mark.parametrize("fast", ["mxcomm.ep.nvshmem_backend", "mxcomm.ep.nvshmem_paths", "mxcomm.ep.nvshmem_kernels",
+@pytest.mark.parametrize("fast", ["mxcomm.ep.nvshmem_backend", "mxcomm.ep.nvshmem_paths", "mxcomm.ep.nvshmem_state",
+                                  "mxcomm.ep.nvshmem_kernels",
                                   "mxcomm.ep.put_path",
                                   "mxcomm.ep.plan_kernels", "mxcomm.ep.plan_graph", "mxcomm.ep.steps",
                                   "mxcomm.ep.functions", "mxcomm.ep.compiled", "mxcomm.ep.group"])

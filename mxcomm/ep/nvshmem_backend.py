@@ -83,9 +83,10 @@ from ..kernels.route_grad import route_weight_grad
 from . import plan_kernels
 from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from .ids import check_expert_ids
-from .plan import RoutingPlan, buffer_regions, combine_regions, dispatch_path, local_counts, max_recv_rows, recv_rows
+from .plan import RoutingPlan, buffer_regions, combine_regions, dispatch_path, local_counts, max_recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from .nvshmem_paths import PATHS
+from .nvshmem_state import NvshmemState, RowOrigins, handle_origins, row_origins
 
 _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently used dropped)
 
@@ -125,40 +126,6 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
-class RowOrigins:
-    """For each expert-major row of a dispatch output: origin rank (-1 = padding) and its position
-    in the origin's send order. int32 ``[R]`` each, device tensors."""
-
-    src: torch.Tensor
-    pos: torch.Tensor
-
-
-def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
-    """Origin (rank, send position) of each of ``n_rows`` expert-major rows (torch, no host sync).
-
-    Receive order (source-major, then local expert, then the source's send order; see
-    :func:`mxcomm.ep.plan.recv_rows`) maps each real row to its source block; the position in the
-    source's send order is that block's ``src_send_pos`` plus the offset inside the block.
-    """
-    W, El = plan.world_size, plan.num_local_experts
-    dev = plan.device
-    lo = plan.rank * El
-    sizes = plan.counts[:, lo:lo + El].to(torch.int64).reshape(-1)
-    ends = torch.cumsum(sizes, 0)
-    starts = ends - sizes
-    j = torch.arange(n_rows, dtype=torch.int64, device=dev)  # real rows <= n_rows, so this covers them
-    seg = torch.clamp(torch.searchsorted(ends, j, right=True), max=W * El - 1)
-    rows = recv_rows(plan, n_rows).to(torch.int64)
-    pos = plan.src_send_pos.to(torch.int64).reshape(-1)[seg] + j - starts[seg]
-    dst = torch.where(rows >= 0, rows, torch.full_like(rows, n_rows))  # invalid -> spill slot
-    out_src = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)
-    out_pos = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=dev)
-    out_src.scatter_(0, dst, (seg // El).to(torch.int32))
-    out_pos.scatter_(0, dst, pos.to(torch.int32))
-    return RowOrigins(src=out_src[:n_rows].contiguous(), pos=out_pos[:n_rows].contiguous())
-
-
-@dataclass(frozen=True)
 class LocalBuffer:
     """A buffer only this rank reads and writes, shaped like a symmetric one for the kernels: ``local`` the tensor,
     ``peer_ptrs`` int64 ``[1]`` holding its address (the one-rank path's stand-in for ``SymmetricBuffer``)."""
@@ -185,29 +152,6 @@ class Middle:
     def owned(po: PlanOutputs) -> "Middle":
         """Outputs the caller already owns (eager runs)."""
         return Middle(live=po, keep=lambda: po)
-
-
-@dataclass(frozen=True)
-class NvshmemState:
-    """Backend part of an :class:`EPHandle`: row origins of the dispatch output (None on the local path, whose
-    dispatch does not need them: :func:`handle_origins` computes them when a later op does) and its real row count
-    on the device."""
-
-    origins: Optional[RowOrigins]
-    num_rows_dev: torch.Tensor  # int32 [1] real rows (offs[-1])
-
-
-def handle_origins(handle: EPHandle) -> RowOrigins:
-    """The row origins of ``handle``'s dispatch output: kept by the dispatch, or (local path) computed now from
-    its plan (Triton kernel where the plan's tables fit it, else torch)."""
-    st: NvshmemState = handle.backend_state
-    if st.origins is not None:
-        return st.origins
-    plan, R = handle.plan, handle.num_rows
-    if plan_kernels.fits(plan.world_size, plan.num_experts):
-        o = plan_kernels.plan_row_origins(plan, R)
-        return RowOrigins(src=o["origin_src"], pos=o["origin_pos"])
-    return row_origins(plan, R)
 
 
 class NvshmemBackend:
@@ -586,9 +530,6 @@ class NvshmemBackend:
     def origins_from(self, po: PlanOutputs, R: int) -> "RowOrigins":
         """The first ``R`` row origins computed with the plan ``po``."""
         return RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
-
-    def origins_of(self, handle: EPHandle) -> "RowOrigins":
-        return handle_origins(handle)
 
     @staticmethod
     def next_pow2(n: int) -> int:

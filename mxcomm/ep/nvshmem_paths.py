@@ -31,6 +31,7 @@ import torch
 from . import put_path
 from .handle import EPHandle
 from .plan import RoutingPlan
+from .nvshmem_state import RowOrigins, handle_origins
 from .plan_graph import PlanOutputs
 
 
@@ -45,7 +46,7 @@ class DispatchRows:
     kept: PlanOutputs
     ids: torch.Tensor
     num_rows: int
-    origins: Optional[object]  # mxcomm.ep.nvshmem_backend.RowOrigins
+    origins: Optional[RowOrigins]
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class EnginePath:
         from .nvshmem_kernels import combine_send_kernel, wait_arrivals_kernel
 
         e = self.e
-        origins = e.origins_of(handle)
+        origins = handle_origins(handle)
         self._combine_send(payload, in_scales, handle, origins, comb_q.peer_ptrs, comb_s.peer_ptrs, mx, passthrough,
                            staged=False, kernel=combine_send_kernel)
         wait_arrivals_kernel[(e.world,)](e.flag_rows[2], e.expect_rows[2], e.programs, e.err, e.timeout_ns)
@@ -243,7 +244,7 @@ class PullPath(EnginePath):
         self._push_entries(po.plan)
         return po
 
-    def _pull_out(self, plan: RoutingPlan, origins, R: int, row_bytes: int):
+    def _pull_out(self, plan: RoutingPlan, origins: RowOrigins, R: int, row_bytes: int):
         """``(rows, scale_rows)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read once
         from its source's send copy and stored at all its rows, padding and tail rows zero; and (MX) a fresh uint8
         ``[R, H/32]`` of their scale rows, row-major (unfilled rows undefined)."""
@@ -264,7 +265,7 @@ class PullPath(EnginePath):
             )
         return out, srows
 
-    def _pull_weighted(self, plan: RoutingPlan, origins, R: int, mx: bool):
+    def _pull_weighted(self, plan: RoutingPlan, origins: RowOrigins, R: int, mx: bool):
         """Combine backward, receiver: ``(rows, scale_rows)`` like :meth:`_pull_out`, each listed token's BF16
         gradient row read once from its source's send copy and ``w[t, j] * g[t]`` quantized (MX) or rounded per slot
         into the fresh ``[R, H]`` rows (uint8 MX payload / bf16 bytes); padding and tail rows zero."""
@@ -344,7 +345,7 @@ class PushPath(EnginePath):
             num_warps=e.dispatch_warps(weighted),
         )
 
-    def _copy_out(self, plan: RoutingPlan, origins, R: int, row_bytes: int) -> torch.Tensor:
+    def _copy_out(self, plan: RoutingPlan, origins: RowOrigins, R: int, row_bytes: int) -> torch.Tensor:
         """Fresh uint8 ``[R, row_bytes]`` of the received rows, copied out of ``recv_q``; padding and tail rows
         zero."""
         from .nvshmem_kernels import copy_out_rows_kernel
@@ -451,7 +452,7 @@ class PutPath(PushPath):
 
         e = self.e
         H = e.config.hidden
-        self._combine_send(payload, in_scales, handle, e.origins_of(handle), self._stage_ptrs, self._stage_s_ptrs, mx,
+        self._combine_send(payload, in_scales, handle, handle_origins(handle), self._stage_ptrs, self._stage_s_ptrs, mx,
                            passthrough, staged=True, kernel=combine_send_kernel)
         slot0 = (e.c_epoch % 2) * e.nslot
         blocks = put_path.combine_blocks(handle.plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
