@@ -18,6 +18,8 @@
 #   latency   mxcomm bench, one rank per visible GPU, 128 tokens, mxcomm timed as CUDA graph replays
 #   lab       the EP kernel lab (bench/bench_ep_kernels.py) and the loopback profile (bench/bench_ep_loopback.py)
 #   quantize  the quantize kernel benchmark (bench/bench_quantize.py)
+#   trace     where an eager call's time goes (python -m mxcomm.bench.tools.trace): 1 rank at 128 and 8192 tokens,
+#             4 ranks on one GPU under MPS at 128 and 4096 tokens (TRACE_OPS: ops, default all four); host costs
 #   all       tests, loopback, shared2, shared4, multi (when there are 2+ GPUs)
 #
 # Output: OUT (default ~/.cache/mxcomm/gpu-run): one folder per benchmark (JSON, table, PNGs) and a log per stage.
@@ -114,6 +116,23 @@ fi
 if has quantize; then
   timeout 300 python3 bench/bench_quantize.py --out "$OUT/quantize.json" 2>&1 | tee "$OUT/quantize.log" | tail -30
   note "quantize" "${PIPESTATUS[0]}"
+fi
+if has trace; then
+  timeout 120 python3 -m mxcomm.bench.tools.host_costs 2>&1 | tee "$OUT/host_costs.log" | tail -20
+  for t in 128 8192; do
+    timeout 200 python3 -m mxcomm.bench.tools.trace --tokens $t --no-cprofile --ops "${TRACE_OPS:-dispatch,combine,combine_bwd,dispatch_bwd}" \
+        > "$OUT/trace_1rank_t$t.log" 2>&1
+    note "trace 1 rank, $t tokens" $?
+  done
+  if mxcomm_mps_start 4; then
+    for t in 128 4096; do
+      timeout 240 torchrun --nproc-per-node 4 -m mxcomm.bench.tools.trace --tokens $t --no-cprofile \
+          --ops "${TRACE_OPS:-dispatch,combine,combine_bwd,dispatch_bwd}" > "$OUT/trace_4ranks_t$t.log" 2>&1
+      note "trace 4 ranks (MPS), $t tokens" $?
+    done
+    mxcomm_mps_stop
+  fi
+  grep -h "===" "$OUT"/trace_*.log
 fi
 echo "results in $OUT"
 exit $rc

@@ -121,20 +121,20 @@ class Dispatched:
 
 @dataclass(frozen=True)
 class CombineSaved:
-    """What the origin keeps from a forward combine for the route-weight gradient.
+    """What a forward combine keeps for the route-weight gradient.
 
     Attributes:
-        rows: the returned expert rows as they arrived, indexed by this rank's send position
-            (``plan.send_pos``): :class:`MXTensor` ``[n, H]`` (float8_e4m3fn payload, uint8 scales in
-            ROW layout ``[n, H/32]``) after MXFP8 transport, or bfloat16 ``[n, H]`` after BF16
-            transport. ``n >= num_send``; rows past ``num_send`` are never read.
+        rows: the expert output given to combine, on the expert rank, as it is: bfloat16 ``[R, H]`` in the dispatch
+            output's expert-major layout (padding rows never read). The route-weight gradient
+            ``grad_w[t, j] = <grad_y[t], rows[row(t, j)]>`` is computed where these rows are (combine backward brings
+            ``grad_y`` there once per (token, rank)); nothing is copied at the origin.
     """
 
-    rows: Union[MXTensor, torch.Tensor]
+    rows: torch.Tensor
 
     def nbytes(self) -> int:
         r = self.rows
-        return r.nbytes() if isinstance(r, MXTensor) else r.numel() * r.element_size()
+        return r.numel() * r.element_size()
 
 
 @dataclass(frozen=True)

@@ -115,17 +115,18 @@ def dense_grad(name: str, g, shape: tuple, device: torch.device) -> None:
 
 
 def combine_saved(config: EPConfig, handle: EPHandle, saved: Optional[CombineSaved]) -> None:
-    """``saved`` of :meth:`combine_for_backward`: rows ``[n <= T*k, H]`` (or None)."""
+    """``saved`` of :meth:`combine_for_backward`: the expert output, bfloat16 ``[R, H]`` on the dispatch's device
+    (or None)."""
     if saved is None:
         return
     if not isinstance(saved, CombineSaved):
         raise TypeError(f"saved must be the CombineSaved of combine_for_backward, got {type(saved).__name__}")
     rows = saved.rows
-    n = rows.shape[0] if isinstance(rows, (MXTensor, torch.Tensor)) else -1
-    if n < 0 or rows.shape[1:] != (config.hidden,) or n > max(handle.num_tokens * config.topk, 0):
+    want = (handle.num_rows, config.hidden)
+    if not isinstance(rows, torch.Tensor) or isinstance(rows, MXTensor) or tuple(rows.shape) != want:
         raise ValueError(
-            f"saved.rows must be [n <= T*k, hidden] = [<= {handle.num_tokens * config.topk}, "
-            f"{config.hidden}], got {tuple(getattr(rows, 'shape', ()))}"
+            f"saved.rows must be the expert output, bfloat16 [R, hidden] = {list(want)}, got "
+            f"{tuple(getattr(rows, 'shape', ()))}"
         )
 
 
