@@ -18,11 +18,10 @@ Ops (namespace ``mxcomm_ep``; opaque to the compiler, each a collective; argumen
 * ``dispatch_backward(grad, topk_idx, handle, gid, quantize) -> Tensor``: bfloat16 ``[T, H]``.
   An :class:`MXFP8Tensor` ``grad`` is routed (``register_torch_dispatch``) to
   ``dispatch_backward_mx(qdata, scales, group_offs, layout, mode, ...)`` and travels as it is.
-* ``combine(expert_out, topk_weights, topk_idx, handle, gid, quantize, save) -> (y, saved_q, saved_s)``:
-  y bfloat16 ``[T, H]``; with ``save``: the rows as they arrived at the origin, padded to ``T*k`` rows
-  (float8 ``[T*k, H]`` + uint8 ROW scales ``[T*k, H/32]`` after MXFP8 transport; bfloat16 ``[T*k, H]``
-  + uint8 ``[0]`` after BF16), else two uint8 ``[0]``. ``T*k*H*33/32`` (or ``*2``) bytes kept.
-* ``combine_backward(grad_y, topk_weights, topk_idx, handle, saved_q, saved_s, gid, quantize, has_saved,
+* ``combine(expert_out, topk_weights, topk_idx, handle, gid, quantize) -> y``: bfloat16 ``[T, H]``. When the
+  weights need a gradient the autograd Function keeps ``expert_out`` itself (the route-weight gradient is formed
+  where those rows are); nothing else is kept.
+* ``combine_backward(grad_y, topk_weights, topk_idx, handle, expert_out, gid, quantize, has_saved,
   grad_mx) -> (g_payload, g_scales, grad_w)``: gradient of ``expert_out`` in the dispatch layout:
   with ``grad_mx`` and MXFP8 transport float8 ``[R, H]`` + GROUPED_M scales, else bfloat16 ``[R, H]``
   (dequantized inside the op) + uint8 ``[0]``; grad_w float32 ``[T, k]`` (zeros when not ``has_saved``).
@@ -116,14 +115,6 @@ def _empty_u8(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=like.device)
 
 
-def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t [m, B]`` (m <= n) as a fresh ``[n, B]`` tensor, zero rows appended (byte-wise for fp8)."""
-    b = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-    out = torch.zeros(n, b.shape[1], dtype=b.dtype, device=b.device)
-    out[: b.shape[0]] = b
-    return out.view(t.dtype)
-
-
 # ---------------------------------------------------------------------------- the ops ----
 
 @torch.library.custom_op("mxcomm_ep::dispatch", mutates_args=())
@@ -200,49 +191,27 @@ def _dispatch_backward_of_mx(mode, func, types, args, kwargs):
 @torch.library.custom_op("mxcomm_ep::combine", mutates_args=())
 def _combine_impl(
     expert_out: torch.Tensor, topk_weights: torch.Tensor, topk_idx: torch.Tensor, handle: list[torch.Tensor],
-    gid: int, quantize: int, save: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gid: int, quantize: int,
+) -> torch.Tensor:
     group = GROUPS.get(gid)
     h = _unflatten_handle(group, handle, topk_idx, topk_weights)
-    n = h.num_tokens * group.config.topk
-    if not save:
-        return group.steps.combine(expert_out, h, quantize=bool(quantize)), _empty_u8(expert_out), _empty_u8(expert_out)
-    y, saved = group.steps.combine_for_backward(expert_out, h, quantize=bool(quantize))
-    rows = saved.rows
-    if isinstance(rows, MXTensor):
-        return y, _pad_rows(rows.qdata, n), _pad_rows(rows.row_scales(), n)
-    return y, _pad_rows(rows.to(torch.bfloat16), n), _empty_u8(expert_out)
+    return group.steps.combine(expert_out, h, quantize=bool(quantize))
 
 
 @_combine_impl.register_fake
-def _combine_fake(expert_out, topk_weights, topk_idx, handle, gid, quantize, save):
+def _combine_fake(expert_out, topk_weights, topk_idx, handle, gid, quantize):
     H = GROUPS.get(gid).config.hidden
-    T, k = topk_idx.shape
-    y = expert_out.new_empty(T, H, dtype=torch.bfloat16)
-    e = expert_out.new_empty(0, dtype=torch.uint8)
-    if not save:
-        return y, e, e.clone()
-    if quantize:
-        return y, expert_out.new_empty(T * k, H, dtype=torch.float8_e4m3fn), expert_out.new_empty(
-            T * k, H // BLOCK, dtype=torch.uint8)
-    return y, expert_out.new_empty(T * k, H, dtype=torch.bfloat16), e
+    return expert_out.new_empty(topk_idx.shape[0], H, dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("mxcomm_ep::combine_backward", mutates_args=())
 def _combine_backward_impl(
     grad_y: torch.Tensor, topk_weights: torch.Tensor, topk_idx: torch.Tensor, handle: list[torch.Tensor],
-    saved_q: torch.Tensor, saved_s: torch.Tensor, gid: int, quantize: int, has_saved: int, grad_mx: int,
+    expert_out: torch.Tensor, gid: int, quantize: int, has_saved: int, grad_mx: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = GROUPS.get(gid)
-    cfg = group.config
     h = _unflatten_handle(group, handle, topk_idx, topk_weights)
-    saved = None
-    if has_saved:
-        rows = saved_q
-        if saved_q.dtype == torch.float8_e4m3fn:
-            rows = MXTensor(qdata=saved_q, scales=saved_s, axis=1, layout=ScaleLayout.ROW, mode=cfg.scale_mode,
-                            orig_dtype=torch.bfloat16)
-        saved = CombineSaved(rows=rows)
+    saved = CombineSaved(rows=expert_out) if has_saved else None
     grads = group.steps.combine_backward(grad_y.to(torch.bfloat16).contiguous(), h, saved, quantize=bool(quantize))
     g = grads.grad_expert_out
     if isinstance(g, MXTensor) and grad_mx:
@@ -257,7 +226,7 @@ def _combine_backward_impl(
 
 
 @_combine_backward_impl.register_fake
-def _combine_backward_fake(grad_y, topk_weights, topk_idx, handle, saved_q, saved_s, gid, quantize, has_saved, grad_mx):
+def _combine_backward_fake(grad_y, topk_weights, topk_idx, handle, expert_out, gid, quantize, has_saved, grad_mx):
     _g, cfg, W, El, R = _meta(gid)
     H = cfg.hidden
     gw = grad_y.new_empty(tuple(topk_idx.shape), dtype=torch.float32)
@@ -296,17 +265,18 @@ class _CombineOpFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, topk_weights, topk_idx, gid: int, quantize: int, grad_quantize: int, save: int,
                 grad_mx: int, mode: str, *handle):
-        y, sq, ss = torch.ops.mxcomm_ep.combine(expert_out, topk_weights, topk_idx, list(handle), gid, quantize, save)
+        y = torch.ops.mxcomm_ep.combine(expert_out, topk_weights, topk_idx, list(handle), gid, quantize)
         ctx.gid, ctx.grad_quantize, ctx.save, ctx.grad_mx, ctx.mode = gid, grad_quantize, save, grad_mx, mode
         ctx.w_dtype = topk_weights.dtype
-        ctx.save_for_backward(topk_weights, topk_idx, sq, ss, *handle)
+        kept = expert_out if save else expert_out.new_empty(0, dtype=torch.bfloat16)  # the route-weight gradient's rows
+        ctx.save_for_backward(topk_weights, topk_idx, kept, *handle)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        w, topk_idx, sq, ss, *handle = ctx.saved_tensors
+        w, topk_idx, kept, *handle = ctx.saved_tensors
         payload, scales, gw = torch.ops.mxcomm_ep.combine_backward(
-            grad_y, w, topk_idx, handle, sq, ss, ctx.gid, ctx.grad_quantize, ctx.save, ctx.grad_mx
+            grad_y, w, topk_idx, handle, kept, ctx.gid, ctx.grad_quantize, ctx.save, ctx.grad_mx
         )
         if ctx.grad_mx and ctx.grad_quantize:
             offs = handle[PLAN_TENSORS.index("offs")]

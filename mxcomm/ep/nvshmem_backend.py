@@ -79,11 +79,10 @@ from ..kernels.mx_device import SCALE_MODE_IDS
 from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
-from ..kernels.route_grad import route_weight_grad
 from . import plan_kernels
 from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from .ids import check_expert_ids
-from .plan import RoutingPlan, buffer_regions, combine_regions, dispatch_path, local_counts, max_recv_rows
+from .plan import FLAG_ROWS, RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from .nvshmem_paths import PATHS
 from .nvshmem_state import NvshmemState, RowOrigins, handle_origins, row_origins
@@ -94,20 +93,20 @@ _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently u
 @dataclass(frozen=True)
 class LaunchConfig:
     """Launch settings of the nvshmem backend's kernels (grids are ``per_sm * SMs``, the SMs being
-    ``EPConfig.num_sms`` or the whole GPU). The defaults are the fastest settings measured on an H200
-    (docs/benchmarks.md: the kernel labs and ``python -m mxcomm.bench.tools.sweep`` re-measure them on another GPU);
-    every rank of a group must use the same settings (receivers count the senders' programs).
+    ``EPConfig.num_sms`` or the whole GPU). Every rank of a group must use the same settings (receivers count the
+    senders' programs); ``python -m mxcomm.bench.tools.sweep`` measures them on a GPU.
 
     Attributes:
         dispatch_per_sm / dispatch_warps / dispatch_chunk: ``dispatch_kernel`` and ``pack_rows_kernel`` (memory-bound:
             a whole row per chunk at H <= 8192); ``pull_rows_kernel`` uses the same grid.
-        weighted_warps / qdq_chunk: kernels that quantize every slot (combine backward's weighted dispatch, the
-            one-rank combine's in-register quantize-dequantize) are bound by arithmetic: their chunk divides H where it
-            can (:func:`_qdq_chunk`), since a masked-off tail is computed all the same.
-        send_per_sm / send_warps / send_rows / send_chunk: ``combine_send_kernel`` (a tile of rows x chunk values).
-        reduce_chunk / reduce_mx_chunk: ``combine_reduce_kernel`` on BF16 / MXFP8 rows that arrived.
-        route_grad_per_sm: ``route_weight_grad`` (4 warps per program).
-        push_per_sm: ``push_entries_kernel`` (pull dispatch).
+        weighted_warps / qdq_chunk: kernels that quantize or sum every slot (combine backward's weighted dispatch, the
+            expert side's partial sums of combine, the one-rank reduce that rounds in registers): their chunk divides H
+            where it can (:func:`_qdq_chunk`), since a masked-off tail is computed all the same.
+        partials_per_sm: ``combine_partials_kernel`` and ``pull_weighted_kernel`` (persistent over (token, rank)
+            entries; their arrivals are counted).
+        reduce_chunk / reduce_mx_chunk: ``combine_reduce_kernel`` on BF16 / MXFP8 partials that arrived.
+        route_grad_per_sm: ``route_weight_grad`` (4 warps per program; one rank).
+        push_per_sm: ``push_entries_kernel``.
     """
 
     dispatch_per_sm: int = 16
@@ -115,28 +114,11 @@ class LaunchConfig:
     dispatch_chunk: int = 8192
     weighted_warps: int = 4
     qdq_chunk: int = 1024
-    send_per_sm: int = 4
-    send_warps: int = 8
-    send_rows: int = 4
-    send_chunk: int = 1024
+    partials_per_sm: int = 8
     reduce_chunk: int = 4096
     reduce_mx_chunk: int = 2048
     route_grad_per_sm: int = 8
     push_per_sm: int = 1
-
-
-@dataclass(frozen=True)
-class LocalBuffer:
-    """A buffer only this rank reads and writes, shaped like a symmetric one for the kernels: ``local`` the tensor,
-    ``peer_ptrs`` int64 ``[1]`` holding its address (the one-rank path's stand-in for ``SymmetricBuffer``)."""
-
-    local: torch.Tensor
-    peer_ptrs: torch.Tensor
-
-    @staticmethod
-    def empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> "LocalBuffer":
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return LocalBuffer(local=t, peer_ptrs=torch.tensor([t.data_ptr()], dtype=torch.int64, device=device))
 
 
 @dataclass(frozen=True)
@@ -203,30 +185,35 @@ class NvshmemBackend:
         self.local = self.path == "local"
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
         self.nslot = config.max_tokens_per_rank * config.topk
-        # rows returned by combine, 2 copies (see nvshmem_kernels); the local path's are made at first use
-        self._comb = (bufs["ep.comb_q"], bufs["ep.comb_s"]) if "ep.comb_q" in bufs else None
+        E = config.num_experts
+        # partials returned by combine, 2 copies (see nvshmem_kernels); none on the local path
+        self.comb = (bufs["ep.comb_q"], bufs["ep.comb_s"]) if "ep.comb_q" in bufs else None
         self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
-        self.flag_rows = tuple(self.flags.local[i] for i in range(3))
+        self.counts_mat = self.counts.local[:W * E].view(W, E)  # the counts matrix; then one refusal word per rank
+        self.refusal_words = self.counts.local[W * E:]
+        n_rows = len(FLAG_ROWS)
+        self.flag_rows = tuple(self.flags.local[i] for i in range(n_rows))
         # views made once: each tensor index costs the host microseconds per call
         self.epoch = torch.zeros(2, dtype=torch.int64, device=self.device)  # [dispatch, combine]
         self.d_epoch, self.c_epoch = self.epoch[0:1], self.epoch[1:2]
-        self.expect = torch.zeros(3, W, dtype=torch.int64, device=self.device)  # arrivals expected per flags[i, s]
-        self.expect_rows = tuple(self.expect[i] for i in range(3))
+        self.expect = torch.zeros(n_rows, W, dtype=torch.int64, device=self.device)  # arrivals expected per flag
+        self.expect_rows = tuple(self.expect[i] for i in range(n_rows))
         # the words the host reads at its one sync of an exact-size call (one transfer): [0] a bounded wait's timeout
-        # (mxcomm.transport.errors), [1] bad expert ids seen on the device, [2] the row count of the last plan
-        self.status = torch.zeros(3, dtype=torch.int64, device=self.device)
+        # (mxcomm.transport.errors), [1] bad expert ids seen on the device, [2] the row count of the last plan,
+        # [3] 1 + the lowest rank that refused its input of the last dispatch (0: none; pull path)
+        self.status = torch.zeros(4, dtype=torch.int64, device=self.device)
         self.err_words = self.status[0:2]
         self.err, self.input_err, self._rows_word = self.status[0:1], self.status[1:2], self.status[2:3]
+        self._refused_word = self.status[3:4]
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
-        self._ones = torch.ones(config.max_tokens_per_rank * config.topk, dtype=torch.float32, device=self.device)
         self._pinned = None
         self._plan_graphs: dict = {}  # ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph, LRU first
         self._seen_keys: dict = {}  # keys of run_middle seen once and not captured yet, oldest first
-        # this call's counts (check_and_count writes them here on the local and pull paths): a fixed-address input of
-        # the captured middle of a dispatch (see run_middle)
-        self.counts_in = torch.zeros(config.num_experts, dtype=torch.int32, device=self.device)
+        # this call's counts (check_and_count writes them here) and, in the last word, whether this rank refused its
+        # input (bad expert ids): a fixed-address input of the captured middle of a dispatch (see run_middle)
+        self.counts_in = torch.zeros(E + 1, dtype=torch.int32, device=self.device)
         # the path object: its buffers and kernels (mxcomm.ep.nvshmem_paths)
         impl = PATHS[self.path]
         self.impl = impl(self, bufs, puts) if self.path == "put" else impl(self, bufs)
@@ -255,8 +242,9 @@ class NvshmemBackend:
     # -- launch settings (self.launch; grids are per-SM counts times self.sms, the same on every rank) -------
     @property
     def programs(self) -> int:
-        """Programs of combine_send_kernel (receivers count them: identical on every rank)."""
-        return self.sms * self.launch.send_per_sm
+        """Programs of combine_partials_kernel and pull_weighted_kernel (receivers count them: identical on every
+        rank)."""
+        return self.sms * self.launch.partials_per_sm
 
     @property
     def dispatch_programs(self) -> int:
@@ -297,16 +285,22 @@ class NvshmemBackend:
 
     # -- what the compiled ops carry (mxcomm.ep.backend.Backend) -------------------------------
     def state_tensors(self, handle: EPHandle) -> list:
-        """Row origins (src, pos: int32 ``[R]``) and the device row count (int32 ``[1]``)."""
+        """Row origins (src, pos: int32 ``[R]``), the device row count (int32 ``[1]``) and (several ranks) the
+        dispatch's table (int32 ``[W * T_max, k]``)."""
         o = handle_origins(handle)
-        return [o.src, o.pos, handle.backend_state.num_rows_dev]
+        st = handle.backend_state
+        return [o.src, o.pos, st.num_rows_dev] + ([] if st.table is None else [st.table])
 
     def state_shapes(self, num_tokens: int, num_rows: int) -> list:
-        return [(num_rows,), (num_rows,), (1,)]
+        shapes = [(num_rows,), (num_rows,), (1,)]
+        if not self.local:
+            shapes.append((self.world * self.config.max_tokens_per_rank, self.config.topk))
+        return shapes
 
     def handle_fields(self, plan: RoutingPlan, tensors: list) -> dict:
-        src, pos, nrd = tensors
-        return dict(backend_state=NvshmemState(origins=RowOrigins(src=src, pos=pos), num_rows_dev=nrd))
+        src, pos, nrd, *table = tensors
+        return dict(backend_state=NvshmemState(origins=RowOrigins(src=src, pos=pos), num_rows_dev=nrd,
+                                               table=table[0] if table else None))
 
     def _check(self, what: str, ids: torch.Tensor | None = None) -> int:
         """Raise now if a bounded wait (or the device-side input check) recorded an error: ONE host sync, which
@@ -318,8 +312,30 @@ class NvshmemBackend:
         words = self.status.tolist()
         if ids is not None and words[1]:
             self._raise_bad_ids(ids)
+        if words[3] and self.config.exact_sizes:
+            self._raise_refusal(words[3] - 1, what)
         self._raise_errors(words, what)
         return words[2]
+
+    def _raise_refusal(self, peer: int, what: str) -> None:
+        """A peer refused its input of this dispatch (its device id check found bad expert ids; it raises the
+        detailed ValueError itself): every rank abandons the call at the same sync, before anything is gathered, so
+        the group stays usable."""
+        self._refused_word.zero_()
+        raise tp.PeerTimeout(
+            peer, what, rank=self.rank, message=(
+                f"rank {self.rank}: peer {peer} refused its input of this dispatch (expert ids outside [-1, "
+                f"{self.config.num_experts}) or listed twice in one token) and raised; every rank abandoned the call "
+                "before any row was gathered, and the group stays usable"))
+
+    def note_refusals(self) -> None:
+        """After the counts exchange (inside a dispatch's middle): this rank's refusal word for its peers, and
+        ``status[3]`` = 1 + the lowest rank that refused (read at the call's host sync). Exact-size mode only: in the
+        no-sync mode bad ids are dropped and the call goes on."""
+        from .nvshmem_kernels import first_refusal_kernel
+
+        if self.config.exact_sizes:
+            first_refusal_kernel[(1,)](self.refusal_words, self.world, self._refused_word, W_POW2=self.next_pow2(self.world))
 
     def _raise_bad_ids(self, topk_idx: torch.Tensor) -> None:
         """The device saw bad expert ids in this call's ``topk_idx``: clear the word, raise the detailed error."""
@@ -362,14 +378,16 @@ class NvshmemBackend:
         E = self.config.num_experts
         if self.plan_impl == "triton":
             c = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True, prefix_buf=self._slot_prefix,
-                                             counts_out=self.counts_in if self.path in ("pull", "local") else None)
+                                             counts_out=self.counts_in[:E])
             ids, counts = c.ids, c.counts
         else:
             ids = self._sanitize(topk_idx)
             counts = local_counts(ids, E)
+            self.counts_in[:E].copy_(counts)
+        self.counts_in[E:].copy_(self.input_err)  # the refusal word the counts exchange publishes
         if sync and self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
             self._raise_bad_ids(topk_idx)
-        return ids, counts
+        return ids, self.counts_in
 
     def capturing(self) -> bool:
         """True while the current stream is being captured into a CUDA graph."""
@@ -383,14 +401,12 @@ class NvshmemBackend:
         self._check("device error words")
 
     def after_call(self, what: str, waited: bool) -> None:
-        """The error check that ends a call whose output sizes are known without the device: exact-size mode syncs
-        (:meth:`_check`) when the call ``waited`` for peers (a bounded wait may have timed out); a call that waited for
-        nothing (one rank, nothing sent) could not have recorded an error, so it does not sync - its host returns
-        while its kernels run. No-sync mode: :meth:`_check_async`."""
-        if not self.config.exact_sizes:
+        """The error check that ends a call whose output sizes are known without the device (combine and both
+        backward passes), in both size modes: no host sync - :meth:`_check_async` raises an error an earlier call
+        recorded (a bounded wait that timed out), and the next exact-size dispatch (its one sync) or
+        :meth:`check_errors` raises this call's. A call that waited for nothing could not have recorded one."""
+        if waited:
             self._check_async(what)
-        elif waited:
-            self._check(what)
 
     def _check_async(self, what: str) -> None:
         """No-host-sync mode: raise an error recorded by an EARLIER call (if its copy has landed), and
@@ -461,11 +477,11 @@ class NvshmemBackend:
         once per token count and plan implementation on the GPU (see plan_graph), computed eagerly elsewhere."""
         T, k = topk_idx.shape
         if self.device.type != "cuda" or T == 0 or self.capturing():  # an outer capture records the kernels
-            return self.compute_plan(self.counts.local, topk_idx)
+            return self.compute_plan(self.counts_mat, topk_idx)
         key = ("plan", T, topk_idx.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:
-            g = PlanGraph(self.counts.local, T, k, topk_idx.dtype, self.compute_plan)
+            g = PlanGraph(self.counts_mat, T, k, topk_idx.dtype, self.compute_plan)
         self._remember_graph(key, g)
         return g(topk_idx)
 
@@ -493,19 +509,19 @@ class NvshmemBackend:
         (``keep()``: the caller's copies; enqueue before the next dispatch)."""
         T, k = ids.shape
         if self.device.type != "cuda" or T == 0 or self.capturing():
-            return Middle.owned(middle(self.counts.local, ids))
+            return Middle.owned(middle(self.counts_mat, ids))
         key = (self.path, T, ids.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:
             # eager (the first call with a key compiles every kernel); captured at the key's second call, so a token
             # count seen once (a last, smaller batch) costs no capture
-            po = middle(self.counts.local, ids)
+            po = middle(self.counts_mat, ids)
             if self._seen_keys.pop(key, None) is None:
                 while len(self._seen_keys) >= 8 * _MAX_PLAN_GRAPHS:
                     self._seen_keys.pop(next(iter(self._seen_keys)))
                 self._seen_keys[key] = True
                 return Middle.owned(po)
-            g = PlanGraph(self.counts.local, T, k, ids.dtype, middle, warmup=False)
+            g = PlanGraph(self.counts_mat, T, k, ids.dtype, middle, warmup=False)
             self._remember_graph(key, g)
             return Middle.owned(po)
         self._remember_graph(key, g)
@@ -548,30 +564,26 @@ class NvshmemBackend:
         handle = EPHandle(
             config=cfg, group_id=self.group_id, plan=plan, topk_idx=rows.ids, topk_weights=topk_weights,
             weights_version=topk_weights._version, num_tokens=T, num_rows=R, device=x.device,
-            backend_state=NvshmemState(origins=rows.origins, num_rows_dev=plan.num_rows),
+            backend_state=NvshmemState(origins=rows.origins, num_rows_dev=plan.num_rows, table=rows.table),
         )
         return result, handle
 
     # -- combine (and dispatch backward: the same direction) ---------------------------------
-    def _comb_buffers(self):
-        """``(comb_q, comb_s)``: the buffers combine returns rows into (symmetric; on the local path, where only a
-        combine that keeps its rows for the backward uses them, plain device buffers made at the first such call)."""
-        if self._comb is None:
-            self._comb = tuple(LocalBuffer.empty(r.shape, r.dtype, self.device) for r in combine_regions(self.config))
-        return self._comb
+    def _to_origin(self, rows, handle: EPHandle, quantize_rows: bool, weights: Optional[torch.Tensor],
+                   what: str) -> torch.Tensor:
+        """One row per (token, rank) back to the origins, then the sum of a token's partials there.
 
-    def _to_origin(self, rows, handle: EPHandle, quantize_rows: bool, weights: torch.Tensor, what: str,
-                   save: bool = False):
-        """Send every real expert-major row to its origin slot, then reduce ``sum_j w[t,j] * row``.
-
-        ``rows``: bf16 ``[R, H]`` (quantized in the sending kernel when ``quantize_rows``) or an
-        ``MXTensor`` (travels as it is). Returns ``(y, saved_rows or None)``.
+        ``rows``: bf16 ``[R, H]`` or an ``MXTensor`` (decoded before the sum); ``weights``: fp32-able ``[T, k]`` route
+        weights (combine) or None (every weight 1: dispatch backward). Each expert rank forms the partial sum of a
+        token's rows on it (weighted, fp32, ``j`` ascending), rounds it once (MXFP8 when ``quantize_rows`` or the rows
+        are MX, else BF16) and sends it to the origin, which sums the token's partials in fp32 (ranks in the order of
+        their first slot). One rank: the reduce forms the one partial from the rows in place. Returns bf16 ``[T, H]``.
         """
         from .nvshmem_kernels import combine_reduce_kernel
 
         self.impl.refuse_capture()
         cfg = self.config
-        H = cfg.hidden
+        H, k = cfg.hidden, cfg.topk
         plan = handle.plan
         passthrough = isinstance(rows, MXTensor)
         mx = quantize_rows or passthrough
@@ -580,69 +592,47 @@ class NvshmemBackend:
             in_scales = rows.row_scales().contiguous()
         else:
             payload, in_scales = rows.contiguous(), self.err  # in_scales unused
-        # one rank: every row stays here, the reduce reads it from `rows` (not with `save`: the saved rows are read
-        # out of comb_q; not on the push or put paths, which exercise their buffers even on one rank)
-        own = self.local and not save
-        if not own:  # the epoch picks the comb_q copy (parity) and tags the put path's signals; unused by `own`
-            self.c_epoch.add_(1)
-        comb_q, comb_s = self._comb_buffers() if not own else (None, None)
-        if not own:
-            self.impl.send_to_origins(payload, in_scales, handle, mx, passthrough, comb_q, comb_s)
+        w = None
+        if weights is not None:
+            w = weights if weights.dtype == torch.float32 and weights.is_contiguous() else \
+                weights.to(torch.float32).contiguous()
         T = handle.num_tokens
         y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        w = weights.to(torch.float32).contiguous()
-        if own:  # the reduce reads the expert rows in place; its comb_* arguments are unused
-            comb, comb_s_local = payload, in_scales
-        else:
-            comb, comb_s_local = (comb_q.local if mx else comb_q.local.view(torch.bfloat16)), comb_s.local
+        own = self.local
+        if not own:
+            self.c_epoch.add_(1)  # picks the comb_q copy (parity); tags the weights
+            self.impl.publish_weights(w)
+            self.impl.send_partials(payload, in_scales, handle, mx, passthrough, weighted=w is not None)
         if T:
+            comb = (None, None) if own else self.comb
             combine_reduce_kernel[(min(T, self.dispatch_programs),)](
-                comb, comb_s_local, plan.send_pos, w, y, T, self.c_epoch, self.nslot,
-                plan.dest_row, payload, in_scales,
-                H=H, K=cfg.topk, CHUNK=self._reduce_chunk(H, own, mx),
-                MX=mx, INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, MODE=self.mode_id,
-                num_warps=4,
+                payload if own else (comb[0].local if mx else comb[0].local.view(torch.bfloat16)),
+                in_scales if own else comb[1].local, plan.send_pos, plan.dest_rank, self.err if w is None else w, y,
+                T, self.c_epoch, self.nslot, plan.dest_row, payload, in_scales,
+                H=H, K=k, K_POW2=self.next_pow2(k), CHUNK=self._reduce_chunk(H, own, mx), MX=mx,
+                INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, WEIGHTED=w is not None,
+                MODE=self.mode_id, num_warps=4, enable_fp_fusion=False,
             )
-        saved = None
-        if save:  # the rows as they arrived, by send position (copy: the buffer is reused)
-            # The copy this epoch used, chosen on the device (epoch parity), so a CUDA graph replay reads
-            # the right one: slots [par * nslot, par * nslot + n) (MX payload: H-byte rows, a copy = 2 nslot rows).
-            n = T * cfg.topk
-            par = self.c_epoch % 2
-            ids = par * self.nslot + torch.arange(n, device=self.device)
-            if mx:
-                qids = par * (2 * self.nslot) + torch.arange(n, device=self.device)
-                saved = MXTensor(
-                    qdata=comb_q.local.view(-1, H).index_select(0, qids).view(torch.float8_e4m3fn),
-                    scales=comb_s.local.view(2 * self.nslot, -1).index_select(0, ids), axis=1,
-                    layout=ScaleLayout.ROW, mode=cfg.scale_mode, orig_dtype=torch.bfloat16,
-                )
-            else:
-                saved = comb_q.local.view(torch.bfloat16).view(2 * self.nslot, -1).index_select(0, ids)
         self.after_call(what, waited=not own)
-        return y, saved
+        return y
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
-        return self._to_origin(expert_out, handle, quantize_rows, handle.topk_weights, "combine arrivals")[0]
+        return self._to_origin(expert_out, handle, quantize_rows, handle.topk_weights, "combine partials")
 
     def combine_for_backward(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool):
-        """Forward combine that also keeps the rows as they arrived (``T*k*H*33/32`` bytes MXFP8, ``*2`` BF16)."""
-        y, rows = self._to_origin(expert_out, handle, quantize_rows, handle.topk_weights, "combine arrivals",
-                                  save=True)
-        return y, CombineSaved(rows=rows)
+        """Forward combine; what the route-weight gradient needs is the expert output itself (kept where it is)."""
+        return self.combine(expert_out, handle, quantize_rows), CombineSaved(rows=expert_out)
 
     def dispatch_backward(self, grad_recv, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
-        """Each row's gradient back to its origin slot (MXFP8 quantized in the sending kernel, or an
-        MXTensor as it is), summed over k in fp32 there."""
-        T, k = handle.plan.send_pos.shape
-        ones = self._ones[:T * k].view(T, k)  # all weights 1 (read-only; made once)
-        return self._to_origin(grad_recv, handle, quantize_rows, ones, "dispatch-backward arrivals")[0]
+        """The gradient rows of each (token, rank) summed on the expert rank (fp32), rounded once (MXFP8 when
+        ``quantize_rows`` or the gradient is MX) and summed over the token's ranks at the origin."""
+        return self._to_origin(grad_recv, handle, quantize_rows, None, "dispatch-backward partials")
 
     # -- combine backward (the dispatch direction) ------------------------------------------
     def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved, quantize_rows: bool) -> CombineGrads:
-        """``g = w[t,j] * grad_y[t]`` quantized per slot in the sending kernel (route weighting fused with
-        the gradient quantization) and stored at the slot's dispatch row on the expert rank; the
-        route-weight gradient from the saved rows at home."""
+        """``g = w[t,j] * grad_y[t]`` quantized per slot where the rows land (route weighting fused with the gradient
+        quantization), one BF16 gradient row per (token, rank) crossing; the route-weight gradient ``<grad_y[t],
+        out[row(t, j)]>`` formed on the expert rank from the rows the forward combine was given (``saved.rows``)."""
         self.impl.refuse_capture()
         cfg = self.config
         if quantize_rows != self.mx:
@@ -651,14 +641,13 @@ class NvshmemBackend:
                 f"dispatch buffers sized for precision={cfg.precision!r}); quantize={quantize_rows} is not supported"
             )
         plan = handle.plan
-        w = handle.topk_weights.to(torch.float32).contiguous()
-        rows = self.impl.combine_backward(grad_y.contiguous(), w, handle, quantize_rows)
-        self.after_call("combine-backward arrivals", waited=rows.waited)
+        w = handle.topk_weights
+        w = w if w.dtype == torch.float32 and w.is_contiguous() else w.to(torch.float32).contiguous()
+        expert_out = None if saved is None else saved.rows.contiguous()
+        rows = self.impl.combine_backward(grad_y.contiguous(), w, handle, quantize_rows, expert_out)
+        self.after_call("combine-backward rows", waited=not self.local)
         grad_out = self._received(plan, handle.num_rows, quantize_rows, rows.q, rows.scale_rows)
-        # one Triton kernel reading the saved MXFP8/BF16 rows (the torch reference dequantizes them all first)
-        grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos,
-                                                                 programs=self.route_grad_programs)
-        return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
+        return CombineGrads(grad_expert_out=grad_out, grad_weights=rows.grad_w)
 
 
 def _qdq_chunk(H: int, cap: int = LaunchConfig.qdq_chunk, floor: int = 512) -> int:

@@ -53,26 +53,34 @@ from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
 @triton.jit
-def exchange_counts_kernel(my_counts_ptr, counts_peers, flags_peers, flags_local, epoch_ptr, err_ptr, timeout_ns,
-                           me, E, E_POW2: tl.constexpr):
-    """Program ``p``: publish my ``[E]`` counts into rank ``p``'s ``counts[me]``, raise ``flags[0, me]``
-    there to the epoch, then wait (bounded) until rank ``p`` has published to me.
+def publish_kernel(src_ptr, n_words, dst_peers, dst_word0, tail_word, flags_peers, flags_local, row, W, epoch_ptr,
+                   err_ptr, timeout_ns, me, BLOCK: tl.constexpr):
+    """Program ``p``: copy my ``n_words`` int32 words into rank ``p``'s buffer at word ``dst_word0`` (and, when
+    ``tail_word >= 0``, word ``src[n_words]`` to word ``tail_word`` there), raise ``flags[row, me]`` there to the
+    epoch (release, sys), then wait (bounded) until rank ``p`` has published to me (``flags[row, p]`` here). The counts
+    exchange (my ``[E]`` counts into every ``counts[me]``, my refusal word into every refusal row), the "ready"
+    handshake (``n_words = 0``) and combine's route weights (my ``[T, k]`` into every ``comb_w[me]``).
 
-    Args: my_counts_ptr int32 [E]; counts_peers / flags_peers int64 [W] peer base pointers;
-    flags_local int64 [3, W] (this rank's); epoch_ptr int64 scalar; err_ptr int64 error word.
+    Args: src_ptr int32 words; dst_peers / flags_peers int64 ``[W]`` peer base pointers (the destination buffer
+    viewed as int32); flags_local this rank's int64 ``flags``; epoch_ptr int64 scalar; err_ptr int64 error word.
     Grid: (W,).
     """
     p = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
-    offs = tl.arange(0, E_POW2)
-    m = offs < E
-    c = tl.load(my_counts_ptr + offs, mask=m, other=0)
-    cb = tl.load(counts_peers + p).to(tl.pointer_type(tl.int32))
-    tl.store(cb + me * E + offs, c, mask=m)
+    offs = tl.arange(0, BLOCK)
+    base = tl.load(dst_peers + p).to(tl.pointer_type(tl.int32))
+    db = base + dst_word0
+    c0 = 0
+    while c0 < n_words:
+        m = c0 + offs < n_words
+        tl.store(db + c0 + offs, tl.load(src_ptr + c0 + offs, mask=m, other=0), mask=m)
+        c0 += BLOCK
+    if tail_word >= 0:
+        tl.store(base + tail_word, tl.load(src_ptr + n_words))
     tl.debug_barrier()
     fb = tl.load(flags_peers + p).to(tl.pointer_type(tl.int64))
-    signal_peer(fb + me, epoch)
-    wait_flag_geq(flags_local + p, epoch, deadline_after(timeout_ns), err_ptr, p)
+    signal_peer(fb + row * W + me, epoch)
+    wait_flag_geq(flags_local + row * W + p, epoch, deadline_after(timeout_ns), err_ptr, p)
 
 
 @triton.jit
@@ -317,26 +325,63 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers,
 
 
 @triton.jit
-def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers, s_peers, list_ptr, epoch_ptr,
-                     T_max, W, copy_words, ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
-                     K: tl.constexpr, EW: tl.constexpr, MX: tl.constexpr):
+def _entry_ok(e, tag_lo, tag_hi):
+    """A pull-list entry belongs to this call: its words 0-1 hold the 64-bit epoch tag."""
+    return (tl.load(e) == tag_lo) & (tl.load(e + 1) == tag_hi)
+
+
+@triton.jit
+def _keep_entry(e, ok, table_ptr, i, K: tl.constexpr, K_POW2: tl.constexpr):
+    """Row ``i`` of the dispatch's table: the ``K`` rows of pull-list entry ``e`` when it belongs to this call
+    (``ok``), else ``K`` times -1 (the token was not received)."""
+    kk = tl.arange(0, K_POW2)
+    rows = tl.load(e + 2 + kk, mask=ok & (kk < K), other=-1)
+    tl.store(table_ptr + i.to(tl.int64) * K + kk, rows, mask=kk < K)
+
+
+@triton.jit
+def entries_table_kernel(list_ptr, table_ptr, epoch_ptr, n_entries, K: tl.constexpr, K_POW2: tl.constexpr,
+                         EW: tl.constexpr):
+    """The dispatch's table from this rank's pull list (push and put paths; the pull path's gather writes it itself):
+    int32 ``[n_entries, K]``, entry ``s * T_max + t`` = the rows here of source ``s``'s token ``t`` per slot (-1 for
+    slots elsewhere; all -1 when the pull-list entry is of another call). Grid: any; persistent."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    ep = tl.load(epoch_ptr)
+    tag_lo = ep.to(tl.int32)
+    tag_hi = (ep >> 32).to(tl.int32)
+    i = pid
+    while i < n_entries:
+        e = list_ptr + i.to(tl.int64) * EW
+        _keep_entry(e, _entry_ok(e, tag_lo, tag_hi), table_ptr, i, K, K_POW2)
+        i += G
+
+
+@triton.jit
+def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers,
+                     list_ptr, table_ptr, epoch_ptr, T_max, W, copy_words, ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                     C: tl.constexpr, C_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, EW: tl.constexpr,
+                     MX: tl.constexpr):
     """Pull dispatch, receiver: every token listed in this rank's pull list for this epoch is read ONCE from
     its source's send copy (through the peer pointer) and stored at each of its expert-major rows here: the
     payload into the fresh output ``dst``, the scale row (MX) into ``dst_s`` (row-major at the payload row;
-    ``scale_rows_to_grouped_kernel`` then builds the blocked matrix). Then every row ``r < R_out`` that is not
-    a real row (padding, and rows past ``n_rows`` in the worst-case-sized mode) is zeroed in ``dst``.
+    ``scale_rows_to_grouped_kernel`` then builds the blocked matrix). The entry's rows are kept in the dispatch's
+    table (combine answers one row per entry). Then the padding rows of every group are zeroed (rows past
+    ``n_rows``, the worst-case tail of the no-sync mode, are left as they are).
 
     Args:
         dst_ptr: int64 view of the fresh ``[R_out, ROW_WORDS]`` output (row bytes / 8).
-        dst_s_ptr: uint8 ``[>= n_rows, C]`` row-major scale rows (this rank's ``recv_s``; MX only).
-        n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[>= R_out]`` origin rank, -1 = padding (the plan's).
+        dst_s_ptr: uint8 ``[>= n_rows, C]`` row-major scale rows (MX only).
+        offs_ptr / counts_ptr: int32 ``[n_groups]`` group end offsets / real rows (the plan's); n_rows_ptr: int32
+            scalar, ``offs[-1]``.
         q_peers / s_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as int64 rows of
             ``ROW_WORDS``; copy 1 starts ``copy_words`` words after copy 0) / ``send_s`` (uint8 rows of ``C``).
         list_ptr: this rank's ``pull_list``, int32 ``[W, T_max, EW]``; entry ``[s, t]`` belongs to this call
             when its words 0-1 hold the epoch (others are older: skipped); words 2.. are its K rows.
+        table_ptr: int32 ``[W * T_max, K]``, the dispatch's table (see :func:`entries_table_kernel`).
         epoch_ptr: int64 dispatch epoch; the rows are in send copy ``par = epoch % 2`` (payload word
             ``par * copy_words + t * ROW_WORDS``, scale row ``par * T_max + t``).
-    Grid: any; persistent over entries, then over output rows.
+    Grid: any; persistent over entries, then over groups.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -350,7 +395,8 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
     i = pid
     while i < W * T_max:
         e = list_ptr + i.to(tl.int64) * EW
-        ok = (tl.load(e) == tag_lo) & (tl.load(e + 1) == tag_hi)
+        ok = _entry_ok(e, tag_lo, tag_hi)
+        _keep_entry(e, ok, table_ptr, i, K, K_POW2)
         s = i // T_max
         srow = (row0 + i % T_max).to(tl.int64)
         sbase = (tl.load(q_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.int64)) + copy0
@@ -368,33 +414,38 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, q_peers
                 r = tl.load(e + 2 + j, mask=ok, other=-1)
                 tl.store(dst_s_ptr + r.to(tl.int64) * C + scols, sv, mask=(scols < C) & (r >= 0))
         i += G
-    _zero_pad_rows(dst_ptr, n_rows_ptr, row_src_ptr, R_out, pid, G, ROW_WORDS, CHUNK)
+    _zero_unfilled_rows(dst_ptr, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups, pid, G, ROW_WORDS, CHUNK)
 
 
 @triton.jit
-def pull_weighted_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, g_peers, w_peers, list_ptr, epoch_ptr,
-                         T_max, W, copy_elems, H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr,
-                         EW: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr,
-                         ZCHUNK: tl.constexpr):
-    """Combine backward on the pull path, receiver: every token listed in this rank's pull list for this epoch has
-    its BF16 gradient row ``g[t]`` read ONCE from its source's send copy (through the peer pointer), and for each of
-    its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read from the source's ``send_w``) is quantized
-    (MX: the block maxima taken as ``|w| * max|g|``, exactly as ``dispatch_kernel``'s ``WEIGHTED`` mode) or rounded
-    to BF16 and stored at the slot's expert-major row: the route weighting fused with the gradient quantization
-    where the rows land. Then every row ``r < R_out`` that is not a real row is zeroed.
+def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, g_peers, w_peers,
+                         table_ptr, epoch_ptr, T_max, W, copy_elems, w_copy, out_ptr, gw_peers, flags_peers, me,
+                         H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
+                         MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ZCHUNK: tl.constexpr,
+                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True):
+    """Combine backward, expert side: every (source ``s``, token ``t``) of the dispatch's table has its BF16 gradient
+    row ``g[t]`` read ONCE from the source's send copy (through the peer pointer; on the put path a local copy that
+    puts delivered), and for each of its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read with the
+    row) is quantized (MX: the block maxima taken as ``|w| * max|g|``, exactly as ``dispatch_kernel``'s ``WEIGHTED``
+    mode) or rounded to BF16 and stored at the slot's expert-major row: the route weighting fused with the gradient
+    quantization where the rows land. With ``ROUTE_GRAD`` the route-weight gradient is formed here too, where the
+    expert rows are: ``grad_w[t, j] = <g[t], out[row_j]>`` (fp32), stored into source ``s``'s ``gw`` at ``[t, j]``;
+    then (``ARRIVE``) every program adds 1 to ``flags[4, me]`` on every rank. Finally the padding rows of every group
+    are zeroed (rows past ``n_rows`` are left as they are).
 
     Args:
         dst_ptr: the fresh output ``[R_out, H]``: uint8 (MX payload) or bf16.
         dst_s_ptr: uint8 ``[>= n_rows, H/32]`` row-major scale rows (MX only; a fresh tensor).
-        n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[>= R_out]`` origin rank, -1 = padding (the handle's).
-        g_peers / w_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as bf16 rows of ``H``;
-            copy 1 starts ``copy_elems`` values after copy 0) / ``send_w`` (fp32 ``[2, T_max, K]``).
-        list_ptr: this rank's ``pull_list``, int32 ``[W, T_max, EW]``, written for this epoch by the sources
-            (``push_entries_kernel``); entries of other epochs are skipped.
-        epoch_ptr: int64 epoch of this call; the rows are in copy ``epoch % 2``.
-        CHUNK: row chunk (a power of two, a multiple of 32); ZCHUNK: int64 words per store of the zeroing loop (a
-            power of two).
-    Grid: any; persistent over entries, then over output rows.
+        offs_ptr / counts_ptr / n_rows_ptr / n_groups: the plan's group end offsets, real rows, ``offs[-1]``, ``El``.
+        g_peers / w_peers: int64 ``[W]`` addresses of each source's BF16 rows ``[T_max, H]`` (copy 1 starts
+            ``copy_elems`` values after copy 0) and fp32 weights ``[T_max, K]`` (copy 1 ``w_copy`` values after copy
+            0; both 0: one copy).
+        table_ptr: int32 ``[W * T_max, K]``, the dispatch's table (rows here per slot, -1 elsewhere).
+        epoch_ptr: int64 epoch of this call; the rows are in copy ``epoch % 2`` (``copy_elems = 0``: one copy).
+        out_ptr: bf16 ``[R, H]`` the expert rows the forward combine was given (``ROUTE_GRAD``).
+        gw_peers: int64 ``[W]`` addresses of each source's fp32 ``gw`` ``[T_max, K]`` (``ROUTE_GRAD``).
+        CHUNK: row chunk (a power of two, a multiple of 32); ZCHUNK: int64 words per store of the zeroing loop.
+    Grid: any fixed number of programs (identical on every rank with ``ARRIVE``); persistent over entries.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -402,19 +453,17 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, g_p
     C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
-    ep = tl.load(epoch_ptr)
-    tag_lo = ep.to(tl.int32)
-    tag_hi = (ep >> 32).to(tl.int32)
-    par = ep % 2
+    kk = tl.arange(0, K_POW2)
+    par = tl.load(epoch_ptr) % 2
     i = pid
     while i < W * T_max:
-        e = list_ptr + i.to(tl.int64) * EW
-        ok = (tl.load(e) == tag_lo) & (tl.load(e + 1) == tag_hi)
-        if ok:
+        e = table_ptr + i.to(tl.int64) * K
+        if _lead_row(e, K) >= 0:
             s = i // T_max
             t = (i % T_max).to(tl.int64)
             gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + t * H
-            wbase = tl.load(w_peers + s).to(tl.pointer_type(tl.float32)) + (par * T_max + t) * K
+            wbase = tl.load(w_peers + s).to(tl.pointer_type(tl.float32)) + par * w_copy + t * K
+            gw = tl.zeros((K_POW2,), tl.float32)
             for c0 in tl.static_range(0, H, CHUNK):
                 m = (c0 + offs) < H
                 cols = c0 // 32 + bcols
@@ -424,7 +473,7 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, g_p
                 if MX:
                     ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
                 for j in tl.static_range(K):
-                    r = tl.load(e + 2 + j).to(tl.int64)
+                    r = tl.load(e + j).to(tl.int64)
                     if r >= 0:
                         wv = tl.load(wbase + j)
                         xw = wv * xf
@@ -437,176 +486,236 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, n_rows_ptr, row_src_ptr, R_out, g_p
                             tl.store(dst, bf16_rne_int(xw), mask=m)
                         else:
                             tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), xw.to(tl.bfloat16), mask=m)
+                        if ROUTE_GRAD:
+                            o = to_fp32(tl.load(out_ptr + r * H + c0 + offs, mask=m, other=0.0), INT_ROUND)
+                            gw = tl.where(kk == j, gw + tl.sum(o * xf, axis=0), gw)
+            if ROUTE_GRAD:
+                rows = tl.load(e + kk, mask=kk < K, other=-1)
+                gwb = tl.load(gw_peers + s).to(tl.pointer_type(tl.float32)) + t * K
+                tl.store(gwb + kk, gw, mask=(kk < K) & (rows >= 0))
         i += G
+    if ROUTE_GRAD and ARRIVE:
+        _arrive_all(flags_peers, 4, me, W)
     WORDS: tl.constexpr = H // 8 if MX else H // 4
-    _zero_pad_rows(dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True), n_rows_ptr, row_src_ptr, R_out, pid, G, WORDS,
-                   ZCHUNK)
+    _zero_unfilled_rows(dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True), offs_ptr, counts_ptr, n_rows_ptr, R_out,
+                        n_groups, pid, G, WORDS, ZCHUNK)
 
 
 @triton.jit
-def combine_send_kernel(out_ptr, n_rows_ptr, row_src_ptr, row_pos_ptr, q_peers, s_peers, flags_peers, me, W,
-                        epoch_ptr, nslot, in_scales_ptr,
-                        H: tl.constexpr, BR: tl.constexpr, CHUNK: tl.constexpr,
-                        MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, PASS: tl.constexpr,
-                        STAGED: tl.constexpr = False):
-    """Send each expert-major row back to its origin rank, at its position in the origin's send
-    order (MX: quantized in registers, payload in ``comb_q``, scales in ``comb_s``; else BF16).
-    ``BR`` rows are handled together as one ``[BR, CHUNK]`` tile (padding rows masked off).
+def gather_route_grad_kernel(gw_ptr, dest_rank_ptr, out_ptr, n, rank_stride, BLOCK: tl.constexpr):
+    """The route-weight gradient at the origin: ``out[t, j] = gw[dest_rank[t, j], t, j]`` (the value the slot's
+    expert rank formed and wrote into row ``dest_rank`` of this rank's ``comb_gw``), 0 for a dropped slot.
 
-    Args:
-        out_ptr: bf16 ``[R, H]`` expert outputs; n_rows_ptr: int32 scalar, rows to consider.
-        row_src_ptr / row_pos_ptr: int32 ``[R]`` origin rank (-1 = padding row) and send position.
-        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags``.
-        epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * k``.
-        PASS (with MX): ``out_ptr`` is uint8 E4M3 payload ``[R, H]`` and ``in_scales_ptr`` uint8 ROW
-            scales ``[R, H/32]``: already-quantized rows travel as they are (dispatch backward of an
-            MXFP8 gradient).
-        STAGED: the put path: every ``*_peers`` entry is this rank's staging buffer, row ``r`` is
-            written at row ``r`` (no copy offset), and no flag is raised (the puts signal).
-
-    Row ``pos`` of a copy starting at slot ``slot0``: payload at byte ``slot0 * 2H + pos * H`` (MX) or
-    bf16 element ``(slot0 + pos) * H``; scales at byte ``(slot0 + pos) * H/32``.
-    """
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    NB: tl.constexpr = CHUNK // 32
-    offs = tl.arange(0, CHUNK)
-    bcols = tl.arange(0, NB)
-    br = tl.arange(0, BR)
-    n_rows = tl.load(n_rows_ptr)
-    slot0 = (tl.load(epoch_ptr) % 2) * nslot  # first slot of this epoch's copy
-    if STAGED:
-        slot0 = slot0 * 0
-    r0 = pid * BR
-    while r0 < n_rows:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
-        rows = r0 + br
-        src = tl.load(row_src_ptr + rows, mask=rows < n_rows, other=-1)
-        valid = src >= 0
-        srcc = tl.where(valid, src, 0)
-        if STAGED:
-            pos = rows.to(tl.int64)
-        else:
-            pos = tl.load(row_pos_ptr + rows, mask=valid, other=0).to(tl.int64)
-        if MX:
-            qbase = tl.load(q_peers + srcc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
-            sbase = tl.load(s_peers + srcc, mask=valid, other=0).to(tl.pointer_type(tl.uint8))
-        else:
-            qbase = tl.load(q_peers + srcc, mask=valid, other=0).to(tl.pointer_type(tl.bfloat16))
-        for c0 in tl.static_range(0, H, CHUNK):
-            m = (c0 + offs) < H
-            m2 = valid[:, None] & m[None, :]
-            x = tl.load(out_ptr + rows.to(tl.int64)[:, None] * H + c0 + offs[None, :], mask=m2, other=0)
-            if MX:
-                cols = c0 // 32 + bcols
-                if PASS:
-                    q2 = x
-                    s = tl.load(in_scales_ptr + rows.to(tl.int64)[:, None] * (H // 32) + cols[None, :],
-                                mask=valid[:, None] & (cols < H // 32)[None, :], other=0)
-                else:
-                    q3, s = mx_quantize_tile(tl.reshape(x, (BR, NB, 32)), MODE, INT_ROUND, 2)
-                    q2 = tl.reshape(q3, (BR, CHUNK))
-                dq = qbase[:, None] + (slot0 * (2 * H) + pos * H + c0)[:, None] + offs[None, :]
-                tl.store(tl.max_contiguous(tl.multiple_of(dq, [16, 16]), [1, 16]), q2, mask=m2)  # 16-byte stores
-                sp = sbase[:, None] + ((slot0 + pos) * (H // 32))[:, None] + cols[None, :]
-                if (H // 32) % 16 == 0:  # scale rows 16-byte aligned
-                    sp = tl.max_contiguous(tl.multiple_of(sp, [16, 16]), [1, 16])
-                tl.store(sp, s, mask=valid[:, None] & (cols < H // 32)[None, :])
-            else:
-                dq = qbase[:, None] + ((slot0 + pos) * H + c0)[:, None] + offs[None, :]
-                tl.store(tl.max_contiguous(tl.multiple_of(dq, [16, 16]), [1, 16]), x, mask=m2)
-        r0 += G * BR
-    if not STAGED:
-        _arrive_all(flags_peers, 2, me, W)
+    Args: gw_ptr fp32 ``[W, T_max, k]`` (``rank_stride = T_max * k``); dest_rank_ptr int32 ``[T, k]``; out_ptr fp32
+    ``[T, k]``; n = ``T * k``. Grid: ``(cdiv(n, BLOCK),)``."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    d = tl.load(dest_rank_ptr + i, mask=m, other=-1)
+    v = tl.load(gw_ptr + tl.maximum(d, 0).to(tl.int64) * rank_stride + i, mask=m & (d >= 0), other=0.0)
+    tl.store(out_ptr + i, v, mask=m)
 
 
 @triton.jit
-def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, w_ptr, y_ptr, T, epoch_ptr, nslot,
-                          dest_row_ptr, own_ptr, own_s_ptr,
-                          H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
-                          MX: tl.constexpr, INT_ROUND: tl.constexpr, OWN: tl.constexpr = False,
-                          OWN_PASS: tl.constexpr = False, MODE: tl.constexpr = 0):
-    """``y[t] = sum_j w[t,j] * row(t, j)`` in fp32, slot by slot in ``j`` order (dropped slots contribute 0), bf16
-    out.
+def first_refusal_kernel(words_ptr, W, out_ptr, W_POW2: tl.constexpr):
+    """``out = 1 + the lowest rank whose refusal word is non-zero`` (0: none): the refusals of a dispatch's counts
+    exchange, read at the call's host sync. Grid: (1,)."""
+    r = tl.arange(0, W_POW2)
+    w = tl.load(words_ptr + r, mask=r < W, other=0)
+    first = tl.min(tl.where(w != 0, r, W_POW2), axis=0)
+    tl.store(out_ptr, tl.where(first < W, first + 1, 0).to(tl.int64))
 
-    ``row(t, j)`` is the returned row at ``send_pos[t,j]`` in this rank's ``comb_q``. With ``OWN`` (one rank: every
-    row was computed here, nothing travels) it is the expert output's row ``dest_row[t,j]`` itself: bf16 rows
-    quantized and dequantized in registers when ``MX`` (the bits the send kernel would have stored), MXFP8 payload
-    + row scales decoded as they are (``OWN_PASS``), or bf16 as it is.
 
-    Per chunk the K slot positions and weights are scalar loads (L1 hits after the first chunk) and the K
-    row loads are masked, not branched, so they are all in flight together.
+@triton.jit
+def _lead_row(e, K: tl.constexpr):
+    """The leading row of a table entry (``K`` int32 rows, -1 for a slot elsewhere): the row of the token's first slot
+    on this rank, -1 when the entry lists none."""
+    lead = tl.load(e) * 0 - 1
+    for j in tl.static_range(K):
+        r = tl.load(e + j)
+        lead = tl.where((lead < 0) & (r >= 0), r, lead)
+    return lead
+
+
+@triton.jit
+def _row_values(src_ptr, src_s_ptr, r, ok, c0, offs, cols, m, cm, H: tl.constexpr, NB: tl.constexpr,
+                PASS: tl.constexpr, INT_ROUND: tl.constexpr):
+    """fp32 ``[CHUNK]`` values of row ``r`` (columns ``c0 + offs``) of an expert-side ``[R, H]`` tensor: bf16, or
+    (``PASS``) E4M3 payload with ROW scales at ``src_s_ptr`` decoded and saturated to bf16's range; 0 where ``ok``
+    is false (a masked load)."""
+    r64 = tl.maximum(r, 0).to(tl.int64)
+    if PASS:
+        q = tl.load(src_ptr + r64 * H + c0 + offs, mask=m & ok, other=0)
+        sb = tl.load(src_s_ptr + r64 * (H // 32) + cols, mask=cm & ok, other=127)
+        v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (NB * 32,))
+    else:
+        v = to_fp32(tl.load(src_ptr + r64 * H + c0 + offs, mask=m & ok, other=0.0), INT_ROUND)
+    return v
+
+
+@triton.jit
+def _store_partial(acc, qbase, sbase, slot, c0, offs, cols, m, cm, H: tl.constexpr, NB: tl.constexpr,
+                   MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+    """Store the fp32 chunk ``acc`` (``[CHUNK]``) of a partial at combine slot ``slot`` (int64: copy start + send
+    position): MX quantized (payload at byte ``2H * copy start + H * position``... given here as ``slot`` rows of
+    ``H`` bytes from ``qbase``, which the caller offsets by the copy) with its row scales at ``sbase + slot * H/32``;
+    else BF16 at element ``slot * H`` of ``qbase`` (bf16)."""
+    if MX:
+        q2, sc = mx_quantize_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1)
+        dst = qbase + tl.multiple_of(slot * H + c0, 16) + offs
+        tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (NB * 32,)), mask=m)
+        tl.store(sbase + slot * (H // 32) + cols, sc, mask=cm)
+    else:
+        dst = qbase + tl.multiple_of(slot * H + c0, 16) + offs
+        if INT_ROUND:
+            tl.store(dst, bf16_rne_int(acc), mask=m)
+        else:
+            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), acc.to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptrs, q_peers, s_peers, flags_peers,
+                            me, W, T_max, epoch_ptr, nslot,
+                            H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+                            MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr,
+                            INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False):
+    """Combine / dispatch backward, expert side: ONE row per (source, token). For every (source ``s``, token ``t``)
+    this rank received (an entry of the dispatch's table), the partial sum of the token's rows here
+    ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then added: launch with
+    ``enable_fp_fusion=False``), rounded once for transport (MX: quantized, payload + row scales; else BF16) and stored
+    into the origin's combine buffer at the send position of the token's leading slot (its first slot on this rank);
+    then every program adds 1 to ``flags[2, me]`` on every rank.
 
     Args:
-        comb_q_ptr: this rank's returned rows (``comb_q``): MX: the uint8 buffer, row ``pos`` of the copy at
-            slot ``slot0`` at byte ``slot0 * 2H + pos * H``; BF16: the buffer viewed as bf16, row at
-            element ``(slot0 + pos) * H``.
-        comb_s_ptr: uint8 ``[T_max*K, H/32]`` (MX only). Both hold two copies; the epoch's parity
-            picks one (``epoch_ptr``, ``nslot = T_max*K`` slots a copy).
-        send_pos_ptr: int32 ``[T, K]``; w_ptr: fp32 ``[T, K]``; y_ptr: bf16 ``[T, H]``.
-        dest_row_ptr: int32 ``[T, K]`` the dispatch plan's rows (``OWN`` only).
-        own_ptr: the expert output ``[R, H]``: bf16, or uint8 E4M3 payload with ``OWN_PASS``; own_s_ptr: uint8
-            ``[R, H/32]`` row scales (``OWN_PASS``). MODE: the scale mode (``OWN`` rows quantized here).
+        out_ptr: the expert rows ``[R, H]``: bf16, or (``PASS``) uint8 E4M3 payload with ``out_s_ptr`` uint8 ``[R,
+            H/32]`` ROW scales (decoded, saturated to bf16's range, before the sum).
+        table_ptr: int32 ``[W * T_max, K]``: entry ``s * T_max + t`` = the rows here of source ``s``'s token ``t``
+            per slot, -1 for slots elsewhere (every row -1: not received).
+        origin_pos_ptr: int32 ``[R]`` send position of each row's slot at its origin.
+        w_ptrs: int64 ``[W]`` addresses of each source's fp32 ``[T_max, K]`` route weights (``WEIGHTED``; else every
+            weight is 1: dispatch backward).
+        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags`` per rank.
+        epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * K`` slots per copy.
+        STAGED (put path): every ``*_peers`` entry is this rank's staging buffer; the partial goes to the leading
+            row's own index there (the block puts move it to the origin's slot), and no flag is raised.
+
+    Destination layout (what the origin's :func:`combine_reduce_kernel` reads): slot ``pos`` of the copy starting at
+    slot ``slot0``: MX payload at byte ``slot0 * 2H + pos * H``, scales at byte ``(slot0 + pos) * H/32``; BF16 at
+    element ``(slot0 + pos) * H``.
+    Grid: any fixed number of programs (identical on every rank: receivers count arrivals); persistent over entries.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     NB: tl.constexpr = CHUNK // 32
     C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
-    e32 = tl.arange(0, 32)
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
-    t = pid
-    while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
-        for c0 in tl.static_range(0, H, CHUNK):
-            cols = c0 // 32 + bcols
-            cm = cols < C
-            el = (cols * 32)[:, None] + e32[None, :]  # [NB, 32] element offsets in a row
-            m = cm[:, None]
-            acc = tl.zeros((NB, 32), tl.float32)
-            for j in tl.static_range(K):  # scalar slot loads (L1 hits after the first chunk), masked row loads
-                pos = tl.load(send_pos_ptr + t * K + j)
-                ok = pos >= 0
-                w = tl.where(ok, tl.load(w_ptr + t * K + j), 0.0)  # a dropped slot's row loads as zeros
-                if OWN:
-                    r64 = tl.maximum(tl.load(dest_row_ptr + t * K + j), 0).to(tl.int64)
-                    src = own_ptr + r64 * H + el
-                    ssrc = own_s_ptr + r64 * C + cols
-                else:
-                    p64 = tl.maximum(pos, 0).to(tl.int64)
-                    if MX:
-                        src = comb_q_ptr + slot0 * (2 * H) + p64 * H + el
-                    else:
-                        src = comb_q_ptr + (slot0 + p64) * H + el
-                    ssrc = comb_s_ptr + (slot0 + p64) * C + cols
-                if MX and OWN and not OWN_PASS:  # bf16 rows: the values combine_send_kernel's bytes would decode to
-                    v = mx_qdq_tile(tl.load(src, mask=m & ok, other=0.0), MODE, INT_ROUND, 1, BF16_MAX)
-                elif MX:  # MXFP8 rows as they are
-                    q = tl.load(src, mask=m & ok, other=0)
-                    sb = tl.load(ssrc, mask=cm & ok, other=127)
-                    v = mx_decode_tile(q, sb, INT_ROUND, BF16_MAX)  # saturated: w <= 1 keeps y finite
-                else:
-                    v = to_fp32(tl.load(src, mask=m & ok, other=0.0), INT_ROUND)
-                acc += w * v
-            if INT_ROUND:
-                tl.store(y_ptr + t.to(tl.int64) * H + el, bf16_rne_int(acc), mask=m)
+    if STAGED:
+        slot0 = slot0 * 0
+    i = pid
+    while i < W * T_max:
+        e = table_ptr + i.to(tl.int64) * K
+        lead = _lead_row(e, K)
+        if lead >= 0:
+            s = i // T_max
+            t = (i % T_max).to(tl.int64)
+            if STAGED:
+                pos = lead.to(tl.int64)
             else:
-                tl.store(y_ptr + t.to(tl.int64) * H + el, acc.to(tl.bfloat16), mask=m)
-        t += G
+                pos = tl.load(origin_pos_ptr + lead).to(tl.int64)
+            if MX:  # MX rows are H bytes apart from the start of a copy (2H bytes a slot)
+                qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.uint8)) + slot0 * H
+            else:
+                qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.bfloat16))
+            sbase = tl.load(s_peers + s).to(tl.pointer_type(tl.uint8))
+            for c0 in tl.static_range(0, H, CHUNK):
+                m = (c0 + offs) < H
+                cols = c0 // 32 + bcols
+                cm = cols < C
+                acc = tl.zeros((CHUNK,), tl.float32)
+                for j in tl.static_range(K):  # scalar row loads (L1 hits after the first chunk), masked row loads
+                    r = tl.load(e + j)
+                    ok = r >= 0
+                    v = _row_values(out_ptr, out_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND)
+                    if WEIGHTED:
+                        wv = tl.load(tl.load(w_ptrs + s).to(tl.pointer_type(tl.float32)) + t * K + j, mask=ok,
+                                     other=0.0)
+                        v = wv * v
+                    acc = acc + v  # a slot elsewhere adds +0 (acc is never -0: it starts at +0)
+                _store_partial(acc, qbase, sbase, slot0 + pos, c0, offs, cols, m, cm, H, NB, MX, MODE, INT_ROUND)
+        i += G
+    if not STAGED:
+        _arrive_all(flags_peers, 2, me, W)
 
 
 @triton.jit
-def _zero_pad_rows(dst_ptr, n_rows_ptr, row_src_ptr, R_out, pid, G, ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
-    """Program ``pid`` of ``G``'s share of zeroing every row ``r < R_out`` of a fresh ``[R_out, ROW_WORDS]`` int64 view
-    that is not a real row (padding, and rows past ``n_rows`` in the worst-case-sized mode; see :func:`_real_row`)."""
+def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w_ptr, y_ptr, T, epoch_ptr, nslot,
+                          dest_row_ptr, own_ptr, own_s_ptr,
+                          H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
+                          MX: tl.constexpr, INT_ROUND: tl.constexpr, OWN: tl.constexpr = False,
+                          OWN_PASS: tl.constexpr = False, WEIGHTED: tl.constexpr = True, MODE: tl.constexpr = 0):
+    """Combine / dispatch backward at the origin: ``y[t] = sum_i P_i`` in fp32, bf16 out, over the partials ``P_i``
+    the token's ranks returned (one row per (token, rank), see :func:`combine_partials_kernel`), in the order of the
+    ranks' first appearance among the token's slots (a token without a valid slot gives 0).
+
+    The partial of the rank of slot ``j`` when ``j`` leads it (no earlier slot of the token goes to that rank): the row
+    at ``send_pos[t, j]`` in this rank's ``comb_q`` (MX: decoded, saturated to bf16's range). With ``OWN`` (one rank,
+    nothing travelled) the single partial is formed here exactly as the expert side would: ``P = sum_j w[t, j] *
+    out[dest_row[t, j]]`` (fp32, ``j`` ascending, no FMA: launch with ``enable_fp_fusion=False``; ``WEIGHTED`` False:
+    every weight 1), then rounded for transport in registers (MX: quantize + decode, :func:`mx_qdq_tile`; else the
+    BF16 store rounds it).
+
+    Args:
+        comb_q_ptr / comb_s_ptr: this rank's ``comb_q`` (uint8; BF16 transport: viewed as bf16) / ``comb_s``; the copy
+            is picked by the epoch's parity (``epoch_ptr``, ``nslot = T_max*K`` slots a copy). Unused with ``OWN``.
+        send_pos_ptr / dest_rank_ptr: int32 ``[T, K]`` (the plan's; -1 = dropped); w_ptr: fp32 ``[T, K]``
+            (``OWN`` with ``WEIGHTED`` only); y_ptr: bf16 ``[T, H]``.
+        dest_row_ptr, own_ptr, own_s_ptr (``OWN``): the plan's rows, the expert rows ``[R, H]`` (bf16, or uint8 E4M3
+            payload with ``OWN_PASS`` and their uint8 ``[R, H/32]`` row scales).
+        MX: the partials travel (or, with ``OWN``, are rounded) as MXFP8; MODE: the scale mode.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
-    n_rows = tl.load(n_rows_ptr)
-    zero = tl.zeros([CHUNK], dtype=tl.int64)
-    r = pid
-    while r < R_out:
-        pad = ~_real_row(r, n_rows, row_src_ptr)
-        for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
-            m = (c0 + offs) < ROW_WORDS
-            tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=m & pad)
-        r += G
+    bcols = tl.arange(0, NB)
+    kk = tl.arange(0, K_POW2)
+    slot0 = (tl.load(epoch_ptr) % 2) * nslot
+    t = pid
+    while t < T:
+        ranks = tl.load(dest_rank_ptr + t * K + kk, mask=kk < K, other=-1)
+        for c0 in tl.static_range(0, H, CHUNK):
+            m = (c0 + offs) < H
+            cols = c0 // 32 + bcols
+            cm = cols < C
+            acc = tl.zeros((CHUNK,), tl.float32)
+            for j in tl.static_range(K):
+                d = tl.load(dest_rank_ptr + t * K + j)
+                if OWN:
+                    ok = d >= 0
+                    r = tl.load(dest_row_ptr + t * K + j)
+                    v = _row_values(own_ptr, own_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, OWN_PASS, INT_ROUND)
+                    if WEIGHTED:
+                        v = tl.load(w_ptr + t * K + j, mask=ok, other=0.0) * v
+                else:  # slot j leads its rank: valid, and no earlier slot of the token goes to the same rank
+                    ok = (d >= 0) & (tl.sum(((ranks == d) & (kk < j)).to(tl.int32), axis=0) == 0)
+                    p64 = tl.maximum(tl.load(send_pos_ptr + t * K + j), 0).to(tl.int64)
+                    if MX:
+                        q = tl.load(comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs, mask=m & ok, other=0)
+                        sb = tl.load(comb_s_ptr + (slot0 + p64) * C + cols, mask=cm & ok, other=127)
+                        v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (CHUNK,))
+                    else:
+                        v = to_fp32(tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0),
+                                    INT_ROUND)
+                acc = acc + v
+            if OWN and MX:  # the transport rounding of the one partial, in registers
+                acc = tl.reshape(mx_qdq_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1, BF16_MAX), (CHUNK,))
+            if INT_ROUND:
+                tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
+            else:
+                tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
+        t += G
 
 
 @triton.jit
@@ -622,9 +731,9 @@ def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
                          ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
     """Push dispatch, receiver: the received rows out of this rank's symmetric buffer into a fresh tensor.
 
-    Row ``r < R_out`` of ``dst`` gets row ``r`` of ``src`` when it is a real row (``r < n_rows`` and
-    ``row_src[r] >= 0``), else zeros (padding rows, and rows past ``n_rows`` in the worst-case-sized mode).
-    Reads only real rows.
+    Row ``r < n_rows`` of ``dst`` gets row ``r`` of ``src`` when it is a real row (``row_src[r] >= 0``), else zeros
+    (padding rows). Rows past ``n_rows`` (the worst-case tail of the no-sync mode) are not written. Reads only real
+    rows.
 
     Args:
         src_ptr / dst_ptr: int64 views of ``[*, ROW_WORDS]`` rows (row bytes / 8).
@@ -633,10 +742,10 @@ def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, CHUNK)
-    n_rows = tl.load(n_rows_ptr)
+    n = tl.minimum(tl.load(n_rows_ptr), R_out)
     r = pid
-    while r < R_out:
-        real = _real_row(r, n_rows, row_src_ptr)
+    while r < n:
+        real = _real_row(r, n, row_src_ptr)
         base = r.to(tl.int64) * ROW_WORDS
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
@@ -648,15 +757,15 @@ def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
 @triton.jit
 def _zero_unfilled_rows(dst_ptr, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups, pid, G,
                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
-    """Program ``pid`` of ``G``'s share of zeroing the rows of a fresh expert-major output that no token fills (local
-    path): the padding at the end of groups ``pid, pid + G, ...`` (rows ``[start_g + count_g, end_g)``: a group's real
-    rows come first) and every ``G``-th row of the tail ``[n_rows, R_out)`` (worst-case-sized mode), without visiting
-    the real rows.
+    """Program ``pid`` of ``G``'s share of zeroing the padding rows of a fresh expert-major output: the rows
+    ``[start_g + count_g, end_g)`` at the end of groups ``pid, pid + G, ...`` (a group's real rows come first),
+    without visiting the real rows. Rows past the last group (``n_rows``; the worst-case tail of the no-sync mode) are
+    not written.
 
     Args:
         dst_ptr: int64 view of the ``[R_out, ROW_WORDS]`` output.
         offs_ptr / counts_ptr: int32 ``[n_groups]`` group END offsets and real rows per group (the plan's).
-        n_rows_ptr: int32 scalar, ``offs[-1]``.
+        n_rows_ptr: int32 scalar, ``offs[-1]`` (unused: the groups end there).
     """
     offs = tl.arange(0, CHUNK)
     zero = tl.zeros([CHUNK], dtype=tl.int64)
@@ -670,11 +779,6 @@ def _zero_unfilled_rows(dst_ptr, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_grou
                 tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=(c0 + offs) < ROW_WORDS)
             r += 1
         g += G
-    r = tl.load(n_rows_ptr) + pid
-    while r < R_out:
-        for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
-            tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=(c0 + offs) < ROW_WORDS)
-        r += G
 
 
 @triton.jit
@@ -682,6 +786,8 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts
                                  C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr, WORD: tl.constexpr = False):
     """Receiver: the scale rows that arrived row-major at their payload rows -> a fresh grouped-along-M
     blocked matrix (what the grouped GEMM reads), every byte written (zeros for padding).
+
+    Tile-rows past the last group (the worst-case tail of the no-sync mode) are not written.
 
     Program ``(i, cb)`` fills output tile-row ``i`` (blocked rows ``128 i .. 128 i + 127``) for block
     columns ``cb * CB .. cb * CB + CB - 1``. Each group (local expert) starts on a 128-row boundary of the
@@ -731,9 +837,9 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts
         vt = tl.reshape(tl.permute(tl.reshape(v, (4, 32, CB)), (2, 1, 0)), (CB * 128,))
         o = tl.arange(0, CB * 128)
         tl.store(out_ptr + (i * n_col_tiles + cb * CB).to(tl.int64) * 128 + o, vt,
-                 mask=cb * CB + o // 128 < n_col_tiles)
+                 mask=(cb * CB + o // 128 < n_col_tiles) & (g < n_groups))
     else:
         v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * C + cols[None, :],
                     mask=real[:, None] & (cols < C)[None, :], other=0)
         tl.store(out_ptr + blocked_scale_offset(br.to(tl.int64)[:, None], cols[None, :], n_col_tiles), v,
-                 mask=(cols < 4 * n_col_tiles)[None, :])
+                 mask=(cols < 4 * n_col_tiles)[None, :] & (g < n_groups))

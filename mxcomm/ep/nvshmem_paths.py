@@ -1,12 +1,19 @@
 """The ways the ``nvshmem`` backend moves rows, one class per path (:func:`mxcomm.ep.plan.dispatch_path`):
 
-* :class:`LocalPath` (one rank): nothing leaves the GPU; dispatch and combine backward write the output directly;
+* :class:`LocalPath` (one rank): nothing leaves the GPU; dispatch and combine backward write the output directly,
+  combine reduces the expert rows in place;
 * :class:`PullPath` (several ranks with peer pointers, the default): senders pack each token row once into their send
   copy; receivers read each listed row once per (token, rank) through the peer pointer into fresh tensors;
 * :class:`PushPath` (``transport="push"``): senders store the rows into the receivers' symmetric buffer at their
   expert-major rows; receivers copy them out;
 * :class:`PutPath` (``transport="put"``, or peers on other nodes): the push path's kernels write into a staging
   buffer and NVSHMEM puts one block per (destination, expert) with a signal (``csrc/put_signal.cu``).
+
+Every path with several ranks answers a dispatch one row per (token, rank) in both directions, through the
+dispatch's table (one entry per (source token, this rank), kept in the handle): combine and dispatch backward send
+the partial sum of a token's rows on this rank (:meth:`EnginePath.send_partials`), combine backward brings each
+BF16 gradient row once per (token, rank) to the expert rank, which weights and quantizes it per slot where it lands
+and forms the route-weight gradient there (:meth:`EnginePath.combine_backward`).
 
 Each path owns its buffers (taken by name from the symmetric heap's allocation of
 :func:`mxcomm.ep.plan.buffer_regions`) and launches its own kernels; the engine (:class:`NvshmemBackend
@@ -15,10 +22,11 @@ words and bounded waits, the routing plan and its captured graphs, the output fo
 origin. What a path does per call:
 
 * :meth:`EnginePath.dispatch` -> :class:`DispatchRows` (the received rows and their scale rows, the plan the handle
-  keeps, the row origins);
-* :meth:`EnginePath.combine_backward` -> :class:`BackwardRows` (the weighted gradient rows at the expert ranks);
-* :meth:`EnginePath.send_to_origins`: combine's and dispatch backward's rows back to their origin slots in ``comb_q``
-  (the peer-pointer paths share one implementation; the put path stages and puts);
+  keeps, the row origins, the table);
+* :meth:`EnginePath.combine_backward` -> :class:`BackwardRows` (the weighted gradient rows at the expert ranks, the
+  route-weight gradient at the origin);
+* :meth:`EnginePath.publish_weights` and :meth:`EnginePath.send_partials`: combine's route weights to every rank, and
+  the partials of combine / dispatch backward to their origins' ``comb_q`` (then wait for every rank's);
 * :meth:`EnginePath.exchange`: the counts exchange or the "ready" handshake.
 """
 from __future__ import annotations
@@ -30,16 +38,20 @@ import torch
 
 from . import put_path
 from .handle import EPHandle
-from .plan import RoutingPlan
-from .nvshmem_state import RowOrigins, handle_origins
+from .plan import FLAG_ROWS, RoutingPlan
+from .nvshmem_state import RowOrigins
 from .plan_graph import PlanOutputs
+
+_PUBLISH_BLOCK = 1024  # int32 words per step of publish_kernel
+_ROW_FLAGS = {name: i for i, name in enumerate(FLAG_ROWS)}  # rows of ep.flags
 
 
 @dataclass(frozen=True)
 class DispatchRows:
     """What a path's dispatch produced: ``q`` fresh uint8 ``[R, H]`` (MX payload) / ``[R, 2H]`` (bf16 bytes) rows,
     ``scale_rows`` their row-major uint8 ``[>= R, H/32]`` scale rows (MX), ``kept`` the plan outputs the handle keeps,
-    ``ids`` the checked expert ids ``[T, k]``, ``num_rows`` R, ``origins`` the row origins (None on the local path)."""
+    ``ids`` the checked expert ids ``[T, k]``, ``num_rows`` R, ``origins`` the row origins and ``table`` the dispatch's
+    table (both None on the local path)."""
 
     q: torch.Tensor
     scale_rows: torch.Tensor
@@ -47,82 +59,236 @@ class DispatchRows:
     ids: torch.Tensor
     num_rows: int
     origins: Optional[RowOrigins]
+    table: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
 class BackwardRows:
-    """Combine backward's rows at the expert rank: ``q`` fresh uint8 ``[R, H]`` / ``[R, 2H]``, ``scale_rows`` their
-    row-major scale rows (MX); ``waited``: the call waited for peers (its error words must be read)."""
+    """Combine backward's result: ``q`` fresh uint8 ``[R, H]`` / ``[R, 2H]`` rows at the expert rank, ``scale_rows``
+    their row-major scale rows (MX), ``grad_w`` fp32 ``[T, k]`` route-weight gradient at the origin (None when not
+    asked for)."""
 
     q: torch.Tensor
     scale_rows: torch.Tensor
-    waited: bool
+    grad_w: Optional[torch.Tensor]
 
 
 class EnginePath:
     """One way of moving rows (see the module doc). ``engine``: the :class:`~mxcomm.ep.nvshmem_backend.NvshmemBackend`
     that owns this path (this module does not import it: the engine imports the paths); ``bufs``: its symmetric
-    buffers by name."""
+    buffers by name. The base class moves rows through peer pointers (the pull and push paths share its combine
+    direction and its combine backward)."""
 
     name = ""
 
     def __init__(self, engine, bufs: dict):
         self.e = engine
+        if "ep.comb_w" not in bufs:  # the local path
+            return
+        e = engine
+        W, T, k, dev = e.world, e.config.max_tokens_per_rank, e.config.topk, e.device
+        self.comb_w, self.comb_gw = bufs["ep.comb_w"], bufs["ep.comb_gw"]
+        self.send_q, self.send_w = bufs["ep.send_q"], bufs["ep.send_w"]
+        self.pull_list = bufs["ep.pull_list"]
+        # where each source's weights / route-weight gradients are read or written, by source rank
+        self.w_local = self._rows_of(self.comb_w.local, T * k * 4)
+        self.gw_peer_rows = self.comb_gw.peer_ptrs + e.rank * T * k * 4  # my row of every rank's comb_gw
+        self.g_src = self.send_q.peer_ptrs  # combine backward's gradient rows: each source's send copies
+        self.w_src = self.send_w.peer_ptrs
+        self.g_copy, self.w_copy = T * e.config.hidden, T * k  # copy 1 starts this many values after copy 0
+        self.gw_dst = self.gw_peer_rows
+        self._row_base = torch.arange(W, dtype=torch.int64, device=dev)
+
+    def _rows_of(self, buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
+        """int64 ``[W]``: the address of row ``s`` (``row_bytes`` bytes each) of this rank's ``buf``, by ``s``."""
+        e = self.e
+        return torch.arange(e.world, dtype=torch.int64, device=e.device) * row_bytes + buf.data_ptr()
 
     def refuse_capture(self) -> None:
         """Raise before any work if the current stream is being captured and this path cannot be."""
 
-    # -- the counts exchange / ready handshake ------------------------------------------------
-    def exchange(self, my_counts: Optional[torch.Tensor]) -> None:
-        """Publish this rank's int32 ``[E]`` counts to every rank and wait (bounded) for everybody's (``None``: the
-        "ready" handshake only), through peer pointers. The dispatch epoch must already be advanced."""
-        from .nvshmem_kernels import exchange_counts_kernel
+    # -- handshakes ---------------------------------------------------------------------------
+    def _publish(self, src: torch.Tensor, n_words: int, dst_peers: torch.Tensor, dst_word0: int, row: str,
+                 epoch: torch.Tensor, tail_word: int = -1) -> None:
+        from .nvshmem_kernels import publish_kernel
 
         e = self.e
-        E = 0 if my_counts is None else e.config.num_experts
-        exchange_counts_kernel[(e.world,)](
-            e.err if my_counts is None else my_counts, e.counts.peer_ptrs, e.flags.peer_ptrs,
-            e.flag_rows[0], e.d_epoch, e.err, e.timeout_ns, e.rank, E, E_POW2=e.next_pow2(max(E, 1)),
+        publish_kernel[(e.world,)](
+            src, n_words, dst_peers, dst_word0, tail_word, e.flags.peer_ptrs, e.flags.local, _ROW_FLAGS[row], e.world,
+            epoch, e.err, e.timeout_ns, e.rank, BLOCK=_PUBLISH_BLOCK,
         )
+
+    def exchange(self, my_counts: Optional[torch.Tensor]) -> None:
+        """Publish this rank's int32 ``[E + 1]`` counts and refusal word to every rank and wait (bounded) for
+        everybody's (``None``: the "ready" handshake only), through peer pointers. The dispatch epoch must already be
+        advanced."""
+        e = self.e
+        if my_counts is None:
+            self._publish(e.err, 0, e.counts.peer_ptrs, 0, "counts", e.d_epoch)
+            return
+        E = e.config.num_experts
+        self._publish(my_counts, E, e.counts.peer_ptrs, e.rank * E, "counts", e.d_epoch,
+                      tail_word=e.world * E + e.rank)
+
+    def publish_weights(self, w: Optional[torch.Tensor]) -> None:
+        """Combine's route weights (fp32 ``[T, k]``) into row ``me`` of every rank's ``comb_w``, then wait (bounded)
+        for every rank's: the expert side weights its partial sums with them. ``None``: no weights (dispatch backward;
+        nothing to do on the peer-pointer paths). The combine epoch must already be advanced."""
+        if w is None:
+            return
+        e = self.e
+        T_max, k = e.config.max_tokens_per_rank, e.config.topk
+        self._publish(w.view(torch.int32), w.numel(), self.comb_w.peer_ptrs, e.rank * T_max * k, "weights", e.c_epoch)
 
     # -- combine direction ------------------------------------------------------------------
-    def send_to_origins(self, payload: torch.Tensor, in_scales: torch.Tensor, handle: EPHandle, mx: bool,
-                        passthrough: bool, comb_q, comb_s) -> None:
-        """Every real expert-major row of ``payload`` (bf16 ``[R, H]``, quantized in the kernel when ``mx``; or MXFP8
-        bytes ``[R, H]`` with row scales ``in_scales`` when ``passthrough``) to its origin's ``comb_q`` at its send
-        position (copy ``c_epoch % 2``), then wait (bounded) for every source's rows."""
-        from .nvshmem_kernels import combine_send_kernel, wait_arrivals_kernel
+    def send_partials(self, payload: torch.Tensor, in_scales: torch.Tensor, handle: EPHandle, mx: bool,
+                      passthrough: bool, weighted: bool) -> None:
+        """For every (source, token) entry of the handle's table, the partial sum of its rows of ``payload`` (bf16
+        ``[R, H]``; or MXFP8 bytes ``[R, H]`` with row scales ``in_scales`` when ``passthrough``), weighted with the
+        source's published weights when ``weighted``, rounded once (MXFP8 when ``mx``, else BF16) into the origin's
+        ``comb_q`` at the send position of the token's leading slot (copy ``c_epoch % 2``); then wait (bounded) for
+        every rank's partials."""
+        from .nvshmem_kernels import wait_arrivals_kernel
 
         e = self.e
-        origins = handle_origins(handle)
-        self._combine_send(payload, in_scales, handle, origins, comb_q.peer_ptrs, comb_s.peer_ptrs, mx, passthrough,
-                           staged=False, kernel=combine_send_kernel)
+        self._partials(payload, in_scales, handle, mx, passthrough, weighted, e.comb[0].peer_ptrs,
+                       e.comb[1].peer_ptrs, staged=False)
         wait_arrivals_kernel[(e.world,)](e.flag_rows[2], e.expect_rows[2], e.programs, e.err, e.timeout_ns)
 
-    def _combine_send(self, payload, in_scales, handle, origins, q_ptrs, s_ptrs, mx, passthrough, staged, kernel):
+    def _partials(self, payload, in_scales, handle, mx, passthrough, weighted, q_ptrs, s_ptrs, staged):
+        from .nvshmem_kernels import combine_partials_kernel
+
         e = self.e
         H = e.config.hidden
-        kernel[(e.programs,)](
-            payload, handle.backend_state.num_rows_dev, origins.src, origins.pos, q_ptrs, s_ptrs, e.flags.peer_ptrs,
-            e.rank, e.world, e.c_epoch, e.nslot, in_scales, H=H, BR=e.launch.send_rows,
-            CHUNK=min(e.launch.send_chunk, e.next_pow2(H)), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
-            PASS=passthrough, STAGED=staged, num_warps=e.launch.send_warps,
+        st = handle.backend_state
+        combine_partials_kernel[(e.programs,)](
+            payload, in_scales, st.table, st.origins.pos, self.w_local, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank,
+            e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, H=H, K=e.config.topk, CHUNK=e.chunk(H, True),
+            MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=e.mode_id, INT_ROUND=e.int_round, STAGED=staged,
+            num_warps=e.launch.weighted_warps, enable_fp_fusion=False,
         )
+
+    # -- combine backward (the dispatch direction) -------------------------------------------
+    def _pack(self, T: int, g: Optional[torch.Tensor] = None, w: Optional[torch.Tensor] = None) -> None:
+        """Into this epoch's send copy, either this rank's ``T`` token rows (bf16 ``[T, H]`` at the address in
+        ``x_slot``), quantized once (MX), or (combine backward) the BF16 gradient rows ``g`` ``[T, H]`` as they are
+        with their fp32 route weights ``w`` ``[T, k]`` (into ``send_w``)."""
+        from .nvshmem_kernels import pack_rows_kernel
+
+        e = self.e
+        H, T_max, k = e.config.hidden, e.config.max_tokens_per_rank, e.config.topk
+        if not T:
+            return
+        mx = e.mx and g is None
+        q = self.send_q.local if mx else self.send_q.local.view(torch.bfloat16)
+        pack_rows_kernel[(min(T, e.dispatch_programs),)](
+            self.x_slot if g is None else g, T, q, self.send_s.local if mx else e.err, e.d_epoch, T_max,
+            T_max * 2 * H if mx else T_max * H, e.err if w is None else w, self.send_w.local,
+            H=H, CHUNK=e.chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, X_SLOT=g is None,
+            K=k, K_POW2=e.next_pow2(k), WEIGHTS=w is not None, num_warps=e.launch.dispatch_warps,
+        )
+
+    def _deliver_gradients(self, g: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> None:
+        """Make every source's BF16 gradient rows and weights readable at ``g_src`` / ``w_src``: pack them into this
+        rank's send copy, then the "ready" handshake (every rank packed; every rank finished reading the copy of
+        the previous call in this direction)."""
+        self._pack(g.shape[0], g=g, w=w)
+        self.exchange(None)
+
+    def combine_backward(self, g: torch.Tensor, w: torch.Tensor, handle: EPHandle, mx: bool,
+                         expert_out: Optional[torch.Tensor]) -> BackwardRows:
+        """Every (source, token) of the handle's table gets its BF16 gradient row once; the expert rank weights and
+        quantizes it per slot into fresh tensors and, with ``expert_out`` (the rows the forward combine was given),
+        forms the route-weight gradient, which goes back to the origins' ``comb_gw``."""
+        from .nvshmem_kernels import pull_weighted_kernel
+
+        e = self.e
+        e.d_epoch.add_(1)
+        self._deliver_gradients(g, w, handle)
+        plan, R = handle.plan, handle.num_rows
+        H, T_max, k = e.config.hidden, e.config.max_tokens_per_rank, e.config.topk
+        row_bytes = H if mx else 2 * H
+        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+        srows = self._scale_rows(R, mx)
+        rg = expert_out is not None
+        pull_weighted_kernel[(e.programs,)](
+            out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
+            self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, self.g_copy, self.w_copy,
+            expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
+            H=H, CHUNK=e.chunk(H, True), K=k, K_POW2=e.next_pow2(k), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
+            ZCHUNK=min(512, e.next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=self.gw_arrive,
+            num_warps=e.dispatch_warps(True),
+        )
+        grad_w = self._route_grads(plan, g.shape[0]) if rg else None
+        return BackwardRows(q=out, scale_rows=srows, grad_w=grad_w)
+
+    gw_arrive = True  # pull_weighted_kernel raises flags[4] on the peers (the put path puts instead)
+
+    def _route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
+        """Wait (bounded) for every rank's route-weight gradients, then gather this rank's fp32 ``[T, k]``."""
+        from .nvshmem_kernels import wait_arrivals_kernel
+
+        e = self.e
+        wait_arrivals_kernel[(e.world,)](e.flag_rows[4], e.expect_rows[4], e.programs, e.err, e.timeout_ns)
+        return self._gather_route_grads(plan, T)
+
+    def _gather_route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
+        from .nvshmem_kernels import gather_route_grad_kernel
+
+        e = self.e
+        k = e.config.topk
+        gw = torch.empty(T, k, dtype=torch.float32, device=e.device)
+        if T:
+            gather_route_grad_kernel[(triton_cdiv(T * k, 1024),)](
+                self.comb_gw.local, plan.dest_rank, gw, T * k, e.config.max_tokens_per_rank * k, BLOCK=1024)
+        return gw
+
+    def _scale_rows(self, R: int, mx: bool) -> torch.Tensor:
+        """A fresh uint8 ``[R, H/32]`` for the scale rows the receiving kernel writes (a placeholder without MX)."""
+        e = self.e
+        if not mx:
+            return e.err.view(torch.uint8)
+        return torch.empty(R, e.config.hidden // 32, dtype=torch.uint8, device=e.device)
 
     # -- per path ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> DispatchRows:
         raise NotImplementedError
 
-    def combine_backward(self, g: torch.Tensor, w: torch.Tensor, handle: EPHandle, mx: bool) -> BackwardRows:
-        raise NotImplementedError
+    def _push_entries(self, plan: RoutingPlan, list_ptrs: torch.Tensor, flags_ptrs: torch.Tensor) -> None:
+        """One pull-list entry per (token, destination rank) into ``list_ptrs[d]`` (the destinations' pull lists),
+        each program then raising ``flags[1, me]`` at ``flags_ptrs``."""
+        from .nvshmem_kernels import push_entries_kernel
+
+        e = self.e
+        push_entries_kernel[(e.push_programs,)](
+            plan.dest_rank, plan.dest_row, plan.dest_rank.shape[0], list_ptrs, flags_ptrs,
+            e.d_epoch, e.rank, e.world, e.config.max_tokens_per_rank, K=e.config.topk,
+            EW=self.pull_list.local.shape[-1], BLOCK=64, num_warps=4,
+        )
+
+    def _table_from_list(self) -> torch.Tensor:
+        """The dispatch's table from this rank's pull list (entries of this epoch)."""
+        from .nvshmem_kernels import entries_table_kernel
+
+        e = self.e
+        k, n = e.config.topk, e.world * e.config.max_tokens_per_rank
+        table = torch.empty(n, k, dtype=torch.int32, device=e.device)
+        entries_table_kernel[(min(n, e.dispatch_programs),)](
+            self.pull_list.local, table, e.d_epoch, n, K=k, K_POW2=e.next_pow2(k), EW=self.pull_list.local.shape[-1])
+        return table
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class LocalPath(EnginePath):
     """One rank: nothing leaves the GPU. Dispatch: the id check, counts and plan (captured once per token count and
     replayed), then ``dispatch_kernel`` reads each token row once, quantizes it once and stores it straight into the
     fresh output at every selection's row (scale rows into ``recv_s``), padding rows zeroed by the same launch; one
-    host sync (the output size, with the id check). Combine backward: the same kernel with per-slot weighting. Buffer:
-    ``ep.recv_s`` (scale rows)."""
+    host sync (the output size, with the id check). Combine and dispatch backward: the engine's reduce reads the
+    expert rows in place (one partial per token). Combine backward: the same kernel as dispatch with per-slot
+    weighting, and the route-weight gradient from the expert rows. Buffer: ``ep.recv_s`` (scale rows)."""
 
     name = "local"
 
@@ -137,14 +303,14 @@ class LocalPath(EnginePath):
         e = self.e
         ids, my_counts = e.checked_ids(topk_idx, sync=False)
         e.d_epoch.add_(1)
-        counts_buf[0].copy_(my_counts)
+        counts_buf[0].copy_(my_counts[:e.config.num_experts])
         po = e.compute_plan(counts_buf, ids)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
     def _out(self, x: torch.Tensor, plan: RoutingPlan, R: int, mx: bool, w: torch.Tensor, weighted: bool):
         """Fresh uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes) written by ``dispatch_kernel`` itself: each row of
         ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized (MX), stored at every
-        selection's expert-major row, its scale row into ``recv_s``; padding and tail rows zeroed by the same launch
+        selection's expert-major row, its scale row into ``recv_s``; padding rows zeroed by the same launch
         (``ZERO_PAD``). No symmetric buffer holds the payload and nothing is copied afterwards."""
         from .nvshmem_kernels import dispatch_kernel
 
@@ -169,155 +335,99 @@ class LocalPath(EnginePath):
         return DispatchRows(q=q, scale_rows=self.recv_s.local, kept=po, ids=po.extra["ids"], num_rows=R,
                             origins=None)
 
-    def combine_backward(self, g, w, handle, mx):
+    def combine_backward(self, g, w, handle, mx, expert_out):
+        from ..kernels.route_grad import route_weight_grad
+
+        e = self.e
         q = self._out(g, handle.plan, handle.num_rows, mx, w, weighted=True)  # no handshake, nothing to wait for
-        return BackwardRows(q=q, scale_rows=self.recv_s.local, waited=False)
+        grad_w = None
+        if expert_out is not None:  # <grad_y[t], out[row(t, j)]> where the rows are (here)
+            grad_w = route_weight_grad(g, expert_out, handle.plan.dest_row, programs=e.route_grad_programs)
+        return BackwardRows(q=q, scale_rows=self.recv_s.local, grad_w=grad_w)
 
 
 class PullPath(EnginePath):
     """Several ranks with peer pointers (the default). Dispatch: the id check and counts; then, captured once per
     token count and replayed: epoch += 1, ``pack_rows_kernel`` (each token row read once, quantized once, into this
-    rank's send copy ``epoch % 2``), the counts exchange, the routing plan, ``push_entries_kernel`` (one pull-list
-    entry per (token, destination rank) on the destination) and the bounded wait for every source's entries; then
-    ``pull_rows_kernel`` reads each listed token's row once from its source's send copy into the fresh output at all
-    its rows. Combine backward mirrors it with BF16 gradient rows and their route weights: the receivers weight and
-    quantize per slot where the rows land (``pull_weighted_kernel``). Buffers: ``ep.send_q``, ``ep.send_s``,
-    ``ep.send_w``, ``ep.pull_list``; no symmetric receive buffer (the receivers write fresh tensors)."""
+    rank's send copy ``epoch % 2``), the counts exchange (with every rank's refusal word), the routing plan,
+    ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the destination) and the bounded
+    wait for every source's entries; then, after the call's one host sync, ``pull_rows_kernel`` reads each listed
+    token's row once from its source's send copy into the fresh output at all its rows and keeps the entries as the
+    handle's table. Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine buffers; no
+    symmetric receive buffer (the receivers write fresh tensors)."""
 
     name = "pull"
 
     def __init__(self, engine, bufs):
         super().__init__(engine, bufs)
-        self.send_q, self.send_s, self.send_w = bufs["ep.send_q"], bufs["ep.send_s"], bufs["ep.send_w"]
-        self.pull_list = bufs["ep.pull_list"]
+        self.send_s = bufs["ep.send_s"]
         # the captured middle reads this call's x by address (a fixed-address input of the graph)
         self.x_slot = torch.zeros(1, dtype=torch.int64, device=engine.device)
 
-    def _scale_rows(self, R: int, mx: bool) -> torch.Tensor:
-        """A fresh uint8 ``[R, H/32]`` for the scale rows the receiving kernel writes (a placeholder without MX)."""
-        e = self.e
-        if not mx:
-            return e.err.view(torch.uint8)
-        return torch.empty(R, e.config.hidden // 32, dtype=torch.uint8, device=e.device)
-
-    def _pack(self, T: int, g: Optional[torch.Tensor] = None, w: Optional[torch.Tensor] = None) -> None:
-        """Into this epoch's send copy, either this rank's ``T`` token rows (bf16 ``[T, H]`` at the address in
-        ``x_slot``), quantized once (MX), or (combine backward) the BF16 gradient rows ``g`` ``[T, H]`` as they are
-        with their fp32 route weights ``w`` ``[T, k]`` (into ``send_w``)."""
-        from .nvshmem_kernels import pack_rows_kernel
+    def _entries_and_wait(self, plan: RoutingPlan) -> None:
+        from .nvshmem_kernels import wait_arrivals_kernel
 
         e = self.e
-        H, T_max, k = e.config.hidden, e.config.max_tokens_per_rank, e.config.topk
-        if not T:
-            return
-        mx = e.mx and g is None
-        q = self.send_q.local if mx else self.send_q.local.view(torch.bfloat16)
-        pack_rows_kernel[(min(T, e.dispatch_programs),)](
-            self.x_slot if g is None else g, T, q, self.send_s.local, e.d_epoch, T_max,
-            T_max * 2 * H if mx else T_max * H, e.err if w is None else w, self.send_w.local,
-            H=H, CHUNK=e.chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, X_SLOT=g is None,
-            K=k, K_POW2=e.next_pow2(k), WEIGHTS=w is not None, num_warps=e.launch.dispatch_warps,
-        )
-
-    def _push_entries(self, plan: RoutingPlan) -> None:
-        """One pull-list entry per (token, destination rank) on the destination, then wait (bounded) for every
-        source's."""
-        from .nvshmem_kernels import push_entries_kernel, wait_arrivals_kernel
-
-        e = self.e
-        push_entries_kernel[(e.push_programs,)](
-            plan.dest_rank, plan.dest_row, plan.dest_rank.shape[0], self.pull_list.peer_ptrs, e.flags.peer_ptrs,
-            e.d_epoch, e.rank, e.world, e.config.max_tokens_per_rank, K=e.config.topk,
-            EW=self.pull_list.local.shape[-1], BLOCK=64, num_warps=4,
-        )
+        self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
         wait_arrivals_kernel[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.push_programs, e.err, e.timeout_ns)
 
     def _middle(self, counts_buf: torch.Tensor, ids: torch.Tensor) -> PlanOutputs:
         """Between the id check and the receivers' gather: epoch += 1, pack (``x`` from ``x_slot``), counts exchange
-        (the engine's ``counts_in``), the plan of ``ids`` on the exchanged ``counts_buf``, the pull-list entries and
-        the bounded wait for every source's."""
+        (the engine's ``counts_in``: counts and refusal word), the plan of ``ids`` on the exchanged ``counts_buf``,
+        the pull-list entries and the bounded wait for every source's; the refusals into the status words."""
         e = self.e
         e.d_epoch.add_(1)
         self._pack(ids.shape[0])  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
         self.exchange(e.counts_in)
+        e.note_refusals()
         po = e.compute_plan(counts_buf, ids)
-        self._push_entries(po.plan)
+        self._entries_and_wait(po.plan)
         return po
 
-    def _pull_out(self, plan: RoutingPlan, origins: RowOrigins, R: int, row_bytes: int):
-        """``(rows, scale_rows)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read once
-        from its source's send copy and stored at all its rows, padding and tail rows zero; and (MX) a fresh uint8
-        ``[R, H/32]`` of their scale rows, row-major (unfilled rows undefined)."""
+    def _pull_out(self, plan: RoutingPlan, R: int, row_bytes: int):
+        """``(rows, scale_rows, table)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read
+        once from its source's send copy and stored at all its rows, padding rows zero; (MX) a fresh uint8 ``[R,
+        H/32]`` of their scale rows, row-major (unfilled rows undefined); the dispatch's table."""
         from .nvshmem_kernels import pull_rows_kernel
 
         e = self.e
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
         words = row_bytes // 8
-        C = e.config.hidden // 32
+        C, k, T_max = e.config.hidden // 32, e.config.topk, e.config.max_tokens_per_rank
         srows = self._scale_rows(R, e.mx)
-        if R:
-            T_max = e.config.max_tokens_per_rank
-            pull_rows_kernel[(min(max(R, e.world * T_max), e.dispatch_programs),)](
-                out.view(torch.int64), srows, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
-                self.send_s.peer_ptrs, self.pull_list.local, e.d_epoch, T_max, e.world,
-                T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, e.next_pow2(words)), C=C,
-                C_POW2=e.next_pow2(C), K=e.config.topk, EW=self.pull_list.local.shape[-1], MX=e.mx, num_warps=4,
-            )
-        return out, srows
-
-    def _pull_weighted(self, plan: RoutingPlan, origins: RowOrigins, R: int, mx: bool):
-        """Combine backward, receiver: ``(rows, scale_rows)`` like :meth:`_pull_out`, each listed token's BF16
-        gradient row read once from its source's send copy and ``w[t, j] * g[t]`` quantized (MX) or rounded per slot
-        into the fresh ``[R, H]`` rows (uint8 MX payload / bf16 bytes); padding and tail rows zero."""
-        from .nvshmem_kernels import pull_weighted_kernel
-
-        e = self.e
-        H, T_max, k = e.config.hidden, e.config.max_tokens_per_rank, e.config.topk
-        row_bytes = H if mx else 2 * H
-        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
-        srows = self._scale_rows(R, mx)
-        if R:
-            pull_weighted_kernel[(min(max(R, e.world * T_max), e.dispatch_programs),)](
-                out if mx else out.view(torch.bfloat16), srows, plan.num_rows, origins.src, R, self.send_q.peer_ptrs,
-                self.send_w.peer_ptrs, self.pull_list.local, e.d_epoch, T_max, e.world, T_max * H,
-                H=H, CHUNK=e.chunk(H, True), K=k, EW=self.pull_list.local.shape[-1], MX=mx, MODE=e.mode_id,
-                INT_ROUND=e.int_round, ZCHUNK=min(512, e.next_pow2(row_bytes // 8)), num_warps=e.dispatch_warps(True),
-            )
-        return out, srows
+        table = torch.empty(e.world * T_max, k, dtype=torch.int32, device=e.device)
+        pull_rows_kernel[(e.dispatch_programs,)](
+            out.view(torch.int64), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
+            self.send_q.peer_ptrs, self.send_s.peer_ptrs, self.pull_list.local, table, e.d_epoch, T_max, e.world,
+            T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, e.next_pow2(words)), C=C,
+            C_POW2=e.next_pow2(C), K=k, K_POW2=e.next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx,
+            num_warps=4,
+        )
+        return out, srows, table
 
     def dispatch(self, x, topk_idx):
         e = self.e
-        ids, my_counts = e.checked_ids(topk_idx)
+        ids, my_counts = e.checked_ids(topk_idx, sync=False)  # a refusal is read at the call's one sync
         self.x_slot.fill_(x.data_ptr())
         if my_counts.data_ptr() != e.counts_in.data_ptr():  # (check_and_count writes it in place)
             e.counts_in.copy_(my_counts)
         mid = e.run_middle(self._middle, ids)
-        R = e.output_rows("dispatch arrivals")
+        R = e.output_rows("dispatch arrivals", ids=topk_idx)
         live = mid.live
-        o = e.origins_from(live, R)
-        q, srows = self._pull_out(live.plan, o, R, e.config.hidden * (1 if e.mx else 2))  # first, then the copies
+        q, srows, table = self._pull_out(live.plan, R, e.config.hidden * (1 if e.mx else 2))  # first, then copies
         po = mid.keep()
-        return DispatchRows(q=q, scale_rows=srows, kept=po, ids=ids, num_rows=R, origins=e.origins_from(po, R))
-
-    def combine_backward(self, g, w, handle, mx):
-        # the BF16 rows and weights into this epoch's send copy; ready handshake (every peer finished reading the copy
-        # and the pull list of the last call in this direction); one pull-list entry per (token, rank), as in
-        # dispatch; the receivers read each row once and weight + quantize it per slot where it lands
-        e = self.e
-        e.d_epoch.add_(1)
-        self._pack(g.shape[0], g=g, w=w)
-        self.exchange(None)
-        self._push_entries(handle.plan)
-        q, srows = self._pull_weighted(handle.plan, handle.backend_state.origins, handle.num_rows, mx)
-        return BackwardRows(q=q, scale_rows=srows, waited=True)
+        return DispatchRows(q=q, scale_rows=srows, kept=po, ids=ids, num_rows=R, origins=e.origins_from(po, R),
+                            table=table)
 
 
 class PushPath(EnginePath):
     """Several ranks, ``transport="push"``: after the counts exchange and the plan, ``dispatch_kernel`` reads each
     token row once, quantizes it once and stores it into each destination's ``recv_q`` at its expert-major rows
-    (scale rows into ``recv_s``); after the bounded arrival wait the receiver copies the rows out into a fresh tensor
-    (the buffer is reused by the next call). Combine backward: the ready handshake, then the same kernel with per-slot
-    weighting. Buffers: ``ep.recv_q``, ``ep.recv_s`` (sized for the worst-case routing)."""
+    (scale rows into ``recv_s``), and ``push_entries_kernel`` lists each (token, destination) in the destination's
+    pull list; after the bounded arrival wait the receiver copies the rows out into a fresh tensor (the buffer is
+    reused by the next call) and keeps its pull list's entries as the table. Combine, dispatch backward and combine
+    backward as the pull path (peer pointers). Buffers: ``ep.recv_q``, ``ep.recv_s`` (sized for the worst-case
+    routing) and the combine buffers."""
 
     name = "push"
 
@@ -325,29 +435,30 @@ class PushPath(EnginePath):
         super().__init__(engine, bufs)
         self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
 
-    def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, weighted: bool, mx: bool) -> None:
-        """Each row of ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) to its slots' expert-major
-        rows on the destinations (MXFP8 when ``mx``), then wait for every source's rows."""
+    def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, mx: bool) -> None:
+        """Each row of ``x`` (bf16 ``[T, H]``) to its slots' expert-major rows on the destinations (MXFP8 when
+        ``mx``) and one pull-list entry per (token, destination); then wait for every source's."""
         from .nvshmem_kernels import dispatch_kernel, wait_arrivals_kernel
 
         e = self.e
         self._dispatch_kernel(dispatch_kernel, x, plan, plan.dest_row, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs,
-                              w, weighted, mx, arrive=True)
-        wait_arrivals_kernel[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.dispatch_programs, e.err, e.timeout_ns)
+                              mx, arrive=True)
+        self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
+        wait_arrivals_kernel[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.dispatch_programs + e.push_programs,
+                                         e.err, e.timeout_ns)
 
-    def _dispatch_kernel(self, kernel, x, plan, rows, q_ptrs, s_ptrs, w, weighted, mx, arrive):
+    def _dispatch_kernel(self, kernel, x, plan, rows, q_ptrs, s_ptrs, mx, arrive):
         e = self.e
         T, H = x.shape
         kernel[(e.dispatch_programs,)](
-            x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, w,
-            plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.chunk(H, weighted),
-            MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=weighted, ARRIVE=arrive,
-            num_warps=e.dispatch_warps(weighted),
+            x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, x,
+            plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.chunk(H),
+            MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=False, ARRIVE=arrive,
+            num_warps=e.dispatch_warps(False),
         )
 
     def _copy_out(self, plan: RoutingPlan, origins: RowOrigins, R: int, row_bytes: int) -> torch.Tensor:
-        """Fresh uint8 ``[R, row_bytes]`` of the received rows, copied out of ``recv_q``; padding and tail rows
-        zero."""
+        """Fresh uint8 ``[R, row_bytes]`` of the received rows, copied out of ``recv_q``; padding rows zero."""
         from .nvshmem_kernels import copy_out_rows_kernel
 
         e = self.e
@@ -367,45 +478,62 @@ class PushPath(EnginePath):
         e.d_epoch.add_(1)
         self.exchange(my_counts)
         po = e.plan_from_counts(ids)
-        self._send_to_experts(x, po.plan, x, weighted=False, mx=e.mx)
+        self._send_to_experts(x, po.plan, mx=e.mx)
+        table = self._table_from_list()
         R = e.output_rows("dispatch arrivals")
         o = e.origins_from(po, R)
         q = self._copy_out(po.plan, o, R, e.config.hidden * (1 if e.mx else 2))
-        return DispatchRows(q=q, scale_rows=self.recv_s.local, kept=po, ids=ids, num_rows=R, origins=o)
-
-    def combine_backward(self, g, w, handle, mx):
-        e = self.e
-        e.d_epoch.add_(1)
-        # ready handshake: nobody writes into a peer's receive buffer before it has finished the last copy-out
-        self.exchange(None)
-        self._send_to_experts(g, handle.plan, w, weighted=True, mx=mx)
-        q = self._copy_out(handle.plan, handle.backend_state.origins, handle.num_rows, e.config.hidden * (1 if mx else 2))
-        return BackwardRows(q=q, scale_rows=self.recv_s.local, waited=True)
+        return DispatchRows(q=q, scale_rows=self.recv_s.local, kept=po, ids=ids, num_rows=R, origins=o, table=table)
 
 
 class PutPath(PushPath):
     """The push path over NVSHMEM puts with signals (``transport="put"``, or needed because a peer has no peer
-    pointer, e.g. on another node): the same kernels write into this rank's staging buffer (dispatch: in send order;
-    combine: in this rank's expert-major order), then one put per (destination, expert) block with a signal; the
-    counts and the "ready" handshake travel as puts too, and the arrival waits become signal waits. Every rank, itself
-    included, is reached through puts. Not tested under CUDA graph capture: capture is refused. Buffers: the push
-    path's plus ``ep.stage_q``, ``ep.stage_s``."""
+    pointer, e.g. on another node). Dispatch: the same kernels write into this rank's staging buffer (in send order)
+    and its pull-list entries into a staging list per destination; one put per (destination, expert) block (payload,
+    scales) and one per destination (entries), with signals. Combine and dispatch backward: the partials into
+    staging at their leading row, then one put per (source, expert) block of rows (every row of a block travels, so
+    this path still moves one row per selection in this direction). Combine backward: one put per (token,
+    destination) of the BF16 gradient row and its weights into the destination's ``recv_q`` / ``recv_w``, the
+    expert side as the pull path, the route-weight gradients staged and put back. The counts, the "ready" handshake
+    and the weights travel as puts too, and every wait is a signal wait. Every rank, itself included, is reached
+    through puts. Not tested under CUDA graph capture: capture is refused. Buffers: the push path's plus
+    ``ep.stage_q``, ``ep.stage_s``, ``ep.stage_list``, ``ep.stage_gw``, ``ep.recv_w``."""
 
     name = "put"
 
     def __init__(self, engine, bufs, puts=None):
         super().__init__(engine, bufs)
         e = engine
-        W, E, dev = e.world, e.config.num_experts, e.device
+        W, E, T, k, H, dev = e.world, e.config.num_experts, e.config.max_tokens_per_rank, e.config.topk, \
+            e.config.hidden, e.device
         self.puts = put_path.Puts() if puts is None else puts
         self.put_chunks = 4  # pieces per put entry (same on every rank: the signal count depends on it)
         self.stage_q, self.stage_s = bufs["ep.stage_q"], bufs["ep.stage_s"]
+        self.stage_list, self.stage_gw, self.recv_w = bufs["ep.stage_list"], bufs["ep.stage_gw"], bufs["ep.recv_w"]
         self._stage_ptrs = torch.full((W,), self.stage_q.local.data_ptr(), dtype=torch.int64, device=dev)
         self._stage_s_ptrs = torch.full((W,), self.stage_s.local.data_ptr(), dtype=torch.int64, device=dev)
+        EW = self.pull_list.local.shape[-1]
+        # entries for destination d staged at stage_list[d]: push_entries_kernel writes entry [me, t] of "d's list"
+        self._stage_list_ptrs = self._rows_of(self.stage_list.local, T * EW * 4) - e.rank * T * EW * 4
+        self._scratch_flags = torch.zeros(len(_ROW_FLAGS), W, dtype=torch.int64, device=dev)
+        self._scratch_ptrs = torch.full((W,), self._scratch_flags.data_ptr(), dtype=torch.int64, device=dev)
         self._counts_batch = put_path.row_batch(W, e.rank, 4 * E, dev)
         self._ready_batch = put_path.row_batch(W, e.rank, 0, dev)
+        self._weights_batch = put_path.row_batch(W, e.rank, T * k * 4, dev)
+        self._gw_batch = put_path.swap_batch(W, e.rank, T * k * 4, dev)
         self._all_src = torch.arange(W, dtype=torch.int32, device=dev)
-        self._per_call = 2 * e.El * self.put_chunks  # signals per source and call (payload + scales)
+        self._dispatch_signals = (2 * e.El + 1) * self.put_chunks  # per source and dispatch: blocks + entries
+        self._combine_signals = 2 * e.El * self.put_chunks
+        # signals expected so far per signal word (every source sends the same number per call)
+        self._expect = torch.zeros(len(_ROW_FLAGS), dtype=torch.int64, device=dev)
+        # combine backward: the gradient rows of source s arrive in recv_q viewed as [W, T_max, 2H], its weights in
+        # recv_w [W, T_max, k]; one copy (copy stride 0); the route-weight gradients are staged per origin
+        self.g_src = self._rows_of(self.recv_q.local, T * 2 * H)
+        self.w_src = self._rows_of(self.recv_w.local, T * k * 4)
+        self.g_copy = self.w_copy = 0
+        self.gw_dst = self._rows_of(self.stage_gw.local, T * k * 4)
+
+    gw_arrive = False
 
     def refuse_capture(self) -> None:
         if self.e.capturing():
@@ -414,49 +542,94 @@ class PutPath(PushPath):
                 "CUDA graph capture; capture is refused before any work"
             )
 
+    def _wait(self, row: str, n: int) -> None:
+        """Wait (bounded) until every source's ``n`` more signals of this call reached ``flags[row]``."""
+        e = self.e
+        i = _ROW_FLAGS[row]
+        self._expect[i:i + 1].add_(n)
+        self.puts.wait(e.flag_rows[i], self._all_src, self._expect[i:i + 1], 1, e.err, e.timeout_ns)
+
     def exchange(self, my_counts):
         e = self.e
         if my_counts is not None:
-            e.counts.local[e.rank].copy_(my_counts)
+            E = e.config.num_experts
+            e.counts.local[e.rank * E:(e.rank + 1) * E].copy_(my_counts[:E])
         batch = self._ready_batch if my_counts is None else self._counts_batch
-        sig = e.flag_rows[0]
-        self.puts.put(e.counts.local, e.counts.local, batch, sig, e.rank, e.err, 1)
-        self.puts.wait(sig, self._all_src, e.d_epoch, 1, e.err, e.timeout_ns)
+        self.puts.put(e.counts.local, e.counts.local, batch, e.flag_rows[0], e.rank, e.err, 1)
+        self._wait("counts", 1)
 
-    def _put_blocks(self, blocks: "put_path.BlockPuts", dst_q, dst_s, row: int, epoch: torch.Tensor) -> None:
-        """Put the staged blocks (payload, scales), wait (bounded) for every source's blocks of this epoch in
-        ``flags[row]``, then quiet (the staging buffer may be rewritten after it)."""
+    def publish_weights(self, w):
+        """The weights (or, for dispatch backward, nothing) to every rank as one put each, then the signal wait."""
         e = self.e
-        sig, C = e.flag_rows[row], self.put_chunks
-        self.puts.put(dst_q.local, self.stage_q.local, blocks.payload, sig, e.rank, e.err, C)
-        self.puts.put(dst_s.local, self.stage_s.local, blocks.scales, sig, e.rank, e.err, C)
-        self.puts.wait(sig, self._all_src, epoch, self._per_call, e.err, e.timeout_ns)
-        self.puts.quiet()
+        batch = self._ready_batch
+        if w is not None:
+            self.comb_w.local[e.rank].view(-1)[: w.numel()].copy_(w.reshape(-1))
+            batch = self._weights_batch
+        self.puts.put(self.comb_w.local, self.comb_w.local, batch, e.flag_rows[3], e.rank, e.err, 1)
+        self._wait("weights", 1)
 
-    def _send_to_experts(self, x, plan, w, weighted, mx):
-        """The rows into staging at their send positions, then one put per (destination, expert) block, then the
-        signal wait for every source's blocks."""
+    def _send_to_experts(self, x, plan, mx):
+        """The rows into staging at their send positions and the entries into the staging list, then one put per
+        (destination, expert) block and one per destination's entries, then the signal wait."""
         from .nvshmem_kernels import dispatch_kernel
 
         e = self.e
-        H = x.shape[1]
-        self._dispatch_kernel(dispatch_kernel, x, plan, plan.send_pos, self._stage_ptrs, self._stage_s_ptrs, w,
-                              weighted, mx, arrive=False)
+        H, T, C = x.shape[1], x.shape[0], self.put_chunks
+        self._dispatch_kernel(dispatch_kernel, x, plan, plan.send_pos, self._stage_ptrs, self._stage_s_ptrs, mx,
+                              arrive=False)
+        self._push_entries(plan, self._stage_list_ptrs, self._scratch_ptrs)
         blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0)
-        self._put_blocks(blocks, self.recv_q, self.recv_s, 1, e.d_epoch)
+        sig = e.flag_rows[1]
+        self.puts.put(self.recv_q.local, self.stage_q.local, blocks.payload, sig, e.rank, e.err, C)
+        self.puts.put(self.recv_s.local, self.stage_s.local, blocks.scales, sig, e.rank, e.err, C)
+        EW = self.pull_list.local.shape[-1]
+        entries = put_path.swap_batch(e.world, e.rank, T * EW * 4, e.device,
+                                      stride=e.config.max_tokens_per_rank * EW * 4)
+        self.puts.put(self.pull_list.local, self.stage_list.local, entries, sig, e.rank, e.err, C)
+        self._wait("dispatch", self._dispatch_signals)
+        self.puts.quiet()
 
-    def send_to_origins(self, payload, in_scales, handle, mx, passthrough, comb_q, comb_s):
-        """The rows into staging at their own index, then one put per (source, expert) block into the origins'
-        ``comb_q`` / ``comb_s`` and the signal wait."""
-        from .nvshmem_kernels import combine_send_kernel
-
+    def send_partials(self, payload, in_scales, handle, mx, passthrough, weighted):
+        """The partials into staging at their leading row's index, then one put per (source, expert) block into the
+        origins' ``comb_q`` / ``comb_s`` and the signal wait."""
         e = self.e
         H = e.config.hidden
-        self._combine_send(payload, in_scales, handle, handle_origins(handle), self._stage_ptrs, self._stage_s_ptrs, mx,
-                           passthrough, staged=True, kernel=combine_send_kernel)
+        self._partials(payload, in_scales, handle, mx, passthrough, weighted, self._stage_ptrs, self._stage_s_ptrs,
+                       staged=True)
         slot0 = (e.c_epoch % 2) * e.nslot
         blocks = put_path.combine_blocks(handle.plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
-        self._put_blocks(blocks, comb_q, comb_s, 2, e.c_epoch)
+        sig, C = e.flag_rows[2], self.put_chunks
+        self.puts.put(e.comb[0].local, self.stage_q.local, blocks.payload, sig, e.rank, e.err, C)
+        self.puts.put(e.comb[1].local, self.stage_s.local, blocks.scales, sig, e.rank, e.err, C)
+        self._wait("combine", self._combine_signals)
+        self.puts.quiet()
+
+    def _deliver_gradients(self, g, w, handle):
+        """The "ready" handshake (every destination finished with its ``recv_q`` of the previous call in this
+        direction), then one put per (token, destination rank) of the gradient row and one of its weights into the
+        destination's ``recv_q`` [me, t] / ``recv_w`` [me, t] (signalling a word nobody waits for), ``quiet``, and one
+        signal per destination; then wait for every source's signal."""
+        e = self.e
+        self.exchange(None)
+        T, H, k = g.shape[0], e.config.hidden, e.config.topk
+        self.send_q.local[0].view(-1)[: T * 2 * H].copy_(g.reshape(-1).view(torch.uint8))
+        self.send_w.local[0].view(-1)[: T * k].copy_(w.reshape(-1))
+        rows, weights = put_path.token_rows(handle.plan, e.rank, e.config.max_tokens_per_rank, 2 * H, k * 4)
+        scratch = e.flag_rows[_ROW_FLAGS["scratch"]]
+        self.puts.put(self.recv_q.local, self.send_q.local, rows, scratch, e.rank, e.err, 1)
+        self.puts.put(self.recv_w.local, self.send_w.local, weights, scratch, e.rank, e.err, 1)
+        self.puts.quiet()
+        self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[1], e.rank, e.err, 1)
+        self._wait("dispatch", 1)
+
+    def _route_grads(self, plan, T):
+        """The staged route-weight gradients to their origins (one put each, into row ``me`` of their ``comb_gw``),
+        the signal wait, then the gather."""
+        e = self.e
+        self.puts.put(self.comb_gw.local, self.stage_gw.local, self._gw_batch, e.flag_rows[4], e.rank, e.err, 1)
+        self._wait("route_grad", 1)
+        self.puts.quiet()
+        return self._gather_route_grads(plan, T)
 
 
 PATHS = {"local": LocalPath, "pull": PullPath, "push": PushPath, "put": PutPath}

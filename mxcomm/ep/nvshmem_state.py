@@ -52,11 +52,14 @@ def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
 @dataclass(frozen=True)
 class NvshmemState:
     """Backend part of an :class:`EPHandle`: row origins of the dispatch output (None on the local path, whose
-    dispatch does not need them: :func:`handle_origins` computes them when a later op does) and its real row count
-    on the device."""
+    dispatch does not need them: :func:`handle_origins` computes them when a later op does), its real row count on
+    the device, and (several ranks) the dispatch's table: int32 ``[W * T_max, k]``, entry ``s * T_max + t`` = the
+    expert-major rows here of source ``s``'s token ``t`` per slot (-1 for slots on other ranks; all -1 when the token
+    did not come here). Combine and combine backward move one row per entry with a row."""
 
     origins: Optional[RowOrigins]
     num_rows_dev: torch.Tensor  # int32 [1] real rows (offs[-1])
+    table: Optional[torch.Tensor] = None
 
 
 def handle_origins(handle: EPHandle) -> RowOrigins:

@@ -271,68 +271,85 @@ def dispatch_path(config: EPConfig, world_size: int, put_path: bool | None = Non
 def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = None) -> list[BufferRegion]:
     """The symmetric buffers the ``nvshmem`` backend allocates per rank (the single source of their sizes).
 
-    * ``ep.recv_q`` uint8 ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes): received rows, expert-major (push
-      and put paths only: sized for the worst-case routing).
-    * ``ep.recv_s`` uint8 ``[R_max, H/32]``: their scale bytes, row-major at the payload rows (mxfp8; 1 byte for
-      bf16); the receiver swizzles them into a fresh grouped-along-M blocked matrix (not on the pull path).
-    * ``ep.comb_q`` uint8 ``[2, T_max*k, 2H]``: rows returned by combine (two copies, alternate epochs; a BF16
-      row takes 2H bytes, MXFP8 rows are packed H bytes apart from the start of their copy). Not on the local path:
-      there combine reads the expert rows in place, and a combine that keeps its rows for the backward writes them
-      into a plain device buffer allocated at its first use (same shape, not symmetric).
-    * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes (not on the local path either).
-    * ``ep.counts`` int32 ``[W, E]``; ``ep.flags`` int64 ``[3, W]``.
+    Every path:
 
-    The local path (one rank, :func:`dispatch_path`) has no ``ep.recv_q`` (its rows go straight into the output;
-    ``ep.recv_s`` stages their scale rows). The pull path (``config.transport == "auto"`` off the put path, several
-    ranks) has neither ``ep.recv_q`` nor ``ep.recv_s``: receivers read what they need from the senders' copies into
-    fresh tensors (dispatch and combine backward alike), so no symmetric buffer depends on the routing. It adds:
+    * ``ep.counts`` int32 ``[W * E + W]``: the counts matrix ``[W, E]`` (row ``s`` written by rank ``s``), then
+      every rank's refusal word (non-zero: it refused its input of this dispatch); ``ep.flags`` int64
+      ``[len(FLAG_ROWS), W]`` (:data:`FLAG_ROWS`).
 
-    * ``ep.send_q`` uint8 ``[2, T_max, 2H]``: this rank's token rows in two copies (alternate epochs of the
-      dispatch direction): MXFP8 rows (H bytes apart from the start of a copy, quantized once) for dispatch, BF16
-      gradient rows for combine backward; receivers read them through peer pointers;
-    * ``ep.send_s`` uint8 ``[2, T_max, H/32]``: the MXFP8 rows' scale bytes (1 byte for bf16);
+    Several ranks (every path but ``local``):
+
+    * ``ep.comb_q`` uint8 ``[2, T_max*k, 2H]``: the partials combine (and dispatch backward) return, one per (token,
+      rank), at the send position of the token's leading slot on that rank (two copies, alternate epochs; a BF16 row
+      takes 2H bytes, MXFP8 rows are packed H bytes apart from the start of their copy);
+    * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes;
+    * ``ep.comb_w`` float32 ``[W, T_max, k]``: the route weights of every source (row ``s``), published at each
+      combine for the expert side's weighted partial sums;
+    * ``ep.comb_gw`` float32 ``[W, T_max, k]``: the route-weight gradients the expert ranks form in combine backward
+      (row ``d``: those of the slots on rank ``d``);
+    * ``ep.send_q`` uint8 ``[2, T_max, 2H]``: this rank's rows in two copies (alternate epochs of the dispatch
+      direction): the pull dispatch's MXFP8 rows (H bytes apart from the start of a copy, quantized once) and
+      combine backward's BF16 gradient rows; receivers read them through peer pointers;
     * ``ep.send_w`` float32 ``[2, T_max, k]``: combine backward's route weights of those rows;
-    * ``ep.pull_list`` int32 ``[W, T_max, pull_entry_words(k)]``: the receiver's pull list. Source ``s`` writes
-      entry ``[s, t]`` for each of its tokens ``t`` that this rank receives: ``[epoch (2 words), row of slot 0,
-      ..., row of slot k-1]`` (expert-major rows here, -1 for slots going elsewhere); the receiver reads each listed
-      token's row once and stores it at all its rows.
+    * ``ep.pull_list`` int32 ``[W, T_max, pull_entry_words(k)]``: one entry per (source token, this rank) of each
+      dispatch, ``[epoch (2 words), row of slot 0, ..., row of slot k-1]`` (expert-major rows here, -1 for slots
+      going elsewhere); the dispatch keeps its rows as the handle's table (combine and combine backward move one row
+      per entry).
 
-    The put-with-signal path (``put_path``; default: ``config.transport == "put"``) adds:
-
-    * ``ep.stage_q`` uint8 ``[R_max, 2H]``: the sending kernels' rows before NVSHMEM puts them (dispatch: in
-      send order; combine: in this rank's expert-major order);
-    * ``ep.stage_s`` uint8 ``[R_max, H/32]``: their scale bytes, row-major.
+    The pull path (the default with several ranks on one node) adds ``ep.send_s`` uint8 ``[2, T_max, H/32]`` (the
+    MXFP8 rows' scale bytes); it has no receive buffer: receivers read what they need into fresh tensors, so none of
+    its symmetric buffers depends on the routing. The ``push`` and ``put`` paths receive dispatch into
+    ``ep.recv_q`` uint8 ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes), expert-major, sized for the
+    worst-case routing, and ``ep.recv_s`` uint8 ``[R_max, H/32]`` (their scale rows; 1 byte for bf16; the one-rank
+    ``local`` path keeps this one too, for the scale rows its kernel writes). The put path (``put_path``; default:
+    ``config.transport == "put"``) adds its staging (``ep.stage_q`` ``[R_max, 2H]``, ``ep.stage_s``
+    ``[R_max, H/32]``, ``ep.stage_list`` (pull-list entries per destination), ``ep.stage_gw``) and ``ep.recv_w``
+    float32 ``[W, T_max, k]``; its ``recv_q`` also holds combine backward's gradient rows, one per (source, token):
+    at least ``W * T_max * 2H`` bytes.
     """
     config.validate(world_size)
     path = dispatch_path(config, world_size, put_path)
-    H = config.hidden
+    H, T, k, W = config.hidden, config.max_tokens_per_rank, config.topk, world_size
     R = max_recv_rows(config, world_size)
     mx = config.precision == "mxfp8"
+    EW = pull_entry_words(k)
     regions = []
     if path in ("push", "put"):
-        regions.append(BufferRegion("ep.recv_q", (R, H * (1 if mx else 2)), torch.uint8))
+        row = H * (1 if mx else 2)
+        rows = max(R, -(-W * T * 2 * H // row)) if path == "put" else R
+        regions.append(BufferRegion("ep.recv_q", (rows, row), torch.uint8))
     if path != "pull":
         regions.append(BufferRegion("ep.recv_s", (R, H // 32) if mx else (1,), torch.uint8))
     if path != "local":
-        regions += combine_regions(config)
-    regions += [
-        BufferRegion("ep.counts", (world_size, config.num_experts), torch.int32),
-        BufferRegion("ep.flags", (3, world_size), torch.int64),
-    ]
-    T = config.max_tokens_per_rank
-    if path == "pull":
-        regions += [
+        regions += combine_regions(config) + [
+            BufferRegion("ep.comb_w", (W, T, k), torch.float32),
+            BufferRegion("ep.comb_gw", (W, T, k), torch.float32),
             BufferRegion("ep.send_q", (2, T, 2 * H), torch.uint8),
-            BufferRegion("ep.send_s", (2, T, H // 32) if mx else (1,), torch.uint8),
-            BufferRegion("ep.send_w", (2, T, config.topk), torch.float32),
-            BufferRegion("ep.pull_list", (world_size, T, pull_entry_words(config.topk)), torch.int32),
+            BufferRegion("ep.send_w", (2, T, k), torch.float32),
+            BufferRegion("ep.pull_list", (W, T, EW), torch.int32),
         ]
+    regions += [
+        BufferRegion("ep.counts", (W * config.num_experts + W,), torch.int32),
+        BufferRegion("ep.flags", (len(FLAG_ROWS), W), torch.int64),
+    ]
+    if path == "pull":
+        regions.append(BufferRegion("ep.send_s", (2, T, H // 32) if mx else (1,), torch.uint8))
     if path == "put":
         regions += [
             BufferRegion("ep.stage_q", (R, 2 * H), torch.uint8),
             BufferRegion("ep.stage_s", (R, H // 32), torch.uint8),
+            BufferRegion("ep.stage_list", (W, T, EW), torch.int32),
+            BufferRegion("ep.stage_gw", (W, T, k), torch.float32),
+            BufferRegion("ep.recv_w", (W, T, k), torch.float32),
         ]
     return regions
+
+
+#: Rows of ``ep.flags`` (entry ``[row, s]`` is written by rank ``s``; flags only grow): the counts exchange and the
+#: "ready" handshake (dispatch epoch), dispatch-direction arrivals, combine-direction arrivals, combine's published
+#: route weights (combine epoch), combine backward's route-weight gradients, and a row the put path's data puts signal
+#: without anybody waiting on it (a signal put after a ``quiet`` follows them).
+FLAG_ROWS = ("counts", "dispatch", "combine", "weights", "route_grad", "scratch")
 
 
 def combine_regions(config: EPConfig) -> list[BufferRegion]:
@@ -347,11 +364,13 @@ def combine_regions(config: EPConfig) -> list[BufferRegion]:
 class BufferSizes:
     """Bytes per rank of the GPU backend's symmetric buffers, by purpose (see :func:`buffer_regions`).
 
-    dispatch_payload / dispatch_scales: received rows and their scale rows (0 on the pull path).
-    combine_payload: rows returned by combine, two copies (incl. their scale bytes); 0 on the local path.
+    dispatch_payload / dispatch_scales: the push and put paths' receive buffers (0 on the pull path; on the local
+    path only the scale rows).
+    combine_payload: the partials combine returns (two copies, incl. their scale bytes), the published route weights
+    and the route-weight gradients coming home; 0 on the local path.
     counts, flags: the counts matrix and the signal words.
-    put_staging: the put-with-signal path's staging and row-major scale buffers (0 without it).
-    pull_send: the pull path's send copies, their scales and weights, and the pull list (0 without it).
+    put_staging: the put-with-signal path's staging buffers and its received weights (0 without it).
+    pull_send: the send copies, their scales and weights, and the pull list (0 on the local path).
     """
 
     dispatch_payload: int
@@ -375,15 +394,16 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
     return BufferSizes(
         dispatch_payload=b.get("ep.recv_q", 0),
         dispatch_scales=b.get("ep.recv_s", 0),
-        combine_payload=b.get("ep.comb_q", 0) + b.get("ep.comb_s", 0),
+        combine_payload=sum(b.get(n, 0) for n in ("ep.comb_q", "ep.comb_s", "ep.comb_w", "ep.comb_gw")),
         counts=b["ep.counts"],
         flags=b["ep.flags"],
-        put_staging=sum(b.get(n, 0) for n in ("ep.stage_q", "ep.stage_s")),
+        put_staging=sum(b.get(n, 0) for n in ("ep.stage_q", "ep.stage_s", "ep.stage_list", "ep.stage_gw",
+                                               "ep.recv_w")),
         pull_send=sum(b.get(n, 0) for n in ("ep.send_q", "ep.send_s", "ep.send_w", "ep.pull_list")),
     )
 
 
 __all__ = [
     "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
-    "max_rows_per_source", "max_recv_rows", "pull_entry_words", "dispatch_path", "combine_regions", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
+    "max_rows_per_source", "max_recv_rows", "pull_entry_words", "FLAG_ROWS", "dispatch_path", "combine_regions", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
 ]

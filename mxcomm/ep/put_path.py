@@ -115,6 +115,41 @@ def row_batch(world: int, rank: int, row_bytes: int, device) -> PutBatch:
                     pes=torch.arange(world, dtype=torch.int32, device=device))
 
 
+def swap_batch(world: int, rank: int, row_bytes: int, device, stride: int | None = None) -> PutBatch:
+    """One entry per rank ``p`` (itself included): ``row_bytes`` bytes from row ``p`` of a local ``[W, *]`` staging
+    buffer to row ``rank`` of another ``[W, *]`` buffer on ``p`` (rows ``stride`` bytes apart, default
+    ``row_bytes``): this rank's share for each rank, into its own row there."""
+    st = int(row_bytes if stride is None else stride)
+    p = torch.arange(world, dtype=torch.int64, device=device)
+    return PutBatch(dst_offsets=torch.full((world,), rank * st, dtype=torch.int64, device=device),
+                    src_offsets=(p * st).contiguous(),
+                    nbytes=torch.full((world,), int(row_bytes), dtype=torch.int64, device=device),
+                    pes=p.to(torch.int32))
+
+
+def token_rows(plan: RoutingPlan, rank: int, max_tokens: int, row_bytes: int, w_bytes: int) -> tuple:
+    """Put entries of one row per (token, destination rank) (combine backward on the put path): for slot ``(t, j)``
+    that leads its rank (the token's first slot there), row ``t`` (``row_bytes`` bytes) of a local ``[T, *]`` buffer
+    to row ``rank * max_tokens + t`` of the destination's ``[W * max_tokens, *]`` buffer; the other slots are empty
+    entries to this rank. Returns ``(rows, weights)``: the same entries for ``row_bytes`` and for ``w_bytes`` (the
+    token's route weights)."""
+    d = plan.dest_rank.to(torch.int64)
+    T, k = d.shape
+    dev = d.device
+    earlier = torch.tril(torch.ones(k, k, dtype=torch.bool, device=dev), diagonal=-1)  # [j, j'] j' < j
+    same = (d[:, :, None] == d[:, None, :]) & earlier
+    lead = (d >= 0) & ~same.any(-1)
+    t = torch.arange(T, dtype=torch.int64, device=dev).view(T, 1).expand(T, k).reshape(-1)
+    lead = lead.reshape(-1)
+    pes = torch.where(lead, d.reshape(-1), torch.full_like(t, rank)).to(torch.int32)
+
+    def batch(nb: int) -> PutBatch:
+        return PutBatch(dst_offsets=((rank * max_tokens + t) * nb).contiguous(), src_offsets=(t * nb).contiguous(),
+                        nbytes=(lead.to(torch.int64) * nb).contiguous(), pes=pes)
+
+    return batch(int(row_bytes)), batch(int(w_bytes))
+
+
 class Puts:
     """The CUDA kernels of :mod:`mxcomm.transport.put_signal` on torch's current stream."""
 
@@ -136,4 +171,4 @@ class Puts:
         ps.quiet()
 
 
-__all__ = ["BlockPuts", "dispatch_blocks", "combine_blocks", "row_batch", "Puts"]
+__all__ = ["BlockPuts", "dispatch_blocks", "combine_blocks", "row_batch", "swap_batch", "token_rows", "Puts"]
