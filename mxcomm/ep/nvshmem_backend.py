@@ -114,7 +114,7 @@ class LaunchConfig:
     dispatch_chunk: int = 8192
     weighted_warps: int = 4
     qdq_chunk: int = 1024
-    partials_per_sm: int = 8
+    partials_per_sm: int = 16
     reduce_chunk: int = 4096
     reduce_mx_chunk: int = 2048
     route_grad_per_sm: int = 8
@@ -384,7 +384,6 @@ class NvshmemBackend:
             ids = self._sanitize(topk_idx)
             counts = local_counts(ids, E)
             self.counts_in[:E].copy_(counts)
-        self.counts_in[E:].copy_(self.input_err)  # the refusal word the counts exchange publishes
         if sync and self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
             self._raise_bad_ids(topk_idx)
         return ids, self.counts_in
@@ -422,11 +421,10 @@ class NvshmemBackend:
             self._check(what)
             return
         if self._pending is None:
-            if self._pinned is None:  # allocated once: pinned allocations cost milliseconds
-                self._pinned = torch.empty(2, dtype=torch.int64, pin_memory=True)
-            host = self._pinned
+            if self._pinned is None:  # made once: pinned allocations cost milliseconds, events microseconds
+                self._pinned = (torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            host, ev = self._pinned
             host.copy_(self.err_words, non_blocking=True)
-            ev = torch.cuda.Event()
             ev.record()
             self._pending = (host, ev, what)
 

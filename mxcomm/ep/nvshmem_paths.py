@@ -378,6 +378,7 @@ class PullPath(EnginePath):
         e = self.e
         e.d_epoch.add_(1)
         self._pack(ids.shape[0])  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
+        e.counts_in[e.config.num_experts:].copy_(e.input_err)  # the refusal word: bad ids seen by the id check
         self.exchange(e.counts_in)
         e.note_refusals()
         po = e.compute_plan(counts_buf, ids)
