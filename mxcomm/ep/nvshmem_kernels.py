@@ -1,46 +1,37 @@
 """Triton kernels of the ``nvshmem`` EP backend: they quantize in registers and store straight into
 peers' symmetric buffers through NVSHMEM peer pointers, then signal with release/acquire flags at
-system scope. Every wait is bounded (``mxcomm.transport.flags.wait_flag_geq``).
+system scope. Every wait is bounded (``mxcomm.transport.flags.wait_flag_geq``). Buffers: see
+:func:`mxcomm.ep.plan.buffer_regions` (the single source of their shapes) and docs/design.md.
 
-Buffers (all symmetric, same layout on every rank; ``W`` ranks):
+* towards the experts: ``pack_rows_kernel`` (each token row once into the send copy), ``push_entries_kernel`` (one
+  pull-list entry per (token, destination rank)), ``pull_rows_kernel`` (each listed row read once, fanned out to its
+  expert rows; the entries kept as the dispatch's table), ``dispatch_kernel`` (one rank, and the push/put paths),
+  ``pull_weighted_kernel`` (combine backward: each gradient row read once per (token, rank), weighted and quantized
+  per slot where it lands, the route-weight gradient formed there);
+* towards the origins: ``combine_partials_kernel`` (one row per (token, rank): the weighted partial sum of the
+  token's rows on this rank, rounded once) and ``combine_reduce_kernel`` (the sum of a token's partials);
+* handshakes and layout: ``publish_kernel`` (counts + refusal word, "ready", route weights), ``wait_arrivals_kernel``,
+  ``scale_rows_to_grouped_kernel``, ``copy_out_rows_kernel``, ``entries_table_kernel``, ``gather_route_grad_kernel``,
+  ``first_refusal_kernel``.
 
-* ``recv_q``  uint8 ``[R_max, H * B]`` (B = 1 for MXFP8, 2 for BF16): dispatched rows, expert-major (push and
-  put paths).
-* ``recv_s``  uint8 ``[R_max, H/32]``: their scale bytes (MXFP8), row-major at the payload rows; the
-  receiver swizzles them into a fresh grouped-along-M blocked matrix (``scale_rows_to_grouped_kernel``).
-  The pull path's receivers stage the scale rows they pull in a fresh tensor instead.
-* ``comb_q``  uint8 ``[2, T_max * k, 2H]``: rows returned by combine, at the origin's send position
-  (BF16: 2H bytes a row; MXFP8: H bytes a row, packed from the start of the copy, so a block of rows
-  is contiguous for the put path). Two copies, used by alternate combine epochs.
-* ``comb_s``  uint8 ``[2, T_max * k, H/32]``: their scale bytes (MXFP8 transport).
+Why two copies of ``comb_q`` (by combine epoch parity): the combine direction has no handshake before it writes into
+its peers. Combine epoch ``e+1`` of rank A may start while rank B still reduces epoch ``e``; it writes the other
+copy. It cannot lap B: A's epoch ``e+1`` began after A received B's epoch-``e`` partials, which B sent after it
+finished reducing epoch ``e-1`` (stream order), the copy ``e+1`` uses. ``comb_w`` needs one copy: A publishes its
+weights for ``e+1`` only after it received every rank's partials of ``e``, which each rank sent after reading A's
+weights of ``e``. The dispatch direction needs no second receive buffer: every dispatch starts with the counts
+exchange (combine backward with the "ready" handshake), and nobody writes before seeing all counts. The send copies
+``send_q`` / ``send_w`` have two copies for the same reason as combine: a rank packs its rows before the exchange,
+while a peer may still be reading the previous call's rows; the copy it writes was last read two dispatch-direction
+epochs ago, and every peer finished that read before it published the counts of the epoch in between. The pull list
+is tagged with the 64-bit epoch, so entries of earlier calls are skipped without clearing; ``comb_gw`` is written in
+combine backward after its "ready" handshake, which the origin joins only after it gathered the previous call's.
 
-Why two combine copies: combine has no handshake before it writes into its peers. Combine epoch
-``e+1`` of rank A may start while rank B still reduces epoch ``e``; it writes the other copy. It
-cannot lap B: A's epoch ``e+1`` began after A received B's epoch-``e`` rows, which B sent after it
-finished reducing epoch ``e-1`` (stream order), the copy ``e+1`` uses. Dispatch needs no second
-copy of ``recv_q``: every dispatch starts with the counts exchange, and nobody writes before seeing all
-counts. The pull dispatch's ``send_q`` has two copies for the same reason as combine: a rank packs its
-rows before the counts exchange, while a peer may still be reading the previous dispatch's rows; the
-copy it writes was last read two dispatch-direction epochs ago, and every peer finished that read
-before it published the counts of the epoch in between.
-* ``send_q``  uint8 ``[2, T_max, 2H]``, ``send_s`` uint8 ``[2, T_max, H/32]``, ``send_w`` fp32 ``[2, T_max, k]``
-  (pull path, the default on one node): each token row of this rank quantized once (``pack_rows_kernel``; MXFP8
-  rows H bytes apart from the start of a copy) or, for combine backward, its BF16 gradient row with its route
-  weights; row ``t`` of the copy picked by the epoch's parity (dispatch and combine backward share the
-  dispatch-direction epoch, so the parity argument below covers both); the receivers read the rows they need
-  from here (``pull_rows_kernel``, ``pull_weighted_kernel``).
-* ``pull_list`` int32 ``[W, T_max, EW]`` (pull dispatch): entry ``[s, t]`` = source ``s``'s token ``t`` is
-  received here, with its expert-major rows (``push_entries_kernel``); tagged with the 64-bit epoch, so
-  entries of earlier calls are skipped without clearing. The same reasoning as for ``recv_q`` keeps it race-free:
-  a source writes it only after the counts exchange, which the receiver joins after its previous gather.
-* ``counts``  int32 ``[W, E]``: row ``s`` = rows rank ``s`` sends to each expert.
-* ``flags``   int64 ``[3, W]``: row 0 counts published, row 1 dispatch arrivals, row 2 combine
-  arrivals; entry ``[i, s]`` is written by rank ``s``. Flags only grow (epochs), never reset.
-
-Arrival protocol: every program of a sending kernel, after all its stores, adds 1 to
-``flags[i, me]`` on every peer (release, sys). A receiver keeps the running total it expects per
-(row, sender) on the device (``expect``) and waits for it. All ranks launch the same number of
-programs in a call (it follows from the config).
+Flags (``ep.flags`` ``[len(FLAG_ROWS), W]``, :data:`mxcomm.ep.plan.FLAG_ROWS`): entry ``[i, s]`` is written by rank
+``s``; flags only grow (epochs or running totals), never reset. Arrival protocol: every program of a sending kernel,
+after all its stores, adds 1 to ``flags[i, me]`` on every peer (release, sys). A receiver keeps the running total it
+expects per (row, sender) on the device (``expect``) and waits for it. All ranks launch the same number of programs
+in a call (it follows from the config).
 """
 from __future__ import annotations
 
