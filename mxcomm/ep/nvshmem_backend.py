@@ -4,68 +4,36 @@ peers' NVSHMEM symmetric buffers (peer pointers, release/acquire flags at system
 This module is the engine every path shares (epochs, flags and counts, error words and bounded waits, the routing
 plan and its captured graphs, output formatting, the reduce at the origin, the compiled-op state);
 :mod:`mxcomm.ep.nvshmem_paths` holds one class per path (local, pull, push, put), each owning its buffers and
-launching its kernels (:mod:`mxcomm.ep.nvshmem_kernels`).
+launching its kernels (:mod:`mxcomm.ep.nvshmem_kernels`). docs/design.md describes the protocol.
 
-One call of :meth:`NvshmemBackend.dispatch` (all on the current CUDA stream), with the default pull
-dispatch (``transport="auto"`` on one node):
+One call of :meth:`NvshmemBackend.dispatch` with the default pull dispatch (``transport="auto"`` on one node), all
+on the current CUDA stream:
 
-1. the id check (no-sync mode), this rank's per-expert counts and the plan's per-block slot table in two
-   kernels (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``), epoch += 1 (a
-   device tensor: a CUDA graph can replay it);
-2. ``pack_rows_kernel``: each BF16 token row read once, quantized once in registers, into this rank's
-   symmetric send buffer (copy ``epoch % 2``);
-3. ``exchange_counts_kernel``: publish counts into every peer's ``counts[me]`` + flag; wait for all;
-4. the shared routing plan on the exchanged counts (:func:`mxcomm.ep.plan_kernels.triton_plan`, or
-   :func:`mxcomm.ep.plan.build_plan`) plus each received row's origin - replayed from a CUDA graph
-   captured once per token count (:mod:`mxcomm.ep.plan_graph`), no host sync;
-5. ``push_entries_kernel``: one pull-list entry per (token, destination rank) on the destination - the
-   token's expert-major rows there - and arrival flags; ``wait_arrivals_kernel`` (bounded; raises
-   :class:`mxcomm.transport.PeerTimeout` naming the peer);
-6. ``pull_rows_kernel``: each listed token's row read once from its source's send buffer through the peer
-   pointer and stored at all its rows of a fresh output tensor (its scale row into ``recv_s``), padding rows
-   zero; ``scale_rows_to_grouped_kernel``: the scale rows into a fresh grouped-along-M blocked matrix.
+1. the device-side id check, this rank's per-expert counts and the plan's per-block slot table in two kernels
+   (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``);
+2. the middle, replayed from a CUDA graph captured per token count (:meth:`NvshmemBackend.run_middle`): epoch += 1,
+   ``pack_rows_kernel`` (each token row read once, quantized once, into this rank's send copy), ``publish_kernel``
+   (the counts and a refusal word into every peer, then the wait for all), the routing plan on the exchanged counts
+   plus each received row's origin, ``push_entries_kernel`` (one pull-list entry per (token, destination rank)) and
+   the bounded wait for every source's entries;
+3. exact sizes: the call's ONE host sync (:meth:`NvshmemBackend._check`): the output size, the error words and the
+   refusals, one transfer; a rank with bad ids raises the detailed ValueError, the others PeerTimeout naming it,
+   before anything is gathered;
+4. ``pull_rows_kernel``: each listed token's row read once from its source's send copy through the peer pointer and
+   stored at all its rows of a fresh output tensor (the entries kept as the dispatch's table), padding rows zero;
+   ``scale_rows_to_grouped_kernel``: the scale rows into a fresh grouped-along-M blocked matrix.
 
-Exact-size mode reads the output size at one host sync between steps 5 and 6 (with the error words, one
-transfer: :meth:`NvshmemBackend._check`); step 6 then reads the replayed plan in place and the handle's copies of
-the plan are made while it runs (:class:`Middle`).
+Why pull: pushing the quantized rows into the receiver's symmetric buffer (``transport="push"``) still needs a copy
+out of that buffer, because it is reused by the next call and results must not alias it. Pulling folds that copy
+into the transfer, and a token row crosses the link once per destination RANK, not once per selected expert.
 
-Why pull: pushing the quantized rows into the receiver's symmetric buffer (``transport="push"``, the earlier
-design: ``dispatch_kernel`` stores payload and scales at their expert-major rows on the receiver) still
-needs a copy out of that buffer, because it is reused by the next call and results must not alias it.
-Pulling folds that copy into the transfer: the rows cross the link once and land in the fresh tensors.
-And a token row crosses the link once per destination RANK, not once per selected expert (DeepEP's
-deduplicated count): with top-8 of 256 experts a token picks ~4 experts on each of 2 ranks, ~1.5 on each
-of 8; the receiver fans the row out to its expert groups with local stores.
-One H200, loopback 8192 x 7168, top-8: see ``bench/results/h200/README.md``.
-
-One rank (``transport="auto"``, :func:`mxcomm.ep.plan.dispatch_path` = ``"local"``): nothing leaves the GPU, so
-steps 2, 3 and 5 go away, and step 1 joins the captured plan (its id check is read at the one sync): after the plan,
-``dispatch_kernel`` reads each token row once, quantizes it once and stores it straight into the fresh output at
-every selection's row (scale rows into ``recv_s``), padding rows are zeroed and the scales swizzled. No receive
-buffer is allocated. Combine backward does the same with the weighted gradient rows.
-
-Combine (and dispatch backward) send each expert-major row back to its origin at its send position
-(quantized in registers, or an MXFP8 gradient as it is), then the origin reduces ``sum_k w * row`` in
-fp32. On one rank (local path) nothing travels (unless combine keeps the rows for its backward): no send kernel, the
-reduce reads each row from the expert output, quantized in registers exactly as the send kernel would have.
-Combine backward is a dispatch whose kernel multiplies each slot's row by its route weight and
-quantizes per slot (the weighting fused with the gradient quantization). On the pull path it mirrors the pull
-dispatch: the origin packs each BF16 gradient row once, with its route weights, into its send copy
-(``pack_rows_kernel``), the ready handshake, one pull-list entry per (token, destination rank), and each expert rank
-reads every listed row once and weights and quantizes it per slot where it lands (``pull_weighted_kernel``), into
-fresh tensors. So the pull path has no symmetric receive buffer at all: its symmetric memory does not depend on
-the routing (see :func:`mxcomm.ep.plan.buffer_regions`).
-
-Buffer reuse without a global barrier: ops towards the experts (dispatch, combine backward) start
-with the counts / "ready" exchange, so nobody writes into a rank's receive buffer before that rank
-finished copying out the previous op (stream order); ops towards the origins (combine, dispatch
-backward) alternate between two copies of the return buffer by epoch parity (see nvshmem_kernels).
-Put-with-signal path (:mod:`mxcomm.ep.put_path`): when a peer has no peer pointer (other nodes), or
-with ``EPConfig(transport="put")``, the same kernels write into this rank's staging buffer instead of
-peers' buffers, and NVSHMEM puts one block per (destination, expert) with a signal (``csrc/put_signal.cu``);
-counts and the "ready" handshake travel as puts too, and the arrival waits become signal waits. Every rank, itself
-included, is reached through puts on this path (one mode per group: no mixing of peer pointers for
-NVLink peers with puts for the others yet).
+Combine and dispatch backward move one row per (token, rank) back: combine publishes the route weights to every
+rank, each expert rank forms the weighted partial sum of a token's rows on it in fp32 and rounds it once
+(``combine_partials_kernel``), and the origin sums the partials (``combine_reduce_kernel``). Combine backward brings
+each BF16 gradient row once per (token, rank) to the expert rank, which weights and quantizes it per slot where it
+lands and forms the route-weight gradient from the expert rows there (``pull_weighted_kernel``). None of them syncs
+with the host. One rank (``"local"``): nothing travels; dispatch writes its output directly (``dispatch_kernel``), the
+reduce forms the one partial from the expert rows in place.
 """
 from __future__ import annotations
 
