@@ -4,9 +4,9 @@ Two kinds of checks, both in one spawn per world size (process start-up is the s
 
 * backward ops (:func:`backward_ops_worker`): ``EPGroup.combine_for_backward`` /
   ``combine_backward`` / ``dispatch_backward`` of the backend against the single-process oracle
-  (:mod:`mxcomm.ep.backward_ref`): expert-side gradients bit-exact (payload, grouped scales, BF16
-  bytes), ``grad_x`` within fp32-reduction tolerance (and counted when exact), ``grad_w`` against a
-  float64 dot.
+  (:mod:`mxcomm.ep.reference.oracle`): expert-side gradients bit-exact (payload, grouped scales, BF16
+  bytes), ``y`` and ``grad_x`` within fp32-reduction tolerance (and counted when exact: the reference
+  backend must be exact), ``grad_w`` against a float64 dot with the expert output as given.
 * MoE training (:func:`moe_worker`): a MoE block written with ``mxcomm.ep.autograd.dispatch`` /
   ``combine`` and plain torch experts, ``loss.backward()``, against a single-process float64 MoE
   (plain loops over experts, no quantization). Returns signal/noise energies per quantity so the
@@ -93,9 +93,14 @@ def run_backward_case(group: EPGroup, case: Case, rank: int, fails: list, exact:
         y, saved = group.steps.combine_for_backward(outs[rank].to(dev), handle, quantize=qmode)
         y_exp = oracle_combine(config, outs, routes, ws, quantize_rows=q)[rank]
         check_combine(f"{qtag} combine_for_backward", y, y_exp, fails, exact)
-        if not isinstance(saved, CombineSaved) or isinstance(saved.rows, MXTensor) != q:
-            fails.append(f"{qtag}: saved rows {type(saved).__name__} {type(getattr(saved, 'rows', None)).__name__}")
+        rows = getattr(saved, "rows", None)
+        if not isinstance(saved, CombineSaved) or not isinstance(rows, torch.Tensor) or isinstance(rows, MXTensor) \
+                or rows.dtype != torch.bfloat16 or tuple(rows.shape) != (res.num_rows, config.hidden):
+            fails.append(f"{qtag}: saved rows {type(saved).__name__} {type(rows).__name__} "
+                         f"{getattr(rows, 'dtype', None)} {tuple(getattr(rows, 'shape', ()))}: expected the expert output")
             continue
+        if not torch.equal(rows.cpu().view(torch.int16), outs[rank].view(torch.int16)):
+            fails.append(f"{qtag}: saved rows are not the expert output given to combine")
         # combine backward (with and without the route-weight gradient)
         gr = group.steps.combine_backward(grad_ys[rank].to(dev), handle, saved, quantize=qmode)
         exp_g = oracle_combine_backward(config, grad_ys, routes, ws, outs, expected, quantize_rows=q)[rank]
@@ -250,7 +255,8 @@ def backward_ops_worker(rank: int, world: int, cases: list, with_errors: bool = 
     if with_errors:
         progress("bad backward inputs")
         bad_backward_inputs(rank, world, fails)
-    return {"failures": fails, "cases": len(cases), "exact": sum(exact), "checks": len(exact)}
+    return {"failures": fails, "cases": len(cases), "exact": sum(exact), "checks": len(exact),
+            "backend": cases[0].backend if cases else None}
 
 
 # ========================================================================= MoE training ====
@@ -388,22 +394,26 @@ def moe_reference(case: MoECase, inp: dict, simulate: bool = False) -> dict:
     """Single-process float64 MoE: y_s[t] = sum_j w[t,j] * expert_{idx[t,j]}(x[t]); grads of
     loss = sum_s <y_s, G_s> w.r.t. x, w (or Wr), expert params.
 
-    ``simulate``: apply the transport roundings of the distributed block at the same points
-    (dispatch: MXFP8 quantize of x, its backward bf16 + MXFP8 of the row gradient; expert output
-    rounded to bf16; combine: MXFP8 of the returned row, its backward MXFP8 of ``w * grad_y``), so
-    the only remaining differences are fp32-vs-fp64 arithmetic and the bf16 rounding of y.
+    ``simulate``: apply the transport roundings of the distributed block at the same points:
+    dispatch: MXFP8 quantize of x; the expert output rounded to bf16; combine: the partial sum of each
+    (token, rank) ``sum_j w * out`` rounded once (MXFP8, or bf16 with BF16 transport); its backward:
+    MXFP8 (or bf16) of each slot's ``w * grad_y``, and ``grad_w`` the dot with the bf16 expert output;
+    dispatch backward: each slot's row gradient bf16, summed per (token, rank), rounded once (MXFP8 or
+    bf16). What remains is fp32-vs-fp64 arithmetic and the bf16 rounding of y and grad_x.
     """
     mx = case.precision == "mxfp8"
     mode = case.scale_mode
     ident = (lambda t: t)
     if simulate:
         disp = (lambda t: _qdq(t, mode)) if mx else ident
-        disp_b = (lambda g: _qdq(_bf16(g), mode)) if mx and not case.combine_bf16 else _bf16
-        comb = (lambda t: _qdq(t, mode)) if mx and not case.combine_bf16 else ident
-        comb_b = (lambda g: _qdq(g, mode)) if mx else _bf16
+        disp_b = (lambda g: _qdq(g, mode)) if mx and not case.combine_bf16 else _bf16  # per (token, rank)
+        slot_g = _bf16                                                                  # per slot
+        comb = (lambda t: _qdq(t, mode)) if mx and not case.combine_bf16 else _bf16     # per (token, rank)
+        comb_b = (lambda g: _qdq(g, mode)) if mx else _bf16                             # per slot
         outr = _bf16
     else:
-        disp = disp_b = comb = comb_b = outr = ident
+        disp = disp_b = slot_g = comb = comb_b = outr = ident
+    W, El = len(case.tokens), case.experts_per_rank
     xs = [x.double().requires_grad_() for x in inp["xs"]]
     ws = [w.double().requires_grad_() for w in inp["ws"]]
     params = [p.clone().requires_grad_() for p in inp["params"]]
@@ -414,16 +424,19 @@ def moe_reference(case: MoECase, inp: dict, simulate: bool = False) -> dict:
         idx = inp["idxs"][s]
         w = route_weights(case, x, idx, ws[s], Wr)
         y = torch.zeros_like(x)
-        for j in range(case.topk):
-            for e in range(case.num_experts):
-                sel = torch.nonzero(idx[:, j] == e).view(-1)
-                if sel.numel() == 0:
-                    continue
-                a = _Sim.apply(x[sel], disp, disp_b)
-                out = expert_fn(case.expert, a, [p[e] for p in params])
-                out = _Sim.apply(out, outr, ident)
-                back = _Sim.apply(out, comb, comb_b)
-                y = y.index_add(0, sel, w[sel, j:j + 1] * back)
+        for d in range(W):  # one partial per (token, rank), in both directions
+            xd = _Sim.apply(x, ident, disp_b)
+            part = torch.zeros_like(x)
+            for j in range(case.topk):
+                for e in range(d * El, (d + 1) * El):
+                    sel = torch.nonzero(idx[:, j] == e).view(-1)
+                    if sel.numel() == 0:
+                        continue
+                    a = _Sim.apply(xd[sel], disp, slot_g)
+                    out = expert_fn(case.expert, a, [p[e] for p in params])
+                    out = _Sim.apply(out, outr, comb_b)
+                    part = part.index_add(0, sel, w[sel, j:j + 1] * out)
+            y = y + _Sim.apply(part, comb, ident)
         ys.append(y)
         loss = loss + (y * inp["Gs"][s].double()).sum()
     if isinstance(loss, torch.Tensor) and loss.requires_grad:

@@ -390,30 +390,41 @@ def rank_dispatch_expected(config: EPConfig, xs, routes: SoakRoutes, rank: int) 
 
 def rank_combine_expected(config: EPConfig, expert_outs, routes: SoakRoutes, topk_weights, rank: int,
                           quantize_rows: bool) -> torch.Tensor:
-    """Rank ``rank``'s expected combine output (as ``oracle_combine(...)[rank]``, bit for bit): its slots' rows
-    gathered from every rank's ``expert_outs``, decoded (row-wise MXFP8 round trip or the bf16 value), then
-    ``sum_j w[t, j] * row`` in fp32, ``j`` ascending, dropped slots adding +0."""
+    """Rank ``rank``'s expected combine output (as ``oracle_combine(...)[rank]``, bit for bit): per destination rank
+    ``r`` the partial ``P_r[t] = sum_j w[t, j] * out_r[row(t, j)]`` over the slots of ``t`` on ``r`` (fp32, ``j``
+    ascending; other slots add +0), each partial row rounded for transport (row-wise MXFP8 round trip or bf16), then
+    ``y[t] = sum`` of the rounded partials in fp32 over the ranks in order of first appearance over ``j``."""
     d = routes.dest[rank]
     T, k = d.shape[0], d.shape[1]
+    W = len(expert_outs)
     H = config.hidden
-    dr, drow = d[..., 0].reshape(-1), d[..., 1].reshape(-1)
-    g = torch.zeros(T * k, H, dtype=torch.bfloat16)
-    for r, o in enumerate(expert_outs):
-        sel = torch.nonzero(dr == r).view(-1)
-        if sel.numel():
-            g[sel] = o.cpu()[drow[sel]]
-    if quantize_rows:
-        v = quantize(g, mode=config.scale_mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
-    else:
-        v = g.to(torch.float32)
-    v = v.view(T, k, H)
+    dr, drow = d[..., 0], d[..., 1]
     w = topk_weights[rank].cpu().to(torch.float32)
-    live = (d[..., 0] >= 0).unsqueeze(-1)
-    acc = torch.zeros(T, H, dtype=torch.float32)
     zero = torch.zeros((), dtype=torch.float32)
+    parts = torch.zeros(W, T, H, dtype=torch.float32)
+    for r, o in enumerate(expert_outs):
+        o = o.cpu().to(torch.float32)
+        acc = torch.zeros(T, H, dtype=torch.float32)
+        for j in range(k):
+            on = dr[:, j] == r
+            v = o[torch.where(on, drow[:, j], torch.zeros_like(drow[:, j]))] if o.shape[0] else torch.zeros(T, H)
+            acc = acc + torch.where(on.view(T, 1), w[:, j:j + 1] * v, zero)
+        parts[r] = acc
+    flat = parts.view(W * T, H)
+    if quantize_rows:
+        sent = quantize(flat, mode=config.scale_mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
+    else:
+        sent = flat.to(torch.bfloat16).to(torch.float32)
+    sent = sent.view(W, T, H)
+    y = torch.zeros(T, H, dtype=torch.float32)
+    tok = torch.arange(T)
     for j in range(k):
-        acc = acc + torch.where(live[:, j], w[:, j:j + 1] * v[:, j], zero)
-    return acc.to(torch.bfloat16)
+        first = dr[:, j] >= 0
+        for jj in range(j):
+            first &= dr[:, jj] != dr[:, j]
+        v = sent[dr[:, j].clamp(min=0), tok]
+        y = y + torch.where(first.view(T, 1), v, zero)
+    return y.to(torch.bfloat16)
 
 
 # ---------------------------------------------------------------- case lists ----

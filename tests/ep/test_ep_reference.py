@@ -26,6 +26,8 @@ def _assert_clean(results, min_cases=1):
         if "cases" in r:
             assert r["cases"] >= min_cases
             assert r["combine_checks"] > 0
+            # the reference backend computes the oracle's formula with the same fp32 operations: bit for bit
+            assert r["combine_exact"] == r["combine_checks"], r
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

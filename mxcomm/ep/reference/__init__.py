@@ -1,8 +1,9 @@
 """The reference EP backend and the single-process oracles, fenced off from the fast path.
 
-* :class:`TorchBackend` (:mod:`.backend`): quantize, then torch.distributed all-to-all - what torchao-style MXFP8 EP
-  does today. The baseline every benchmark is compared to; runs on CPU (gloo) and GPU (NCCL).
-* :mod:`.backward`: the reference math of the backward passes.
+* :class:`TorchBackend` (:mod:`.backend`): quantize, then torch.distributed all-to-all (combine: one row per
+  (token, rank), the partial sum formed on the expert rank). The baseline every benchmark is compared to; runs on
+  CPU (gloo) and GPU (NCCL).
+* :mod:`.backward`: the reference math of combine and of the backward passes.
 * :mod:`.oracle`: every rank's expected outputs computed in one process with plain loops from the contract, not
   from the routing plan; what the tests compare every backend against.
 

@@ -10,12 +10,23 @@ Dispatch:
   4. ``all_to_all_single`` of payload and scales as uint8 views (NCCL does not take fp8);
   5. place the received rows at their expert-major rows (padding stays zero), then lay the
      scales out grouped-along-M (``MXTensor.with_layout``).
-Combine: gather the expert rows in receive order, optionally quantize them (row-wise), the
-reverse all-to-all, then the weighted fp32 sum at the origin (k ascending).
-Backward (math in :mod:`mxcomm.ep.reference.backward`): combine backward = dispatch of the per-slot rows
-``w * grad_y`` (fp32, then quantized) into the expert-major layout, plus the route-weight gradient
-from the rows kept by :meth:`TorchBackend.combine_for_backward`; dispatch backward = combine of
-``grad_recv`` with all weights 1.
+Combine (math in :mod:`mxcomm.ep.reference.backward`), one row per (token, rank):
+  1. the origin sends, in send order, each valid slot's flat index ``t*k + j`` (int32) and fp32 route weight
+     (``all_to_all_single``, 8 bytes per slot);
+  2. each expert rank forms, per (source, token), the partial ``sum_j w[t,j] * expert_out[row(t,j)]`` in fp32
+     (``j`` ascending, one vectorised step per ``j``), rounds it once (MXFP8 row-wise, or BF16) and sends one row
+     per pair back, per source its tokens ascending (``all_to_all_single`` of payload + scale bytes packed in one
+     uint8 row of ``H + H/32`` bytes, or of ``2H`` BF16 bytes);
+  3. the origin decodes the partials and sums them in fp32 per token, the ranks in order of first appearance over
+     ``j``; BF16 result.
+Backward:
+  * combine backward: the per-slot rows ``w * grad_y`` (fp32, then MXFP8 row-wise or BF16) move like a dispatch
+    into the expert-major layout; with a :class:`CombineSaved` (the expert output, kept on the expert rank) the
+    route-weight gradient is computed there: the slot indices go to the expert ranks (4 bytes per slot), ``grad_y``
+    goes once per (token, rank) as BF16 (``2H`` bytes per pair), each rank dots it with its expert rows and
+    returns one fp32 per slot;
+  * dispatch backward: the combine exchange with every weight 1 (the slot indices only: 4 bytes per slot) on the
+    decoded gradient (an MX gradient is dequantized, summed per (token, rank) and rounded again for transport).
 
 It synchronises with the host (split sizes of the all-to-all live on the host) in both size
 modes; ``exact_sizes=False`` only changes the output shapes.
@@ -35,18 +46,19 @@ from ..collectives import collective_device
 from ..config import EPConfig
 from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from ..plan import build_plan, local_counts, max_recv_rows, recv_rows, send_tokens
-from .backward import route_weight_grad, slot_grad_rows
+from .backward import decode_rows, route_weight_grad, slot_grad_rows
 
 
 def weighted_combine(rows: torch.Tensor, send_pos: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """``y[t] = sum_j w[t,j] * rows[send_pos[t,j]]`` in fp32, j ascending, dropped slots (-1) give 0.
+    """``y[t] = sum_j w[t,j] * rows[send_pos[t,j]]`` in fp32, j ascending (each product rounded to fp32, then
+    the add), entries -1 add nothing.
 
     Args:
-        rows: float ``[n, H]`` returned expert rows in send order.
-        send_pos: int ``[T, k]`` position of each slot in ``rows``, -1 = dropped.
+        rows: float ``[n, H]``.
+        send_pos: int ``[T, k]`` position in ``rows`` of each term, -1 = none.
         topk_weights: float ``[T, k]``.
     Returns:
-        float32 ``[T, H]`` (the caller casts to bf16).
+        float32 ``[T, H]``.
     """
     n, H = rows.shape
     T, k = send_pos.shape
@@ -176,49 +188,108 @@ class TorchBackend:
         )
         return mx.with_layout(ScaleLayout.GROUPED_M, plan.offs)
 
-    def _rows_to_origin(self, rows, handle: EPHandle, quantize_rows: bool):
-        """Send expert-side rows (receive order) back to their origins.
+    # -- combine-direction exchanges: one row per (token, rank) ----------------------------------
+    def _slots_at_experts(self, handle: EPHandle, weights):
+        """Tell the expert ranks which slot each row they received is: one all-to-all in send order of the flat slot
+        ``t*k + j`` (int32) and, with ``weights``, its fp32 route weight (4 or 8 bytes per valid slot).
 
-        Args:
-            rows: bfloat16/float ``[n_recv, H]`` dense rows, or an :class:`MXTensor` (ROW scales)
-                sent as it is.
-            quantize_rows: quantize dense rows to MXFP8 (row-wise, config scale mode) for transport.
         Returns:
-            the rows at the origin in its send order: :class:`MXTensor` ``[n_send, H]`` (ROW scales)
-            or bfloat16 ``[n_send, H]``.
+            the :class:`_Pairs` this rank holds rows of as the expert side (weights 1 when ``weights`` is None).
         """
-        back_splits = list(handle.recv_splits_host)   # rows this rank returns to each source
-        home_splits = list(handle.send_splits_host)   # rows each expert rank returns to this rank
-        if not isinstance(rows, MXTensor) and quantize_rows:
-            rows = quantize(rows, mode=self.config.scale_mode)
-        if isinstance(rows, MXTensor):
-            got_p = self._all_to_all(rows.qdata.view(torch.uint8), back_splits, home_splits)
-            got_s = self._all_to_all(rows.row_scales(), back_splits, home_splits)
-            return MXTensor(
-                qdata=got_p.view(torch.float8_e4m3fn), scales=got_s, axis=1, layout=ScaleLayout.ROW,
-                mode=rows.mode, orig_dtype=torch.bfloat16,
-            )
-        got = self._all_to_all(rows.to(torch.bfloat16).contiguous().view(torch.uint8), back_splits, home_splits)
-        return got.view(torch.bfloat16)
+        plan = handle.plan
+        send_splits, recv_splits = list(handle.send_splits_host), list(handle.recv_splits_host)
+        slot = plan.send_order[: sum(send_splits)].to(torch.int32)
+        meta = slot.view(-1, 1)
+        if weights is not None:
+            w = weights.reshape(-1).to(torch.float32)[slot.to(torch.int64)]
+            meta = torch.stack([slot, w.view(torch.int32)], 1)
+        got = self._all_to_all(meta.contiguous().view(torch.uint8), send_splits, recv_splits).view(torch.int32)
+        dev, k = got.device, plan.topk
+        rslot = got[:, 0].to(torch.int64)
+        rj = rslot % k
+        src = torch.repeat_interleave(torch.arange(self.world_size, device=dev),
+                                      torch.tensor(recv_splits, dtype=torch.int64, device=dev))
+        # pairs (source, token), sources ascending then tokens ascending: the order of the rows sent back
+        span = handle.config.max_tokens_per_rank + 1
+        uniq, inv = torch.unique(src * span + rslot // k, sorted=True, return_inverse=True)
+        n = uniq.numel()
+        pos = torch.full((n, k), -1, dtype=torch.int64, device=dev)
+        pos[inv, rj] = recv_rows(plan, sum(recv_splits)).to(torch.int64)
+        wm = torch.zeros(n, k, dtype=torch.float32, device=dev)
+        if weights is None:
+            wm[inv, rj] = 1.0
+        else:
+            wm[inv, rj] = got[:, 1].contiguous().view(torch.float32)
+        splits = torch.bincount(uniq // span, minlength=self.world_size).tolist()
+        return _Pairs(pos=pos, weights=wm, inv=inv, slot_j=rj, splits=splits)
+
+    def _home_pairs(self, handle: EPHandle):
+        """The origin's (token, rank) pairs, rank-major with tokens ascending per rank (the order both directions
+        of the per-pair exchanges use).
+
+        Returns:
+            ``(tok, splits, first)``: ``tok`` int64 ``[n_pairs]`` the token of each pair; ``splits[d]`` the pairs
+            with rank ``d`` (host ints); ``first`` int64 ``[T, k]``: the position of the pair ``(t, dest(t, j))``
+            where ``j`` is the first slot of ``t`` on that rank, else -1 (a sum over ``j`` of the pairs at
+            ``first`` takes the ranks in order of first appearance).
+        """
+        plan = handle.plan
+        W, T, k = self.world_size, plan.num_tokens, plan.topk
+        dest = plan.dest_rank.to(torch.int64)
+        dev = dest.device
+        valid = dest >= 0
+        d = torch.where(valid, dest, torch.full_like(dest, W))
+        has = torch.zeros(T, W + 1, dtype=torch.bool, device=dev)
+        has.scatter_(1, d, torch.ones_like(valid))
+        has = has[:, :W].t()                                               # [W, T]
+        at = (torch.cumsum(has.reshape(-1).to(torch.int64), 0) - 1).view(W, T)  # position of pair (d, t)
+        earlier = torch.tril(torch.ones(k, k, dtype=torch.bool, device=dev), diagonal=-1)  # j' < j
+        first = valid & ~((d.unsqueeze(2) == d.unsqueeze(1)) & earlier).any(2)
+        tok = torch.arange(T, device=dev).view(T, 1).expand(T, k)
+        pos = torch.where(first, at[d.clamp(max=W - 1), tok], torch.full_like(dest, -1))
+        return torch.nonzero(has, as_tuple=True)[1], has.sum(1).tolist(), pos
+
+    def _encode(self, p: torch.Tensor, quantize_rows: bool) -> torch.Tensor:
+        """fp32 rows -> the bytes that travel: MXFP8 payload + row scales ``[n, H + H/32]`` or BF16 ``[n, 2H]``."""
+        if quantize_rows:
+            q = quantize(p, mode=self.config.scale_mode)
+            return torch.cat([q.qdata.view(torch.uint8), q.scales], 1)
+        return p.to(torch.bfloat16).contiguous().view(torch.uint8)
+
+    def _decode(self, b: torch.Tensor, quantize_rows: bool) -> torch.Tensor:
+        """The travelled bytes of :meth:`_encode` -> fp32 values (``Tq`` of the rows)."""
+        H = self.config.hidden
+        if quantize_rows:
+            mx = MXTensor(qdata=b[:, :H].contiguous().view(torch.float8_e4m3fn), scales=b[:, H:].contiguous(), axis=1,
+                          layout=ScaleLayout.ROW, mode=self.config.scale_mode, orig_dtype=torch.bfloat16)
+            return mx.dequantize(torch.float32, saturate_to=torch.bfloat16)
+        return b.contiguous().view(torch.bfloat16).to(torch.float32)
+
+    def _reduce_to_origin(self, vals: torch.Tensor, handle: EPHandle, weights, quantize_rows: bool) -> torch.Tensor:
+        """The combine formula: partials per (token, rank) on the expert side from the fp32 expert-major rows
+        ``vals`` and ``weights`` (None: every weight 1), one rounded row per pair back, the origin's sum. Returns
+        bfloat16 ``[T, H]``."""
+        pairs = self._slots_at_experts(handle, weights)
+        part = weighted_combine(vals, pairs.pos, pairs.weights)  # fp32 [n_pairs, H], j ascending
+        _, home_splits, first = self._home_pairs(handle)
+        got = self._all_to_all(self._encode(part, quantize_rows), pairs.splits, home_splits)
+        back = self._decode(got, quantize_rows)
+        ones = torch.ones(first.shape, dtype=torch.float32, device=back.device)
+        return weighted_combine(back, first, ones).to(torch.bfloat16)
 
     # -- combine ----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
         return self._combine(expert_out, handle, quantize_rows, "combine")[0]
 
     def combine_for_backward(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool):
-        """Forward combine that also returns the rows as they arrived (see :class:`CombineSaved`)."""
+        """Forward combine that also returns what the route-weight gradient needs: the expert output itself
+        (:class:`CombineSaved`; nothing is copied)."""
         return self._combine(expert_out, handle, quantize_rows, "combine_for_backward")
 
     def _combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool, op: str):
         self._begin(op, f"T={handle.num_tokens}")
-        plan = handle.plan
-        n_recv, n_send = sum(handle.recv_splits_host), sum(handle.send_splits_host)
-        rows = expert_out[recv_rows(plan, n_recv).to(torch.int64)]  # [n_recv, H] in receive order
-        back = self._rows_to_origin(rows, handle, quantize_rows)
-        vals = back.dequantize(torch.float32, saturate_to=torch.bfloat16) if isinstance(back, MXTensor) else back.to(torch.float32)
-        assert vals.shape == (n_send, self.config.hidden)
-        y = weighted_combine(vals, plan.send_pos, handle.topk_weights).to(torch.bfloat16)
-        return y, CombineSaved(rows=back)
+        y = self._reduce_to_origin(expert_out, handle, handle.topk_weights, quantize_rows)
+        return y, CombineSaved(rows=expert_out)
 
     # -- backward ---------------------------------------------------------------------------
     def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved, quantize_rows: bool) -> CombineGrads:
@@ -236,26 +307,48 @@ class TorchBackend:
             grad_out = self._rows_to_experts(
                 g.to(torch.bfloat16).view(torch.uint8), None, plan, handle.num_rows, send_splits, recv_splits
             )
-        grad_w = None if saved is None else route_weight_grad(grad_y, saved.rows, plan.send_pos)
+        grad_w = None if saved is None else self._route_weight_grad(grad_y, handle, saved.rows)
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
 
-    def dispatch_backward(self, grad_recv, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
-        """See :meth:`mxcomm.ep.steps.EPSteps.dispatch_backward`."""
-        self._begin("dispatch_backward", f"T={handle.num_tokens}")
+    def _route_weight_grad(self, grad_y: torch.Tensor, handle: EPHandle, expert_out: torch.Tensor) -> torch.Tensor:
+        """``grad_w[t,j] = <grad_y[t], expert_out[row(t,j)]>`` where the expert rows are: ``grad_y`` (BF16) goes to
+        each rank once per (token, rank), the dots (fp32) come back one per slot. Returns float32 ``[T, k]``."""
         plan = handle.plan
-        rows = recv_rows(plan, sum(handle.recv_splits_host)).to(torch.int64)
-        if isinstance(grad_recv, MXTensor):
-            sent = MXTensor(
-                qdata=grad_recv.qdata.view(torch.uint8)[rows].view(torch.float8_e4m3fn),
-                scales=grad_recv.row_scales()[rows], axis=1, layout=ScaleLayout.ROW, mode=grad_recv.mode,
-                orig_dtype=torch.bfloat16,
-            )
-        else:
-            sent = grad_recv[rows]
-        back = self._rows_to_origin(sent, handle, quantize_rows)
-        vals = back.dequantize(torch.float32, saturate_to=torch.bfloat16) if isinstance(back, MXTensor) else back.to(torch.float32)
-        ones = torch.ones(plan.send_pos.shape, dtype=torch.float32, device=vals.device)
-        return weighted_combine(vals, plan.send_pos, ones).to(torch.bfloat16)
+        send_splits, recv_splits = list(handle.send_splits_host), list(handle.recv_splits_host)
+        pairs = self._slots_at_experts(handle, None)
+        tok, home_splits, _ = self._home_pairs(handle)
+        gy = grad_y.contiguous()[tok].view(torch.uint8)  # [n_pairs, 2H] bytes of bf16
+        got = self._all_to_all(gy, home_splits, pairs.splits).view(torch.bfloat16)
+        dots = route_weight_grad(got, expert_out, pairs.pos)  # [n_pairs, k] fp32
+        per_row = dots[pairs.inv, pairs.slot_j].contiguous()   # receive order
+        back = self._all_to_all(per_row.view(torch.uint8).view(-1, 4), recv_splits, send_splits)
+        vals = back.contiguous().view(torch.float32).view(-1)  # send order
+        pos = plan.send_pos.to(torch.int64)
+        vals = torch.cat([vals, vals.new_zeros(1)])
+        return torch.where(pos >= 0, vals[torch.where(pos >= 0, pos, torch.full_like(pos, vals.numel() - 1))],
+                           torch.zeros((), dtype=torch.float32, device=vals.device))
+
+    def dispatch_backward(self, grad_recv, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
+        """See :meth:`mxcomm.ep.steps.EPSteps.dispatch_backward` (math in :mod:`mxcomm.ep.reference.backward`)."""
+        self._begin("dispatch_backward", f"T={handle.num_tokens}")
+        return self._reduce_to_origin(decode_rows(grad_recv), handle, None, quantize_rows)
+
+
+class _Pairs:
+    """The (source, token) pairs an expert rank holds rows of, sources ascending then tokens ascending.
+
+    Attributes:
+        pos: int64 ``[n, k]``: the expert-major row of slot ``j`` of the pair's token here, -1 where that slot is not
+            on this rank.
+        weights: float32 ``[n, k]``: its route weight (1 for the dispatch backward), 0 where ``pos`` is -1.
+        inv: int64 ``[n_recv]``: the pair of each received row (receive order); slot_j: its slot ``j``.
+        splits: pairs per source rank (host ints).
+    """
+
+    __slots__ = ("pos", "weights", "inv", "slot_j", "splits")
+
+    def __init__(self, pos, weights, inv, slot_j, splits):
+        self.pos, self.weights, self.inv, self.slot_j, self.splits = pos, weights, inv, slot_j, splits
 
 
 __all__ = ["TorchBackend", "weighted_combine"]

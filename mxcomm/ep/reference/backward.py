@@ -1,26 +1,30 @@
-"""Reference math of the backward passes of dispatch/combine (plain torch; the oracle in
+"""Reference math of combine and of the backward passes of dispatch/combine (plain torch; the oracle in
 :mod:`mxcomm.ep.reference.oracle` and the reference backend use it).
 
-Math (``T`` tokens, ``k`` = topk, ``H`` hidden; ``T(.)`` = the transport rounding: MXFP8 row-wise
-quantize -> dequantize in the config's scale mode, or the identity on BF16 values):
+Notation: origin rank ``s``, its tokens ``t``, slots ``j`` in ``[0, k)``, ``dest(t, j)`` the destination rank of
+slot ``j`` (-1 = dropped), ``row(t, j)`` its expert-major row there, ``w`` the route weights as fp32. ``Tq`` is the
+transport rounding of an fp32 row (:func:`transport_round`): MXFP8 row-wise quantize (the config's scale mode) then
+dequantize to fp32 saturated at the BF16 range, or a round trip through BF16. The ranks of token ``t`` "in order of
+first appearance" ``d_1, d_2, ...`` are the valid ``dest(t, j)`` taken for ``j = 0, 1, ...``, each once.
 
-* forward combine: ``y[t] = sum_j w[t,j] * back[t,j]`` with ``back[t,j] = T(expert_out[row(t,j)])``,
-  the row as it ARRIVED at the origin.
+* combine: one row per (token, rank). The expert rank ``d`` forms the partial
+  ``P_d[t] = sum_j w[t,j] * out_d[row(t,j)]`` over the slots of ``t`` on ``d`` in fp32, ``j`` ascending (each
+  product rounded to fp32, then the add; no fused multiply-add), rounds it once (``Tq``) and sends it; the origin
+  sums ``y[t] = bf16(sum_i Tq(P_{d_i}[t]))`` in fp32 in order of first appearance. A token without a valid slot
+  gives 0. One rank is the same formula (one partial per token).
 * combine backward:
-  ``grad_expert_out[row(t,j)] = T_q(w[t,j] * grad_y[t])`` (fp32 multiply, then MXFP8 row-wise
-  quantization - or a BF16 cast - sent to the expert rank into the dispatch layout: expert-major,
-  padded, same rows as the dispatch output, MX scales grouped-along-M on ``offs``; padding rows
-  zero), and ``grad_w[t,j] = <grad_y[t], back[t,j]>`` (fp32), 0 for dropped slots.
-  ``grad_w`` uses ``back`` (after transport rounding), so it is the exact gradient of the function
-  the forward computed. The origin keeps ``back`` from the forward combine (:class:`~mxcomm.ep.handle.CombineSaved`):
-  ``n_send * H * 33/32`` bytes with MXFP8 transport (payload + row scales), ``n_send * H * 2``
-  with BF16 transport, ``n_send <= T*k`` (the valid slots). The alternative (send ``grad_y`` to
-  the expert ranks, dot there, return ``k`` scalars per token) would need ``expert_out`` kept on
-  the expert side (``R * H * 2`` bytes, more than the MXFP8 copy) and an extra round trip.
-* dispatch backward: ``grad_x[t] = sum_j T(grad_recv[row(t,j)])`` in fp32, ``j`` ascending
-  (combine with all weights 1), BF16 result; dropped slots add 0; padding rows are never read.
-  An MX ``grad_recv`` travels as it is (no requantization); a BF16 one is quantized row-wise when
-  the transport is MXFP8.
+  ``grad_expert_out[row(t,j)] = T_q(w[t,j] * grad_y[t])``: the fp32 product (:func:`slot_grad_rows`) rounded per
+  slot (MXFP8 row-wise quantization, or a BF16 cast), delivered into the dispatch layout on the expert rank
+  (expert-major, padded, same rows as the dispatch output, MX scales grouped-along-M on ``offs``; padding rows
+  zero). ``grad_w[t,j] = <grad_y[t], out_d[row(t,j)]>`` in fp32 with the expert output AS GIVEN to combine (the
+  straight-through gradient of the forward: ``Tq`` counts as the identity), 0 for dropped slots. It is computed
+  where the expert rows are: :class:`~mxcomm.ep.handle.CombineSaved` holds the expert output on the expert rank
+  (nothing is kept at the origin), and ``grad_y`` is brought there.
+* dispatch backward: the combine formula with every weight 1:
+  ``G_d[t] = sum_j grad_recv_d[row(t,j)]`` (fp32, ``j`` ascending) on the expert rank,
+  ``grad_x[t] = bf16(sum_i Tq(G_{d_i}[t]))`` at the origin; dropped slots add nothing, padding rows are never
+  read. An MX ``grad_recv`` is decoded first (:func:`decode_rows`), so it is summed per (token, rank) and rounded
+  again for transport.
 """
 from __future__ import annotations
 
@@ -32,6 +36,24 @@ from ...mx import MXTensor, quantize
 
 
 # ------------------------------------------------------------------ reference math ----
+
+def decode_rows(rows: Union[MXTensor, torch.Tensor]) -> torch.Tensor:
+    """float32 values of expert-side rows: an :class:`MXTensor` (row-wise, any scale layout) dequantized with
+    saturation at the BF16 range, a dense tensor cast."""
+    if isinstance(rows, MXTensor):
+        return rows.dequantize(torch.float32, saturate_to=torch.bfloat16)
+    return rows.to(torch.float32)
+
+
+def transport_round(p: torch.Tensor, quantize_rows: bool, mode: str) -> torch.Tensor:
+    """``Tq``: the float32 values of fp32 rows ``p [n, H]`` after transport, each row rounded on its own: MXFP8
+    row-wise quantize (scale ``mode``) then dequantize saturated at the BF16 range when ``quantize_rows``, else a
+    BF16 round trip."""
+    p = p.to(torch.float32)
+    if quantize_rows:
+        return quantize(p, mode=mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
+    return p.to(torch.bfloat16).to(torch.float32)
+
 
 def slot_grad_rows(grad_y: torch.Tensor, topk_weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``w[t,j] * grad_y[t]`` in fp32 for the flat slots ``slots = t*k + j``: float32 ``[n, H]``.
@@ -45,19 +67,19 @@ def slot_grad_rows(grad_y: torch.Tensor, topk_weights: torch.Tensor, slots: torc
     return w.view(-1, 1) * grad_y.to(torch.float32)[s // k]
 
 
-def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor], send_pos: torch.Tensor) -> torch.Tensor:
-    """``grad_w[t,j] = <grad_y[t], rows[send_pos[t,j]]>`` in fp32; 0 where ``send_pos == -1``.
+def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
+    """``out[t,j] = <grad_y[t], rows[pos[t,j]]>`` in fp32; 0 where ``pos == -1``.
 
     Args:
-        grad_y: ``[T, H]``; rows: :class:`MXTensor` or dense ``[n, H]`` (see :class:`CombineSaved`);
-        send_pos: int ``[T, k]``.
+        grad_y: ``[T, H]``; rows: dense ``[n, H]`` or a row-wise :class:`MXTensor` (decoded with
+            :func:`decode_rows`); pos: int ``[T, k]``.
     Returns:
         float32 ``[T, k]``.
     """
-    vals = rows.dequantize(torch.float32, saturate_to=torch.bfloat16) if isinstance(rows, MXTensor) else rows.to(torch.float32)
+    vals = decode_rows(rows)
     n, H = vals.shape
-    T, k = send_pos.shape
-    pos = send_pos.to(torch.int64)
+    T, k = pos.shape
+    pos = pos.to(torch.int64)
     valid = pos >= 0
     vals = torch.cat([vals, vals.new_zeros(1, H)])
     v = vals[torch.where(valid, pos, torch.full_like(pos, n)).reshape(-1)].view(T, k, H)
@@ -65,14 +87,4 @@ def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor],
     return torch.where(valid, dot, torch.zeros_like(dot))
 
 
-def transport_values(rows: Union[MXTensor, torch.Tensor], quantize_rows: bool, mode: str) -> torch.Tensor:
-    """float32 values of ``rows`` after transport: an MXTensor as it is; a dense tensor quantized
-    row-wise (``mode``) and dequantized when ``quantize_rows``, else its own values."""
-    if isinstance(rows, MXTensor):
-        return rows.dequantize(torch.float32, saturate_to=torch.bfloat16)
-    if quantize_rows:
-        return quantize(rows, mode=mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
-    return rows.to(torch.float32)
-
-
-__all__ = ["slot_grad_rows", "route_weight_grad", "transport_values"]
+__all__ = ["decode_rows", "transport_round", "slot_grad_rows", "route_weight_grad"]

@@ -7,8 +7,13 @@ tests of any backend compare against something derived straight from the contrac
   rank 0 (in ``(t, j)`` row-major order of ``topk_idx == e``), then source 1, ..., then zero
   rows up to a multiple of ``align``. Groups follow in local expert order.
 * mxfp8: the row is ``quantize(x_s)[t]`` (row-wise); padding rows have payload 0, scale 0.
-* combine: ``y_s[t] = sum_j w_s[t,j] * T(out_r[row])`` in fp32, j ascending, dropped -> 0,
-  where ``T`` is dequantize(quantize(.)) (row-wise, config scale mode) or the bf16 value.
+* combine: one partial per (token, rank): ``P_d[t] = sum_j w_s[t,j] * out_d[row(t,j)]`` over the slots of ``t``
+  on rank ``d`` (fp32, j ascending, product then add), rounded once for transport (``Tq``: row-wise MXFP8
+  quantize -> dequantize in the config's scale mode, or a BF16 round trip), then
+  ``y_s[t] = bf16(sum_i Tq(P_{d_i}[t]))`` in fp32 over the ranks in order of first appearance over ``j``;
+  a token without a valid slot gives 0 (see :mod:`mxcomm.ep.reference.backward`).
+* dispatch backward: the same with every weight 1; combine backward: per-slot ``w * grad_y`` rows rounded on
+  their own, and ``grad_w`` the dot of ``grad_y`` with the expert output as given.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from ...mx.layouts import round_up
 from ..config import EPConfig
 from ..handle import CombineGrads, DispatchResult
 from ..plan import max_recv_rows
-from .backward import transport_values
+from .backward import decode_rows, transport_round
 
 
 @dataclass(frozen=True)
@@ -117,46 +122,58 @@ def oracle_combine(
     topk_weights: Sequence[torch.Tensor],
     quantize_rows: bool,
 ) -> list[torch.Tensor]:
-    """Expected combine output of every rank: bfloat16 ``[T_s, H]``.
+    """Expected combine output of every rank: bfloat16 ``[T_s, H]`` (see :func:`routed_sum`).
 
     Args:
         expert_outs: per rank, bfloat16 ``[R_r, H]`` in the expert-major layout.
         routes: from :func:`oracle_dispatch`.
         topk_weights: per rank, float ``[T_s, k]``.
-        quantize_rows: MXFP8 transport (row-wise, config scale mode) or BF16.
+        quantize_rows: MXFP8 transport of the partial sums (row-wise, config scale mode) or BF16.
     """
-    if quantize_rows:
-        vals = [quantize(o, mode=config.scale_mode).dequantize(torch.float32, saturate_to=torch.bfloat16) for o in expert_outs]
-    else:
-        vals = [o.to(torch.float32) for o in expert_outs]
-    return routed_sum(config, routes, vals, topk_weights)
+    return routed_sum(config, routes, [o.to(torch.float32) for o in expert_outs], topk_weights, quantize_rows)
 
 
 def routed_sum(config: EPConfig, routes: OracleRoutes, vals: Sequence[torch.Tensor],
-               topk_weights: Optional[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """``y_s[t] = sum_j w_s[t, j] * vals[r][row]`` for every rank ``s``, over the slots ``(t, j)`` routed to
-    row ``row`` of rank ``r`` (dropped slots add nothing), in fp32 slot by slot in ``j`` order; bf16 out.
+               topk_weights: Optional[Sequence[torch.Tensor]], quantize_rows: bool) -> list[torch.Tensor]:
+    """The combine formula for every rank ``s``: per token ``t`` and each rank ``d`` its valid slots go to (in
+    order of first appearance over ``j``), the partial ``P_d[t] = sum_j w_s[t, j] * vals[d][row(t, j)]`` over the
+    slots of ``t`` on ``d``, fp32, ``j`` ascending (product, then add); then
+    ``y_s[t] = bf16(sum_d Tq(P_d[t]))`` in fp32 in that order (``Tq``:
+    :func:`~mxcomm.ep.reference.backward.transport_round`). A token without a valid slot gives 0.
 
     Args:
         vals: per rank, fp32 ``[R_r, H]`` rows in the expert-major layout.
         topk_weights: per rank, float ``[T_s, k]``; None: every weight 1 (dispatch backward).
+        quantize_rows: MXFP8 transport of the partials, else BF16.
     """
     H = config.hidden
     ys = []
     for s, d in enumerate(routes.dest):
         T = d.shape[0]
+        dl = d.tolist()
         w = None if topk_weights is None else topk_weights[s].to(torch.float32)
         dev = w.device if w is not None else (vals[0].device if vals else torch.device("cpu"))
-        acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
-        for j in range(config.topk):
-            contrib = torch.zeros(T, H, dtype=torch.float32, device=dev)
-            for t in range(T):
-                r, row = int(d[t, j, 0]), int(d[t, j, 1])
-                if r >= 0:
-                    v = vals[r][row].to(dev)
-                    contrib[t] = v if w is None else w[t, j] * v
-            acc = acc + contrib
-        ys.append(acc.to(torch.bfloat16))
+        parts, owner = [], []  # partial rows and their tokens, tokens ascending, ranks in order of first appearance
+        for t in range(T):
+            ranks = []
+            for j in range(config.topk):
+                r = dl[t][j][0]
+                if r >= 0 and r not in ranks:
+                    ranks.append(r)
+            for r in ranks:
+                acc = torch.zeros(H, dtype=torch.float32, device=dev)
+                for j in range(config.topk):
+                    if dl[t][j][0] == r:
+                        v = vals[r][dl[t][j][1]].to(device=dev, dtype=torch.float32)
+                        acc = acc + (v if w is None else w[t, j] * v)
+                parts.append(acc)
+                owner.append(t)
+        y = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        if parts:
+            sent = transport_round(torch.stack(parts), quantize_rows, config.scale_mode)  # each row on its own
+            for i, t in enumerate(owner):
+                y[t] = y[t] + sent[i]
+        ys.append(y.to(torch.bfloat16))
     return ys
 
 
@@ -181,13 +198,15 @@ def oracle_combine_backward(
         topk_weights: per rank, float ``[T_s, k]``.
         expert_outs: per rank, bfloat16 ``[R_r, H]`` (the forward combine's input).
         dispatch_results: per rank, the oracle's DispatchResult (for ``num_rows`` and ``offs``).
-        quantize_rows: MXFP8 transport (both ways) or BF16.
+        quantize_rows: MXFP8 transport of the per-slot gradient rows, else BF16.
     Returns:
-        per rank, :class:`CombineGrads` (``grad_weights`` float32 ``[T_r, k]`` computed in float64).
+        per rank, :class:`CombineGrads`: ``grad_expert_out`` the per-slot rows ``w[t,j] * grad_y[t]`` (fp32 product,
+        then MXFP8 row-wise or a BF16 cast) at the slots' expert rows; ``grad_weights`` float32 ``[T_s, k]``, the
+        dot of ``grad_y[t]`` with the expert output row as given, computed in float64 (0 for dropped slots).
     """
     W = len(grad_ys)
     H, k = config.hidden, config.topk
-    back = [transport_values(o, quantize_rows, config.scale_mode).to(torch.float64) for o in expert_outs]
+    outs = [o.to(torch.float64).cpu() for o in expert_outs]
     gbuf = [torch.zeros(d.num_rows, H, dtype=torch.float32, device=d.offs.device) for d in dispatch_results]
     gws = []
     for s in range(W):
@@ -202,7 +221,7 @@ def oracle_combine_backward(
                 if r < 0:
                     continue
                 gbuf[r][row] = (w[t, j] * gy[t]).to(gbuf[r].device)
-                gw[t, j] = (gy[t].to(torch.float64).cpu() * back[r][row].cpu()).sum()
+                gw[t, j] = (gy[t].to(torch.float64).cpu() * outs[r][row]).sum()
         gws.append(gw.to(torch.float32).to(gy.device))
     out = []
     for r in range(W):
@@ -221,15 +240,16 @@ def oracle_combine_backward(
 def oracle_dispatch_backward(
     config: EPConfig, grad_recvs: Sequence, routes, quantize_rows: bool
 ) -> list[torch.Tensor]:
-    """Expected dispatch backward (``grad_x``) of every rank: bfloat16 ``[T_s, H]``.
+    """Expected dispatch backward (``grad_x``) of every rank: bfloat16 ``[T_s, H]``: :func:`routed_sum` of the
+    decoded gradient rows with every weight 1.
 
     Args:
-        grad_recvs: per rank, bfloat16 ``[R_r, H]`` or :class:`MXTensor` (sent as it is).
+        grad_recvs: per rank, bfloat16 ``[R_r, H]`` or a row-wise :class:`MXTensor` (decoded, saturated at the BF16
+            range, then summed per (token, rank) like a dense gradient).
         routes: :class:`mxcomm.ep.reference.oracle.OracleRoutes` of the dispatch.
-        quantize_rows: MXFP8 transport of dense gradients.
+        quantize_rows: MXFP8 transport of the partial sums, else BF16.
     """
-    vals = [transport_values(g, quantize_rows, config.scale_mode) for g in grad_recvs]
-    return routed_sum(config, routes, vals, None)
+    return routed_sum(config, routes, [decode_rows(g) for g in grad_recvs], None, quantize_rows)
 
 
 __all__ = ["oracle_dispatch", "oracle_combine", "routed_sum", "OracleRoutes", "oracle_combine_backward",
