@@ -241,6 +241,28 @@ def backward_op_cases(world: int, seed: int = 0) -> list:
     ]
 
 
+def backward_edge_cases(world: int, seed: int = 0) -> list:
+    """Edge cases of the per-(token, rank) sums for the backward ops: several slots of a token on one rank (k > 1
+    with few ranks), every token to one expert, NaN / +Inf / -Inf in expert rows, odd token counts and hidden sizes,
+    zero tokens on some ranks, dropped slots."""
+    W = world
+
+    def T(*per):
+        return tuple(per[i % len(per)] for i in range(W))
+
+    s = 90000 + seed * 1000
+    E = 4 * W
+    return [
+        Case("bw_k4_same_rank", T(21, 9), E, 64, 4, seed=s + 1),
+        Case("bw_k4_same_rank_bf16_floor", T(7, 16), E, 96, 4, precision="bf16", scale_mode="floor", seed=s + 2),
+        Case("bw_one_expert", T(15, 6), E, 64, 3, routing="one_expert", hot_expert=E - 1, seed=s + 3),
+        Case("bw_nan_inf_rows", T(17, 11), E, 128, 4, out_nan_rows=6, out_inf=True, nan_tokens=3, seed=s + 4),
+        Case("bw_odd_sizes_a128", T(1, 13, 0), E, 160, 3, align=128, drop_p=0.3, seed=s + 5),
+        Case("bw_subset_dropped", T(0, 19), E, 32, 4, routing="subset", used_experts=5, drop_p=0.5, seed=s + 6,
+             exact_sizes=False, max_tokens=24),
+    ]
+
+
 def backward_ops_worker(rank: int, world: int, cases: list, with_errors: bool = False) -> dict:
     fails, exact = [], []
     groups = each_case(rank, world, cases, fails,
@@ -669,7 +691,8 @@ def gpu_world_worker(rank: int, world: int, backend: str = "torch", n_ops: Optio
 
 
 __all__ = [
-    "MoECase", "moe_cases", "moe_inputs", "moe_reference", "moe_step", "backward_op_cases", "backward_ops_worker",
+    "MoECase", "moe_cases", "moe_inputs", "moe_reference", "moe_step", "backward_op_cases", "backward_edge_cases",
+    "backward_ops_worker",
     "moe_worker", "world_worker", "gpu_world_worker", "make_grads", "matched_transport",
     "check_mismatched_transport_refused", "make_grad_recvs", "moe_block",
     "compile_worker",

@@ -48,6 +48,7 @@ class Case:
     idx_dtype: torch.dtype = torch.int64
     w_dtype: torch.dtype = torch.float32
     out_nan_rows: int = 0    # real expert_out rows set to NaN in one block
+    out_inf: bool = False    # out_nan_rows cycle NaN, +Inf, -Inf
     max_tokens: Optional[int] = None
     seed: int = 0
     combine_modes: tuple = (None, True, False)  # quantize= values to run combine with
@@ -125,7 +126,7 @@ def make_expert_outs(case: Case, expected):
         for i in range(min(case.out_nan_rows, real_rows.numel())):
             row = int(real_rows[int(torch.randint(0, real_rows.numel(), (1,), generator=g))])
             col = int(torch.randint(0, case.hidden, (1,), generator=g))
-            o[row, col] = float("nan")
+            o[row, col] = (float("nan"), float("inf"), -float("inf"))[i % 3] if case.out_inf else float("nan")
         outs.append(o.to(torch.bfloat16))
     return outs
 

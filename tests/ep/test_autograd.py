@@ -26,7 +26,9 @@ import math
 import pytest
 
 from _dist import run_world
-from autograd_cases import backward_op_cases, compile_worker, moe_cases, world_worker
+from autograd_cases import backward_edge_cases, backward_op_cases, backward_ops_worker, compile_worker, moe_cases, \
+    world_worker
+from ep_cases import random_cases
 
 FWD_SQNR_DB = 24.5     # vs "ref", MXFP8 (rceil) transport both ways, SwiGLU experts
 GRAD_SQNR_DB = 23.0    # vs "ref", MXFP8 (rceil)
@@ -91,6 +93,19 @@ def test_backward_and_autograd(world):
     moe = moe_cases(world)
     results = run_world(world, world_worker, ops, moe, world == 2, timeout=240)
     _check_world(results, moe)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_backward_ops_edge_and_random_cases(world):
+    """combine_for_backward / combine_backward / dispatch_backward of the reference backend against the oracle on
+    edge cases and fresh random routings: y, grad_x, grad_expert_out bit for bit, grad_w within fp32 tolerance."""
+    cases = backward_edge_cases(world) + random_cases(world, 8, seed=4000 + world)
+    results = run_world(world, backward_ops_worker, cases, timeout=240)
+    fails = [f for res in results for f in res["failures"]]
+    assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:30])
+    for res in results:
+        assert res["cases"] == len(cases) and res["checks"] > 0
+        assert res["exact"] == res["checks"], res
 
 
 def test_moe_block_under_torch_compile_matches_eager():
