@@ -541,8 +541,8 @@ class NvshmemBackend:
 
         ``rows``: bf16 ``[R, H]`` or an ``MXTensor`` (decoded before the sum); ``weights``: fp32-able ``[T, k]`` route
         weights (combine) or None (every weight 1: dispatch backward). Each expert rank forms the partial sum of a
-        token's rows on it (weighted, fp32, ``j`` ascending), rounds it once (MXFP8 when ``quantize_rows`` or the rows
-        are MX, else BF16) and sends it to the origin, which sums the token's partials in fp32 (ranks in the order of
+        token's rows on it (weighted, fp32, ``j`` ascending), rounds it once (MXFP8 when ``quantize_rows``, else BF16)
+        and sends it to the origin, which sums the token's partials in fp32 (ranks in the order of
         their first slot). One rank: the reduce forms the one partial from the rows in place. Returns bf16 ``[T, H]``.
         """
         from .nvshmem_kernels import combine_reduce_kernel
@@ -551,8 +551,8 @@ class NvshmemBackend:
         cfg = self.config
         H, k = cfg.hidden, cfg.topk
         plan = handle.plan
-        passthrough = isinstance(rows, MXTensor)
-        mx = quantize_rows or passthrough
+        passthrough = isinstance(rows, MXTensor)  # decoded before the sum
+        mx = quantize_rows
         if passthrough:
             payload = rows.qdata.view(torch.uint8).contiguous()
             in_scales = rows.row_scales().contiguous()
@@ -590,8 +590,8 @@ class NvshmemBackend:
         return self.combine(expert_out, handle, quantize_rows), CombineSaved(rows=expert_out)
 
     def dispatch_backward(self, grad_recv, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:
-        """The gradient rows of each (token, rank) summed on the expert rank (fp32), rounded once (MXFP8 when
-        ``quantize_rows`` or the gradient is MX) and summed over the token's ranks at the origin."""
+        """The gradient rows of each (token, rank) summed on the expert rank (fp32; an MX gradient decoded first),
+        rounded once (MXFP8 when ``quantize_rows``, else BF16) and summed over the token's ranks at the origin."""
         return self._to_origin(grad_recv, handle, quantize_rows, None, "dispatch-backward partials")
 
     # -- combine backward (the dispatch direction) ------------------------------------------
