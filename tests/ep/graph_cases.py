@@ -12,8 +12,10 @@ from mxcomm.ep import EPConfig, EPGroup
 
 class _Block:
     """Static inputs + a capturable step: dispatch -> per-expert linear maps on the dense rows (computed
-    for every row and masked by expert group, so no shape depends on the routing) -> combine ->
-    loss = <y, G>; returns ``(y, grad x, grad route weights, grad expert weights)``."""
+    for every row and selected by expert group, so no shape depends on the routing) -> combine ->
+    loss = <y, G>; returns ``(y, grad x, grad route weights, grad expert weights)``. In the no-sync mode the rows
+    past ``offs[-1]`` are not written (whatever the allocator gave, NaN bytes included): the block selects with
+    ``torch.where`` (a multiply by a 0/1 mask would turn NaN garbage into NaN gradients)."""
 
     def __init__(self, group: EPGroup, dev: str, seed: int):
         cfg = group.config
@@ -47,10 +49,11 @@ class _Block:
         d = self.group.dispatch(x, self.idx, w)
         h = d.dense(torch.float32)                                           # [R, H]
         rows = torch.arange(h.shape[0], device=self.dev)
-        eid = torch.searchsorted(d.offs.to(torch.int64), rows, right=True)   # local expert of each row
+        eid = torch.searchsorted(d.offs.to(torch.int64), rows, right=True)   # local expert of each row (El: tail)
+        h = torch.where((eid < self.El).unsqueeze(1), h, 0.0)
         out = torch.zeros_like(h)
         for e in range(self.El):
-            out = out + (eid == e).unsqueeze(1) * (h @ self.A[e])
+            out = torch.where((eid == e).unsqueeze(1), h @ self.A[e], out)
         y = self.group.combine(out.to(torch.bfloat16), d.handle)
         loss = (y.float() * self.gy.float()).sum()
         gx, gw, gA = torch.autograd.grad(loss, [x, w, self.A])
