@@ -1,0 +1,480 @@
+"""The nvshmem backend's combine direction with several ranks, simulated in one process under the Triton interpreter:
+every rank's buffers are CPU tensors, peer pointer tables hold their addresses, and the kernels of each phase run
+rank by rank (the dispatch's pull-list entries and tables, combine's partial sums on the expert ranks, the reduce at
+the origins; the route-weight gradient of combine backward; the counts / weights publication). Results are checked
+bit-exactly against the plain-torch math of ``combine_spec`` (one row per (token, rank)); a real multi-GPU run is in
+tests/ep/test_nvshmem_gpu.py."""
+import zlib
+
+import pytest
+import torch
+import triton
+
+from combine_spec import assert_bf16_same, combine as spec_combine, partial as spec_partial, ptrs, route_grad, \
+    token_ranks
+from mxcomm.ep.nvshmem_backend import row_origins
+from mxcomm.ep.plan import FLAG_ROWS, build_plan, local_counts, pull_entry_words
+from mxcomm.mx import quantize
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU tests run these kernels")
+
+NF = len(FLAG_ROWS)
+P2 = triton.next_power_of_2
+
+
+def _routing(T, E, k, g, drop):
+    if T == 0:
+        return torch.zeros(0, k, dtype=torch.int64)
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k]
+    idx[torch.rand(T, k, generator=g) < drop] = -1
+    return idx
+
+
+class Ranks:
+    """``W`` simulated ranks after a dispatch: routing, plans, row origins, and each rank's table built the way the
+    push and put paths build it (``push_entries_kernel`` on every source into the receivers' pull lists, pre-filled
+    with entries of older calls, then ``entries_table_kernel`` on every receiver)."""
+
+    def __init__(self, W, E, k, Ts, g, *, T_max=None, align=4, drop=0.2, hot=None, one_rank_token=True,
+                 epoch=5):
+        self.W, self.E, self.k, self.Ts = W, E, k, list(Ts)
+        self.El = E // W
+        self.T_max = T_max or max(max(Ts), 1)
+        idxs = [_routing(T, E, k, g, drop) for T in Ts]
+        if hot is not None:  # every token of every rank sends slot 0 to one expert
+            for i in idxs:
+                if len(i):
+                    rest = i[:, 1:]
+                    rest[rest == hot] = -1
+                    i[:, 0] = hot
+        self.all_on_one = None
+        if one_rank_token and self.El >= k and hot is None:
+            s = next(r for r in range(W) if Ts[r] >= 2)
+            d = W - 1
+            idxs[s][0] = d * self.El + torch.randperm(self.El, generator=g)[:k]  # every slot of a token on rank d
+            idxs[s][1] = -1  # a token with no valid slot
+            self.all_on_one = (s, 0, d)
+        self.idxs = idxs
+        counts = torch.stack([local_counts(i, E) for i in idxs])
+        self.plans = [build_plan(counts, idxs[r], r, align) for r in range(W)]
+        self.R = [int(p.num_rows) for p in self.plans]
+        self.origins = [row_origins(p, R) for p, R in zip(self.plans, self.R)]
+        self.epoch = epoch
+        self.tables = self._tables(g)
+
+    def expected_table(self, d):
+        t = torch.full((self.W * self.T_max, self.k), -1, dtype=torch.int32)
+        for s, p in enumerate(self.plans):
+            on_d = p.dest_rank == d
+            t[s * self.T_max:s * self.T_max + self.Ts[s]] = torch.where(on_d, p.dest_row, -1)
+        return t
+
+    def _tables(self, g):
+        from mxcomm.ep.nvshmem_kernels import entries_table_kernel, push_entries_kernel
+
+        W, k, T_max, ep = self.W, self.k, self.T_max, torch.tensor([self.epoch])
+        EW = pull_entry_words(k)
+        lists = [torch.randint(-1, 50, (W, T_max, EW), dtype=torch.int32, generator=g) for _ in range(W)]
+        for lst in lists:  # entries of older calls (one with the same low tag word): never kept
+            lst[:, :, 0], lst[:, :, 1] = self.epoch - 2, 0
+            lst[:, 1::2, 0], lst[:, 1::2, 1] = self.epoch, 1
+        flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
+        for s in range(W):
+            p = self.plans[s]
+            push_entries_kernel[(2,)](p.dest_rank, p.dest_row, self.Ts[s], ptrs(lists), ptrs(flags), ep, s, W, T_max,
+                                      K=k, EW=EW, BLOCK=4)
+        tables = []
+        for d in range(W):
+            assert flags[d][1].tolist() == [2] * W  # every source's push programs arrived
+            table = torch.full((W * T_max, k), 77, dtype=torch.int32)
+            entries_table_kernel[(3,)](lists[d], table, ep, W * T_max, K=k, K_POW2=P2(k), EW=EW)
+            assert torch.equal(table, self.expected_table(d)), d
+            tables.append(table)
+        return tables
+
+    def lead_slot(self, s, t, d):
+        """The token's first slot on rank ``d``."""
+        return next(j for j in range(self.k) if int(self.plans[s].dest_rank[t, j]) == d)
+
+
+def _expert_rows(rk: Ranks, H, g, passthrough, poison):
+    """Per rank: the kernel's input (bf16 ``[R, H]``, or MXFP8 payload + row scales) and its fp32 values. Padding rows
+    hold NaN (they must never be read); with ``poison`` one real row of a rank holds a NaN and one of another an
+    Inf. Returns (inputs, scales, values, poisoned (rank, row) set)."""
+    ins, scs, vals, bad = [], [], [], set()
+    real_rows = [sorted({int(r) for s in range(rk.W) for r in rk.plans[s].dest_row[rk.plans[s].dest_rank == d]})
+                 for d in range(rk.W)]
+    for d in range(rk.W):
+        out = (torch.randn(rk.R[d], H, generator=g) * 3).to(torch.bfloat16)
+        real = torch.zeros(rk.R[d], dtype=torch.bool)
+        real[real_rows[d]] = True
+        out[~real] = float("nan")
+        if poison and real_rows[d] and d in (0, rk.W - 1):
+            r = real_rows[d][len(real_rows[d]) // 2]
+            out[r, 33 % H] = float("nan") if d == 0 else float("inf")
+            bad.add((d, r))
+        if passthrough:
+            mxt = quantize(out)  # row-wise
+            payload, sc = mxt.qdata.view(torch.uint8).contiguous(), mxt.scales.view(torch.uint8).contiguous()
+            sc[~real] = 255  # padding rows decode to NaN
+            ins.append(payload)
+            scs.append(sc)
+            vals.append(_decode(payload, sc))
+        else:
+            ins.append(out)
+            scs.append(torch.zeros(1, dtype=torch.uint8))
+            vals.append(out.float())
+    return ins, scs, vals, bad
+
+
+def _decode(payload, scales):
+    from mxcomm.mx import MXTensor
+
+    t = MXTensor(qdata=payload.view(torch.float8_e4m3fn), scales=scales, axis=1, orig_dtype=torch.bfloat16)
+    return t.dequantize(torch.float32, saturate_to=torch.bfloat16)
+
+
+def _weights(rk: Ranks, g):
+    """Per source fp32 ``[T, k]``: positive, negative, zero; NaN / Inf on dropped slots (never read)."""
+    ws = []
+    for s, T in enumerate(rk.Ts):
+        w = torch.rand(T, rk.k, generator=g) * 2 - 0.5
+        if T:
+            w[0, 0] = 0.0
+            drop = rk.plans[s].dest_rank < 0
+            w[drop] = torch.tensor([float("nan"), float("inf")]).repeat(rk.k * T)[: int(drop.sum())]
+        ws.append(w)
+    return ws
+
+
+def _comb_w(rk: Ranks, ws, g):
+    """Every rank's ``comb_w`` [W, T_max, k] with row ``s`` = source ``s``'s weights (what publish_kernel leaves
+    there), NaN past each source's tokens (never read)."""
+    bufs = []
+    for _ in range(rk.W):
+        b = torch.full((rk.W, rk.T_max, rk.k), float("nan"))
+        for s, w in enumerate(ws):
+            b[s, : rk.Ts[s]] = w
+        bufs.append(b)
+    return bufs
+
+
+CASES = [  # W, E, k, H, tokens per rank, transport MX, weighted, MX input rows (PASS), hot expert
+    pytest.param(2, 8, 3, 96, (0, 7), True, True, False, None, id="w2-mx-combine-h96"),
+    pytest.param(2, 8, 3, 64, (5, 6), False, True, False, None, id="w2-bf16-combine"),
+    pytest.param(3, 9, 3, 64, (4, 0, 6), True, False, False, None, id="w3-mx-dispatch-bwd"),
+    pytest.param(3, 15, 5, 96, (6, 5, 0), False, False, False, None, id="w3-bf16-dispatch-bwd-k5-h96"),
+    pytest.param(3, 6, 2, 64, (3, 6, 2), True, True, False, None, id="w3-mx-combine-el2"),
+    pytest.param(4, 16, 4, 64, (3, 6, 0, 5), True, True, False, None, id="w4-mx-combine"),
+    pytest.param(4, 16, 4, 64, (5, 2, 6, 0), True, False, True, None, id="w4-mx-pass-dispatch-bwd"),
+    pytest.param(4, 8, 3, 96, (0, 4, 6, 3), False, True, False, None, id="w4-bf16-combine-h96-el2"),
+    pytest.param(2, 4, 2, 64, (6, 5), True, True, False, 1, id="w2-mx-combine-hot"),
+    pytest.param(3, 9, 3, 64, (4, 6, 5), False, False, False, 7, id="w3-bf16-dispatch-bwd-hot"),
+]
+
+
+@pytest.mark.parametrize("W,E,k,H,Ts,mx,weighted,passthrough,hot", CASES)
+def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, weighted, passthrough, hot):
+    """Combine (weighted) and dispatch backward (weights 1) across ``W`` ranks: ``combine_partials_kernel`` on every
+    expert rank stores ONE row per (token, rank) - the partial sum of the token's rows there, rounded once (MXFP8 or
+    BF16) - at the origin's ``comb_q`` slot of the token's leading slot, in the copy of the epoch's parity, and raises
+    ``flags[2, me]`` once per program on every rank; ``combine_reduce_kernel`` at each origin sums the partials in the
+    order of the ranks' first appearance. Bit-exact against the spec at the stored partials (payload and scale bytes)
+    and at the result; the other copy, the non-leading slots and every padding row (NaN) are never touched or read; a
+    NaN / Inf expert row poisons exactly the tokens with a slot on it; a token without a valid slot gives 0."""
+    from mxcomm.ep.nvshmem_kernels import combine_partials_kernel, combine_reduce_kernel
+
+    g = torch.Generator().manual_seed(zlib.crc32(repr((W, E, k, H, Ts, mx, weighted, passthrough, hot)).encode()))
+    rk = Ranks(W, E, k, Ts, g, hot=None if hot is None else hot)
+    T_max, nslot, C, epoch = rk.T_max, rk.T_max * k, H // 32, 3  # odd epoch: copy 1
+    ins, scs, vals, bad = _expert_rows(rk, H, g, passthrough, poison=True)
+    ws = _weights(rk, g) if weighted else [None] * W
+    comb_w = _comb_w(rk, [w if w is not None else torch.zeros(T, k) for w, T in zip(ws, Ts)], g)
+    comb_q = [torch.randint(0, 256, (2, nslot, 2 * H), dtype=torch.uint8, generator=g) for _ in range(W)]
+    comb_s = [torch.randint(0, 256, (2, nslot, C), dtype=torch.uint8, generator=g) for _ in range(W)]
+    before_q, before_s = [q.clone() for q in comb_q], [s.clone() for s in comb_s]
+    flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
+    ep = torch.tensor([epoch])
+    G, chunk = 3, 64 if H % 64 else 32  # H = 96: a masked second chunk; H = 64: two chunks
+    for d in range(W):
+        w_ptrs = torch.tensor([comb_w[d][s].data_ptr() for s in range(W)], dtype=torch.int64)
+        combine_partials_kernel[(G,)](
+            ins[d], scs[d], rk.tables[d], rk.origins[d].pos, w_ptrs, ptrs(comb_q), ptrs(comb_s), ptrs(flags), d, W,
+            T_max, ep, nslot, H=H, K=k, CHUNK=chunk, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0,
+            INT_ROUND=True, STAGED=False, enable_fp_fusion=False)
+    for d in range(W):  # every program of every sender raised the combine flag once
+        assert flags[d][2].tolist() == [G] * W, d
+        assert not flags[d][[0, 1, 3, 4, 5]].any(), d
+    checked_rows = 0
+    for s in range(W):
+        p = rk.plans[s]
+        assert torch.equal(comb_q[s][0], before_q[s][0]) and torch.equal(comb_s[s][0], before_s[s][0]), s
+        written = torch.zeros(nslot, dtype=torch.bool)
+        for t in range(Ts[s]):
+            for d in token_ranks(p.dest_rank, t):
+                pos = int(p.send_pos[t, rk.lead_slot(s, t, d)])
+                written[pos] = True
+                P = spec_partial(p.dest_rank, p.dest_row, vals, ws[s], t, d)[None]
+                if mx:
+                    qt = quantize(P)
+                    got = comb_q[s][1].view(-1)[pos * H:(pos + 1) * H]
+                    assert torch.equal(got, qt.qdata.view(torch.uint8)[0]), (s, t, d)
+                    assert torch.equal(comb_s[s][1, pos], qt.scales.view(torch.uint8)[0]), (s, t, d)
+                else:
+                    assert_bf16_same(comb_q[s][1].view(torch.bfloat16)[pos][:H], P[0].to(torch.bfloat16),
+                                     f"partial {s} {t} {d}")
+                checked_rows += 1
+        if mx:  # the slots no partial went to: untouched (MX rows are H bytes apart from the copy's start)
+            rows = comb_q[s][1].view(-1)[: nslot * H].view(nslot, H)
+            was = before_q[s][1].view(-1)[: nslot * H].view(nslot, H)
+            assert torch.equal(rows[~written], was[~written]), s
+            assert torch.equal(comb_s[s][1][~written], before_s[s][1][~written]), s
+        else:
+            assert torch.equal(comb_q[s][1][~written], before_q[s][1][~written]), s
+        if Ts[s] == 0:
+            continue
+        y = torch.full((Ts[s], H), 5.0, dtype=torch.bfloat16)
+        combine_reduce_kernel[(2,)](
+            comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank,
+            torch.full((Ts[s], k), float("nan")), y, Ts[s], ep, nslot, p.dest_row, torch.zeros(1, dtype=torch.bfloat16),
+            torch.zeros(1, dtype=torch.uint8), H=H, K=k, K_POW2=P2(k), CHUNK=chunk, MX=mx, INT_ROUND=True, OWN=False,
+            OWN_PASS=False, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
+        want = spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx)
+        assert_bf16_same(y, want, f"origin {s}")
+        # poisoned rows reach exactly the tokens with a slot on them; a token without a valid slot gives 0
+        hit = torch.tensor([any((int(p.dest_rank[t, j]), int(p.dest_row[t, j])) in bad for j in range(k))
+                            for t in range(Ts[s])])
+        assert torch.equal(~torch.isfinite(y.float()).all(1), hit), s
+        for t in range(Ts[s]):
+            if not (p.dest_rank[t] >= 0).any():
+                assert not y[t].any(), (s, t)
+    assert checked_rows == sum(int(((rk.expected_table(d) >= 0).any(1)).sum()) for d in range(W))
+    assert bad, "no poisoned row: the case does not test poisoning"
+    if rk.all_on_one is not None:  # that token's k slots travelled as one row
+        s, t, d = rk.all_on_one
+        assert len(token_ranks(rk.plans[s].dest_rank, t)) == 1
+
+
+@pytest.mark.parametrize("W,E,k,H,Ts,mx,passthrough", [
+    (2, 8, 3, 64, (4, 6), True, False),
+    (3, 6, 2, 96, (5, 0, 6), False, False),
+    (3, 9, 3, 64, (6, 3, 4), True, True),
+])
+def test_staged_partials_with_block_puts_match_the_peer_pointer_result(W, E, k, H, Ts, mx, passthrough):
+    """The put path's combine direction across ranks: ``combine_partials_kernel(STAGED=True)`` writes each partial
+    into the expert rank's staging at its leading row's index and raises no flag; the (source, expert) block entries
+    of ``put_path.combine_blocks`` (applied as byte copies) carry it to the origin's slot in the copy of the epoch's
+    parity, and the reduce there gives the spec's result (weighted; unweighted with MX input rows)."""
+    from mxcomm.ep.nvshmem_kernels import combine_partials_kernel, combine_reduce_kernel
+    from mxcomm.ep.put_path import combine_blocks
+
+    g = torch.Generator().manual_seed(W * 1000 + E * 10 + k + H)
+    rk = Ranks(W, E, k, Ts, g)
+    T_max, nslot, C, epoch = rk.T_max, rk.T_max * k, H // 32, 4  # even epoch: copy 0
+    weighted = not passthrough
+    ins, scs, vals, _ = _expert_rows(rk, H, g, passthrough, poison=False)
+    ws = _weights(rk, g) if weighted else [None] * W
+    comb_w = _comb_w(rk, [w if w is not None else torch.zeros(T, k) for w, T in zip(ws, Ts)], g)
+    comb_q = [torch.randint(0, 256, (2, nslot, 2 * H), dtype=torch.uint8, generator=g) for _ in range(W)]
+    comb_s = [torch.randint(0, 256, (2, nslot, C), dtype=torch.uint8, generator=g) for _ in range(W)]
+    flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
+    ep = torch.tensor([epoch])
+    slot0 = (ep % 2) * nslot
+    row_bytes = H if mx else 2 * H
+    for d in range(W):
+        stage_q = torch.randint(0, 256, (max(rk.R[d], 1), 2 * H), dtype=torch.uint8, generator=g)
+        stage_s = torch.randint(0, 256, (max(rk.R[d], 1), C), dtype=torch.uint8, generator=g)
+        w_ptrs = torch.tensor([comb_w[d][s].data_ptr() for s in range(W)], dtype=torch.int64)
+        sq, ss = torch.full((W,), stage_q.data_ptr()), torch.full((W,), stage_s.data_ptr())
+        combine_partials_kernel[(2,)](
+            ins[d], scs[d], rk.tables[d], rk.origins[d].pos, w_ptrs, sq, ss, ptrs(flags), d, W, T_max, ep, nslot, H=H,
+            K=k, CHUNK=32, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0, INT_ROUND=True, STAGED=True,
+            enable_fp_fusion=False)
+        b = combine_blocks(rk.plans[d], slot0, 2 * H, row_bytes, C if mx else 0)
+        for batch, src, dsts in ((b.payload, stage_q, comb_q), (b.scales, stage_s, comb_s)):
+            sb = src.view(-1)
+            for i in range(batch.n):
+                pe, n = int(batch.pes[i]), int(batch.nbytes[i])
+                do, so = int(batch.dst_offsets[i]), int(batch.src_offsets[i])
+                dsts[pe].view(-1)[do:do + n] = sb[so:so + n]
+    assert not any(f.any() for f in flags)  # staged: the puts signal, the kernel does not
+    for s in range(W):
+        p = rk.plans[s]
+        if Ts[s] == 0:
+            continue
+        y = torch.empty(Ts[s], H, dtype=torch.bfloat16)
+        combine_reduce_kernel[(2,)](
+            comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank,
+            torch.zeros(1), y, Ts[s], ep, nslot, p.dest_row, torch.zeros(1, dtype=torch.bfloat16),
+            torch.zeros(1, dtype=torch.uint8), H=H, K=k, K_POW2=P2(k), CHUNK=32, MX=mx, INT_ROUND=True, OWN=False,
+            OWN_PASS=False, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
+        assert_bf16_same(y, spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx), f"origin {s}")
+
+
+@pytest.mark.parametrize("W,E,k,H,Ts,mx,route_grad,copies", [
+    (2, 8, 3, 64, (0, 6), True, True, 2),
+    (3, 6, 4, 64, (5, 0, 4), True, True, 1),
+    (2, 4, 2, 96, (4, 5), False, True, 2),
+    (3, 9, 3, 64, (3, 6, 2), False, False, 2),
+    (4, 16, 3, 64, (2, 5, 0, 4), True, False, 1),
+])
+def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, route_grad, copies):
+    """Combine backward on the expert ranks, ranks simulated in one process: each source's BF16 gradient rows and fp32
+    route weights sit in its send copy (``copies=2``: the pull path, copy 1 of an odd epoch, weights read with their
+    copy stride; ``copies=1``: the put path's received rows, stride 0); ``pull_weighted_kernel`` walks the receiver's
+    table and stores ``w[t, j] * g[t]`` quantized per slot (MX: payload + row-major scale rows) or rounded to BF16 at
+    each slot's row - bit-exact to plain torch -, zeroes the padding rows inside groups and leaves the rows past
+    ``n_rows`` as they were. With ``ROUTE_GRAD`` it forms ``grad_w[t, j] = <g[t], out[row_j]>`` (fp32, within rounding
+    of a float64 dot with the expert rows; padding rows hold NaN and are never read) into row ``me`` of the origin's
+    ``comb_gw`` for exactly the slots on this rank, raising ``flags[4, me]`` once per program (pull path);
+    ``gather_route_grad_kernel`` at the origin picks each slot's value from its rank's row (0 for a dropped slot).
+    Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with zero tokens, dropped slots."""
+    from mxcomm.ep.nvshmem_kernels import gather_route_grad_kernel, pull_weighted_kernel
+
+    g = torch.Generator().manual_seed(W * 31 + E + k + H + copies)
+    rk = Ranks(W, E, k, Ts, g, epoch=7)
+    T_max, C, epoch = rk.T_max, H // 32, 7
+    gs = [(torch.randn(T, H, generator=g) * 3).to(torch.bfloat16) for T in Ts]
+    ws = [torch.randn(T, k, generator=g) for T in Ts]
+    for T, gy, w in zip(Ts, gs, ws):
+        if T >= 3:
+            gy[0, 5], gy[-1, 40 % H] = float("inf"), float("nan")
+            w[0, 0], w[-1, -1], w[1, 1] = 0.0, 1e-30, -2.5
+    # each source's send copies (bf16 rows [copies, T_max, H], fp32 weights [copies, T_max, k]), garbage elsewhere
+    send_g = [torch.randn(copies, T_max, H, generator=g).to(torch.bfloat16) for _ in range(W)]
+    send_w = [torch.full((copies, T_max, k), float("nan")) for _ in range(W)]
+    for s in range(W):
+        send_g[s][copies - 1, : Ts[s]] = gs[s]
+        send_w[s][copies - 1, : Ts[s]] = ws[s]
+    sentinel = 1234.5
+    comb_gw = [torch.full((W, T_max, k), sentinel) for _ in range(W)]
+    flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
+    outs = []
+    for d in range(W):
+        out = (torch.randn(rk.R[d], H, generator=g)).to(torch.bfloat16)
+        real = (rk.expected_table(d) >= 0)
+        rows = rk.expected_table(d)[real].long()
+        pad = torch.ones(rk.R[d], dtype=torch.bool)
+        pad[rows] = False
+        out[pad] = float("nan")
+        outs.append(out)
+    ep = torch.tensor([epoch])
+    G, B = 3, 1 if mx else 2
+    for d in range(W):
+        p = rk.plans[d]
+        n_rows = rk.R[d]
+        R = n_rows + 5  # worst-case sized: the rows past n_rows are not written
+        dst = torch.randint(0, 256, (R, H * B), dtype=torch.uint8, generator=g)
+        before = dst.clone()
+        srows = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)
+        gw_peers = torch.tensor([comb_gw[s].data_ptr() + d * T_max * k * 4 for s in range(W)], dtype=torch.int64)
+        pull_weighted_kernel[(G,)](
+            dst if mx else dst.view(torch.bfloat16), srows, p.offs, p.expert_counts, p.num_rows, rk.El, R,
+            ptrs(send_g), ptrs(send_w), rk.tables[d], ep, T_max, W, T_max * H if copies == 2 else 0,
+            T_max * k if copies == 2 else 0, outs[d] if route_grad else torch.zeros(1, dtype=torch.bfloat16),
+            gw_peers, ptrs(flags), d, H=H, CHUNK=32, K=k, K_POW2=P2(k), MX=mx, MODE=0, INT_ROUND=True, ZCHUNK=4,
+            ROUTE_GRAD=route_grad, ARRIVE=copies == 2)
+        want = torch.zeros(R, H * B, dtype=torch.uint8)
+        want[n_rows:] = before[n_rows:]
+        real = torch.zeros(R, dtype=torch.bool)
+        for s in range(W):
+            for t in range(Ts[s]):
+                for j in range(k):
+                    if int(rk.plans[s].dest_rank[t, j]) != d:
+                        continue
+                    r = int(rk.plans[s].dest_row[t, j])
+                    prod = ws[s][t, j] * gs[s][t].float()
+                    real[r] = True
+                    if mx:
+                        q = quantize(prod[None])
+                        want[r] = q.qdata.view(torch.uint8)[0]
+                        assert torch.equal(srows[r], q.scales.view(-1)), (d, s, t, j)
+                    else:
+                        want[r] = prod.to(torch.bfloat16).view(torch.uint8)
+        assert int(real.sum()) == int(p.num_recv)
+        if mx:
+            assert torch.equal(dst, want), d
+        else:
+            assert_bf16_same(dst.view(torch.bfloat16), want.view(torch.bfloat16), f"rank {d}")
+    for d in range(W):  # pull path: every program of every rank announced its route-weight gradients
+        assert flags[d][4].tolist() == ([G] * W if route_grad and copies == 2 else [0] * W), d
+        assert not flags[d][[0, 1, 2, 3, 5]].any()
+    for s in range(W):
+        p = rk.plans[s]
+        if not route_grad:
+            assert (comb_gw[s] == sentinel).all()
+            continue
+        for d in range(W):  # row d of the origin's comb_gw: the slots on rank d, nothing else
+            on_d = p.dest_rank == d
+            want = torch.where(on_d, route_grad_of(p.dest_row, gs[s], outs[d]), sentinel).float()
+            got = comb_gw[s][d, : Ts[s]]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, equal_nan=True, msg=f"origin {s} rank {d}")
+            assert (comb_gw[s][d, Ts[s]:] == sentinel).all()
+        if Ts[s] == 0:
+            continue
+        gw = torch.full((Ts[s], k), 99.0)
+        gather_route_grad_kernel[(triton.cdiv(Ts[s] * k, 4),)](comb_gw[s], p.dest_rank, gw, Ts[s] * k, T_max * k,
+                                                              BLOCK=4)
+        want = torch.zeros(Ts[s], k, dtype=torch.float64)
+        for d in range(W):
+            want = torch.where(p.dest_rank == d, route_grad_of(p.dest_row, gs[s], outs[d]), want)
+        torch.testing.assert_close(gw, want.float(), rtol=1e-5, atol=1e-4, equal_nan=True)
+        assert (gw[p.dest_rank < 0] == 0).all()
+
+
+def route_grad_of(dest_row, gy, out):
+    """float64 ``[T, k]`` dots of ``gy`` with the rows ``dest_row`` of ``out`` (a slot whose row is not on this rank
+    reads a wrong row here, and its value is masked by the caller)."""
+    return route_grad(torch.where(dest_row < out.shape[0], dest_row, -1), gy, out)
+
+
+@pytest.mark.parametrize("W,refusing", [(3, ()), (3, (1, 2)), (4, (3,)), (2, (0,))])
+def test_publish_counts_with_refusal_word_then_first_refusal(W, refusing):
+    """``publish_kernel``, ranks run one after another in one process: rank ``r`` writes its ``E`` counts into row
+    ``r`` of every rank's counts matrix and (the tail word) its refusal word into word ``W*E + r``, raises
+    ``flags[0, r]`` to the epoch on every rank, then waits for every rank's flag (bounded): a rank run before its
+    peers times out naming the first peer that had not published yet (the next rank), the last one waits for
+    nobody. Nothing else of the buffers is written. ``first_refusal_kernel`` then gives 1 + the lowest refusing rank
+    (0: none) on every rank. The route weights (``[T, k]`` words, no tail) and the "ready" handshake (no words)
+    publish the same way on their own flag rows."""
+    from mxcomm.ep.nvshmem_kernels import first_refusal_kernel, publish_kernel
+    from mxcomm.transport.errors import TIMEOUT_CODE, error_word
+    from mxcomm.transport.flags import timeout_ns
+
+    E, T_max, k, epoch = 2 * W, 3, 2, 6
+    g = torch.Generator().manual_seed(W * 10 + len(refusing))
+    counts = [torch.full((W * E + W + 3,), -7, dtype=torch.int32) for _ in range(W)]  # 3 words past the region
+    comb_w = [torch.full((W, T_max, k), -1.0) for _ in range(W)]
+    flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
+    errs = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
+    srcs = [torch.cat([torch.randint(0, 100, (E,), generator=g, dtype=torch.int32),
+                       torch.tensor([int(r in refusing) * (r + 5)], dtype=torch.int32)]) for r in range(W)]
+    ws = [torch.randn(T_max, k, generator=g) for _ in range(W)]
+    ep = torch.tensor([epoch])
+    rows = {name: i for i, name in enumerate(FLAG_ROWS)}
+    tmo = timeout_ns(0.05)
+    views = [c.view(torch.int32) for c in comb_w]
+    for row, pub in (("counts", lambda r: (srcs[r], E, ptrs(counts), r * E, W * E + r)),
+                     ("weights", lambda r: (ws[r].view(torch.int32), T_max * k, ptrs(views), r * T_max * k, -1)),
+                     ("counts", lambda r: (errs[r], 0, ptrs(counts), 0, -1))):  # the ready handshake, next epoch
+        if pub(0)[1] == 0:
+            ep = ep + 1
+        for r in range(W):
+            errs[r].zero_()
+            src, n, dst, w0, tail = pub(r)
+            publish_kernel[(W,)](src, n, dst, w0, tail, ptrs(flags), flags[r], rows[row], W, ep, errs[r], tmo, r,
+                                 BLOCK=4)
+        for r in range(W):
+            want = 0 if r == W - 1 else error_word(TIMEOUT_CODE, r + 1)
+            assert int(errs[r]) == want, (row, r, int(errs[r]))
+            assert flags[r][rows[row]].tolist() == [int(ep)] * W, (row, r)
+    flags_rows = [rows["counts"], rows["weights"]]
+    for r in range(W):
+        assert not flags[r][[i for i in range(NF) if i not in flags_rows]].any()
+        want = torch.cat([torch.cat([s[:E] for s in srcs]), torch.cat([s[E:] for s in srcs]),
+                          torch.full((3,), -7, dtype=torch.int32)])
+        assert torch.equal(counts[r], want), r
+        assert torch.equal(comb_w[r], torch.stack(ws)), r
+        out = torch.full((1,), 99, dtype=torch.int64)
+        first_refusal_kernel[(1,)](counts[r][W * E:W * E + W], W, out, W_POW2=P2(W))
+        assert int(out) == (min(refusing) + 1 if refusing else 0), r
