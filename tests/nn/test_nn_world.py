@@ -1,13 +1,18 @@
 """The MoE layer across ranks: a gloo world of 2 (reference EP backend) against the same layer in a world of 1
 holding all tokens, built from the same global weights.
 
-What can differ: per-row arithmetic is identical in both worlds (routing per token, MX blocks along the row,
-combine sums over k in a fixed order), but the expert GEMMs see a different number of rows per call and the
-world of 1 sums the router / shared-expert gradients over all tokens in one reduction while the world of 2
-sums two partial sums (added here in float64). So results agree up to fp32 accumulation order: measured
-bit-identical y, grad_x and expert-weight gradients, router / shared-expert gradients 135-148 dB (the split sum).
-Thresholds: 80 dB for BF16, and 60 dB for MXFP8 (an accumulation-order difference can move one bf16 rounding,
-which an MX block scale may then amplify locally).
+What can differ: the combine and the dispatch backward round one partial sum per (token, rank) for transport, so
+``y`` and ``grad_x`` depend on which of a token's experts share a rank: in a world of 1 every token has one partial,
+in a world of 2 one per rank its experts are on. Those two are compared at the transport's rounding level: BF16
+(``y``: the fp32 partials rounded to bf16 before the final bf16 sum; ``grad_x``: the BF16 gradient rows sum exactly
+either way) measured ``y`` 53.2-54.0 dB, ``grad_x`` bit-identical; MXFP8 (each partial quantized) measured ``y``
+31.8-33.5 dB, ``grad_x`` 31.0-33.9 dB. Thresholds: 50 dB for BF16 ``y`` and 28 dB for MXFP8 ``y`` / ``grad_x``.
+Everything else is per-row arithmetic identical in both worlds (routing per token, MX blocks along the row), but the
+expert GEMMs see a different number of rows per call and the world of 1 sums the router / shared-expert gradients
+over all tokens in one reduction while the world of 2 sums two partial sums (added here in float64). So the other
+results agree up to fp32 accumulation order: measured bit-identical expert-weight gradients, router / shared-expert
+gradients 135-148 dB (the split sum). Thresholds: 80 dB for BF16, and 60 dB for MXFP8 (an accumulation-order
+difference can move one bf16 rounding, which an MX block scale may then amplify locally).
 Both worlds are also checked against the float64 reference (the world of 2 gathered) with the thresholds of
 test_nn_moe.py.
 """
@@ -20,6 +25,8 @@ from nn_cases import GRAD_KEYS, NNCase, build_layer, gather_world, global_weight
 
 WORLD_BF16_DB = 80.0
 WORLD_MX_DB = 60.0
+# y and grad_x: one transport rounding per (token, rank), so the partials differ between worlds (see the docstring)
+WORLD_PARTIALS_DB = {("bf16", "y"): 50.0, ("mxfp8", "y"): 28.0, ("mxfp8", "gx"): 28.0}
 
 CASES = [
     NNCase("w2_bf16_shared", "bf16", tokens=(40, 27), shared_ffn_dim=32, seed=21),
@@ -63,7 +70,6 @@ def test_world2_equals_world1(case, world2_results, world1):
     x, G = torch.cat(inp["xs"]), torch.cat(inp["gs"])
     one = step(build_layer(case, w, max_tokens_per_rank=max(1, x.shape[0])), x, G)
     assert torch.equal(gather_world(case, world2_results, "idx"), one["idx"]), "routing differs between worlds"
-    want = WORLD_BF16_DB if case.precision == "bf16" else WORLD_MX_DB
     plain = reference_step(case, w, x, G, topk_idx=one["idx"])
     ref_want = 43.0 if case.precision == "bf16" else 20.0
     report, bad = [], []
@@ -73,6 +79,7 @@ def test_world2_equals_world1(case, world2_results, world1):
         two = gather_world(case, world2_results, key)
         assert two.shape == one[key].shape, key
         db = sqnr_db(two, one[key])
+        want = WORLD_PARTIALS_DB.get((case.precision, key), WORLD_BF16_DB if case.precision == "bf16" else WORLD_MX_DB)
         report.append(f"{case.name}.{key}: world 2 vs world 1 {db:.1f} dB (want >= {want}); vs float64 "
                       f"{sqnr_db(two, plain[key]):.1f} dB (want >= {ref_want})")
         if db < want or sqnr_db(two, plain[key]) < ref_want:
