@@ -28,8 +28,9 @@ values (so mxcomm's BF16 cast of it is exact).
   most ``u`` (plus the negligible subnormal term); errors of the quantizations on a value's path add to first
   order (well-conditioned experts: weights ~ 1/sqrt(fan_in)): ``y``: dispatch payload + combine transport (2);
   expert weight gradients: dispatched rows + gradient transport (2); router gradients: ``<grad_y, expert output row>``,
-  the row as the expert computed it from its dispatched input (one quantization on the path; bound 2 kept); ``gx``: gradient transport in combine backward and dispatch backward plus the
-  quantized rows in the expert backward (3). Bound: ``||got - ref|| / ||ref|| <= n * u``.
+  the row as the expert computed it from its dispatched input (one quantization on the path; bound 2 kept);
+  ``gx``: gradient transport in combine backward and dispatch backward plus the quantized rows in the expert
+  backward (3). Bound: ``||got - ref|| / ||ref|| <= n * u``.
 
 Negative controls: the same comparisons with the adapter broken on purpose (real instead of padded counts; scores
 dropped) must fail.
