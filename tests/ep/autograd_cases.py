@@ -97,7 +97,8 @@ def run_backward_case(group: EPGroup, case: Case, rank: int, fails: list, exact:
         if not isinstance(saved, CombineSaved) or not isinstance(rows, torch.Tensor) or isinstance(rows, MXTensor) \
                 or rows.dtype != torch.bfloat16 or tuple(rows.shape) != (res.num_rows, config.hidden):
             fails.append(f"{qtag}: saved rows {type(saved).__name__} {type(rows).__name__} "
-                         f"{getattr(rows, 'dtype', None)} {tuple(getattr(rows, 'shape', ()))}: expected the expert output")
+                         f"{getattr(rows, 'dtype', None)} {tuple(getattr(rows, 'shape', ()))}: "
+                         "expected the expert output")
             continue
         if not torch.equal(rows.cpu().view(torch.int16), outs[rank].view(torch.int16)):
             fails.append(f"{qtag}: saved rows are not the expert output given to combine")

@@ -20,7 +20,8 @@ from ep_cases import (
     standard_cases,
 )
 from mxcomm.ep import EPConfig, EPGroup
-from mxcomm.ep.reference.oracle import oracle_combine, oracle_combine_backward, oracle_dispatch, oracle_dispatch_backward
+from mxcomm.ep.reference.oracle import (oracle_combine, oracle_combine_backward, oracle_dispatch,
+                                        oracle_dispatch_backward)
 from mxcomm.mx import MXTensor, quantize
 
 
@@ -178,7 +179,8 @@ def test_oracle_combine_by_hand(q):
         gx = oracle_dispatch_backward(cfg, grecv, routes, q)
         assert torch.equal(gx[0].float(), hand_expected(name, "dispatch_backward", q)), (name, gx[0][:, [0, 32]])
         if name == "hand":
-            mx = [quantize(o, mode=cfg.scale_mode, layout="grouped_m", group_offs=e.offs) for o, e in zip(grecv, expected)]
+            mx = [quantize(o, mode=cfg.scale_mode, layout="grouped_m", group_offs=e.offs)
+                  for o, e in zip(grecv, expected)]
             gx = oracle_dispatch_backward(cfg, mx, routes, q)
             assert torch.equal(gx[0].float(), hand_expected(name, "dispatch_backward", q, mx_grad=True))
 

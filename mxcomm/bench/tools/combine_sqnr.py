@@ -185,7 +185,8 @@ def table(cases: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for c in cases:
         lines.append(f"{c['op']:<18}{c['weights']:<9}{c['transport']:<10}{c['hidden']:>7}{c['world']:>6}"
-                     f"{c['pairs_per_token']:>8.2f}{c['before_db']:>11.2f}{c['after_db']:>10.2f}{c['delta_db']:>+10.2f}")
+                     f"{c['pairs_per_token']:>8.2f}{c['before_db']:>11.2f}{c['after_db']:>10.2f}"
+                     f"{c['delta_db']:>+10.2f}")
     return "\n".join(lines)
 
 
@@ -209,7 +210,8 @@ def main(argv: Optional[list] = None) -> dict:
         "schema": SCHEMA,
         "command": "python -m mxcomm.bench.tools.combine_sqnr " + " ".join(argv if argv is not None else sys.argv[1:]),
         "versions": versions(),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads()},
         "config": {
             "tokens": args.tokens, "seeds": args.seeds, "hidden": args.hidden, "worlds": args.worlds,
             "experts": args.experts, "topk": args.topk, "scale_mode": args.scale_mode,
