@@ -100,19 +100,24 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert b.dispatch_payload == 0
     assert b.dispatch_scales == (scales if world == 1 else 0)
     assert push.dispatch_payload == payload and push.dispatch_scales == scales
-    comb = 2 * 4096 * 8 * (7168 * 2 + 7168 // 32)
-    # one rank: combine reads the expert rows in place; its saved rows (for the backward) go into a plain buffer
-    # made at first use, not into symmetric memory
+    # the partials coming home (two copies of T*k slots of 2H bytes + their scale bytes), every source's published
+    # fp32 route weights and the route-weight gradients of combine backward ([W, T, k] each). One rank (local path):
+    # combine reads the expert rows in place, nothing of this
+    comb = 2 * 4096 * 8 * (7168 * 2 + 7168 // 32) + 2 * world * 4096 * 8 * 4
     assert b.combine_payload == (0 if world == 1 else comb)
     assert push.combine_payload == comb
-    # the pull path (transport "auto", several ranks): two send copies of 2H bytes per token row (MXFP8 rows for
-    # dispatch, BF16 gradient rows for combine backward) + scale bytes + fp32 route weights, and the pull list (per
-    # source and token: a 2-word epoch tag + 8 rows, padded to 16 int32 words)
-    pull = 2 * 4096 * 2 * 7168 + (2 * 4096 * 224 if precision == "mxfp8" else 1) + 2 * 4096 * 8 * 4 + world * 4096 * 16 * 4
+    # every path with a pull list (all but local): two send copies of 2H bytes per token row (the pull dispatch's MXFP8
+    # rows, combine backward's BF16 gradient rows) + their fp32 route weights, and the pull list (per source and token:
+    # a 2-word epoch tag + 8 rows, padded to 16 int32 words); the pull path adds the MXFP8 rows' scale bytes
+    send = 2 * 4096 * 2 * 7168 + 2 * 4096 * 8 * 4 + world * 4096 * 16 * 4
+    pull = send + (2 * 4096 * 224 if precision == "mxfp8" else 1)
     assert b.pull_send == (0 if world == 1 else pull)
-    assert push.pull_send == 0
+    assert push.pull_send == send
+    assert b.counts == push.counts == (world * 32 + world) * 4  # the counts matrix, then one refusal word per rank
+    assert b.flags == push.flags == 6 * world * 8  # counts, dispatch, combine, weights, route_grad, scratch
     assert b.total == EPGroup.buffer_bytes(cfg, world)
     assert b.total == b.dispatch_payload + b.dispatch_scales + b.combine_payload + b.counts + b.flags + b.pull_send
+    assert push.total == EPGroup.buffer_bytes(replace(cfg, transport="push"), world)
     with pytest.raises(ValueError):
         buffer_sizes(replace(cfg, num_experts=33), world if world > 1 else 2)
 
@@ -342,10 +347,16 @@ def test_put_path_buffers_are_counted_in_the_memory_report():
     from mxcomm.ep.plan import buffer_sizes, max_recv_rows
 
     auto, put = buffer_sizes(BASE, 2), buffer_sizes(replace(BASE, transport="put"), 2)
-    R, H = max_recv_rows(BASE, 2), BASE.hidden
+    R, H, T, k = max_recv_rows(BASE, 2), BASE.hidden, BASE.max_tokens_per_rank, BASE.topk
+    EW = 4  # pull-list entry words: 2 tag words + k = 2 rows
     assert auto.put_staging == 0
-    assert put.put_staging == R * 2 * H + R * (H // 32)  # stage rows, stage scales
-    assert put.pull_send == 0 < auto.pull_send  # the put path does not pull
-    # the put path receives into symmetric buffers (recv_q, recv_s) and stages; the pull path does neither
+    # stage rows, stage scales, the staged pull-list entries per destination, the staged route-weight gradients per
+    # origin, and combine backward's received route weights per source
+    assert put.put_staging == R * 2 * H + R * (H // 32) + 2 * T * EW * 4 + 2 * T * k * 4 + 2 * T * k * 4
+    send_s = 2 * T * (H // 32)  # the pull path's MXFP8 scale bytes: the put path does not pull
+    assert put.pull_send == auto.pull_send - send_s
+    # the put path receives into symmetric buffers (recv_q, recv_s) and stages; the pull path does neither; its recv_q
+    # also holds combine backward's gradient rows (at least W * T rows of 2H bytes)
     assert auto.dispatch_payload == auto.dispatch_scales == 0 < put.dispatch_payload
-    assert put.total == (auto.total - auto.pull_send + put.put_staging + put.dispatch_payload + put.dispatch_scales)
+    assert put.dispatch_payload == max(R, -(-2 * T * 2 * H // H)) * H
+    assert put.total == (auto.total - send_s + put.put_staging + put.dispatch_payload + put.dispatch_scales)
