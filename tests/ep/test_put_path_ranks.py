@@ -3,8 +3,9 @@ the real ``NvshmemBackend`` (its Triton kernels under the interpreter, one kerne
 in-process "symmetric heap", with NVSHMEM's put-with-signal / signal wait / quiet replaced by byte copies
 between the ranks' buffers and a condition variable. Everything else is the backend's own code: the count
 exchange, the block entries, the signal counts per epoch, the combine copies by parity, the receiver's
-scale swizzle. Results are compared with the single-process oracle (dispatch bit-exact, combine within
-fp32 reduction-order tolerance). The CUDA kernels themselves run in the GPU tests."""
+scale swizzle. Dispatch and combine backward's rows are compared with the single-process oracle, combine and
+dispatch backward with the plain-torch spec of one row per (token, rank) (tests/ep/combine_spec.py), all bit-exact.
+The CUDA kernels themselves run in the GPU tests."""
 import threading
 import time
 
@@ -13,8 +14,7 @@ import torch
 
 from heap_fakes import FakeBuf, FakeCtx
 from mxcomm.ep import EPConfig
-from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch_backward
-from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
+from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU tests run this path")
 
@@ -166,64 +166,108 @@ def _run_ranks(world: ThreadWorld, fn, W: int, timeout_s: float = 240.0) -> list
     return out
 
 
-@pytest.mark.parametrize("W,E,k,H,T,precision,align", [
-    (2, 4, 2, 64, (9, 6), "mxfp8", 32),
-    (3, 6, 3, 96, (5, 0, 11), "mxfp8", 128),
-    (2, 4, 2, 64, (7, 7), "bf16", 32),
+@pytest.mark.parametrize("W,E,k,H,T,precision,align,exact", [
+    (2, 4, 2, 64, (9, 6), "mxfp8", 32, True),
+    (3, 6, 3, 96, (5, 0, 11), "mxfp8", 128, True),
+    (2, 4, 2, 64, (7, 7), "bf16", 32, True),
+    (3, 9, 3, 64, (6, 4, 0), "mxfp8", 32, False),
 ])
-def test_put_path_several_ranks_forward_and_backward_match_oracle(one_kernel_at_a_time, W, E, k, H, T, precision,
-                                                                  align):
+def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_time, W, E, k, H, T, precision,
+                                                                 align, exact):
+    """Dispatch bit-exact to the oracle (payload, the groups' scale tiles, offs, counts); combine (MXFP8 and BF16
+    transport of the partials) and dispatch backward (the dense expert output as gradient, and with MXFP8 the MX
+    gradient combine backward made) bit-exact to the spec's one row per (token, rank) sums; combine backward's rows
+    bit-exact to the oracle's, its route-weight gradient within fp32 rounding of a float64 dot with the expert rows.
+    Padding and tail rows of the expert output hold NaN (never read); two rounds (epochs, copies, signal counts)."""
+    from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
 
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), align=align, precision=precision,
-                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport="put")
+                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport="put", exact_sizes=exact)
     mx = precision == "mxfp8"
     world = ThreadWorld(W)
     calls = []  # two rounds: buffers, epochs and combine copies reused
     for it in range(2):
-        xs, idxs, ws = _inputs(W, T, E, k, H, seed=100 * W + it)
+        xs, idxs, ws = _inputs(W, T, E, k, H, seed=100 * W + it + 10 * exact)
         wants, routes = oracle_dispatch(cfg, xs, idxs)
         g = torch.Generator().manual_seed(7 + it)
-        outs = [torch.randn(wants[r].num_rows, H, generator=g).to(torch.bfloat16) for r in range(W)]
         gys = [torch.randn(T[r], H, generator=g).to(torch.bfloat16) for r in range(W)]
-        calls.append((xs, idxs, ws, wants, routes, outs, gys))
+        calls.append((xs, idxs, ws, wants, routes, gys))
     backends = [None] * W
+
+    def expert_out(it, r, num_rows, want):
+        """The expert output of rank ``r`` in round ``it``: NaN in every row no slot fills (padding, no-sync tail)."""
+        g = torch.Generator().manual_seed(1000 * it + r)
+        out = (torch.randn(num_rows, H, generator=g) * 2).to(torch.bfloat16)
+        real = torch.zeros(num_rows, dtype=torch.bool)
+        real[_real_rows(want)] = True
+        out[~real] = float("nan")
+        return out
 
     def rank_fn(r):
         be = backends[r] = NvshmemBackend(cfg, None, r, W, heap=world.heaps[r], puts=world.puts(r))
         assert be.put_mode
         res = []
-        for xs, idxs, ws, _, _, outs, gys in calls:
+        for it, (xs, idxs, ws, wants, _, gys) in enumerate(calls):
             d, h = be.dispatch(xs[r], idxs[r], ws[r])
-            y, saved = be.combine_for_backward(outs[r], h, mx)
-            y_bf16 = be.combine(outs[r], h, False)
+            out = expert_out(it, r, h.num_rows, wants[r])
+            y, saved = be.combine_for_backward(out, h, mx)
+            y_bf16 = be.combine(out, h, False)
             cb = be.combine_backward(gys[r], h, saved, mx)
-            gx = be.dispatch_backward(outs[r], h, mx)
-            res.append((d, y, y_bf16, cb, gx))
+            gx = be.dispatch_backward(out, h, mx)
+            gx_mx = be.dispatch_backward(cb.grad_expert_out, h, True) if mx else None
+            res.append((d, out, y, y_bf16, cb, gx, gx_mx, h.plan.dest_rank.clone(), h.plan.dest_row.clone()))
         return res
 
     got = _run_ranks(world, rank_fn, W)
-    for it, (xs, idxs, ws, wants, routes, outs, gys) in enumerate(calls):
-        ys = oracle_combine(cfg, outs, routes, ws, mx)
-        ys_bf16 = oracle_combine(cfg, outs, routes, ws, False)
-        cbs = oracle_combine_backward(cfg, gys, routes, ws, outs, wants, mx)
-        gxs = oracle_dispatch_backward(cfg, outs, routes, mx)
+    for it, (xs, idxs, ws, wants, routes, gys) in enumerate(calls):
+        outs = [got[r][it][1] for r in range(W)]
+        vals = [o.float() for o in outs]
+        cbs = oracle_combine_backward(cfg, gys, routes, ws, [o[: wants[r].num_rows] for r, o in enumerate(outs)],
+                                      wants, mx)
+        mx_vals = [got[r][it][4].grad_expert_out.dequantize(torch.float32, saturate_to=torch.bfloat16)
+                   for r in range(W)] if mx else None
         for r in range(W):
-            d, y, y_bf16, cb, gx = got[r][it]
+            d, _, y, y_bf16, cb, gx, gx_mx, dr, drow = got[r][it]
             tag = f"round {it} rank {r}"
+            n = int(wants[r].offs[-1])  # the real rows (no-sync outputs have R_max rows, the tail not written)
+            assert d.num_rows == (n if exact else backends[r].R_max), tag
             assert torch.equal(d.offs, wants[r].offs) and torch.equal(d.counts, wants[r].counts), tag
+            rows = _in_group_tile_rows(d.offs)  # (the tile-rows past the groups: see test_nvshmem_dataflow)
             if mx:
-                assert torch.equal(d.x.qdata.view(torch.uint8), wants[r].x.qdata.view(torch.uint8)), tag
-                assert torch.equal(d.x.scales, wants[r].x.scales), tag
-                assert torch.equal(cb.grad_expert_out.qdata.view(torch.uint8),
-                                   cbs[r].grad_expert_out.qdata.view(torch.uint8)), tag
-                assert torch.equal(cb.grad_expert_out.scales, cbs[r].grad_expert_out.scales), tag
+                assert torch.equal(d.x.qdata.view(torch.uint8)[:n], wants[r].x.qdata.view(torch.uint8)[:n]), tag
+                assert torch.equal(d.x.scales[:rows], wants[r].x.scales[:rows]), tag
+                assert torch.equal(cb.grad_expert_out.qdata.view(torch.uint8)[:n],
+                                   cbs[r].grad_expert_out.qdata.view(torch.uint8)[:n]), tag
+                assert torch.equal(cb.grad_expert_out.scales[:rows], cbs[r].grad_expert_out.scales[:rows]), tag
             else:
-                assert torch.equal(d.x.view(torch.int16), wants[r].x.view(torch.int16)), tag
-                assert torch.equal(cb.grad_expert_out.view(torch.int16), cbs[r].grad_expert_out.view(torch.int16)), tag
-            torch.testing.assert_close(y.float(), ys[r].float(), rtol=1e-2, atol=1e-2, msg=tag)
-            torch.testing.assert_close(y_bf16.float(), ys_bf16[r].float(), rtol=1e-2, atol=1e-2, msg=tag)
-            torch.testing.assert_close(cb.grad_weights, cbs[r].grad_weights, rtol=1e-3, atol=1e-3, msg=tag)
-            torch.testing.assert_close(gx.float(), gxs[r].float(), rtol=1e-2, atol=1e-2, msg=tag)
+                assert torch.equal(d.x.view(torch.int16)[:n], wants[r].x.view(torch.int16)[:n]), tag
+                assert torch.equal(cb.grad_expert_out.view(torch.int16)[:n],
+                                   cbs[r].grad_expert_out.view(torch.int16)[:n]), tag
+            assert_bf16_same(y, spec_combine(dr, drow, vals, ws[r], mx), f"{tag} combine")
+            assert_bf16_same(y_bf16, spec_combine(dr, drow, vals, ws[r], False), f"{tag} combine bf16")
+            assert_bf16_same(gx, spec_combine(dr, drow, vals, None, mx), f"{tag} dispatch backward")
+            if mx:
+                assert_bf16_same(gx_mx, spec_combine(dr, drow, mx_vals, None, True), f"{tag} MX dispatch backward")
+            want_gw = torch.zeros(T[r], k, dtype=torch.float64)
+            for p in range(W):
+                want_gw = torch.where(dr == p, route_grad(torch.where(dr == p, drow, -1), gys[r], outs[p]), want_gw)
+            torch.testing.assert_close(cb.grad_weights, want_gw.float(), rtol=1e-5, atol=1e-4, msg=tag)
     for be in backends:  # every wait was satisfied: no error word set
         assert int(be.err[0]) == 0
+
+
+def _real_rows(want) -> torch.Tensor:
+    """The real rows of an oracle dispatch result (the first ``counts[e]`` rows of each group)."""
+    offs, counts = want.offs.tolist(), want.counts.tolist()
+    rows, start = [], 0
+    for end, c in zip(offs, counts):
+        rows += range(start, start + c)
+        start = end
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _in_group_tile_rows(offs: torch.Tensor) -> int:
+    """Rows of a grouped-along-M blocked scale matrix that belong to its groups (each padded to 128 rows)."""
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    return int(((offs - starts + 127) // 128 * 128).sum())
