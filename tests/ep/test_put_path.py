@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mxcomm.ep.plan import build_plan, local_counts
-from mxcomm.ep.put_path import combine_blocks, dispatch_blocks, row_batch
+from mxcomm.ep.put_path import combine_blocks, dispatch_blocks, row_batch, swap_batch, token_rows
 
 RB, SB = 16, 2  # payload / scale bytes per row (small, distinct)
 
@@ -128,3 +128,59 @@ def test_row_batch_counts_and_ready():
     assert b.dst_offsets.tolist() == [40, 40, 40] and b.src_offsets.tolist() == [40, 40, 40]
     assert b.nbytes.tolist() == [40, 0, 40]  # nothing to copy to itself; it still signals
     assert row_batch(2, 0, 0, "cpu").nbytes.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("W,stride", [(1, None), (3, None), (4, 40)])
+def test_swap_batch_puts_each_ranks_share_into_its_row_there(W, stride):
+    """``swap_batch``: rank ``r``'s staging row ``p`` lands in row ``r`` of rank ``p``'s buffer (itself included), rows
+    ``stride`` bytes apart on both sides; bytes between rows are not written (the route-weight gradients going home,
+    the pull-list entries of the put path)."""
+    RBS = 24
+    st = stride or RBS
+    dsts = [torch.zeros(W * st, dtype=torch.uint8) for _ in range(W)]
+    for r in range(W):
+        stage = torch.zeros(W * st, dtype=torch.uint8)
+        for p in range(W):
+            stage[p * st:p * st + RBS] = _tag(r, p, RBS)
+        b = swap_batch(W, r, RBS, "cpu", stride=stride)
+        assert b.n == W and b.pes.tolist() == list(range(W)) and int(b.nbytes.sum()) == W * RBS
+        _apply(b, stage, dsts)
+    for p in range(W):
+        for r in range(W):
+            assert torch.equal(dsts[p][r * st:r * st + RBS], _tag(r, p, RBS)), (p, r)
+            assert not dsts[p][r * st + RBS:(r + 1) * st].any()
+
+
+@pytest.mark.parametrize("W,E,k,align,Ts", CASES)
+def test_token_rows_put_one_row_per_token_and_rank(W, E, k, align, Ts):
+    """``token_rows`` (combine backward on the put path): rank ``s``'s row ``t`` (the BF16 gradient row, and in the
+    second batch its route weights) lands in row ``s * T_max + t`` of every rank its token has a slot on, once however
+    many of that rank's experts it picked; every other entry is empty (0 bytes, to this rank) and nothing else is
+    written."""
+    plans = _plans(W, E, k, align, Ts, seed=W * 13 + E)
+    T_max = max(max(Ts), 1)
+    WB = 8
+    dst_r = [torch.zeros(W * T_max * RB, dtype=torch.uint8) for _ in range(W)]
+    dst_w = [torch.zeros(W * T_max * WB, dtype=torch.uint8) for _ in range(W)]
+    for s, p in enumerate(plans):
+        T = Ts[s]
+        src_r, src_w = torch.zeros(max(T, 1) * RB, dtype=torch.uint8), torch.zeros(max(T, 1) * WB, dtype=torch.uint8)
+        for t in range(T):
+            src_r[t * RB:(t + 1) * RB] = _tag(s, t, RB)
+            src_w[t * WB:(t + 1) * WB] = _tag(s, 1000 + t, WB)
+        rows, weights = token_rows(p, s, T_max, RB, WB)
+        pairs = {(t, int(d)) for t in range(T) for d in p.dest_rank[t].tolist() if d >= 0}
+        assert rows.n == T * k and int((rows.nbytes > 0).sum()) == len(pairs)
+        assert (rows.pes[rows.nbytes == 0] == s).all()
+        _apply(rows, src_r, dst_r)
+        _apply(weights, src_w, dst_w)
+    for d in range(W):
+        filled = torch.zeros(W * T_max, dtype=torch.bool)
+        for s, p in enumerate(plans):
+            for t in range(Ts[s]):
+                if (p.dest_rank[t] == d).any():
+                    i = s * T_max + t
+                    filled[i] = True
+                    assert torch.equal(dst_r[d][i * RB:(i + 1) * RB], _tag(s, t, RB)), (d, s, t)
+                    assert torch.equal(dst_w[d][i * WB:(i + 1) * WB], _tag(s, 1000 + t, WB)), (d, s, t)
+        assert not dst_r[d].view(-1, RB)[~filled].any() and not dst_w[d].view(-1, WB)[~filled].any()
