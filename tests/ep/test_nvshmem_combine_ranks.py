@@ -329,7 +329,7 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
     ``comb_gw`` for exactly the slots on this rank, raising ``flags[4, me]`` once per program (pull path);
     ``gather_route_grad_kernel`` at the origin picks each slot's value from its rank's row (0 for a dropped slot).
     Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with zero tokens, dropped slots."""
-    from mxcomm.ep.nvshmem_kernels import gather_route_grad_kernel, pull_weighted_kernel
+    from mxcomm.ep.nvshmem_kernels import gather_route_grad_kernel, pack_rows_kernel, pull_weighted_kernel
 
     g = torch.Generator().manual_seed(W * 31 + E + k + H + copies)
     rk = Ranks(W, E, k, Ts, g, epoch=7)
@@ -340,12 +340,24 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
         if T >= 3:
             gy[0, 5], gy[-1, 40 % H] = float("inf"), float("nan")
             w[0, 0], w[-1, -1], w[1, 1] = 0.0, 1e-30, -2.5
-    # each source's send copies (bf16 rows [copies, T_max, H], fp32 weights [copies, T_max, k]), garbage elsewhere
+    # each source's send copies (bf16 rows [copies, T_max, H], fp32 weights [copies, T_max, k]), garbage elsewhere;
+    # the pull path packs them (pack_rows_kernel with WEIGHTS: rows as they are, weights beside them, copy 1 of the
+    # odd epoch, copy 0 untouched), the put path's rows arrive by puts (here: copied in)
     send_g = [torch.randn(copies, T_max, H, generator=g).to(torch.bfloat16) for _ in range(W)]
     send_w = [torch.full((copies, T_max, k), float("nan")) for _ in range(W)]
     for s in range(W):
-        send_g[s][copies - 1, : Ts[s]] = gs[s]
-        send_w[s][copies - 1, : Ts[s]] = ws[s]
+        if copies == 1:
+            send_g[s][0, : Ts[s]] = gs[s]
+            send_w[s][0, : Ts[s]] = ws[s]
+            continue
+        g0, w0 = send_g[s][0].clone(), send_w[s][0].clone()
+        pack_rows_kernel[(2,)](gs[s], Ts[s], send_g[s], torch.zeros(1, dtype=torch.uint8), torch.tensor([epoch]), T_max,
+                               T_max * H, ws[s], send_w[s], H=H, CHUNK=32, MX=False, MODE=0, INT_ROUND=True, K=k,
+                               K_POW2=P2(k), WEIGHTS=True)
+        assert torch.equal(send_g[s][0].view(torch.int16), g0.view(torch.int16))
+        assert send_w[s][0].isnan().all()  # (NaN everywhere before)
+        assert torch.equal(send_g[s][1, : Ts[s]].view(torch.int16), gs[s].view(torch.int16))
+        assert torch.equal(send_w[s][1, : Ts[s]], ws[s])
     sentinel = 1234.5
     comb_gw = [torch.full((W, T_max, k), sentinel) for _ in range(W)]
     flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
