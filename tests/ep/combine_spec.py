@@ -1,5 +1,6 @@
 """The combine-direction math of the nvshmem backend written out in plain torch, for the CPU tests of its kernels
-(tests/ep/test_nvshmem_dataflow.py, tests/ep/test_nvshmem_combine_ranks.py): one row per (token, rank).
+(tests/ep/test_nvshmem_dataflow.py, test_nvshmem_combine_ranks.py, test_put_path_ranks.py): one row per (token,
+rank).
 
 For an origin's token ``t`` with slots ``j`` on ranks ``dest_rank[t, j]`` (-1 dropped) at rows ``dest_row[t, j]``:
 the partial of rank ``d`` is ``P_d = sum_j w[t, j] * out_d[row_j]`` over the slots on ``d``, in fp32, ``j`` ascending,
@@ -63,15 +64,19 @@ def route_grad(dest_row, gy, out) -> torch.Tensor:
     return gw
 
 
-def assert_bf16_same(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
-    """Bit-exact bf16 tensors, except that any NaN equals any NaN (kernels and torch differ in NaN payloads)."""
+def assert_bf16_same(got: torch.Tensor, want: torch.Tensor, msg: str = "", signed_zero: bool = True) -> None:
+    """Bit-exact bf16 tensors, except that any NaN equals any NaN (kernels and torch differ in NaN payloads);
+    ``signed_zero=False``: -0 equals +0 too."""
     assert got.shape == want.shape, (msg, got.shape, want.shape)
     gn, wn = got.isnan(), want.isnan()
     assert torch.equal(gn, wn), (msg, "NaN positions differ", torch.nonzero(gn != wn)[:8].tolist())
     gb = torch.where(gn, 0, got.view(torch.int16))
     wb = torch.where(wn, 0, want.view(torch.int16))
+    if not signed_zero:
+        gb, wb = torch.where(got == 0, 0, gb), torch.where(want == 0, 0, wb)
     bad = torch.nonzero(gb != wb)
-    assert not len(bad), (msg, "bits differ at", bad[:8].tolist(), got[tuple(bad[0])].item(), want[tuple(bad[0])].item())
+    assert not len(bad), (msg, "bits differ at", bad[:8].tolist(),
+                          *((got[tuple(bad[0])].item(), want[tuple(bad[0])].item()) if len(bad) else ()))
 
 
 def ptrs(ts) -> torch.Tensor:

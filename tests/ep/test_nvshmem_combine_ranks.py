@@ -350,7 +350,7 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
             send_g[s][0, : Ts[s]] = gs[s]
             send_w[s][0, : Ts[s]] = ws[s]
             continue
-        g0, w0 = send_g[s][0].clone(), send_w[s][0].clone()
+        g0 = send_g[s][0].clone()
         pack_rows_kernel[(2,)](gs[s], Ts[s], send_g[s], torch.zeros(1, dtype=torch.uint8), torch.tensor([epoch]), T_max,
                                T_max * H, ws[s], send_w[s], H=H, CHUNK=32, MX=False, MODE=0, INT_ROUND=True, K=k,
                                K_POW2=P2(k), WEIGHTS=True)
