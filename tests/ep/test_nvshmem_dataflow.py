@@ -668,11 +668,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mxcomm.ep import nvshmem_kernels as nk
 
-def compile(fn, types, **consts):
+def compile(fn, types, fusion=True, **consts):
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    opts = dict(num_warps=4, enable_fp_fusion=fusion)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     assert ptx
+    if not fusion:  # the partial sums: each product rounded, then added (launched with enable_fp_fusion=False)
+        assert "fma." not in ptx, fn.__name__
     return ptx
 
 i32, i64, u8 = "*i32", "*i64", "*u8"
@@ -693,21 +696,21 @@ for staged, mx, weighted in ((False, True, True), (False, False, False), (True, 
     # the partial's payload store (MXFP8 bytes or BF16 values, through _store_partial to a pointer read from the peer
     # table) stays a 16-byte vector store where a thread holds 16 bytes of the chunk: MXFP8 needs a 2048-value chunk
     # at 4 warps (the backend's 1024-value chunk gives each thread 8 bytes: checked below)
-    ptx = compile(nk.combine_partials_kernel, part, H=4096, K=8, CHUNK=2048 if mx else 1024, MX=mx, PASS=False,
-                  WEIGHTED=weighted, MODE=0, INT_ROUND=False, STAGED=staged)
+    ptx = compile(nk.combine_partials_kernel, part, False, H=4096, K=8, CHUNK=2048 if mx else 1024, MX=mx,
+                  PASS=False, WEIGHTED=weighted, MODE=0, INT_ROUND=False, STAGED=staged)
     assert "st.global.v4.b32" in ptx, ("partials", staged, mx, weighted)
 for pas in (False, True):  # the backend's chunk (qdq_chunk 1024, 4 warps): MXFP8 payload stores are 8-byte vectors
-    ptx = compile(nk.combine_partials_kernel, dict(part, out_ptr=u8) if pas else part, H=4096, K=8, CHUNK=1024,
-                  MX=True, PASS=pas, WEIGHTED=not pas, MODE=0, INT_ROUND=False, STAGED=False)
+    ptx = compile(nk.combine_partials_kernel, dict(part, out_ptr=u8) if pas else part, False, H=4096, K=8,
+                  CHUNK=1024, MX=True, PASS=pas, WEIGHTED=not pas, MODE=0, INT_ROUND=False, STAGED=False)
     assert re.search(r"st[.]global[.]v[24][.]b32", ptx), ("partials at the backend's chunk", pas)
 red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_ptr="*fp32", y_ptr="*bf16",
            epoch_ptr=i64, dest_row_ptr=i32, own_ptr="*bf16", own_s_ptr=u8)
 # partials from comb_q; one rank: the expert rows in place, bf16 (combine) or MX (dispatch backward of an MX gradient)
 for own, own_pass, weighted in ((False, False, True), (True, False, True), (True, True, False)):
-    compile(nk.combine_reduce_kernel, dict(red, own_ptr=u8) if own_pass else red, H=4096, K=8, K_POW2=8,
+    compile(nk.combine_reduce_kernel, dict(red, own_ptr=u8) if own_pass else red, False, H=4096, K=8, K_POW2=8,
             CHUNK=1024 if own else 2048, MX=True, INT_ROUND=False, OWN=own, OWN_PASS=own_pass, WEIGHTED=weighted,
             MODE=0)
-compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), H=4096, K=6, K_POW2=8, CHUNK=4096, MX=False,
+compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), False, H=4096, K=6, K_POW2=8, CHUNK=4096, MX=False,
         INT_ROUND=False, OWN=False, OWN_PASS=False, WEIGHTED=True, MODE=0)  # BF16 transport; k not a power of two
 pub = dict(src_ptr=i32, dst_peers=i64, flags_peers=i64, flags_local=i64, epoch_ptr=i64, err_ptr=i64, timeout_ns="i64")
 compile(nk.publish_kernel, pub, BLOCK=1024)
