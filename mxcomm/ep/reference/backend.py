@@ -20,11 +20,11 @@ Combine (math in :mod:`mxcomm.ep.reference.backward`), one row per (token, rank)
   3. the origin decodes the partials and sums them in fp32 per token, the ranks in order of first appearance over
      ``j``; BF16 result.
 Backward:
-  * combine backward: the per-slot rows ``w * grad_y`` (fp32, then MXFP8 row-wise or BF16) move like a dispatch
-    into the expert-major layout; with a :class:`CombineSaved` (the expert output, kept on the expert rank) the
-    route-weight gradient is computed there: the slot indices go to the expert ranks (4 bytes per slot), ``grad_y``
-    goes once per (token, rank) as BF16 (``2H`` bytes per pair), each rank dots it with its expert rows and
-    returns one fp32 per slot;
+  * combine backward: the origin sends each valid slot's index and weight (8 bytes per slot) and ``grad_y`` once per
+    (token, rank) as BF16 (``2H`` bytes per pair, per rank its tokens ascending); each expert rank forms the per-slot
+    rows ``w[t,j] * grad_y[t]`` in fp32, rounds each (MXFP8 row-wise or BF16) into the expert-major layout, and with
+    a :class:`CombineSaved` (the expert output, kept on the expert rank) dots ``grad_y`` with its expert rows and
+    returns one fp32 per slot (the route-weight gradient);
   * dispatch backward: the combine exchange with every weight 1 (the slot indices only: 4 bytes per slot) on the
     decoded gradient (an MX gradient is dequantized, summed per (token, rank) and rounded again for transport).
 
@@ -46,7 +46,7 @@ from ..collectives import collective_device
 from ..config import EPConfig
 from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from ..plan import build_plan, local_counts, max_recv_rows, recv_rows, send_tokens
-from .backward import decode_rows, route_weight_grad, slot_grad_rows
+from .backward import decode_rows, route_weight_grad
 
 
 def weighted_combine(rows: torch.Tensor, send_pos: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -172,16 +172,22 @@ class TorchBackend:
             MXTensor ``[R, H]`` with GROUPED_M scales on ``plan.offs`` (MXFP8) or bfloat16 ``[R, H]``;
             padding rows zero.
         """
-        dev = payload.device
-        rows = recv_rows(plan, sum(recv_splits)).to(torch.int64)
         recv_p = self._all_to_all(payload, send_splits, recv_splits)
+        recv_s = None if scales is None else self._all_to_all(scales, send_splits, recv_splits)
+        return self._expert_major(recv_p, recv_s, plan, R)
+
+    def _expert_major(self, payload, scales, plan, R: int):
+        """Rows in receive order -> the expert-major layout: payload uint8 ``[n_recv, B]`` and row scales uint8
+        ``[n_recv, H/32]`` (MXFP8) or None (BF16 bytes). Returns an MXTensor with GROUPED_M scales on ``plan.offs`` or
+        bfloat16 ``[R, H]``; padding rows zero (payload and scale bytes)."""
+        dev = payload.device
+        rows = recv_rows(plan, payload.shape[0]).to(torch.int64)
         out_p = torch.zeros(R, payload.shape[1], dtype=torch.uint8, device=dev)
-        out_p[rows] = recv_p
+        out_p[rows] = payload
         if scales is None:
             return out_p.view(torch.bfloat16)
-        recv_s = self._all_to_all(scales, send_splits, recv_splits)
         out_s = torch.zeros(R, scales.shape[1], dtype=torch.uint8, device=dev)
-        out_s[rows] = recv_s
+        out_s[rows] = scales
         mx = MXTensor(
             qdata=out_p.view(torch.float8_e4m3fn), scales=out_s, axis=1, layout=ScaleLayout.ROW,
             mode=self.config.scale_mode, orig_dtype=torch.bfloat16,
@@ -293,33 +299,33 @@ class TorchBackend:
 
     # -- backward ---------------------------------------------------------------------------
     def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved, quantize_rows: bool) -> CombineGrads:
-        """See :meth:`mxcomm.ep.steps.EPSteps.combine_backward` (math in :mod:`mxcomm.ep.reference.backward`)."""
+        """See :meth:`mxcomm.ep.steps.EPSteps.combine_backward` (math in :mod:`mxcomm.ep.reference.backward`):
+        ``grad_y`` crosses once per (token, rank) as BF16 with the slots' indices and weights; each expert rank forms
+        the per-slot rows ``w[t,j] * grad_y[t]`` (fp32), rounds each (MXFP8 row-wise or BF16) into the dispatch
+        layout, and with ``saved`` (its expert output) returns ``<grad_y[t], expert_out[row(t,j)]>`` per slot."""
         self._begin("combine_backward", f"T={handle.num_tokens}")
         plan = handle.plan
-        send_splits, recv_splits = list(handle.send_splits_host), list(handle.recv_splits_host)
-        g = slot_grad_rows(grad_y, handle.topk_weights, plan.send_order[: sum(send_splits)])  # fp32, send order
+        pairs = self._slots_at_experts(handle, handle.topk_weights)
+        tok, home_splits, _ = self._home_pairs(handle)
+        gy = self._all_to_all(grad_y.contiguous()[tok].view(torch.uint8), home_splits, pairs.splits)
+        gy = gy.view(torch.bfloat16)                                              # [n_pairs, H] on the expert side
+        w = pairs.weights[pairs.inv, pairs.slot_j]                                # receive order
+        g = w.view(-1, 1) * gy[pairs.inv].to(torch.float32)                       # w[t,j] * grad_y[t], fp32
         if quantize_rows:
             q = quantize(g, mode=self.config.scale_mode)
-            grad_out = self._rows_to_experts(
-                q.qdata.view(torch.uint8), q.scales, plan, handle.num_rows, send_splits, recv_splits
-            )
+            grad_out = self._expert_major(q.qdata.view(torch.uint8), q.scales, plan, handle.num_rows)
         else:
-            grad_out = self._rows_to_experts(
-                g.to(torch.bfloat16).view(torch.uint8), None, plan, handle.num_rows, send_splits, recv_splits
-            )
-        grad_w = None if saved is None else self._route_weight_grad(grad_y, handle, saved.rows)
+            grad_out = self._expert_major(g.to(torch.bfloat16).view(torch.uint8), None, plan, handle.num_rows)
+        grad_w = None if saved is None else self._route_weight_grad(gy, pairs, handle, saved.rows)
         return CombineGrads(grad_expert_out=grad_out, grad_weights=grad_w)
 
-    def _route_weight_grad(self, grad_y: torch.Tensor, handle: EPHandle, expert_out: torch.Tensor) -> torch.Tensor:
-        """``grad_w[t,j] = <grad_y[t], expert_out[row(t,j)]>`` where the expert rows are: ``grad_y`` (BF16) goes to
-        each rank once per (token, rank), the dots (fp32) come back one per slot. Returns float32 ``[T, k]``."""
+    def _route_weight_grad(self, gy: torch.Tensor, pairs: "_Pairs", handle: EPHandle,
+                           expert_out: torch.Tensor) -> torch.Tensor:
+        """``grad_w[t,j] = <grad_y[t], expert_out[row(t,j)]>`` formed where the expert rows are (``gy``: ``grad_y`` of
+        each pair, there); the dots (fp32) go home one per slot. Returns float32 ``[T, k]``."""
         plan = handle.plan
         send_splits, recv_splits = list(handle.send_splits_host), list(handle.recv_splits_host)
-        pairs = self._slots_at_experts(handle, None)
-        tok, home_splits, _ = self._home_pairs(handle)
-        gy = grad_y.contiguous()[tok].view(torch.uint8)  # [n_pairs, 2H] bytes of bf16
-        got = self._all_to_all(gy, home_splits, pairs.splits).view(torch.bfloat16)
-        dots = route_weight_grad(got, expert_out, pairs.pos)  # [n_pairs, k] fp32
+        dots = route_weight_grad(gy, expert_out, pairs.pos)  # [n_pairs, k] fp32
         per_row = dots[pairs.inv, pairs.slot_j].contiguous()   # receive order
         back = self._all_to_all(per_row.view(torch.uint8).view(-1, 4), recv_splits, send_splits)
         vals = back.contiguous().view(torch.float32).view(-1)  # send order

@@ -13,10 +13,10 @@ first appearance" ``d_1, d_2, ...`` are the valid ``dest(t, j)`` taken for ``j =
   sums ``y[t] = bf16(sum_i Tq(P_{d_i}[t]))`` in fp32 in order of first appearance. A token without a valid slot
   gives 0. One rank is the same formula (one partial per token).
 * combine backward:
-  ``grad_expert_out[row(t,j)] = T_q(w[t,j] * grad_y[t])``: the fp32 product (:func:`slot_grad_rows`) rounded per
-  slot (MXFP8 row-wise quantization, or a BF16 cast), delivered into the dispatch layout on the expert rank
-  (expert-major, padded, same rows as the dispatch output, MX scales grouped-along-M on ``offs``; padding rows
-  zero). ``grad_w[t,j] = <grad_y[t], out_d[row(t,j)]>`` in fp32 with the expert output AS GIVEN to combine (the
+  ``grad_expert_out[row(t,j)] = T_q(w[t,j] * grad_y[t])``: the fp32 product rounded per slot (MXFP8 row-wise
+  quantization, or a BF16 cast) in the dispatch layout on the expert rank (expert-major, padded, same rows as the
+  dispatch output, MX scales grouped-along-M on ``offs``; padding rows zero).
+  ``grad_w[t,j] = <grad_y[t], out_d[row(t,j)]>`` in fp32 with the expert output AS GIVEN to combine (the
   straight-through gradient of the forward: ``Tq`` counts as the identity), 0 for dropped slots. It is computed
   where the expert rows are: :class:`~mxcomm.ep.handle.CombineSaved` holds the expert output on the expert rank
   (nothing is kept at the origin), and ``grad_y`` is brought there.
@@ -55,18 +55,6 @@ def transport_round(p: torch.Tensor, quantize_rows: bool, mode: str) -> torch.Te
     return p.to(torch.bfloat16).to(torch.float32)
 
 
-def slot_grad_rows(grad_y: torch.Tensor, topk_weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``w[t,j] * grad_y[t]`` in fp32 for the flat slots ``slots = t*k + j``: float32 ``[n, H]``.
-
-    Args:
-        grad_y: ``[T, H]`` (any float dtype); topk_weights: ``[T, k]``; slots: int ``[n]``.
-    """
-    k = topk_weights.shape[1]
-    s = slots.to(torch.int64)
-    w = topk_weights.reshape(-1).to(torch.float32)[s]
-    return w.view(-1, 1) * grad_y.to(torch.float32)[s // k]
-
-
 def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
     """``out[t,j] = <grad_y[t], rows[pos[t,j]]>`` in fp32; 0 where ``pos == -1``.
 
@@ -87,4 +75,4 @@ def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor],
     return torch.where(valid, dot, torch.zeros_like(dot))
 
 
-__all__ = ["decode_rows", "transport_round", "slot_grad_rows", "route_weight_grad"]
+__all__ = ["decode_rows", "transport_round", "route_weight_grad"]
