@@ -411,7 +411,7 @@ class NvshmemBackend:
         scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(ncols, cb))](
             src.view(torch.int32) if word else src, out.view(torch.int32) if word else out, plan.offs,
             plan.num_rows, plan.expert_counts, self.El, cp // 4, C=C, CB=cb, G_POW2=triton_next_pow2(self.El), WORD=word,
-            num_warps=4,
+            TAIL=self.config.exact_sizes, num_warps=4,
         )
         return out
 

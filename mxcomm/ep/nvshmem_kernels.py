@@ -700,8 +700,14 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w
                         v = to_fp32(tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0),
                                     INT_ROUND)
                 acc = acc + v
-            if OWN and MX:  # the transport rounding of the one partial, in registers
-                acc = tl.reshape(mx_qdq_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1, BF16_MAX), (CHUNK,))
+            if OWN:  # the transport rounding of the one partial, in registers, then the origin's sum (0 + P: -0 -> +0)
+                if MX:
+                    acc = tl.reshape(mx_qdq_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1, BF16_MAX), (CHUNK,))
+                elif INT_ROUND:
+                    acc = to_fp32(bf16_rne_int(acc), INT_ROUND)
+                else:
+                    acc = acc.to(tl.bfloat16).to(tl.float32)
+                acc = tl.zeros((CHUNK,), tl.float32) + acc
             if INT_ROUND:
                 tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
             else:
@@ -774,11 +780,13 @@ def _zero_unfilled_rows(dst_ptr, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_grou
 
 @triton.jit
 def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts_ptr, n_groups, n_col_tiles,
-                                 C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr, WORD: tl.constexpr = False):
+                                 C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr, WORD: tl.constexpr = False,
+                                 TAIL: tl.constexpr = False):
     """Receiver: the scale rows that arrived row-major at their payload rows -> a fresh grouped-along-M
     blocked matrix (what the grouped GEMM reads), every byte written (zeros for padding).
 
-    Tile-rows past the last group (the worst-case tail of the no-sync mode) are not written.
+    Tile-rows past the last group are written as zeros with ``TAIL`` (exact sizes: the matrix's own padding), and
+    not at all without it (the worst-case tail of the no-sync mode).
 
     Program ``(i, cb)`` fills output tile-row ``i`` (blocked rows ``128 i .. 128 i + 127``) for block
     columns ``cb * CB .. cb * CB + CB - 1``. Each group (local expert) starts on a 128-row boundary of the
@@ -816,6 +824,10 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts
     br = r0 + tl.arange(0, 128)
     prow = gstart + br - gpstart
     real = (g < n_groups) & (br - gpstart < gcount) & (prow < tl.load(n_rows_ptr))
+    if TAIL:
+        keep = g >= 0  # every tile-row
+    else:
+        keep = g < n_groups  # not the tile-rows past the last group
     cols = cb * CB + tl.arange(0, CB)
     if WORD:
         # A 128x4 tile is 128 words, word (r % 32) * 4 + r // 32 holding row r; the tiles of a tile-row follow
@@ -828,9 +840,9 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts
         vt = tl.reshape(tl.permute(tl.reshape(v, (4, 32, CB)), (2, 1, 0)), (CB * 128,))
         o = tl.arange(0, CB * 128)
         tl.store(out_ptr + (i * n_col_tiles + cb * CB).to(tl.int64) * 128 + o, vt,
-                 mask=(cb * CB + o // 128 < n_col_tiles) & (g < n_groups))
+                 mask=(cb * CB + o // 128 < n_col_tiles) & keep)
     else:
         v = tl.load(rows_ptr + prow.to(tl.int64)[:, None] * C + cols[None, :],
                     mask=real[:, None] & (cols < C)[None, :], other=0)
         tl.store(out_ptr + blocked_scale_offset(br.to(tl.int64)[:, None], cols[None, :], n_col_tiles), v,
-                 mask=(cols < 4 * n_col_tiles)[None, :] & (g < n_groups))
+                 mask=(cols < 4 * n_col_tiles)[None, :] & keep)
