@@ -23,7 +23,8 @@
 #   all       tests, loopback, shared2, shared4, multi (when there are 2+ GPUs)
 #
 # Output: OUT (default ~/.cache/mxcomm/gpu-run): one folder per benchmark (JSON, table, PNGs) and a log per stage.
-# Limits: BENCH_LIMIT (s per benchmark, default 540), GPU_TEST_TIMEOUT (540).
+# Limits: BENCH_LIMIT (s per benchmark, default 540), GPU_TEST_TIMEOUT (540), UNMARKED_TIMEOUT (300), MPIRUN_TIMEOUT (300),
+# TRANSPORT_TIMEOUT (200), MPS_TIMEOUT (570).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 stages=${1:-all}
@@ -67,19 +68,19 @@ if has tests; then
       | tee "$OUT/gpu_tests.log" | tail -60
   note "gpu tests" "${PIPESTATUS[0]}"
   # Device-agnostic kernel tests (unmarked: on CUDA when there is a GPU, under the interpreter otherwise).
-  timeout 300 python3 -m pytest -q -p no:cacheprovider "${par[@]}" -m "not gpu and not nvshmem" \
+  timeout "${UNMARKED_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider "${par[@]}" -m "not gpu and not nvshmem" \
       ${kexpr:+-k "$kexpr"} tests/kernels tests/ep/test_plan_kernels.py tests/gemm 2>&1 \
       | tee "$OUT/gpu_tests_unmarked.log" | tail -15
   note "device-agnostic kernel tests on the GPU" "${PIPESTATUS[0]}"
-  timeout 300 python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "mpirun_nvshmem${kexpr:+ and ($kexpr)}" tests/mpi 2>&1 \
+  timeout "${MPIRUN_TIMEOUT:-300}" python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "mpirun_nvshmem${kexpr:+ and ($kexpr)}" tests/mpi 2>&1 \
       | tee "$OUT/gpu_tests_mpirun.log" | tail -15
   r=${PIPESTATUS[0]}; [[ $r -eq 5 ]] && r=0  # 5: none collected
   note "gpu tests (mpirun nvshmem, serial)" "$r"
-  timeout 200 python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "under_mps${kexpr:+ and ($kexpr)}" tests/transport 2>&1 \
+  timeout "${TRANSPORT_TIMEOUT:-200}" python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "under_mps${kexpr:+ and ($kexpr)}" tests/transport 2>&1 \
       | tee "$OUT/gpu_tests_transport_mps.log" | tail -15
   note "gpu tests (transport/put-signal, own MPS)" "${PIPESTATUS[0]}"
   if mxcomm_mps_start 4; then  # 4 ranks of the EP tests need MPS
-    MXCOMM_SOAK_S=${MXCOMM_SOAK_S:-170} timeout 570 python3 -m pytest -q -rA -m nvshmem -p no:cacheprovider \
+    MXCOMM_SOAK_S=${MXCOMM_SOAK_S:-170} timeout "${MPS_TIMEOUT:-570}" python3 -m pytest -q -rA -m nvshmem -p no:cacheprovider \
         -k "(four_ranks or mps or faults_gpu) and not under_mps${kexpr:+ and ($kexpr)}" tests/ep tests/mpi 2>&1 \
         | tee "$OUT/gpu_tests_mps.log" | tail -15
     r=${PIPESTATUS[0]}
