@@ -38,8 +38,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kernels.mx_device import (BF16_MAX, bf16_rne_int, block_amax, blocked_scale_offset, mx_decode_tile, mx_qdq_tile,
-                                 mx_quantize_tile, mx_quantize_tile_amax, to_fp32)
+from ..kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, blocked_scale_offset, mx_decode_tile,
+                                 mx_qdq_tile,
+                                 mx_quantize_tile, mx_quantize_tile_amax, mx_saturate, to_fp32)
 from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
@@ -557,10 +558,18 @@ def _store_partial(acc, qbase, sbase, slot, c0, offs, cols, m, cm, H: tl.constex
         tl.store(sbase + slot * (H // 32) + cols, sc, mask=cm)
     else:
         dst = qbase + tl.multiple_of(slot * H + c0, 16) + offs
+        acc = _bf16_saturated(acc)
         if INT_ROUND:
             tl.store(dst, bf16_rne_int(acc), mask=m)
         else:
             tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), acc.to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def _bf16_saturated(v):
+    """A finite fp32 tile clamped to +-BF16_MAX (its BF16 rounding then saturates instead of becoming Inf); Inf and
+    NaN as they are (``mxcomm.ep.reference.backward.bf16_saturated``)."""
+    return tl.where(tl.abs(v) <= FP32_MAX, mx_saturate(v, BF16_MAX), v)
 
 
 @triton.jit
@@ -681,6 +690,7 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w
             cols = c0 // 32 + bcols
             cm = cols < C
             acc = tl.zeros((CHUNK,), tl.float32)
+            fin = offs >= 0  # every partial summed here so far is finite
             for j in tl.static_range(K):
                 d = tl.load(dest_rank_ptr + t * K + j)
                 if OWN:
@@ -699,15 +709,19 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w
                     else:
                         v = to_fp32(tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0),
                                     INT_ROUND)
+                    fin = fin & (tl.abs(v) <= FP32_MAX)
                 acc = acc + v
             if OWN:  # the transport rounding of the one partial, in registers, then the origin's sum (0 + P: -0 -> +0)
                 if MX:
                     acc = tl.reshape(mx_qdq_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1, BF16_MAX), (CHUNK,))
                 elif INT_ROUND:
-                    acc = to_fp32(bf16_rne_int(acc), INT_ROUND)
+                    acc = to_fp32(bf16_rne_int(_bf16_saturated(acc)), INT_ROUND)
                 else:
-                    acc = acc.to(tl.bfloat16).to(tl.float32)
+                    acc = _bf16_saturated(acc).to(tl.bfloat16).to(tl.float32)
+                fin = tl.abs(acc) <= FP32_MAX
                 acc = tl.zeros((CHUNK,), tl.float32) + acc
+            # a sum of finite partials saturates at the BF16 range; an Inf or NaN partial passes through
+            acc = tl.where(fin, mx_saturate(acc, BF16_MAX), acc)
             if INT_ROUND:
                 tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
             else:

@@ -13,11 +13,15 @@ import torch
 from mxcomm.mx import quantize
 
 
+BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
 def tq(P: torch.Tensor, q: bool, mode: str = "rceil") -> torch.Tensor:
     """The transport rounding of fp32 rows ``P`` ``[n, H]``: MXFP8 (``q``) or BF16, back to fp32."""
     if q:
         return quantize(P, mode=mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
-    return P.to(torch.bfloat16).to(torch.float32)
+    keep = torch.isfinite(P)  # a finite value saturates at the BF16 range instead of becoming Inf
+    return torch.where(keep, P.clamp(-BF16_MAX, BF16_MAX), P).to(torch.bfloat16).to(torch.float32)
 
 
 def token_ranks(dest_rank: torch.Tensor, t: int) -> list:
@@ -44,12 +48,16 @@ def combine(dest_rank, dest_row, outs, w, q: bool, mode: str = "rceil") -> torch
     T = dest_rank.shape[0]
     H = outs[0].shape[1] if outs else 0
     y = torch.zeros(T, H, dtype=torch.float32)
+    fin = torch.ones(T, H, dtype=torch.bool)
     for t in range(T):
         acc = torch.zeros(H, dtype=torch.float32)
         for d in token_ranks(dest_rank, t):
-            acc = acc + tq(partial(dest_rank, dest_row, outs, w, t, d)[None], q, mode)[0]
+            v = tq(partial(dest_rank, dest_row, outs, w, t, d)[None], q, mode)[0]
+            acc = acc + v
+            fin[t] &= torch.isfinite(v)
         y[t] = acc
-    return y.to(torch.bfloat16)
+    # the sum of finite partials saturates at the BF16 range; a partial that is Inf or NaN passes through
+    return torch.where(fin, y.clamp(-BF16_MAX, BF16_MAX), y).to(torch.bfloat16)
 
 
 def route_grad(dest_row, gy, out) -> torch.Tensor:

@@ -17,6 +17,7 @@ from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.handle import DispatchResult
 from mxcomm.ep.plan import max_recv_rows
 from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
+from mxcomm.ep.reference.backward import bf16_saturated, sum_to_bf16
 from mxcomm.mx import MXTensor, ScaleLayout, quantize
 from mxcomm.mx.subclass import MXFP8Tensor
 
@@ -415,9 +416,10 @@ def rank_combine_expected(config: EPConfig, expert_outs, routes: SoakRoutes, top
     if quantize_rows:
         sent = quantize(flat, mode=config.scale_mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
     else:
-        sent = flat.to(torch.bfloat16).to(torch.float32)
+        sent = bf16_saturated(flat).to(torch.float32)
     sent = sent.view(W, T, H)
     y = torch.zeros(T, H, dtype=torch.float32)
+    fin = torch.ones(T, H, dtype=torch.bool)
     tok = torch.arange(T)
     for j in range(k):
         first = dr[:, j] >= 0
@@ -425,7 +427,8 @@ def rank_combine_expected(config: EPConfig, expert_outs, routes: SoakRoutes, top
             first &= dr[:, jj] != dr[:, j]
         v = sent[dr[:, j].clamp(min=0), tok]
         y = y + torch.where(first.view(T, 1), v, zero)
-    return y.to(torch.bfloat16)
+        fin &= ~first.view(T, 1) | torch.isfinite(v)
+    return sum_to_bf16(y, fin)
 
 
 # ---------------------------------------------------------------- case lists ----

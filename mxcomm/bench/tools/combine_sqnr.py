@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from ...mx import quantize
+from ...ep.reference.backward import sum_to_bf16, transport_round
 from ..env_info import versions
 
 SCHEMA = "mxcomm.bench.combine_sqnr/1"
@@ -49,9 +49,7 @@ REQUIRED_DB = -0.5  # the per-(token, rank) math may lose at most 0.5 dB against
 def transport(p: torch.Tensor, mx: bool, mode: str) -> torch.Tensor:
     """``Tq`` of fp32 rows ``[..., H]`` (each row on its own): MXFP8 row-wise round trip or BF16."""
     p = p.to(torch.float32)
-    if mx:
-        return quantize(p, mode=mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
-    return p.to(torch.bfloat16).to(torch.float32)
+    return transport_round(p, mx, mode)
 
 
 def per_selection(out: torch.Tensor, w: torch.Tensor, mx: bool, mode: str) -> torch.Tensor:
@@ -97,9 +95,12 @@ def per_rank(out: torch.Tensor, w: torch.Tensor, dest: torch.Tensor, mx: bool, m
     at.scatter_(1, order, torch.arange(k).expand(T, k).contiguous())        # sorted position of slot j
     first = start.gather(1, at)                                              # slot j is its rank's first
     y = torch.zeros(T, H, dtype=torch.float32)
+    fin = torch.ones(T, H, dtype=torch.bool)
     for j in range(k):
-        y = y + torch.where(first[:, j:j + 1], sent[tok, run_end[tok, at[:, j]]], zero)
-    return y.to(torch.bfloat16)
+        v = sent[tok, run_end[tok, at[:, j]]]
+        y = y + torch.where(first[:, j:j + 1], v, zero)
+        fin &= ~first[:, j:j + 1] | torch.isfinite(v)
+    return sum_to_bf16(y, fin)
 
 
 def exact(out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ from ..collectives import collective_device
 from ..config import EPConfig
 from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from ..plan import build_plan, local_counts, max_recv_rows, recv_rows, send_tokens
-from .backward import decode_rows, route_weight_grad
+from .backward import bf16_saturated, decode_rows, route_weight_grad, sum_to_bf16
 
 
 def weighted_combine(rows: torch.Tensor, send_pos: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -260,7 +260,7 @@ class TorchBackend:
         if quantize_rows:
             q = quantize(p, mode=self.config.scale_mode)
             return torch.cat([q.qdata.view(torch.uint8), q.scales], 1)
-        return p.to(torch.bfloat16).contiguous().view(torch.uint8)
+        return bf16_saturated(p).contiguous().view(torch.uint8)
 
     def _decode(self, b: torch.Tensor, quantize_rows: bool) -> torch.Tensor:
         """The travelled bytes of :meth:`_encode` -> fp32 values (``Tq`` of the rows)."""
@@ -281,7 +281,8 @@ class TorchBackend:
         got = self._all_to_all(self._encode(part, quantize_rows), pairs.splits, home_splits)
         back = self._decode(got, quantize_rows)
         ones = torch.ones(first.shape, dtype=torch.float32, device=back.device)
-        return weighted_combine(back, first, ones).to(torch.bfloat16)
+        bad = weighted_combine((~torch.isfinite(back)).to(torch.float32), first, ones) > 0  # a partial Inf/NaN there
+        return sum_to_bf16(weighted_combine(back, first, ones), ~bad)
 
     # -- combine ----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize_rows: bool) -> torch.Tensor:

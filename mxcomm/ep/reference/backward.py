@@ -11,7 +11,9 @@ first appearance" ``d_1, d_2, ...`` are the valid ``dest(t, j)`` taken for ``j =
   ``P_d[t] = sum_j w[t,j] * out_d[row(t,j)]`` over the slots of ``t`` on ``d`` in fp32, ``j`` ascending (each
   product rounded to fp32, then the add; no fused multiply-add), rounds it once (``Tq``) and sends it; the origin
   sums ``y[t] = bf16(sum_i Tq(P_{d_i}[t]))`` in fp32 in order of first appearance. A token without a valid slot
-  gives 0. One rank is the same formula (one partial per token).
+  gives 0. One rank is the same formula (one partial per token). Saturation: a finite partial rounded to BF16 and
+  a sum of finite partials that passes the BF16 range give +-BF16_MAX, not Inf (:func:`bf16_saturated`,
+  :func:`sum_to_bf16`); Inf and NaN pass through.
 * combine backward:
   ``grad_expert_out[row(t,j)] = T_q(w[t,j] * grad_y[t])``: the fp32 product rounded per slot (MXFP8 row-wise
   quantization, or a BF16 cast) in the dispatch layout on the expert rank (expert-major, padded, same rows as the
@@ -45,14 +47,32 @@ def decode_rows(rows: Union[MXTensor, torch.Tensor]) -> torch.Tensor:
     return rows.to(torch.float32)
 
 
+BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def bf16_saturated(v: torch.Tensor, finite: Union[torch.Tensor, None] = None) -> torch.Tensor:
+    """fp32 ``v`` -> bfloat16, the elements where ``finite`` holds (default: where ``v`` is finite) clamped to
+    +-BF16_MAX first: a finite value that rounds past the BF16 range saturates instead of becoming Inf; Inf and NaN
+    (outside ``finite``) are cast as they are."""
+    keep = torch.isfinite(v) if finite is None else finite
+    return torch.where(keep, v.clamp(-BF16_MAX, BF16_MAX), v).to(torch.bfloat16)
+
+
 def transport_round(p: torch.Tensor, quantize_rows: bool, mode: str) -> torch.Tensor:
     """``Tq``: the float32 values of fp32 rows ``p [n, H]`` after transport, each row rounded on its own: MXFP8
     row-wise quantize (scale ``mode``) then dequantize saturated at the BF16 range when ``quantize_rows``, else a
-    BF16 round trip."""
+    BF16 round trip (a finite value saturated at the BF16 range: :func:`bf16_saturated`)."""
     p = p.to(torch.float32)
     if quantize_rows:
         return quantize(p, mode=mode).dequantize(torch.float32, saturate_to=torch.bfloat16)
-    return p.to(torch.bfloat16).to(torch.float32)
+    return bf16_saturated(p).to(torch.float32)
+
+
+def sum_to_bf16(acc: torch.Tensor, all_finite: torch.Tensor) -> torch.Tensor:
+    """The origin's result: the fp32 sum ``acc`` of a token's rounded partials -> bfloat16, saturated at the BF16
+    range where every partial summed there was finite (``all_finite``, elementwise): finite partials whose sum rounds
+    or overflows past the range give +-BF16_MAX, a partial that is Inf or NaN passes through."""
+    return bf16_saturated(acc, all_finite)
 
 
 def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
@@ -75,4 +95,4 @@ def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor],
     return torch.where(valid, dot, torch.zeros_like(dot))
 
 
-__all__ = ["decode_rows", "transport_round", "route_weight_grad"]
+__all__ = ["BF16_MAX", "bf16_saturated", "sum_to_bf16", "decode_rows", "transport_round", "route_weight_grad"]

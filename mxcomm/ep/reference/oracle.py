@@ -27,7 +27,7 @@ from ...mx.layouts import round_up
 from ..config import EPConfig
 from ..handle import CombineGrads, DispatchResult
 from ..plan import max_recv_rows
-from .backward import decode_rows, transport_round
+from .backward import decode_rows, sum_to_bf16, transport_round
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,8 @@ def routed_sum(config: EPConfig, routes: OracleRoutes, vals: Sequence[torch.Tens
     order of first appearance over ``j``), the partial ``P_d[t] = sum_j w_s[t, j] * vals[d][row(t, j)]`` over the
     slots of ``t`` on ``d``, fp32, ``j`` ascending (product, then add); then
     ``y_s[t] = bf16(sum_d Tq(P_d[t]))`` in fp32 in that order (``Tq``:
-    :func:`~mxcomm.ep.reference.backward.transport_round`). A token without a valid slot gives 0.
+    :func:`~mxcomm.ep.reference.backward.transport_round`; the final cast saturates a sum of finite partials:
+    :func:`~mxcomm.ep.reference.backward.sum_to_bf16`). A token without a valid slot gives 0.
 
     Args:
         vals: per rank, fp32 ``[R_r, H]`` rows in the expert-major layout.
@@ -169,11 +170,13 @@ def routed_sum(config: EPConfig, routes: OracleRoutes, vals: Sequence[torch.Tens
                 parts.append(acc)
                 owner.append(t)
         y = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        fin = torch.ones(T, H, dtype=torch.bool, device=dev)
         if parts:
             sent = transport_round(torch.stack(parts), quantize_rows, config.scale_mode)  # each row on its own
             for i, t in enumerate(owner):
                 y[t] = y[t] + sent[i]
-        ys.append(y.to(torch.bfloat16))
+                fin[t] = fin[t] & torch.isfinite(sent[i])
+        ys.append(sum_to_bf16(y, fin))
     return ys
 
 
