@@ -14,14 +14,19 @@ float64). Per precision:
 ============================  ==========================================  ==========================================
 point                         forward                                     backward
 ============================  ==========================================  ==========================================
-dispatch (per slot row)       mxfp8: row-wise MXFP8 of x; bf16: none      row grad: bf16, then (mxfp8) row MXFP8
+dispatch                      mxfp8: row-wise MXFP8 of x; bf16: none      each slot's row grad bf16; their sum per
+                                                                          token rounded once: row MXFP8 / bf16
 expert projection ``a W^T``   W: MXFP8 along K (mxfp8) / bf16; out bf16   grad_out bf16 (+ row MXFP8); grad_a =
                                                                           bf16(grad_out @ W_dgrad), W_dgrad MXFP8
                                                                           along N (mxfp8) / bf16; grad_W = grad_out^T a
 SwiGLU                        h = bf16(silu(g) u); (mxfp8) row MXFP8 of h grad_gu rounded to bf16
-combine (per slot row)        mxfp8: row MXFP8 of the expert output       ``w * grad_y``: (mxfp8) row MXFP8 / bf16
+combine                       the routed sum ``sum_j w * out`` per token  per slot ``w * grad_y``: (mxfp8) row MXFP8
+                              rounded once: (mxfp8) row MXFP8 / bf16      / bf16
 output ``y``                  bf16 (routed part, then with the shared)    grad_y bf16
 ============================  ==========================================  ==========================================
+
+Combine and dispatch backward are simulated as on one rank: one partial per token (with several ranks a token's
+partials are rounded per rank, so the layer's values depend on which experts share a rank).
 
 The shared expert sees ``x`` quantized like the dispatch (mxfp8) with no transport rounding of its gradient.
 Not simulated: the final bf16 rounding of ``grad_x`` and the bf16 sum of the routed and shared ``x``
@@ -120,8 +125,9 @@ class _Rounding:
 
     simulate: bool
     disp_f: Callable = _ident
-    disp_b: Callable = _ident
-    comb_f: Callable = _ident
+    disp_b: Callable = _ident  # the summed gradient of a token's slots
+    row_b: Callable = _ident  # each slot's gradient row
+    comb_f: Callable = _ident  # the routed sum of a token
     comb_b: Callable = _ident
     w_fwd: Callable = _ident
     w_dgrad: Callable = _ident
@@ -133,13 +139,14 @@ class _Rounding:
         if not simulate:
             return _Rounding(False)
         if config.precision == "bf16":
-            return _Rounding(True, disp_b=_bf16, comb_b=_bf16, w_fwd=_bf16, w_dgrad=_bf16, h_f=_bf16)
+            return _Rounding(True, disp_b=_bf16, row_b=_bf16, comb_f=_bf16, comb_b=_bf16, w_fwd=_bf16, w_dgrad=_bf16,
+                             h_f=_bf16)
         m = config.scale_mode
 
         def q(t):
             return _qdq(t, m)
         return _Rounding(
-            True, disp_f=q, disp_b=lambda g: q(_bf16(g)), comb_f=q, comb_b=q,
+            True, disp_f=q, disp_b=q, row_b=_bf16, comb_f=q, comb_b=q,
             w_fwd=lambda w: _qdq(w, m, axis=-1), w_dgrad=lambda w: _qdq(w, m, axis=0), g_q=q,
             h_f=lambda h: q(_bf16(h)),
         )
@@ -184,14 +191,16 @@ def moe_reference(
     r = _Rounding.of(config, simulate)
     idx, w, _, aux = reference_route(x, router, config, topk_idx)
     y = torch.zeros_like(x)
+    xd = r.sim(x, r.disp_f, r.disp_b)  # the dispatch rounding; backward: the slots' gradients summed, rounded once
     for e in range(config.num_experts):
         tok, slot = torch.nonzero(idx == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        a = r.sim(x[tok], r.disp_f, r.disp_b)
+        a = r.sim(xd[tok], _ident, r.row_b)
         out = _swiglu_mlp(a, w13[e].to(dt), w2[e].to(dt), r)
-        out = r.sim(out, r.comb_f, r.comb_b)
+        out = r.sim(out, _ident, r.comb_b)
         y = y.index_add(0, tok, w[tok, slot].unsqueeze(1) * out)
+    y = r.sim(y, r.comb_f, _ident)  # one rounded partial per token
     y = r.sim(y, _bf16, _bf16)
     if shared_w13 is not None:
         s13 = shared_w13.reshape(-1, shared_w13.shape[-1]).to(dt)
