@@ -229,8 +229,7 @@ def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode, weighted):
                                 K_POW2=triton.next_power_of_2(k), CHUNK=64, MX=mx, INT_ROUND=True, OWN=True,
                                 OWN_PASS=passthrough, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
     want = spec_combine(plan.dest_rank, plan.dest_row, [vals], w if weighted else None, mx)
-    # the sign of a zero is checked by test_one_rank_reduce_gives_plus_zero (a zero partial element comes out -0 here)
-    assert_bf16_same(y, want, signed_zero=False)
+    assert_bf16_same(y, want)  # (the sign of a zero too: test_one_rank_reduce_gives_plus_zero)
     hit = (plan.dest_row == nan_row).any(1)
     assert torch.equal(y.isnan().any(1), hit) and hit.any()
     assert not y[3].any()
@@ -311,12 +310,14 @@ _SCALE_CASES = [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
-@pytest.mark.parametrize("El,C,align,n_rows_cut,word",
-                         [c + (False,) for c in _SCALE_CASES] + [c + (True,) for c in _SCALE_CASES if c[1] % 4 == 0])
-def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_cut, word):
+@pytest.mark.parametrize("El,C,align,n_rows_cut,word,tail",
+                         [c + (False, i % 2 == 0) for i, c in enumerate(_SCALE_CASES)]
+                         + [c + (True, i % 2 == 1) for i, c in enumerate(_SCALE_CASES) if c[1] % 4 == 0])
+def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_cut, word, tail):
     """The receiver's swizzle == mxcomm.mx.to_grouped_m of the real rows (each group's first ``count`` rows):
     empty groups and padding rows give zeros, rows past ``n_rows`` are ignored, every byte of the groups' tile-rows is
-    written; the tile-rows past the last group (the worst-case tail of the no-sync mode) are not.
+    written; the tile-rows past the last group are zeros with ``TAIL`` (exact sizes: the matrix's own padding) and
+    not written without it (the worst-case tail of the no-sync mode).
     ``word``: the 4-byte-column variant (what the backend runs when ``C % 4 == 0``)."""
     import triton
     from mxcomm.ep.nvshmem_kernels import scale_rows_to_grouped_kernel
@@ -344,12 +345,15 @@ def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_
     scale_rows_to_grouped_kernel[(out_rows // 128, triton.cdiv(ncols, cb))](
         rows.view(torch.int32) if word else rows, out.view(torch.int32) if word else out, offs,
         torch.tensor([n_rows], dtype=torch.int32), n.to(torch.int32), El, cp // 4, C=C, CB=cb,
-        G_POW2=triton.next_power_of_2(El), WORD=word)
+        G_POW2=triton.next_power_of_2(El), WORD=word, TAIL=tail)
     in_groups = int(((offs - torch.cat([offs.new_zeros(1), offs[:-1]]) + 127) // 128 * 128).sum())
     assert in_groups < out_rows  # the case has tile-rows past the groups
     assert torch.equal(out[:in_groups], want[:in_groups])
     assert not want[in_groups:].any()
-    assert (out[in_groups:] == 0xAB).all()  # tile-rows past the groups: not written
+    if tail:
+        assert not out[in_groups:].any()  # every byte written: zeros past the groups
+    else:
+        assert (out[in_groups:] == 0xAB).all()  # tile-rows past the groups: not written
 
 
 def _loopback_backend(cfg, launch=None):
@@ -431,11 +435,11 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
     no-sync sizes, a sequence of calls with 7, 0, 5 and 8 tokens (both epoch parities of every copy; the last call
     sends every token's first slot to one expert): dispatch equals the oracle (payload and the groups' scale tiles;
     the no-sync tail is not written); combine (MXFP8 and BF16 transport of the partials) and dispatch backward (a dense
-    gradient, and with MXFP8 the MX gradient combine backward made) equal the spec bit for bit (the local path up to
-    the sign of zero: see test_one_rank_reduce_gives_plus_zero), never reading a padding or tail row (NaN there) nor
-    the weight of a dropped slot (NaN); combine backward's rows are the per-slot quantization of ``w * grad_y`` and its
-    route-weight gradient the dot with the expert output (float64 reference, fp32 tolerance) when the forward kept
-    ``CombineSaved(rows=expert_out)``, None without. Every fresh tensor starts as garbage (``_poisoned_empty``)."""
+    gradient, and with MXFP8 the MX gradient combine backward made) equal the spec bit for bit (zeros' signs
+    included), never reading a padding or tail row (NaN there) nor the weight of a dropped slot (NaN); combine
+    backward's rows are the per-slot quantization of ``w * grad_y`` and its route-weight gradient the dot with the
+    expert output (float64 reference, fp32 tolerance) when the forward kept ``CombineSaved(rows=expert_out)``, None
+    without. Every fresh tensor starts as garbage (``_poisoned_empty``)."""
     from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
     from mxcomm.ep.handle import CombineSaved
 
@@ -448,7 +452,7 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
     # ends), the default launch settings in test_exact_dispatch_scale_matrix_is_fully_written and the other tests
     be = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2))
     be.plan_impl = "triton" if exact else "torch"
-    sz = be.path != "local"  # the sign of a zero is exact on the paths whose origin sums partials
+    sz = True  # the sign of a zero too, on every path (test_one_rank_reduce_gives_plus_zero)
     g = torch.Generator().manual_seed(len(transport) * 100 + 10 * mx + exact)
     for T in (7, 0, 5, 8):
         x = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
@@ -719,8 +723,11 @@ compile(nk.first_refusal_kernel, dict(words_ptr=i32, out_ptr=i64), W_POW2=8)
 compile(nk.entries_table_kernel, dict(list_ptr=i32, table_ptr=i32, epoch_ptr=i64), K=8, K_POW2=8, EW=16)
 compile(nk.gather_route_grad_kernel, dict(gw_ptr="*fp32", dest_rank_ptr=i32, out_ptr="*fp32"), BLOCK=1024)
 sc = dict(offs_ptr=i32, n_rows_ptr=i32, counts_ptr=i32)
-compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=u8, out_ptr=u8), C=228, CB=32, G_POW2=256, WORD=False)
-compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=i32, out_ptr=i32), C=224, CB=64, G_POW2=256, WORD=True)
+for tail in (False, True):  # no-sync tail left alone; exact sizes: the matrix's own padding tile-rows zeroed
+    compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=u8, out_ptr=u8), C=228, CB=32, G_POW2=256, WORD=False,
+            TAIL=tail)
+    compile(nk.scale_rows_to_grouped_kernel, dict(sc, rows_ptr=i32, out_ptr=i32), C=224, CB=64, G_POW2=256, WORD=True,
+            TAIL=tail)
 compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
         CHUNK=512)
 for weighted in (False, True):  # local path: straight into the output; the unfilled rows zeroed by the same launch
