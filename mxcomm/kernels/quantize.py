@@ -33,6 +33,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..mx import MXTensor, ScaleLayout, check_quantizable, grouped_k_cols, grouped_m_rows, round_up
 from ..mx.scales import BLOCK, SCALE_MODES, check_mode
+from .launch import fast_kernel
 from .mx_device import SCALE_MODE_IDS, bf16_rne_int, blocked_scale_offset, grouped_k_scale_offset, grouped_padded_index
 from .mx_device import mx_decode_tile, mx_quantize_tile, out_max
 
@@ -420,7 +421,7 @@ def quantize_rows(
         cfg = config or default_rows_config(M, K, dev, interpret_mode())
         n_groups = offs.numel() if offs is not None else 0
         grid = (triton.cdiv(ext_r, cfg.block_rows), triton.cdiv(ext_k, cfg.block_k))
-        _quantize_rows_kernel[grid](
+        fast_kernel(_quantize_rows_kernel)[grid](
             x2, qdata.view(torch.uint8), scales, offs if offs is not None else scales,
             M, K, n_groups, s_rows, s_cols,
             MODE=mode_id, INT_ROUND=ir, LAYOUT=int(_layout_id(lay)),
@@ -493,7 +494,7 @@ def quantize_cols(
         br = cfg.block_rows // BLOCK
         n_groups = offs.numel() if offs is not None else 0
         grid = (triton.cdiv(ext_rb, br), triton.cdiv(ext_k, cfg.block_k))
-        _quantize_cols_kernel[grid](
+        fast_kernel(_quantize_cols_kernel)[grid](
             x, qdata.view(torch.uint8), scales, offs if offs is not None else scales,
             M, K, n_groups, s_rows, s_cols,
             MODE=mode_id, INT_ROUND=ir, LAYOUT=int(_layout_id(lay)),
@@ -564,13 +565,13 @@ def dequantize(
     if mx.axis == 1:
         cfg = config or default_rows_config(M, K, q.device, interpret_mode())
         grid = (triton.cdiv(M, cfg.block_rows), triton.cdiv(K, cfg.block_k))
-        _dequantize_rows_kernel[grid](q.view(torch.uint8), s, offs_arg, out, M, K, n_groups, s_cols,
+        fast_kernel(_dequantize_rows_kernel)[grid](q.view(torch.uint8), s, offs_arg, out, M, K, n_groups, s_cols,
                                       BLOCK_M=cfg.block_rows, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **common)
     else:
         cfg = config or default_cols_config(M, K, q.device, interpret_mode())
         br = max(1, cfg.block_rows // BLOCK)
         grid = (triton.cdiv(M // BLOCK, br), triton.cdiv(K, cfg.block_k))
-        _dequantize_cols_kernel[grid](q.view(torch.uint8), s, offs_arg, out, M, K, n_groups, s_cols,
+        fast_kernel(_dequantize_cols_kernel)[grid](q.view(torch.uint8), s, offs_arg, out, M, K, n_groups, s_cols,
                                       BLOCK_R=br, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **common)
     return out
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..mx import MXTensor, ScaleLayout
 from .mx_device import BF16_MAX, mx_decode_tile
+from .launch import fast_kernel
 
 
 @triton.jit
@@ -64,6 +65,11 @@ def route_weight_grad_kernel(gy_ptr, q_ptr, s_ptr, pos_ptr, out_ptr, T,
         t += G
 
 
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype).contiguous()``: ``t`` itself when it already is (checked without a tensor op)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor], send_pos: torch.Tensor, *,
                       programs: int = 1024, num_warps: int = 4) -> torch.Tensor:
     """``grad_w[t, j] = <grad_y[t], rows[send_pos[t, j]]>`` (fp32 ``[T, k]``, 0 for dropped slots).
@@ -84,7 +90,7 @@ def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor],
     mx = isinstance(rows, MXTensor)
     if mx and (rows.layout != ScaleLayout.ROW or rows.axis != 1):
         raise ValueError("route_weight_grad needs MX rows with ROW scales along axis 1")
-    q = rows.qdata.view(torch.uint8).contiguous() if mx else rows.to(torch.bfloat16).contiguous()
+    q = rows.qdata.view(torch.uint8).contiguous() if mx else _dense(rows, torch.bfloat16)
     s = rows.scales.view(torch.uint8).contiguous() if mx else q
     if q.shape[-1] != H or H % 32:
         raise ValueError(f"rows must be [n, {H}] with H a multiple of 32, got {tuple(q.shape)}")
@@ -94,8 +100,8 @@ def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor],
     interp = grad_y.device.type != "cuda"
     kp = 1 << max(0, (k - 1).bit_length())
     chunk = max(32, min(1024, 1 << (H - 1).bit_length(), 4096 // kp))
-    route_weight_grad_kernel[(min(T, programs),)](
-        grad_y.contiguous(), q, s, send_pos.to(torch.int32).contiguous(), out, T,
+    fast_kernel(route_weight_grad_kernel)[(min(T, programs),)](
+        grad_y.contiguous(), q, s, _dense(send_pos, torch.int32), out, T,
         H=H, K=k, K_POW2=kp, CHUNK=chunk, MX=mx, INT_ROUND=interp, num_warps=num_warps,
     )
     return out

@@ -39,6 +39,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from ..mx.scales import BLOCK
+from .launch import fast_kernel
 from .mx_device import bf16_rne_int, blocked_scale_offset, grouped_padded_index, mx_quantize_tile, to_fp32
 from .quantize import _check_mode, _check_offs, _layout_id, _sm_count_of, check_tile
 
@@ -288,7 +289,7 @@ def swiglu_quantize(
         cfg = config or default_swiglu_config(M, N, dev, interpret_mode())
         n_groups = offs.numel() if offs is not None else 0
         grid = (triton.cdiv(M, cfg.block_rows), triton.cdiv(N, cfg.block_n))
-        _swiglu_quant_kernel[grid](
+        fast_kernel(_swiglu_quant_kernel)[grid](
             gu, qdata.view(torch.uint8), scales, offs if offs is not None else scales,
             h if h is not None else qdata, M, N, n_groups, s_cols,
             MODE=mode_id, INT_ROUND=ir, LIBDEVICE=libdev, LAYOUT=_layout_id(lay), STORE_H=return_h,
@@ -337,7 +338,7 @@ def swiglu_backward(
     if M and N:
         cfg = config or default_swiglu_config(M, N, gu.device, interpret_mode())
         grid = (triton.cdiv(M, cfg.block_rows), triton.cdiv(N, cfg.block_n))
-        _swiglu_bwd_kernel[grid](gu, grad_h, dgu, M, N, INT_ROUND=ir, LIBDEVICE=libdev,
+        fast_kernel(_swiglu_bwd_kernel)[grid](gu, grad_h, dgu, M, N, INT_ROUND=ir, LIBDEVICE=libdev,
                                  BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                                  **_launch_opts(libdev))
     return dgu
