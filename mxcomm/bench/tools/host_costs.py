@@ -3,9 +3,11 @@
     python3 -m mxcomm.bench.tools.host_costs
 
 Each line: median host time per operation over many repetitions (no device sync inside the loop). The launch lines
-compare Triton's launcher with a CUDA C++ kernel of the same 12 arguments built to a cubin with ``nvcc`` and launched
-through cuda-python (``cuda.core.launch``, as ``mxcomm.transport.put_signal`` launches its kernels); that line is
-skipped, with the reason, where ``nvcc`` or ``cuda.core`` is missing.
+compare Triton's launcher (``kernel[grid](...)``, the compiled kernel's ``.run``, and ``mxcomm.kernels.launch.
+fast_kernel``, for a kernel of 12 arguments and one of 25 with 6 constexprs, the size of the EP kernels) with a CUDA
+C++ kernel of the same 12 arguments built to a cubin with ``nvcc`` and launched through cuda-python
+(``cuda.core.launch``, as ``mxcomm.transport.put_signal`` launches its kernels); that line is skipped, with the
+reason, where ``nvcc`` or ``cuda.core`` is missing.
 """
 import shutil
 import statistics
@@ -18,9 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
+from mxcomm.kernels.launch import fast_kernel
+
 
 @triton.jit
 def _noop12(a, b, c, d, e, f, n1, n2, n3, n4, n5, n6, BLOCK: tl.constexpr):
+    if n1 < 0:
+        tl.store(a + tl.arange(0, BLOCK), tl.load(b + tl.arange(0, BLOCK)))
+
+
+@triton.jit
+def _noop25(a, b, c, d, e, f, g, h, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11,
+            BLOCK: tl.constexpr, K: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr,
+            CHUNK: tl.constexpr):
     if n1 < 0:
         tl.store(a + tl.arange(0, BLOCK), tl.load(b + tl.arange(0, BLOCK)))
 
@@ -98,16 +110,33 @@ def _cubin_launch_cost(t, u) -> None:
         *[np.int32(v) for v in (1, 2, 3, 4, 5, 6)]))
 
 
+def _launch25_costs(t, u) -> None:
+    """The three Triton launch lines for a kernel of 25 arguments, 6 of them constexprs (8 pointers, 11 ints)."""
+    ptrs, ints = (t, t, t, t, u, u, u, u), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+    consts = dict(BLOCK=128, K=8, MX=True, MODE=0, INT_ROUND=False, CHUNK=2048)
+    _cost("triton launch, 25 args (kernel[grid](...))", lambda: _noop25[(1,)](*ptrs, *ints, **consts))
+    k = _noop25[(1,)](*ptrs, *ints, **consts)
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (*ptrs, *ints, *consts.values())
+    _cost("compiled kernel .run, 25 args", lambda: k.run(1, 1, 1, stream, k.function, k.packed_metadata, None, None,
+                                                         None, *args))
+    _cost("fast_kernel launch, 25 args", lambda: fast_kernel(_noop25)[(1,)](*ptrs, *ints, **consts))
+
+
 def main():
     d = torch.device("cuda")
     t = torch.zeros(1024, dtype=torch.int64, device=d)
     u = torch.zeros(1024, dtype=torch.int32, device=d)
-    _cost("triton launch, 12 args (kernel[grid](...))", lambda: _noop12[(1,)](t, t, t, u, u, u, 1, 2, 3, 4, 5, 6, BLOCK=128))
+    _cost("triton launch, 12 args (kernel[grid](...))",
+          lambda: _noop12[(1,)](t, t, t, u, u, u, 1, 2, 3, 4, 5, 6, BLOCK=128))
     k = _noop12[(1,)](t, t, t, u, u, u, 1, 2, 3, 4, 5, 6, BLOCK=128)
     stream = torch.cuda.current_stream().cuda_stream
     args = (t, t, t, u, u, u, 1, 2, 3, 4, 5, 6, 128)
     _cost("compiled kernel .run (no binder)", lambda: k.run(1, 1, 1, stream, k.function, k.packed_metadata, None, None,
                                                             None, *args))
+    _cost("fast_kernel launch, 12 args", lambda: fast_kernel(_noop12)[(1,)](t, t, t, u, u, u, 1, 2, 3, 4, 5, 6,
+                                                                            BLOCK=128))
+    _launch25_costs(t, u)
     _cubin_launch_cost(t, u)
     _cost("torch.empty(65536, 7168, uint8)", lambda: torch.empty(65536, 7168, dtype=torch.uint8, device=d))
     _cost("tensor slice t[0:1]", lambda: t[0:1])
