@@ -26,18 +26,37 @@ gradient's producer and the consumers wait for it (the engine's own stream rule 
 the plain gradient tensors it moves between streams for the caching allocator but not the tensors inside an
 :class:`MXFP8Tensor` gradient: the backward marks those itself (an MX gradient arriving on the communication stream;
 an MX ``grad_format="mx"`` gradient leaving for the stream the forward was called from).
+
+A call that autograd would not record (no input requires grad, or grad mode is off; no functorch transform or
+forward-mode AD level active) runs the step without ``Function.apply``: the same result (``apply`` returns the
+forward's output and records nothing then) for less host time.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
+from torch.autograd import forward_ad
 
 from ..mx import MXTensor
 from ..mx.subclass import MXFP8Tensor
 from . import streams
-from .handle import CombineSaved, Dispatched, EPHandle
+from .handle import CombineSaved, Dispatched, EPHandle, replace_fields, with_weights
+
+
+def _recorded(*tensors) -> bool:
+    """True when ``Function.apply`` on these inputs would be recorded by autograd (grad mode on and one of them a
+    tensor that requires grad) or may be transformed (a functorch transform or a forward-mode AD level is active)."""
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return True
+    return forward_ad._current_level >= 0 or torch._C._functorch.maybe_current_level() is not None
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t.to(torch.bfloat16).contiguous()``: ``t`` itself when it already is (checked without a tensor op)."""
+    return t if t.dtype == torch.bfloat16 and t.is_contiguous() else t.to(torch.bfloat16).contiguous()
 
 
 class _Box:
@@ -64,7 +83,7 @@ class DispatchFn(torch.autograd.Function):
         if grad is None:  # output unused by the loss: still take part in the collective
             grad = torch.zeros(h.num_rows, h.config.hidden, dtype=torch.bfloat16, device=h.device)
         elif not isinstance(grad, MXFP8Tensor):
-            grad = grad.to(torch.bfloat16).contiguous()
+            grad = _bf16(grad)
         elif ctx.caller is not None:  # an MX gradient made on another stream: keep its inner tensors until read here
             streams.record(grad, torch.cuda.current_stream(grad.device))
         gx = ctx.steps.dispatch_backward(grad, h, quantize=ctx.grad_quantize)
@@ -77,15 +96,16 @@ class CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, topk_weights, steps, handle: EPHandle, quantize, grad_quantize, grad_format,
                 caller=None):
-        w = topk_weights.detach()
-        h = replace(handle, topk_weights=w, weights_version=w._version)
+        # handle and weights were checked by the caller (EPGroup.combine); the steps check the rest
+        h = with_weights(handle, topk_weights.detach())
         ctx.steps, ctx.handle, ctx.grad_quantize, ctx.grad_format = steps, h, grad_quantize, grad_format
         ctx.caller = caller  # the caller's stream when called with stream= (this runs on the communication stream)
         ctx.w_dtype = topk_weights.dtype
         ctx.set_materialize_grads(False)
         ctx.saved_kind = None
+        q = steps._quantize(quantize)
         if ctx.needs_input_grad[1]:
-            y, saved = steps.combine_for_backward(expert_out, h, quantize=quantize)
+            y, saved = steps.combine_checked(expert_out, h, q, keep_rows=True)
             rows = saved.rows
             if isinstance(rows, MXTensor):
                 ctx.saved_kind = ("mx", rows.mode)
@@ -94,7 +114,7 @@ class CombineFn(torch.autograd.Function):
                 ctx.saved_kind = ("dense", None)
                 ctx.save_for_backward(topk_weights, rows)
         else:  # no route-weight gradient wanted: keep nothing but the weights
-            y = steps.combine(expert_out, h, quantize=quantize)
+            y = steps.combine_checked(expert_out, h, q, keep_rows=False)
             ctx.save_for_backward(topk_weights)
         return y
 
@@ -110,9 +130,8 @@ class CombineFn(torch.autograd.Function):
                 saved = CombineSaved(rows=MXTensor(qdata=tensors[0], scales=tensors[1], axis=1, mode=ctx.saved_kind[1]))
             else:
                 saved = CombineSaved(rows=tensors[0])
-        w = w.detach()
-        h = replace(h, topk_weights=w, weights_version=w._version)
-        grads = ctx.steps.combine_backward(grad_y.to(torch.bfloat16).contiguous(), h, saved, quantize=ctx.grad_quantize)
+        h = with_weights(h, w.detach())
+        grads = ctx.steps.combine_backward(_bf16(grad_y), h, saved, quantize=ctx.grad_quantize)
         g = grads.grad_expert_out
         if isinstance(g, MXTensor):
             g = MXFP8Tensor(g, dtype=torch.bfloat16) if ctx.grad_format == "mx" else g.dequantize(torch.bfloat16)
@@ -132,19 +151,23 @@ def dispatch(steps, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     with torch.cuda.stream(stream):
         res = _dispatch(steps, x, topk_idx, topk_weights, grad_quantize, caller)
         event = streams.finish(stream, res, caller)
-    return replace(res, event=event)
+    return replace_fields(res, event=event)
 
 
 def _dispatch(steps, x, topk_idx, topk_weights, grad_quantize, caller) -> Dispatched:
-    box = _Box()
     # Weights that require grad go in detached: dispatch does not depend on them (its output needs a gradient
     # only when x does); the handle carries the attached tensor to combine.
     grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
     w_in = topk_weights.detach() if grad_w else topk_weights
-    out = DispatchFn.apply(x, steps, topk_idx, w_in, grad_quantize, box, caller)
-    res: Dispatched = box.result
-    handle = replace(res.handle, topk_weights=topk_weights) if grad_w else res.handle
-    return Dispatched(x=out, offs=res.offs, counts=res.counts, num_rows=res.num_rows, handle=handle)
+    if _recorded(x):
+        box = _Box()
+        out = DispatchFn.apply(x, steps, topk_idx, w_in, grad_quantize, box, caller)
+        res: Dispatched = box.result
+        if out is not res.x:
+            res = replace_fields(res, x=out)
+    else:  # nothing to record: the step itself (what DispatchFn.forward runs)
+        res = steps.dispatch(x, topk_idx, w_in)
+    return replace_fields(res, handle=replace_fields(res.handle, topk_weights=topk_weights)) if grad_w else res
 
 
 def combine(steps, expert_out: torch.Tensor, handle: EPHandle, w: torch.Tensor, quantize: Optional[bool],
@@ -153,6 +176,10 @@ def combine(steps, expert_out: torch.Tensor, handle: EPHandle, w: torch.Tensor, 
     ``[T, H]`` output, or with ``stream`` a :class:`~mxcomm.ep.streams.Combined` (output + event of the call on
     ``stream``)."""
     if stream is None:
+        if not _recorded(expert_out, w):  # nothing to record: what CombineFn.forward runs
+            # the handle's own weights (their version checked by the caller) need no new handle
+            h = handle if w is handle.topk_weights and not w.requires_grad else with_weights(handle, w.detach())
+            return steps.combine_checked(expert_out, h, steps._quantize(quantize), keep_rows=False)
         return CombineFn.apply(expert_out, w, steps, handle, quantize, grad_quantize, grad_format)
     caller = streams.begin(stream, (expert_out, w, handle))
     with torch.cuda.stream(stream):

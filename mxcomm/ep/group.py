@@ -40,7 +40,7 @@ from .config import EPConfig
 from .handle import Dispatched, EPHandle
 from .plan import buffer_sizes
 from .registry import GROUPS
-from .steps import EPSteps
+from .steps import REFUSALS, EPSteps
 from .streams import Combined
 
 
@@ -129,8 +129,11 @@ class EPGroup:
         """
         if stream is not None:
             streams.refuse_compiling()
-            with self.steps.refusing("dispatch"):  # before any work: TypeError / ValueError
+            try:  # before any work: TypeError / ValueError
                 streams.check_stream(stream, x)
+            except REFUSALS as exc:
+                self.backend.refuse("dispatch", exc)
+                raise
             return functions.dispatch(self.steps, x, topk_idx, topk_weights, grad_quantize, stream)
         if torch.compiler.is_compiling():
             if not self.config.exact_sizes:
@@ -169,7 +172,7 @@ class EPGroup:
         """
         if stream is not None:
             streams.refuse_compiling()
-        with self.steps.refusing("combine"):  # a refusal is told to the peers before it propagates
+        try:  # a refusal is told to the peers before it propagates
             if stream is not None:
                 streams.check_stream(stream, expert_out)
             validate.grad_format(grad_format)
@@ -179,6 +182,9 @@ class EPGroup:
             validate.handle_of(self.config, self.op_id, handle)
             w = handle.topk_weights if topk_weights is None else topk_weights
             validate.combine_weights(handle, w)
+        except REFUSALS as exc:
+            self.backend.refuse("combine", exc)
+            raise
         mx = self.config.precision == "mxfp8"
         q = mx if quantize is None else bool(quantize)
         gq = mx if grad_quantize is None else bool(grad_quantize)

@@ -4,10 +4,13 @@ The autograd-aware pair :meth:`EPGroup.dispatch` / :meth:`EPGroup.combine` is bu
 frameworks that write their own autograd (one Function per step, as torchao's MoE training does), call them
 directly. Each step validates its arguments (:mod:`mxcomm.ep.validate`) before anything is written or sent, then
 calls the backend. Every step is collective: every rank of the group calls the same steps in the same order.
+
+The steps run on every call of a layer, so their own host work is kept small: no context manager or dataclass copy
+on the way (a refusal goes through ``try``/``except``, a handle with other weights is a shallow copy,
+:func:`mxcomm.ep.handle.with_weights`), and whether CUDA exists is asked once per group.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Union
 
 import torch
@@ -17,7 +20,27 @@ from ..mx.subclass import MXFP8Tensor, unwrap_mx
 from . import validate
 from .backend import Backend
 from .config import EPConfig
-from .handle import CombineGrads, CombineSaved, Dispatched, EPHandle
+from .handle import CombineGrads, CombineSaved, Dispatched, EPHandle, with_weights
+
+#: What a refused argument raises; the steps tell the backend before it propagates (``Backend.refuse``).
+REFUSALS = (TypeError, ValueError, RuntimeError)
+
+
+class _Refusing:
+    """The context manager of :meth:`EPSteps.refusing`."""
+
+    __slots__ = ("backend", "op")
+
+    def __init__(self, backend: Backend, op: str):
+        self.backend, self.op = backend, op
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, REFUSALS):
+            self.backend.refuse(self.op, exc)
+        return False
 
 
 class EPSteps:
@@ -27,16 +50,12 @@ class EPSteps:
         self.config = config
         self.group_id = group_id
         self.backend = backend
+        self._cuda: Optional[bool] = None  # torch.cuda.is_available(), asked at the first exact-size call
 
-    @contextlib.contextmanager
-    def refusing(self, op: str):
-        """Run the argument checks of ``op``: a refusal (TypeError / ValueError / RuntimeError) is told to the backend
-        before it propagates, so that peers waiting for this rank learn why (``Backend.refuse``)."""
-        try:
-            yield
-        except (TypeError, ValueError, RuntimeError) as exc:
-            self.backend.refuse(op, exc)
-            raise
+    def refusing(self, op: str) -> _Refusing:
+        """Run the argument checks of ``op`` in this context: a refusal (TypeError / ValueError / RuntimeError) is told
+        to the backend before it propagates, so that peers waiting for this rank learn why (``Backend.refuse``)."""
+        return _Refusing(self.backend, op)
 
     def _quantize(self, quantize: Optional[bool]) -> bool:
         return self.config.precision == "mxfp8" if quantize is None else bool(quantize)
@@ -44,7 +63,11 @@ class EPSteps:
     def _refuse_exact_capture(self) -> None:
         """RuntimeError (before any CUDA work) when a call of an exact-size group is captured into a CUDA graph:
         exact sizes and input checks read device values on the host, which capture forbids."""
-        if self.config.exact_sizes and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if not self.config.exact_sizes:
+            return
+        if self._cuda is None:
+            self._cuda = torch.cuda.is_available()
+        if self._cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "CUDA graph capture needs EPConfig(exact_sizes=False) (worst-case output sizes, errors checked on "
                 "the device and raised by EPGroup.check_errors); this group has exact_sizes=True"
@@ -62,9 +85,12 @@ class EPSteps:
             :class:`Dispatched` (``x`` an :class:`MXFP8Tensor` or bfloat16 ``[R, H]``, expert-major).
         """
         self._refuse_exact_capture()
-        with self.refusing("dispatch"):
+        try:
             validate.dispatch_inputs(self.config, x, topk_idx, topk_weights,
                                      check_values=not self.backend.device_side_checks)
+        except REFUSALS as exc:
+            self.backend.refuse("dispatch", exc)
+            raise
         res, handle = self.backend.dispatch(x, topk_idx, topk_weights)
         out = MXFP8Tensor(res.x, dtype=torch.bfloat16) if isinstance(res.x, MXTensor) else res.x
         return Dispatched(x=out, offs=res.offs, counts=res.counts, num_rows=res.num_rows, handle=handle)
@@ -93,17 +119,33 @@ class EPSteps:
         handle = self._weighted(expert_out, handle, topk_weights)
         return self.backend.combine_for_backward(expert_out, handle, self._quantize(quantize))
 
+    def combine_checked(self, expert_out: torch.Tensor, handle: EPHandle, quantize: bool,
+                        keep_rows: bool) -> Union[torch.Tensor, tuple[torch.Tensor, CombineSaved]]:
+        """:meth:`combine` (``keep_rows``: :meth:`combine_for_backward`) of a ``handle`` and its weights
+        (``handle.topk_weights``) already checked by the caller (:func:`mxcomm.ep.validate.handle_of` and
+        :func:`~mxcomm.ep.validate.combine_weights`, as :meth:`EPGroup.combine <mxcomm.ep.group.EPGroup.combine>`
+        does): checks the rest (capture, ``expert_out``) as :meth:`combine` does, in the same order, then combines
+        (``quantize``: the resolved transport flag)."""
+        self._refuse_exact_capture()
+        try:
+            validate.expert_out_value(self.config, expert_out, handle)
+        except REFUSALS as exc:
+            self.backend.refuse("combine", exc)
+            raise
+        if keep_rows:
+            return self.backend.combine_for_backward(expert_out, handle, quantize)
+        return self.backend.combine(expert_out, handle, quantize)
+
     def _weighted(self, expert_out, handle: EPHandle, topk_weights) -> EPHandle:
         self._refuse_exact_capture()
-        with self.refusing("combine"):
+        try:
             validate.combine_inputs(self.config, self.group_id, expert_out, handle)
             w = handle.topk_weights if topk_weights is None else topk_weights
             validate.combine_weights(handle, w)
-        if w is handle.topk_weights:
-            return handle
-        from dataclasses import replace
-
-        return replace(handle, topk_weights=w, weights_version=w._version)
+        except REFUSALS as exc:
+            self.backend.refuse("combine", exc)
+            raise
+        return handle if w is handle.topk_weights else with_weights(handle, w)
 
     def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved: Optional[CombineSaved] = None, *,
                          quantize: Optional[bool] = None) -> CombineGrads:
@@ -121,10 +163,13 @@ class EPSteps:
             dropped slots) or None.
         """
         self._refuse_exact_capture()
-        with self.refusing("combine_backward"):
+        try:
             validate.handle_of(self.config, self.group_id, handle)
             validate.dense_grad("grad_y", grad_y, (handle.num_tokens, self.config.hidden), handle.device)
             validate.combine_saved(self.config, handle, saved)
+        except REFUSALS as exc:
+            self.backend.refuse("combine_backward", exc)
+            raise
         return self.backend.combine_backward(grad_y, handle, saved, self._quantize(quantize))
 
     def dispatch_backward(self, grad_recv: Union[torch.Tensor, MXTensor], handle: EPHandle, *,
@@ -141,10 +186,13 @@ class EPSteps:
         """
         self._refuse_exact_capture()
         grad_recv = unwrap_mx(grad_recv)  # an MXFP8Tensor travels as its MXTensor
-        with self.refusing("dispatch_backward"):
+        try:
             validate.handle_of(self.config, self.group_id, handle)
             validate.grad_recv(self.config, handle, grad_recv)
+        except REFUSALS as exc:
+            self.backend.refuse("dispatch_backward", exc)
+            raise
         return self.backend.dispatch_backward(grad_recv, handle, self._quantize(quantize))
 
 
-__all__ = ["EPSteps"]
+__all__ = ["EPSteps", "REFUSALS"]

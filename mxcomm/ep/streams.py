@@ -122,11 +122,22 @@ def tensors_of(obj, _depth: int = 0) -> Iterator[torch.Tensor]:
     elif isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, MXTensor) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
-        for f in dataclasses.fields(obj):
-            yield from tensors_of(getattr(obj, f.name), _depth + 1)
+        for name in _field_names(obj.__class__):
+            yield from tensors_of(getattr(obj, name), _depth + 1)
     elif isinstance(obj, (tuple, list)):
         for o in obj:
             yield from tensors_of(o, _depth + 1)
+
+
+_FIELD_NAMES: dict = {}  # dataclass -> its field names (tensors_of)
+
+
+def _field_names(cls) -> tuple:
+    """The field names of the dataclass ``cls`` (``dataclasses.fields``, read once per class)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 def record(obj, stream: torch.cuda.Stream) -> None:

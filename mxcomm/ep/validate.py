@@ -1,5 +1,8 @@
 """Validation of every argument of the EP calls, written once (the group's steps and the autograd layer call these
-before anything is written or sent). Each raises TypeError / ValueError with a message naming the argument."""
+before anything is written or sent). Each raises TypeError / ValueError with a message naming the argument.
+
+They run on every call: each check costs the host well under a microsecond when the argument is right (shapes are
+compared as they are - ``torch.Size`` is a tuple -, the messages are built only for a refusal)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -26,13 +29,19 @@ def check_device(name: str, t: torch.Tensor, device: torch.device, what: str = "
         raise ValueError(f"{name} is on device {t.device} but {what} {device}")
 
 
+def _same_shape(shape: torch.Size, want) -> bool:
+    """``tuple(shape) == tuple(want)``, without building tuples when ``want`` already is one (the usual case)."""
+    return shape == want or tuple(shape) == tuple(want)
+
+
 def dispatch_inputs(config: EPConfig, x, topk_idx, topk_weights, *, check_values: bool = True) -> None:
     """Dispatch inputs: ``x`` bfloat16 ``[T, H]`` (``T <= max_tokens_per_rank``), ``topk_idx`` int32/int64
     ``[T, k]``, ``topk_weights`` float ``[T, k]``, all on one device. ``check_values`` also checks the expert ids
     (in ``[-1, E)``, no expert twice in one token), which costs a device-to-host sync (backends that check ids on
     the device pass False)."""
-    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-        check_tensor(name, t)
+    check_tensor("x", x)
+    check_tensor("topk_idx", topk_idx)
+    check_tensor("topk_weights", topk_weights)
     if x.dim() != 2:
         raise ValueError(f"x must be 2D [T, hidden], got shape {tuple(x.shape)}")
     T, H = x.shape
@@ -46,11 +55,13 @@ def dispatch_inputs(config: EPConfig, x, topk_idx, topk_weights, *, check_values
         )
     if topk_idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
-    if tuple(topk_idx.shape) != (T, config.topk):
-        raise ValueError(f"topk_idx must have shape [T, topk] = {(T, config.topk)}, got {tuple(topk_idx.shape)}")
-    topk_weights_value(config, topk_weights, (T, config.topk))
-    check_device("topk_idx", topk_idx, x.device, "x is on")
-    check_device("topk_weights", topk_weights, x.device, "x is on")
+    want = (T, config.topk)
+    if topk_idx.shape != want:
+        raise ValueError(f"topk_idx must have shape [T, topk] = {want}, got {tuple(topk_idx.shape)}")
+    topk_weights_value(config, topk_weights, want)
+    dev = x.device
+    check_device("topk_idx", topk_idx, dev, "x is on")
+    check_device("topk_weights", topk_weights, dev, "x is on")
     if check_values and topk_idx.numel():
         check_expert_ids(topk_idx, config.num_experts)
 
@@ -59,7 +70,7 @@ def topk_weights_value(config: EPConfig, w, shape: tuple) -> None:
     """Route weights: a floating ``[T, k]`` tensor."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
         raise TypeError(f"topk_weights must be a floating torch.Tensor, got {getattr(w, 'dtype', type(w).__name__)}")
-    if tuple(w.shape) != tuple(shape):
+    if not _same_shape(w.shape, shape):
         raise ValueError(f"topk_weights must have shape [T, topk] = {tuple(shape)}, got {tuple(w.shape)}")
 
 
@@ -79,7 +90,7 @@ def handle_of(config: EPConfig, group_id: int, handle) -> None:
 def combine_weights(handle: EPHandle, w) -> None:
     """The weights a combine uses: ``[T, k]`` floating on the dispatch's device; the handle's own weights must not
     have been modified in place since the dispatch."""
-    topk_weights_value(handle.config, w, tuple(handle.topk_idx.shape))
+    topk_weights_value(handle.config, w, handle.topk_idx.shape)
     check_device("topk_weights", w, handle.device)
     if w is handle.topk_weights and handle.weights_version >= 0 and w._version != handle.weights_version:
         raise RuntimeError(
@@ -92,9 +103,14 @@ def combine_weights(handle: EPHandle, w) -> None:
 def combine_inputs(config: EPConfig, group_id: int, expert_out, handle) -> None:
     """Combine inputs: ``handle`` of this group, ``expert_out`` bfloat16 ``[R, H]`` on the dispatch's device."""
     handle_of(config, group_id, handle)
+    expert_out_value(config, expert_out, handle)
+
+
+def expert_out_value(config: EPConfig, expert_out, handle: EPHandle) -> None:
+    """``expert_out`` of a combine with the valid ``handle``: bfloat16 ``[R, H]`` on the dispatch's device."""
     check_tensor("expert_out", expert_out)
     want = (handle.num_rows, config.hidden)
-    if tuple(expert_out.shape) != want:
+    if expert_out.shape != want:
         raise ValueError(
             f"expert_out must have the dispatch output's shape [R, hidden] = {want}, got {tuple(expert_out.shape)}"
         )
@@ -107,7 +123,7 @@ def dense_grad(name: str, g, shape: tuple, device: torch.device) -> None:
     """A dense gradient: bfloat16 tensor of ``shape`` on ``device``."""
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (or an MXTensor where allowed), got {type(g).__name__}")
-    if tuple(g.shape) != tuple(shape):
+    if not _same_shape(g.shape, shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(g.shape)}")
     if g.dtype != torch.bfloat16:
         raise TypeError(f"{name} must be bfloat16, got {g.dtype}")
@@ -123,7 +139,7 @@ def combine_saved(config: EPConfig, handle: EPHandle, saved: Optional[CombineSav
         raise TypeError(f"saved must be the CombineSaved of combine_for_backward, got {type(saved).__name__}")
     rows = saved.rows
     want = (handle.num_rows, config.hidden)
-    if not isinstance(rows, torch.Tensor) or isinstance(rows, MXTensor) or tuple(rows.shape) != want:
+    if not isinstance(rows, torch.Tensor) or isinstance(rows, MXTensor) or rows.shape != want:
         raise ValueError(
             f"saved.rows must be the expert output, bfloat16 [R, hidden] = {list(want)}, got "
             f"{tuple(getattr(rows, 'shape', ()))}"
@@ -150,6 +166,6 @@ def grad_format(value: str) -> None:
 
 
 __all__ = [
-    "GRAD_FORMATS", "dispatch_inputs", "combine_inputs", "combine_weights", "handle_of", "combine_saved", "grad_recv",
-    "dense_grad", "topk_weights_value", "grad_format", "check_tensor", "check_device",
+    "GRAD_FORMATS", "dispatch_inputs", "combine_inputs", "expert_out_value", "combine_weights", "handle_of",
+    "combine_saved", "grad_recv", "dense_grad", "topk_weights_value", "grad_format", "check_tensor", "check_device",
 ]
