@@ -1,0 +1,253 @@
+"""Host time of the four public EP calls on the ``nvshmem`` backend's call path, on one rank without NVSHMEM: what
+the Python between the kernels (argument checks, handles, autograd wrappers, launches) costs per call.
+
+    TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue [--tokens 128] [--profile combine]   # CPU
+    python -m mxcomm.bench.tools.host_glue --device cuda [--hidden 7168 --experts 256 --topk 8]   # GPU
+
+The backend is built over a loopback stand-in for the symmetric heap (:class:`LoopbackHeap`: plain tensors, a peer
+pointer is the tensor's own address; no NVSHMEM) and put into an :class:`~mxcomm.ep.EPGroup` of one rank (a gloo
+world of 1 in this process). The calls are those of ``mxcomm.bench.tools.trace``:
+
+* ``dispatch``: ``group.dispatch(x, topk_idx, topk_weights)``;
+* ``combine``: ``group.combine(expert_out, handle)``;
+* ``combine_bwd``: ``group.steps.combine_backward(grad_y, handle, saved)`` (``saved``: the expert output, as
+  ``combine_for_backward`` keeps it);
+* ``dispatch_bwd``: ``group.steps.dispatch_backward(expert_out, handle)``.
+
+``--device cpu`` (needs ``TRITON_INTERPRET=1`` in the environment, set before the start: Triton decides when a kernel
+is defined): each call runs once for real in Triton's interpreter, then every kernel launch is stubbed out
+(``InterpretedFunction.run`` does nothing) and the calls are timed again: what is left is the host's own work, the
+torch ops included (on CPU tensors). The stub writes the one value the host reads back from a kernel - a dispatch
+plan's row count, read at the exact-size dispatch's sync - so stubbed dispatches keep the real run's output size.
+``--device cuda``: the same calls with CUDA tensors and real kernel launches (the GPU runs them; the time per call is
+the host's while the GPU keeps up, as at a few hundred tokens on one rank).
+
+Prints, per call, the median (and the minimum) over ``--rounds`` rounds of ``--calls`` calls of the time per call
+(µs) on ``--clock``: ``wall``, or ``thread`` (this thread's CPU time: steadier on a machine other processes keep
+busy); ``--profile OP`` (repeatable) adds the cProfile of ``--calls`` calls of that op (sorted by ``--sort``).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import pstats
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+OPS = ("dispatch", "combine", "combine_bwd", "dispatch_bwd")
+
+
+@dataclass
+class LoopbackCtx:
+    """The NVSHMEM context of a world of 1: ``device``, rank 0 of 1."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+
+
+@dataclass
+class LoopbackBuf:
+    """A symmetric buffer of a world of 1: ``local`` the tensor, ``peer_ptrs`` int64 ``[1]`` its own address."""
+
+    local: torch.Tensor
+    peer_ptrs: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.numel() * self.local.element_size()
+
+
+class LoopbackHeap:
+    """World-of-1 stand-in for ``mxcomm.transport.SymmetricHeap`` on ``device`` (CPU under the interpreter, or a
+    GPU): zeroed tensors, each buffer's peer pointer its own address."""
+
+    def __init__(self, device: torch.device):
+        self.ctx = LoopbackCtx(device)
+        self.bufs: dict = {}
+
+    def alloc(self, name: str, shape, dtype: torch.dtype) -> LoopbackBuf:
+        t = torch.zeros(shape, dtype=dtype, device=self.ctx.device)
+        self.bufs[name] = LoopbackBuf(t, torch.tensor([t.data_ptr()], dtype=torch.int64, device=t.device))
+        return self.bufs[name]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.bufs.values())
+
+
+def loopback_group(cfg, device: torch.device):
+    """An :class:`~mxcomm.ep.EPGroup` of one rank whose backend is the ``nvshmem`` backend over a
+    :class:`LoopbackHeap` (the group is made with the ``torch`` backend - no NVSHMEM needed - and its config, backend
+    and steps swapped). Needs a torch.distributed world of 1."""
+    from mxcomm.ep import EPGroup
+    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.steps import EPSteps
+
+    g = EPGroup(dataclasses.replace(cfg, backend="torch"))
+    be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(device), group_id=g.op_id)
+    g.config, g.backend = cfg, be
+    g.steps = EPSteps(cfg, g.op_id, be)
+    return g
+
+
+def make_calls(g, tokens: int, device: torch.device) -> dict[str, Callable[[], object]]:
+    """The four calls (see the module doc) on random inputs, each run once here (untimed)."""
+    from mxcomm.ep.handle import CombineSaved
+
+    cfg = g.config
+    T, H, E, k = tokens, cfg.hidden, cfg.num_experts, cfg.topk
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(T, H, generator=gen, device=device).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(T, E, generator=gen, device=device), dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(T, k, generator=gen, device=device)
+    res = g.dispatch(x, idx, w)
+    h = res.handle
+    out = torch.randn(res.num_rows, H, generator=gen, device=device).to(torch.bfloat16)
+    saved = CombineSaved(rows=out)  # what combine_for_backward keeps: the expert output
+    gy = torch.randn(T, H, generator=gen, device=device).to(torch.bfloat16)
+    calls = {
+        "dispatch": lambda: g.dispatch(x, idx, w),
+        "combine": lambda: g.combine(out, h),
+        "combine_bwd": lambda: g.steps.combine_backward(gy, h, saved),
+        "dispatch_bwd": lambda: g.steps.dispatch_backward(out, h),
+    }
+    for fn in calls.values():
+        fn()
+    return calls
+
+
+def stub_kernels(rows: int) -> Callable[[], None]:
+    """Make every interpreted kernel launch a no-op, except that the plan-tables kernel writes ``rows`` as the plan's
+    row count (what an exact-size dispatch reads back). Returns the function that undoes it."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from mxcomm.ep import plan_kernels
+
+    real = InterpretedFunction.run
+    tables = plan_kernels.plan_tables_kernel
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if self is tables:  # (cnt, tab, recv, srp, ssp, rank, align, W, El): recv[2 El + 2 W] is the row count
+            args[2][2 * args[8] + 2 * args[7]] = rows
+        return None
+
+    InterpretedFunction.run = run
+
+    def undo() -> None:
+        InterpretedFunction.run = real
+
+    return undo
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def time_call(fn: Callable[[], object], device: torch.device, calls: int, rounds: int,
+              clock: str = "wall") -> tuple[float, float]:
+    """(median, min) over ``rounds`` of the µs per call of ``calls`` back-to-back calls (synchronised per round) on
+    ``clock``: ``"wall"`` (``time.perf_counter``) or ``"thread"`` (``time.thread_time``, this thread's CPU time: what
+    the host spent on the calls itself, unaffected by other processes on a busy machine; with CUDA tensors it misses
+    the time the host waits for the device)."""
+    now = CLOCKS[clock]
+    for _ in range(max(5, calls // 10)):
+        fn()
+    per = []
+    for _ in range(rounds):
+        _sync(device)
+        t0 = now()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        per.append((now() - t0) / calls * 1e6)
+    return statistics.median(per), min(per)
+
+
+def profile_call(fn: Callable[[], object], calls: int, sort: str, lines: int) -> None:
+    """cProfile of ``calls`` calls, printed (``sort``: a pstats key)."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    pstats.Stats(pr).sort_stats(sort).print_stats(lines)
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=None, help="default: 256 on cpu, 7168 on cuda")
+    ap.add_argument("--experts", type=int, default=None, help="default: 16 on cpu, 256 on cuda")
+    ap.add_argument("--topk", type=int, default=None, help="default: 4 on cpu, 8 on cuda")
+    ap.add_argument("--precision", choices=("mxfp8", "bf16"), default="mxfp8")
+    ap.add_argument("--no-sync", action="store_true", help="EPConfig(exact_sizes=False) (default: exact sizes)")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
+    ap.add_argument("--profile", action="append", default=[], choices=OPS)
+    ap.add_argument("--sort", default="tottime")
+    ap.add_argument("--lines", type=int, default=30)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Run the tool (see the module doc); returns ``{op: µs per call}``."""
+    a = _args(argv)
+    cpu = a.device == "cpu"
+    from triton import knobs
+
+    if cpu and not knobs.runtime.interpret:
+        raise SystemExit("--device cpu runs the kernels in Triton's interpreter: start it with TRITON_INTERPRET=1")
+    if not cpu and (knobs.runtime.interpret or not torch.cuda.is_available()):
+        raise SystemExit("--device cuda needs a CUDA GPU and TRITON_INTERPRET unset")
+    from mxcomm.ep import EPConfig
+
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    H = a.hidden or (256 if cpu else 7168)
+    E = a.experts or (16 if cpu else 256)
+    k = a.topk or (4 if cpu else 8)
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(a.tokens, 1), precision=a.precision,
+                   backend="nvshmem", exact_sizes=not a.no_sync, num_sms=1 if cpu else None, timeout_s=10.0)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    g = loopback_group(cfg, device)
+    calls = make_calls(g, a.tokens, device)
+    undo = stub_kernels(_rows(calls)) if cpu else None
+    ops = [o for o in a.ops.split(",") if o]
+    print(f"host_glue: {a.device}, path {g.path}, T={a.tokens} H={H} E={E} k={k} {a.precision}, "
+          f"exact_sizes={cfg.exact_sizes}{', kernels stubbed' if cpu else ''}, {a.clock} clock")
+    result = {}
+    try:
+        for op in ops:
+            med, low = time_call(calls[op], device, a.calls, a.rounds, a.clock)
+            result[op] = med
+            print(f"  {op:14s} {med:8.1f} us per call (min {low:.1f})")
+        for op in a.profile:
+            print(f"--- cProfile of {a.calls} calls of {op}")
+            profile_call(calls[op], a.calls, a.sort, a.lines)
+    finally:
+        if undo is not None:
+            undo()
+    return result
+
+
+def _rows(calls) -> int:
+    """The row count of the dispatch the calls were made with (its real run)."""
+    return int(calls["dispatch"]().num_rows)
+
+
+if __name__ == "__main__":
+    main()
