@@ -44,6 +44,7 @@ import torch
 import triton
 
 from ..kernels.mx_device import SCALE_MODE_IDS
+from ..kernels.launch import fast_kernel
 from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
@@ -303,7 +304,8 @@ class NvshmemBackend:
         from .nvshmem_kernels import first_refusal_kernel
 
         if self.config.exact_sizes:
-            first_refusal_kernel[(1,)](self.refusal_words, self.world, self._refused_word, W_POW2=self.next_pow2(self.world))
+            fast_kernel(first_refusal_kernel)[(1,)](self.refusal_words, self.world, self._refused_word,
+                                                    W_POW2=self.next_pow2(self.world))
 
     def _raise_bad_ids(self, topk_idx: torch.Tensor) -> None:
         """The device saw bad expert ids in this call's ``topk_idx``: clear the word, raise the detailed error."""
@@ -408,7 +410,7 @@ class NvshmemBackend:
         ncols = cp // 4 if word else cp
         cb = triton_next_pow2(ncols) if word else min(32, triton_next_pow2(cp))
         src = scale_rows.reshape(-1)
-        scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(ncols, cb))](
+        fast_kernel(scale_rows_to_grouped_kernel)[(rows // 128, triton.cdiv(ncols, cb))](
             src.view(torch.int32) if word else src, out.view(torch.int32) if word else out, plan.offs,
             plan.num_rows, plan.expert_counts, self.El, cp // 4, C=C, CB=cb, G_POW2=triton_next_pow2(self.El), WORD=word,
             TAIL=self.config.exact_sizes, num_warps=4,
@@ -571,7 +573,7 @@ class NvshmemBackend:
             self.impl.send_partials(payload, in_scales, handle, mx, passthrough, weighted=w is not None)
         if T:
             comb = (None, None) if own else self.comb
-            combine_reduce_kernel[(min(T, self.dispatch_programs),)](
+            fast_kernel(combine_reduce_kernel)[(min(T, self.dispatch_programs),)](
                 payload if own else (comb[0].local if mx else comb[0].local.view(torch.bfloat16)),
                 in_scales if own else comb[1].local, plan.send_pos, plan.dest_rank, self.err if w is None else w, y,
                 T, self.c_epoch, self.nslot, plan.dest_row, payload, in_scales,

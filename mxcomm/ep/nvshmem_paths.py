@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.launch import fast_kernel
 from . import put_path
 from .handle import EPHandle
 from .plan import FLAG_ROWS, RoutingPlan
@@ -113,7 +114,7 @@ class EnginePath:
         from .nvshmem_kernels import publish_kernel
 
         e = self.e
-        publish_kernel[(e.world,)](
+        fast_kernel(publish_kernel)[(e.world,)](
             src, n_words, dst_peers, dst_word0, tail_word, e.flags.peer_ptrs, e.flags.local, _ROW_FLAGS[row], e.world,
             epoch, e.err, e.timeout_ns, e.rank, BLOCK=_PUBLISH_BLOCK,
         )
@@ -153,7 +154,7 @@ class EnginePath:
         e = self.e
         self._partials(payload, in_scales, handle, mx, passthrough, weighted, e.comb[0].peer_ptrs,
                        e.comb[1].peer_ptrs, staged=False)
-        wait_arrivals_kernel[(e.world,)](e.flag_rows[2], e.expect_rows[2], e.programs, e.err, e.timeout_ns)
+        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[2], e.expect_rows[2], e.programs, e.err, e.timeout_ns)
 
     def _partials(self, payload, in_scales, handle, mx, passthrough, weighted, q_ptrs, s_ptrs, staged):
         from .nvshmem_kernels import combine_partials_kernel
@@ -161,7 +162,7 @@ class EnginePath:
         e = self.e
         H = e.config.hidden
         st = handle.backend_state
-        combine_partials_kernel[(e.programs,)](
+        fast_kernel(combine_partials_kernel)[(e.programs,)](
             payload, in_scales, st.table, st.origins.pos, self.w_local, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank,
             e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, H=H, K=e.config.topk, CHUNK=e.chunk(H, True),
             MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=e.mode_id, INT_ROUND=e.int_round, STAGED=staged,
@@ -181,7 +182,7 @@ class EnginePath:
             return
         mx = e.mx and g is None
         q = self.send_q.local if mx else self.send_q.local.view(torch.bfloat16)
-        pack_rows_kernel[(min(T, e.dispatch_programs),)](
+        fast_kernel(pack_rows_kernel)[(min(T, e.dispatch_programs),)](
             self.x_slot if g is None else g, T, q, self.send_s.local if mx else e.err, e.d_epoch, T_max,
             T_max * 2 * H if mx else T_max * H, e.err if w is None else w, self.send_w.local,
             H=H, CHUNK=e.chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, X_SLOT=g is None,
@@ -211,7 +212,7 @@ class EnginePath:
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
         srows = self._scale_rows(R, mx)
         rg = expert_out is not None
-        pull_weighted_kernel[(e.programs,)](
+        fast_kernel(pull_weighted_kernel)[(e.programs,)](
             out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
             self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, self.g_copy, self.w_copy,
             expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
@@ -229,7 +230,7 @@ class EnginePath:
         from .nvshmem_kernels import wait_arrivals_kernel
 
         e = self.e
-        wait_arrivals_kernel[(e.world,)](e.flag_rows[4], e.expect_rows[4], e.programs, e.err, e.timeout_ns)
+        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[4], e.expect_rows[4], e.programs, e.err, e.timeout_ns)
         return self._gather_route_grads(plan, T)
 
     def _gather_route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
@@ -239,7 +240,7 @@ class EnginePath:
         k = e.config.topk
         gw = torch.empty(T, k, dtype=torch.float32, device=e.device)
         if T:
-            gather_route_grad_kernel[(triton_cdiv(T * k, 1024),)](
+            fast_kernel(gather_route_grad_kernel)[(triton_cdiv(T * k, 1024),)](
                 self.comb_gw.local, plan.dest_rank, gw, T * k, e.config.max_tokens_per_rank * k, BLOCK=1024)
         return gw
 
@@ -260,7 +261,7 @@ class EnginePath:
         from .nvshmem_kernels import push_entries_kernel
 
         e = self.e
-        push_entries_kernel[(e.push_programs,)](
+        fast_kernel(push_entries_kernel)[(e.push_programs,)](
             plan.dest_rank, plan.dest_row, plan.dest_rank.shape[0], list_ptrs, flags_ptrs,
             e.d_epoch, e.rank, e.world, e.config.max_tokens_per_rank, K=e.config.topk,
             EW=self.pull_list.local.shape[-1], BLOCK=64, num_warps=4,
@@ -273,7 +274,7 @@ class EnginePath:
         e = self.e
         k, n = e.config.topk, e.world * e.config.max_tokens_per_rank
         table = torch.empty(n, k, dtype=torch.int32, device=e.device)
-        entries_table_kernel[(min(n, e.dispatch_programs),)](
+        fast_kernel(entries_table_kernel)[(min(n, e.dispatch_programs),)](
             self.pull_list.local, table, e.d_epoch, n, K=k, K_POW2=e.next_pow2(k), EW=self.pull_list.local.shape[-1])
         return table
 
@@ -318,7 +319,7 @@ class LocalPath(EnginePath):
         T, H = x.shape
         out = torch.empty(R, H if mx else 2 * H, dtype=torch.uint8, device=e.device)
         if R:
-            dispatch_kernel[(e.dispatch_programs,)](
+            fast_kernel(dispatch_kernel)[(e.dispatch_programs,)](
                 x, T, plan.dest_rank, plan.dest_row, out if mx else out.view(torch.bfloat16), self.recv_s.peer_ptrs,
                 e.flags.peer_ptrs, 0, 1, w, plan.offs, plan.expert_counts, plan.num_rows, R, e.El, H=H,
                 K=e.config.topk, CHUNK=e.chunk(H, weighted), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
@@ -369,7 +370,8 @@ class PullPath(EnginePath):
 
         e = self.e
         self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
-        wait_arrivals_kernel[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.push_programs, e.err, e.timeout_ns)
+        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.push_programs, e.err,
+                                                      e.timeout_ns)
 
     def _middle(self, counts_buf: torch.Tensor, ids: torch.Tensor) -> PlanOutputs:
         """Between the id check and the receivers' gather: epoch += 1, pack (``x`` from ``x_slot``), counts exchange
@@ -397,7 +399,7 @@ class PullPath(EnginePath):
         C, k, T_max = e.config.hidden // 32, e.config.topk, e.config.max_tokens_per_rank
         srows = self._scale_rows(R, e.mx)
         table = torch.empty(e.world * T_max, k, dtype=torch.int32, device=e.device)
-        pull_rows_kernel[(e.dispatch_programs,)](
+        fast_kernel(pull_rows_kernel)[(e.dispatch_programs,)](
             out.view(torch.int64), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
             self.send_q.peer_ptrs, self.send_s.peer_ptrs, self.pull_list.local, table, e.d_epoch, T_max, e.world,
             T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, e.next_pow2(words)), C=C,
@@ -445,13 +447,13 @@ class PushPath(EnginePath):
         self._dispatch_kernel(dispatch_kernel, x, plan, plan.dest_row, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs,
                               mx, arrive=True)
         self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
-        wait_arrivals_kernel[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.dispatch_programs + e.push_programs,
-                                         e.err, e.timeout_ns)
+        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[1], e.expect_rows[1],
+                                                      e.dispatch_programs + e.push_programs, e.err, e.timeout_ns)
 
     def _dispatch_kernel(self, kernel, x, plan, rows, q_ptrs, s_ptrs, mx, arrive):
         e = self.e
         T, H = x.shape
-        kernel[(e.dispatch_programs,)](
+        fast_kernel(kernel)[(e.dispatch_programs,)](
             x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, x,
             plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.chunk(H),
             MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=False, ARRIVE=arrive,
@@ -467,7 +469,7 @@ class PushPath(EnginePath):
         words = row_bytes // 8
         if R:
             src = self.recv_q.local.view(-1)[: e.R_max * row_bytes].view(torch.int64)
-            copy_out_rows_kernel[(min(R, e.programs * 4),)](
+            fast_kernel(copy_out_rows_kernel)[(min(R, e.programs * 4),)](
                 src, out.view(torch.int64), plan.num_rows, origins.src, R,
                 ROW_WORDS=words, CHUNK=min(512, e.next_pow2(words)), num_warps=4,
             )
