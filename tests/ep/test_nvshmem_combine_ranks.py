@@ -10,8 +10,8 @@ import pytest
 import torch
 import triton
 
-from combine_spec import assert_bf16_same, combine as spec_combine, partial as spec_partial, ptrs, route_grad, \
-    token_ranks
+from combine_spec import BF16_MAX, assert_bf16_same, combine as spec_combine, partial as spec_partial, ptrs, \
+    route_grad, token_ranks, tq
 from mxcomm.ep.nvshmem_backend import row_origins
 from mxcomm.ep.plan import FLAG_ROWS, build_plan, local_counts, pull_entry_words
 from mxcomm.mx import quantize
@@ -220,8 +220,8 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
                     got = comb_q[s][1].view(-1)[pos * H:(pos + 1) * H]
                     assert torch.equal(got, qt.qdata.view(torch.uint8)[0]), (s, t, d)
                     assert torch.equal(comb_s[s][1, pos], qt.scales.view(torch.uint8)[0]), (s, t, d)
-                else:
-                    assert_bf16_same(comb_q[s][1].view(torch.bfloat16)[pos][:H], P[0].to(torch.bfloat16),
+                else:  # (a finite partial saturates at the BF16 range)
+                    assert_bf16_same(comb_q[s][1].view(torch.bfloat16)[pos][:H], tq(P, False)[0].to(torch.bfloat16),
                                      f"partial {s} {t} {d}")
                 checked_rows += 1
         if mx:  # the slots no partial went to: untouched (MX rows are H bytes apart from the copy's start)
@@ -253,6 +253,60 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
     if rk.all_on_one is not None:  # that token's k slots travelled as one row
         s, t, d = rk.all_on_one
         assert len(token_ranks(rk.plans[s].dest_rank, t)) == 1
+
+
+@pytest.mark.parametrize("W,mx,weighted", [(2, False, True), (3, False, False), (2, True, True)])
+def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
+    """Expert rows at BF16's largest value: a partial above the BF16 range (a slot weighted by 1.003, or two slots
+    summed) that is finite in fp32 is stored as +-BF16_MAX, not Inf (BF16 transport; MXFP8 decodes saturated), and
+    the origin's sum of finite partials saturates at the BF16 range too; a partial that overflows fp32 passes through
+    as Inf. Bit-exact to the spec at the stored partials and at the result, across simulated ranks."""
+    from mxcomm.ep.nvshmem_kernels import combine_partials_kernel, combine_reduce_kernel
+
+    E, k, H, Ts = 4 * W, 3, 64, [6] * W
+    g = torch.Generator().manual_seed(77 + W + mx)
+    rk = Ranks(W, E, k, Ts, g, drop=0.1)
+    T_max, nslot, C, epoch = rk.T_max, rk.T_max * k, H // 32, 1
+    outs = []
+    for d in range(W):
+        out = (torch.randn(rk.R[d], H, generator=g)).to(torch.bfloat16)
+        out[:, :8] = BF16_MAX
+        out[:, 8:12] = -BF16_MAX
+        outs.append(out)
+    vals = [o.float() for o in outs]
+    ws = [torch.full((T, k), 1.003) if weighted else None for T in Ts]
+    comb_w = _comb_w(rk, [w if w is not None else torch.zeros(T, k) for w, T in zip(ws, Ts)], g)
+    comb_q = [torch.zeros(2, nslot, 2 * H, dtype=torch.uint8) for _ in range(W)]
+    comb_s = [torch.zeros(2, nslot, C, dtype=torch.uint8) for _ in range(W)]
+    flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
+    ep = torch.tensor([epoch])
+    for d in range(W):
+        w_ptrs = torch.tensor([comb_w[d][s].data_ptr() for s in range(W)], dtype=torch.int64)
+        combine_partials_kernel[(2,)](
+            outs[d], torch.zeros(1, dtype=torch.uint8), rk.tables[d], rk.origins[d].pos, w_ptrs, ptrs(comb_q),
+            ptrs(comb_s), ptrs(flags), d, W, T_max, ep, nslot, H=H, K=k, CHUNK=32, MX=mx, PASS=False,
+            WEIGHTED=weighted, MODE=0, INT_ROUND=True, STAGED=False, enable_fp_fusion=False)
+    saturated = 0
+    for s in range(W):
+        p = rk.plans[s]
+        for t in range(Ts[s]):
+            for d in token_ranks(p.dest_rank, t):
+                P = spec_partial(p.dest_rank, p.dest_row, vals, ws[s], t, d)[None]
+                if not mx:
+                    pos = int(p.send_pos[t, rk.lead_slot(s, t, d)])
+                    got = comb_q[s][1].view(torch.bfloat16)[pos][:H]
+                    assert_bf16_same(got, tq(P, False)[0].to(torch.bfloat16), f"partial {s} {t} {d}")
+                    saturated += int((got.float().abs() == BF16_MAX).sum())
+        y = torch.empty(Ts[s], H, dtype=torch.bfloat16)
+        combine_reduce_kernel[(2,)](
+            comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank, torch.zeros(1), y,
+            Ts[s], ep, nslot, p.dest_row, torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8),
+            H=H, K=k, K_POW2=P2(k), CHUNK=32, MX=mx, INT_ROUND=True, OWN=False, OWN_PASS=False, WEIGHTED=weighted,
+            MODE=0, enable_fp_fusion=False)
+        want = spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx)
+        assert_bf16_same(y, want, f"origin {s}")
+        saturated += int((y.float().abs() == BF16_MAX).sum())  # near-max sums that stayed finite
+    assert saturated  # the case reaches the BF16 range
 
 
 @pytest.mark.parametrize("W,E,k,H,Ts,mx,passthrough", [

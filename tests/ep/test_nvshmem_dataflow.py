@@ -264,6 +264,33 @@ def test_one_rank_reduce_gives_plus_zero(mx):
     assert not torch.signbit(y[t, 1]), f"one-rank combine gives {y[t, 1].item()} where the formula gives +0"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through combine)")
+@pytest.mark.parametrize("mx,weighted", [(True, True), (False, True), (False, False)])
+def test_one_rank_reduce_saturates_near_max(mx, weighted):
+    """One rank (``OWN``): expert rows at BF16's largest value, one slot weighted by 1.003 or two slots summed: a
+    partial that is finite in fp32 but past the BF16 range comes out +-BF16_MAX (BF16 transport saturates it; MXFP8
+    decodes saturated), one that overflows fp32 stays Inf; bit-exact to the spec."""
+    from combine_spec import BF16_MAX, assert_bf16_same, combine as spec_combine
+    from mxcomm.ep.nvshmem_kernels import combine_reduce_kernel
+
+    H, k, E = 64, 2, 4
+    idx = torch.tensor([[0, -1], [1, 2], [3, -1], [2, 0]])
+    T = idx.shape[0]
+    plan = build_plan(local_counts(idx, E)[None], idx, 0, 32)
+    out = torch.randn(int(plan.num_rows), H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    out[:, :8], out[:, 8:16] = BF16_MAX, -BF16_MAX
+    w = torch.full((T, k), 1.003)
+    w[2, 0] = 0.5
+    y = torch.empty(T, H, dtype=torch.bfloat16)
+    combine_reduce_kernel[(2,)](out, torch.zeros(1, dtype=torch.uint8), plan.send_pos, plan.dest_rank, w, y, T,
+                                torch.tensor([1]), T * k, plan.dest_row, out, torch.zeros(1, dtype=torch.uint8), H=H,
+                                K=k, K_POW2=2, CHUNK=32, MX=mx, INT_ROUND=True, OWN=True, OWN_PASS=False,
+                                WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
+    want = spec_combine(plan.dest_rank, plan.dest_row, [out.float()], w if weighted else None, mx)
+    assert_bf16_same(y, want)
+    assert (y[:, :16].float().abs() == BF16_MAX).any()  # reaches the BF16 range, finite
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
 @pytest.mark.parametrize("E,k,align,tail,programs", [(8, 3, 32, 0, 3), (5, 2, 128, 40, 7), (4, 4, 32, 7, 2)])
 def test_dispatch_kernel_zero_pad_zeroes_exactly_the_unfilled_rows(E, k, align, tail, programs):
