@@ -27,13 +27,14 @@ it), for each module and (programs, warps, chunk):
   three launches timed together, with the dispatch byte count;
 * ``naive`` (dispatch baseline, this file's kernel): one program per token loads the row once, quantizes
   it once and stores it to each destination row, scales row-major. Same bytes, same check.
-* ``reduce``: ``y[t] = sum_j w[t,j] * row(send_pos[t,j])`` from MXFP8 rows: ``S*(H + H/32)`` read +
-  ``T*H*2`` written. Checked against a plain-torch fp32 sum of the dequantized rows (bf16 output;
-  max |diff| reported, must be within bf16 rounding).
+* ``reduce``: the origin's sum of the partials that came home (one rank: one MXFP8 partial per token, at the send
+  position of its first slot): ``T*(H + H/32)`` read + ``T*H*2`` written. Checked against the plain-torch partial
+  (the fp32 weighted sum of the token's rows, quantized) dequantized (bf16 output; max |diff| reported, must be
+  within bf16 rounding).
 * ``local_path``: the one-rank dispatch (``dispatch_kernel`` straight into the fresh output, the unfilled rows
   zeroed at the end of the same launch (``ZERO_PAD``), then the swizzle), checked like the other paths;
 * ``reduce_own``: the one-rank combine (``combine_reduce_kernel(OWN=True)``: every row read as bf16 from the expert
-  output and quantized in registers): ``S*H*2`` read + ``T*H*2`` written; same check as ``reduce``.
+  output, the weighted sum quantized in registers): ``S*H*2`` read + ``T*H*2`` written; same check as ``reduce``.
 * ``pattern`` (``--ops pattern``): ceilings of the dispatch's access pattern - the same reads, writes, rows and
   order without the quantization (``pattern_scatter_kernel``: plain, through TMA descriptors, writes alone), a
   torch copy and a ``zero_()`` of the same byte count; ``pattern_ceiling_gbps`` = the fastest scatter, and each
@@ -194,21 +195,28 @@ class Lab:
         self.ref_s = ref.scales.view(torch.uint8).reshape(T, C)[tok]
         cols = torch.arange(C, device=dev)
         self.boff = blocked_index(self.slot_srows[:, None], cols[None, :], self.n_col_tiles)
-        # combine input: the reference rows at their send positions (both copies hold the same rows)
+        # combine input: one partial per token (one rank: the weighted sum of all its rows, fp32, j ascending),
+        # quantized, at the send position of the token's first slot (both copies hold the same rows)
         nslot = T * k
         self.nslot = nslot
-        pos = self.plan.send_pos.reshape(-1)[keep].long()
+        self.w = torch.rand(T, k, generator=g).to(dev)
+        xs = self.x.float()
+        part = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        for j in range(k):
+            on = (self.plan.dest_row[:, j] >= 0).view(T, 1)
+            part = part + torch.where(on, self.w[:, j:j + 1] * xs, torch.zeros((), device=dev))
+        qp = quantize(part)
+        lead = self.plan.send_pos[:, 0].long()  # one rank: every valid slot goes here; slot 0 leads when valid
+        for j in range(1, k):
+            lead = torch.where(lead >= 0, lead, self.plan.send_pos[:, j].long())
+        has = lead >= 0
         self.comb_q = torch.zeros(2, nslot, 2 * H, dtype=torch.uint8, device=dev)
         self.comb_s = torch.zeros(2, nslot, C, dtype=torch.uint8, device=dev)
         for c in range(2):  # row pos of a copy at byte pos * H from the copy's start
-            self.comb_q[c].view(-1)[: nslot * H].view(nslot, H)[pos] = self.ref_q
-            self.comb_s[c][pos] = self.ref_s
-        self.w = torch.rand(T, k, generator=g).to(dev)
-        deq = (self.ref_q.view(torch.float8_e4m3fn).float().view(-1, C, 32)
-               * scale_value(self.ref_s.to(torch.int32)).view(-1, C, 1)).view(-1, H)
-        y = torch.zeros(T, H, dtype=torch.float32, device=dev)
-        y.index_add_(0, tok, self.w.reshape(-1)[keep][:, None] * deq)
-        self.ref_y = y.to(torch.bfloat16)
+            self.comb_q[c].view(-1)[: nslot * H].view(nslot, H)[lead[has]] = qp.qdata.view(torch.uint8)[has]
+            self.comb_s[c][lead[has]] = qp.scales.view(torch.uint8).reshape(T, C)[has]
+        deq = qp.dequantize(torch.float32, saturate_to=torch.bfloat16)
+        self.ref_y = torch.where(has.view(T, 1), deq, torch.zeros((), device=dev)).to(torch.bfloat16)
         # the same rows as a one-rank expert output (bf16, expert-major): quantized they give ref_q, so ref_y holds
         self.own_x = torch.zeros(max(self.R, 1), H, dtype=torch.bfloat16, device=dev)
         self.own_x[self.slot_rows] = self.x[tok]
@@ -311,6 +319,8 @@ class Lab:
         mod.push_entries_kernel[(self.sms,)](self.plan.dest_rank, self.plan.dest_row, T, self.ptrs(plist), fp, epoch,
                                              0, 1, T, K=self.k, EW=ew, BLOCK=64, num_warps=4)
 
+        table = torch.empty(T, self.k, dtype=torch.int32, device=dev)  # the dispatch's table (one rank: T entries)
+
         def copy_rows():
             mod.copy_out_rows_kernel[(min(R, self.sms * 16),)](
                 q.view(torch.int64), out_q.view(torch.int64), self.plan.num_rows, src, R,
@@ -318,9 +328,10 @@ class Lab:
 
         def pull_rows(programs=progs, warps=4, chunk=512):
             mod.pull_rows_kernel[(min(max(R, T), programs),)](
-                out_q.view(torch.int64), s, self.plan.num_rows, src, R, sqp, ssp, plist, epoch, T, 1, T * H // 8,
-                ROW_WORDS=words, CHUNK=min(chunk, triton.next_power_of_2(words)), C=C, C_POW2=triton.next_power_of_2(C),
-                K=self.k, EW=ew, MX=True, num_warps=warps)
+                out_q.view(torch.int64), s, self.plan.offs, self.plan.expert_counts, self.plan.num_rows, E, R, sqp,
+                ssp, plist, table, epoch, T, 1, T * H // 8, ROW_WORDS=words,
+                CHUNK=min(chunk, triton.next_power_of_2(words)), C=C, C_POW2=triton.next_power_of_2(C), K=self.k,
+                K_POW2=triton.next_power_of_2(self.k), EW=ew, MX=True, num_warps=warps)
 
         def scale_cb(wordwise, cb):  # word columns: a whole tile-row per program (what the backend launches)
             return triton.next_power_of_2(cp // 4) if wordwise else min(cb, triton.next_power_of_2(cp))
@@ -331,7 +342,7 @@ class Lab:
             mod.scale_rows_to_grouped_kernel[(rows // 128, triton.cdiv(ncols, cb))](
                 s.view(torch.int32) if wordwise else s, out_s.view(torch.int32) if wordwise else out_s,
                 self.plan.offs, self.plan.num_rows, self.plan.expert_counts, E, cp // 4, C=C, CB=cb,
-                G_POW2=triton.next_power_of_2(E), WORD=wordwise, num_warps=warps)
+                G_POW2=triton.next_power_of_2(E), WORD=wordwise, TAIL=True, num_warps=warps)  # exact sizes
 
         def rows_check(fn):
             out_q.fill_(0xAB)
@@ -513,20 +524,23 @@ class Lab:
             ok = bool((d <= tol).all())
             return ok, dict(max_abs_diff=float(d.max()) if d.numel() else 0.0)
 
-        own = "OWN" in kern.arg_names  # the own-rows variant (rows served here read from the expert output)
-        rest = (self.plan.dest_row, self.own_x, self.comb_s) if own else ()
+        own = "OWN" in kern.arg_names  # the own-rows variant (one rank: the partial formed from the expert rows)
+        rest = (self.plan.dest_row, self.own_x, self.comb_s)
+        kp = triton.next_power_of_2(self.k)
+        args = (self.comb_q, self.comb_s, self.plan.send_pos, self.plan.dest_rank, self.w, y, self.T, epoch,
+                self.nslot, *rest)
         for programs in self.grids():
             for warps in _ints(a.warps):
                 for chunk in _ints(a.chunks):
                     fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
-                        self.comb_q, self.comb_s, self.plan.send_pos, self.w, y, self.T, epoch, self.nslot, *rest,
-                        H=self.H, K=self.k, CHUNK=chunk, MX=True, INT_ROUND=self.interp, num_warps=warps))
-                    self.record("reduce", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check)
-                    if own:  # one rank: every slot's row read as bf16 from the expert output and quantized here
+                        *args, H=self.H, K=self.k, K_POW2=kp, CHUNK=chunk, MX=True, INT_ROUND=self.interp,
+                        num_warps=warps, enable_fp_fusion=False))
+                    self.record("reduce", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check,
+                                nbytes=self.T * (self.H + self.H // 32) + self.T * self.H * 2)
+                    if own:  # one rank: every slot's row read as bf16 from the expert output, summed, quantized here
                         fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
-                            self.comb_q, self.comb_s, self.plan.send_pos, self.w, y, self.T, epoch, self.nslot, *rest,
-                            H=self.H, K=self.k, CHUNK=chunk, MX=True, INT_ROUND=self.interp, OWN=True, MODE=0,
-                            num_warps=warps))
+                            *args, H=self.H, K=self.k, K_POW2=kp, CHUNK=chunk, MX=True, INT_ROUND=self.interp,
+                            OWN=True, MODE=0, num_warps=warps, enable_fp_fusion=False))
                         self.record("reduce_own", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check,
                                     nbytes=self.S * self.H * 2 + self.T * self.H * 2)
 
