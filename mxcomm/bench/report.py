@@ -71,10 +71,12 @@ IMPL_DESC = {
               "layout, MXFP8 scales in grouped-along-M layout; combine incl. weighted reduction); combine_bwd: "
               "EPGroup.steps.combine_backward with the CombineSaved of an untimed combine_for_backward (route weighting, "
               "gradient quantization, transfer to the experts, route-weight gradient); dispatch_bwd: "
-              "EPGroup.steps.dispatch_backward of a BF16 gradient (quantize, transfer to origins, sum over k)",
+              "EPGroup.steps.dispatch_backward of a BF16 gradient (partial sums per (token, rank), quantize, transfer to origins, "
+              "sum of the partials)",
     "reference": "reference path: EPConfig(backend='torch', precision='mxfp8'): quantize + all_gather counts + "
-                 "all_to_all_single of payload and scales + permute to expert-major (combine: gather, quantize, "
-                 "reverse all_to_all_single, dequantize, weighted reduction; backward ops: the same API as mxcomm)",
+                 "all_to_all_single of payload and scales + permute to expert-major (combine: route weights to the "
+                 "experts, partial sums per (token, rank) there, quantize, reverse all_to_all_single, dequantize, "
+                 "sum of the partials; backward ops: the same API as mxcomm)",
     "a2a": "plain BF16 all_to_all_single of the routed rows (what a plain MoE does); send buffer built outside "
            "the timed region; no permute, no reduction",
     "vdev2d": "torch NVSHMEM all_to_all_vdev_2d (dispatch) / all_to_all_vdev_2d_offset (combine), BF16, splits on "

@@ -36,20 +36,23 @@ class Backend(Protocol):
         """Rows to the experts' ranks, expert-major (see :class:`DispatchResult`)."""
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, quantize: bool) -> torch.Tensor:
-        """``y[t] = sum_j w[t,j] * T(expert_out[row(t,j)])``, bfloat16 ``[T, H]`` (``T``: the MXFP8 transport
-        rounding when ``quantize``, else the identity); fp32 sum, ``j`` ascending."""
+        """bfloat16 ``[T, H]``: per (token, rank) ``P = sum_j w[t,j] * expert_out[row(t,j)]`` (fp32, ``j`` ascending)
+        rounded once for transport (MXFP8 when ``quantize``, else BF16), the partials summed in fp32 at the origin
+        (:mod:`mxcomm.ep.reference.backward` has the math)."""
 
     def combine_for_backward(self, expert_out: torch.Tensor, handle: EPHandle,
                              quantize: bool) -> tuple[torch.Tensor, CombineSaved]:
-        """:meth:`combine` that also returns the rows as they arrived (for the route-weight gradient)."""
+        """:meth:`combine` and what the route-weight gradient needs: ``CombineSaved(rows=expert_out)``."""
 
     def combine_backward(self, grad_y: torch.Tensor, handle: EPHandle, saved: Optional[CombineSaved],
                          quantize: bool) -> CombineGrads:
-        """Per-slot ``w * grad_y`` to the experts in the dispatch layout; ``<grad_y, saved row>`` at home."""
+        """Per-slot ``w * grad_y`` rounded at the experts in the dispatch layout; ``<grad_y, expert row>`` formed where
+        the expert rows are (``saved``; None: no route-weight gradient)."""
 
     def dispatch_backward(self, grad_recv: Union[torch.Tensor, MXTensor], handle: EPHandle,
                           quantize: bool) -> torch.Tensor:
-        """Each row's gradient back to its origin slot, summed over ``k`` there: bfloat16 ``[T, H]``."""
+        """The rows' gradients back to their origins, one partial per (token, rank) (the :meth:`combine` math with
+        weights 1): bfloat16 ``[T, H]``."""
 
     def check_errors(self) -> None:
         """Raise an error recorded on the device and not reported yet (no-op where every call checks itself)."""

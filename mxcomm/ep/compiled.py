@@ -17,7 +17,7 @@ Ops (namespace ``mxcomm_ep``; opaque to the compiler, each a collective; argumen
   (``Backend.state_tensors``; none for the ``torch`` backend).
 * ``dispatch_backward(grad, topk_idx, handle, gid, quantize) -> Tensor``: bfloat16 ``[T, H]``.
   An :class:`MXFP8Tensor` ``grad`` is routed (``register_torch_dispatch``) to
-  ``dispatch_backward_mx(qdata, scales, group_offs, layout, mode, ...)`` and travels as it is.
+  ``dispatch_backward_mx(qdata, scales, group_offs, layout, mode, ...)`` (decoded, summed per (token, rank)).
 * ``combine(expert_out, topk_weights, topk_idx, handle, gid, quantize) -> y``: bfloat16 ``[T, H]``. When the
   weights need a gradient the autograd Function keeps ``expert_out`` itself (the route-weight gradient is formed
   where those rows are); nothing else is kept.

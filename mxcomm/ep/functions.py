@@ -6,7 +6,7 @@ Gradients:
 
 * combine backward (``EPGroup.steps.combine_backward``): ``w[t,j] * grad_y[t]`` goes to the expert ranks in the
   dispatch layout (MXFP8 when ``grad_quantize``) -> gradient of ``expert_out``; ``grad_w[t,j] = <grad_y[t],
-  out[t,j] as received>`` -> gradient of ``topk_weights`` (0 for dropped slots). Only combine depends on the weights.
+  out[t,j]>`` (the expert output as given, on the expert rank) -> gradient of ``topk_weights`` (0 for dropped slots). Only combine depends on the weights.
 * dispatch backward (``EPGroup.steps.dispatch_backward``): each row's gradient returns to its origin (MXFP8 when
   ``grad_quantize``) and is summed over k -> gradient of ``x``.
 

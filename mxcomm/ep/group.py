@@ -164,10 +164,11 @@ class EPGroup:
                 makes the current stream wait and returns ``y``). Do not modify the inputs in place before the event.
                 Not under ``torch.compile``, nor with the handle of a dispatch that ran as a custom op.
         Returns:
-            bfloat16 ``[T, H]``, reduced in fp32 with ``j`` ascending; dropped slots contribute 0 (inside a
+            bfloat16 ``[T, H]``: per (token, rank) the weighted rows summed in fp32 (``j`` ascending) and rounded once for
+            transport, the partials summed in fp32; dropped slots contribute 0 (inside a
             :class:`~mxcomm.ep.streams.Combined` with ``stream``).
-        Memory: when the weights require grad, the returned rows are kept for the backward (``n_send * H * 33/32``
-        bytes with MXFP8 transport, ``* 2`` with BF16; ``n_send <= T*k``).
+        Memory: when the weights require grad, the backward needs ``expert_out`` itself (the route-weight gradient
+        is formed where those rows are); nothing else is kept.
         Collective (forward and backward).
         """
         if stream is not None:

@@ -105,7 +105,8 @@ class EPSteps:
             topk_weights: float ``[T, k]`` (default: the weights given to dispatch).
             quantize: MXFP8 transport (row-wise, the config's scale mode); default: ``precision == "mxfp8"``.
         Returns:
-            bfloat16 ``[T, H]``, reduced in fp32 with ``j`` ascending; dropped slots contribute 0.
+            bfloat16 ``[T, H]``: per (token, rank) the weighted rows summed in fp32 (``j`` ascending) and rounded
+            once for transport, the partials summed in fp32 (docs/design.md); dropped slots contribute 0.
         """
         handle = self._weighted(expert_out, handle, topk_weights)
         return self.backend.combine(expert_out, handle, self._quantize(quantize))
@@ -114,8 +115,8 @@ class EPSteps:
                              topk_weights: Optional[torch.Tensor] = None,
                              quantize: Optional[bool] = None) -> tuple[torch.Tensor, CombineSaved]:
         """:meth:`combine` that also returns what the route-weight gradient needs: ``(y, saved)``, ``saved`` a
-        :class:`CombineSaved` with the returned rows as they arrived (``n_send * H * 33/32`` bytes with MXFP8
-        transport, ``n_send * H * 2`` with BF16; ``n_send <= T*k``)."""
+        :class:`CombineSaved` holding ``expert_out`` itself (the route-weight gradient is formed where those rows
+        are; nothing is copied)."""
         handle = self._weighted(expert_out, handle, topk_weights)
         return self.backend.combine_for_backward(expert_out, handle, self._quantize(quantize))
 
@@ -178,11 +179,12 @@ class EPSteps:
 
         Args:
             grad_recv: ``[R, H]`` in the dispatch output's layout: bfloat16, or an :class:`MXTensor` /
-                :class:`MXFP8Tensor` (axis 1, any scale layout) that travels as it is. Padding rows are ignored.
+                :class:`MXFP8Tensor` (axis 1, any scale layout), decoded before the sum. Padding rows are ignored.
             handle: the dispatch's :class:`EPHandle`.
             quantize: MXFP8 transport of a dense ``grad_recv`` (default: ``precision == "mxfp8"``).
         Returns:
-            bfloat16 ``[T, H]``: ``grad_x[t] = sum_j grad_recv[row(t, j)]`` in fp32, j ascending.
+            bfloat16 ``[T, H]``: ``grad_x[t] = sum_j grad_recv[row(t, j)]``, summed per (token, rank) in fp32 (``j``
+            ascending), each partial rounded once for transport, the partials summed in fp32.
         """
         self._refuse_exact_capture()
         grad_recv = unwrap_mx(grad_recv)  # an MXFP8Tensor travels as its MXTensor

@@ -5,6 +5,8 @@
 * :mod:`.trace` - where the host time of one eager EP call goes (profiler timeline, cProfile);
 * :mod:`.graph_profile` - kernel-by-kernel GPU time of dispatch / combine captured in CUDA graphs;
 * :mod:`.host_costs` - host microseconds of a Triton launch, a graph replay, small tensor operations;
+* :mod:`.combine_sqnr` - SQNR against float64 of combine and dispatch backward, per-selection vs per-(token, rank)
+  transport rounding (CPU; no GPU needed);
 * :mod:`.host_glue` - host microseconds of the four public EP calls on one rank over a loopback heap (no NVSHMEM; on
   CPU under the interpreter with the kernels stubbed out, or on a GPU).
 """

@@ -3,10 +3,11 @@
     source bench/gpu/env.sh && torchrun --nproc-per-node 2 -m mxcomm.bench.tools.sweep [--tokens 4096] [--profile]
 
 One EPGroup per precision (nvshmem backend, exact sizes); for every routing-plan implementation and
-(programs per SM, warps, tile rows, row chunk) of combine's sending kernel (the backend's frozen
-:class:`~mxcomm.ep.nvshmem_backend.LaunchConfig` fields ``send_per_sm`` / ``send_warps`` / ``send_rows`` /
-``send_chunk``, replaced on the backend instance between measurements, identical on every rank; the dispatch
-kernel keeps its own launch settings) it times
+(programs per SM, warps, row chunk) of the kernels that work per (token, rank) entry and quantize or sum per chunk -
+combine's partial sums and combine backward's weighted pull (the backend's frozen
+:class:`~mxcomm.ep.nvshmem_backend.LaunchConfig` fields ``partials_per_sm`` / ``weighted_warps`` / ``qdq_chunk``,
+replaced on the backend instance between measurements, identical on every rank; the dispatch kernels keep their
+own launch settings) it times
 dispatch, combine, combine backward and dispatch backward with CUDA events (median of --iters, the
 slowest rank), and with --profile prints rank 0's kernel-time table of one call of each op. Output:
 text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
@@ -74,13 +75,12 @@ def main():
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--iters", type=int, default=15)
-    ap.add_argument("--per-sm", default="1,2,4,8", help="programs per SM of combine's send kernel (send_per_sm)")
-    ap.add_argument("--warps", default="4,8,16")
+    ap.add_argument("--per-sm", default="4,8,16", help="programs per SM of the per-entry kernels (partials_per_sm)")
+    ap.add_argument("--warps", default="4,8", help="warps of the per-entry kernels (weighted_warps)")
     ap.add_argument("--precision", default="mxfp8,bf16")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--plan-impl", default="torch,triton", help="routing plan implementations to time (backend.plan_impl)")
-    ap.add_argument("--send-rows", default="4", help="rows per tile of combine's send kernel (send_rows)")
-    ap.add_argument("--send-chunks", default="1024", help="row chunk of combine's send kernel (send_chunk)")
+    ap.add_argument("--chunks", default="1024,2048", help="row chunk of the per-entry kernels (qdq_chunk)")
     ap.add_argument("--ops", default="dispatch,combine,combine_bwd,dispatch_bwd")
     a = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -106,13 +106,12 @@ def main():
                     fn()
                     torch.cuda.synchronize()
                 if rank == 0:
-                    print(f"--- profile {prec} {name} T={a.tokens} programs={be.programs} warps={be.launch.send_warps}")
+                    print(f"--- profile {prec} {name} T={a.tokens} programs={be.programs} warps={be.launch.weighted_warps}")
                     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
                                                     max_name_column_width=45), flush=True)
         for impl in a.plan_impl.split(","):
-            for per_sm, warps, br, chunk in itertools.product(*(_ints(v) for v in (
-                    a.per_sm, a.warps, a.send_rows, a.send_chunks))):
-                be.launch = replace(be.launch, send_per_sm=per_sm, send_warps=warps, send_rows=br, send_chunk=chunk)
+            for per_sm, warps, chunk in itertools.product(*(_ints(v) for v in (a.per_sm, a.warps, a.chunks))):
+                be.launch = replace(be.launch, partials_per_sm=per_sm, weighted_warps=warps, qdq_chunk=chunk)
                 be.plan_impl = impl
                 progs = be.programs
                 for fn in ops.values():
@@ -120,7 +119,7 @@ def main():
                 res = {name: _time(fn, a.iters) for name, fn in ops.items()}
                 if rank == 0:
                     print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, programs=progs, warps=warps,
-                                                     send_rows=br, send_chunk=chunk, plan_impl=impl,
+                                                     qdq_chunk=chunk, plan_impl=impl,
                                                      world=dist.get_world_size(), us=res)), flush=True)
     from mxcomm import transport as tp
 
