@@ -87,18 +87,17 @@ class EnginePath:
         if "ep.comb_w" not in bufs:  # the local path
             return
         e = engine
-        W, T, k, dev = e.world, e.config.max_tokens_per_rank, e.config.topk, e.device
+        T, k = e.config.max_tokens_per_rank, e.config.topk
         self.comb_w, self.comb_gw = bufs["ep.comb_w"], bufs["ep.comb_gw"]
         self.send_q, self.send_w = bufs["ep.send_q"], bufs["ep.send_w"]
         self.pull_list = bufs["ep.pull_list"]
-        # where each source's weights / route-weight gradients are read or written, by source rank
+        # by source rank: where its published weights are read (this rank's comb_w rows), where its BF16 gradient
+        # rows and weights are read in combine backward (its send copies; copy 1 starts g_copy / w_copy values after
+        # copy 0), and where the route-weight gradients formed here go (this rank's row of its comb_gw)
         self.w_local = self._rows_of(self.comb_w.local, T * k * 4)
-        self.gw_peer_rows = self.comb_gw.peer_ptrs + e.rank * T * k * 4  # my row of every rank's comb_gw
-        self.g_src = self.send_q.peer_ptrs  # combine backward's gradient rows: each source's send copies
-        self.w_src = self.send_w.peer_ptrs
-        self.g_copy, self.w_copy = T * e.config.hidden, T * k  # copy 1 starts this many values after copy 0
-        self.gw_dst = self.gw_peer_rows
-        self._row_base = torch.arange(W, dtype=torch.int64, device=dev)
+        self.g_src, self.w_src = self.send_q.peer_ptrs, self.send_w.peer_ptrs
+        self.g_copy, self.w_copy = T * e.config.hidden, T * k
+        self.gw_dst = self.comb_gw.peer_ptrs + e.rank * T * k * 4
 
     def _rows_of(self, buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
         """int64 ``[W]``: the address of row ``s`` (``row_bytes`` bytes each) of this rank's ``buf``, by ``s``."""
