@@ -202,10 +202,10 @@ def main(argv: Optional[list] = None) -> dict:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--scale-mode", default="rceil", choices=["rceil", "floor"])
     args = ap.parse_args(argv)
-    torch.set_grad_enabled(False)
     t0 = time.monotonic()
-    cases = run(args.tokens, args.seeds, tuple(args.hidden), tuple(args.worlds), args.experts, args.topk,
-                args.scale_mode, log=lambda m: print(m, file=sys.stderr))
+    with torch.no_grad():  # (not a global switch: callers in the same process keep their grad mode)
+        cases = run(args.tokens, args.seeds, tuple(args.hidden), tuple(args.worlds), args.experts, args.topk,
+                    args.scale_mode, log=lambda m: print(m, file=sys.stderr))
     worst = min(cases, key=lambda c: c["delta_db"])
     result = {
         "schema": SCHEMA,
