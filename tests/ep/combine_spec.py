@@ -90,3 +90,23 @@ def assert_bf16_same(got: torch.Tensor, want: torch.Tensor, msg: str = "", signe
 def ptrs(ts) -> torch.Tensor:
     """int64 address table of tensors (one simulated rank each)."""
     return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
+
+
+def routings(Ts, E: int, k: int, g: torch.Generator, drop: float, hot=None) -> list:
+    """Per rank, random top-``k`` expert ids ``[T, k]`` of ``E`` (distinct per token, a ``drop`` fraction of slots
+    -1), drawn from ``g`` rank after rank; ``hot``: every token's slot 0 goes to that expert (repeats dropped)."""
+    idxs = []
+    for T in Ts:
+        if T == 0:
+            idxs.append(torch.zeros(0, k, dtype=torch.int64))
+            continue
+        idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k]
+        idx[torch.rand(T, k, generator=g) < drop] = -1
+        idxs.append(idx)
+    if hot is not None:
+        for i in idxs:
+            if len(i):
+                rest = i[:, 1:]
+                rest[rest == hot] = -1
+                i[:, 0] = hot
+    return idxs

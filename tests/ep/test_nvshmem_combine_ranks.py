@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-from combine_spec import BF16_MAX, assert_bf16_same, combine as spec_combine, partial as spec_partial, ptrs, \
+from combine_spec import BF16_MAX, routings, assert_bf16_same, combine as spec_combine, partial as spec_partial, ptrs, \
     route_grad, token_ranks, tq
 from mxcomm.ep.nvshmem_backend import row_origins
 from mxcomm.ep.plan import FLAG_ROWS, build_plan, local_counts, pull_entry_words
@@ -20,14 +20,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter r
 
 NF = len(FLAG_ROWS)
 P2 = triton.next_power_of_2
-
-
-def _routing(T, E, k, g, drop):
-    if T == 0:
-        return torch.zeros(0, k, dtype=torch.int64)
-    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k]
-    idx[torch.rand(T, k, generator=g) < drop] = -1
-    return idx
 
 
 class Ranks:
@@ -40,13 +32,7 @@ class Ranks:
         self.W, self.E, self.k, self.Ts = W, E, k, list(Ts)
         self.El = E // W
         self.T_max = T_max or max(max(Ts), 1)
-        idxs = [_routing(T, E, k, g, drop) for T in Ts]
-        if hot is not None:  # every token of every rank sends slot 0 to one expert
-            for i in idxs:
-                if len(i):
-                    rest = i[:, 1:]
-                    rest[rest == hot] = -1
-                    i[:, 0] = hot
+        idxs = routings(Ts, E, k, g, drop, hot)  # hot: every token of every rank sends slot 0 to one expert
         self.all_on_one = None
         if one_rank_token and self.El >= k and hot is None:
             s = next(r for r in range(W) if Ts[r] >= 2)

@@ -5,18 +5,11 @@ position). Byte copies here stand in for NVSHMEM; the real kernels run in the GP
 import pytest
 import torch
 
+from combine_spec import routings
 from mxcomm.ep.plan import build_plan, local_counts
 from mxcomm.ep.put_path import combine_blocks, dispatch_blocks, row_batch, swap_batch, token_rows
 
 RB, SB = 16, 2  # payload / scale bytes per row (small, distinct)
-
-
-def _routing(T, E, k, g, drop):
-    if T == 0:
-        return torch.zeros(0, k, dtype=torch.int64)
-    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k]
-    idx[torch.rand(T, k, generator=g) < drop] = -1
-    return idx
 
 
 def _tag(a: int, b: int, nbytes: int) -> torch.Tensor:
@@ -35,13 +28,7 @@ def _apply(batch, src: torch.Tensor, dsts: list[torch.Tensor]) -> None:
 
 def _plans(W, E, k, align, Ts, seed, drop=0.2, hot=None):
     g = torch.Generator().manual_seed(seed)
-    idxs = [_routing(T, E, k, g, drop) for T in Ts]
-    if hot is not None:  # every token of every rank sends slot 0 to one expert
-        for i in idxs:
-            if len(i):
-                rest = i[:, 1:]
-                rest[rest == hot] = -1
-                i[:, 0] = hot
+    idxs = routings(Ts, E, k, g, drop, hot)  # hot: every token of every rank sends slot 0 to one expert
     counts = torch.stack([local_counts(i, E) for i in idxs])
     return [build_plan(counts, idxs[r], r, align) for r in range(W)]
 

@@ -46,16 +46,10 @@ SCHEMA = "mxcomm.bench.combine_sqnr/1"
 REQUIRED_DB = -0.5  # the per-(token, rank) math may lose at most 0.5 dB against the per-selection math
 
 
-def transport(p: torch.Tensor, mx: bool, mode: str) -> torch.Tensor:
-    """``Tq`` of fp32 rows ``[..., H]`` (each row on its own): MXFP8 row-wise round trip or BF16."""
-    p = p.to(torch.float32)
-    return transport_round(p, mx, mode)
-
-
 def per_selection(out: torch.Tensor, w: torch.Tensor, mx: bool, mode: str) -> torch.Tensor:
     """``bf16(sum_j w[t, j] * Tq(out[t, j]))``, fp32, ``j`` ascending. ``out`` bf16 ``[T, k, H]``, ``w`` ``[T, k]``."""
     T, k, H = out.shape
-    v = transport(out.reshape(T * k, H), mx, mode).view(T, k, H)
+    v = transport_round(out.reshape(T * k, H), mx, mode).view(T, k, H)
     w = w.to(torch.float32)
     acc = torch.zeros(T, H, dtype=torch.float32)
     for j in range(k):
@@ -86,7 +80,7 @@ def per_rank(out: torch.Tensor, w: torch.Tensor, dest: torch.Tensor, mx: bool, m
         acc = torch.where(start[:, p:p + 1], zero, acc) + prod[tok, order[:, p]]
         part[:, p] = acc
     sent = torch.zeros(T, k, H, dtype=torch.float32)
-    sent[end] = transport(part[end], mx, mode)                               # one rounding per (token, rank)
+    sent[end] = transport_round(part[end], mx, mode)                               # one rounding per (token, rank)
     run_end = torch.empty(T, k, dtype=torch.int64)                           # position of the end of p's run
     run_end[:, k - 1] = k - 1
     for p in range(k - 2, -1, -1):
