@@ -64,7 +64,6 @@ from mxcomm.kernels.mx_device import blocked_scale_offset, mx_quantize_tile
 from mxcomm.mx import round_up
 from mxcomm.mx.layouts import blocked_index, grouped_m_row_map, grouped_m_rows
 from mxcomm.mx.reference import quantize
-from mxcomm.mx.scales import scale_value
 
 
 @triton.jit
@@ -526,20 +525,19 @@ class Lab:
 
         own = "OWN" in kern.arg_names  # the own-rows variant (one rank: the partial formed from the expert rows)
         rest = (self.plan.dest_row, self.own_x, self.comb_s)
-        kp = triton.next_power_of_2(self.k)
         args = (self.comb_q, self.comb_s, self.plan.send_pos, self.plan.dest_rank, self.w, y, self.T, epoch,
                 self.nslot, *rest)
         for programs in self.grids():
             for warps in _ints(a.warps):
                 for chunk in _ints(a.chunks):
                     fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
-                        *args, H=self.H, K=self.k, K_POW2=kp, CHUNK=chunk, MX=True, INT_ROUND=self.interp,
+                        *args, H=self.H, K=self.k, P=self.k, CHUNK=chunk, MX=True, INT_ROUND=self.interp,
                         num_warps=warps, enable_fp_fusion=False))
                     self.record("reduce", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check,
                                 nbytes=self.T * (self.H + self.H // 32) + self.T * self.H * 2)
                     if own:  # one rank: every slot's row read as bf16 from the expert output, summed, quantized here
                         fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
-                            *args, H=self.H, K=self.k, K_POW2=kp, CHUNK=chunk, MX=True, INT_ROUND=self.interp,
+                            *args, H=self.H, K=self.k, P=self.k, CHUNK=chunk, MX=True, INT_ROUND=self.interp,
                             OWN=True, MODE=0, num_warps=warps, enable_fp_fusion=False))
                         self.record("reduce_own", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check,
                                     nbytes=self.S * self.H * 2 + self.T * self.H * 2)

@@ -73,7 +73,8 @@ class LaunchConfig:
             where it can (:func:`_qdq_chunk`), since a masked-off tail is computed all the same.
         partials_per_sm: ``combine_partials_kernel`` and ``pull_weighted_kernel`` (persistent over (token, rank)
             entries; their arrivals are counted).
-        reduce_chunk / reduce_mx_chunk: ``combine_reduce_kernel`` on BF16 / MXFP8 partials that arrived.
+        reduce_chunk / reduce_mx_chunk / reduce_warps: ``combine_reduce_kernel`` on BF16 / MXFP8 partials that
+            arrived (its loads of a token's partials are issued together: registers bound its occupancy).
         route_grad_per_sm: ``route_weight_grad`` (4 warps per program; one rank).
         push_per_sm: ``push_entries_kernel``.
     """
@@ -84,8 +85,9 @@ class LaunchConfig:
     weighted_warps: int = 4
     qdq_chunk: int = 1024
     partials_per_sm: int = 16
-    reduce_chunk: int = 4096
-    reduce_mx_chunk: int = 2048
+    reduce_chunk: int = 2048
+    reduce_mx_chunk: int = 1024
+    reduce_warps: int = 8
     route_grad_per_sm: int = 8
     push_per_sm: int = 1
 
@@ -577,9 +579,9 @@ class NvshmemBackend:
                 payload if own else (comb[0].local if mx else comb[0].local.view(torch.bfloat16)),
                 in_scales if own else comb[1].local, plan.send_pos, plan.dest_rank, self.err if w is None else w, y,
                 T, self.c_epoch, self.nslot, plan.dest_row, payload, in_scales,
-                H=H, K=k, K_POW2=self.next_pow2(k), CHUNK=self._reduce_chunk(H, own, mx), MX=mx,
+                H=H, K=k, P=k if own else min(k, self.world), CHUNK=self._reduce_chunk(H, own, mx), MX=mx,
                 INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, WEIGHTED=w is not None,
-                MODE=self.mode_id, num_warps=4, enable_fp_fusion=False,
+                MODE=self.mode_id, num_warps=4 if own else self.launch.reduce_warps, enable_fp_fusion=False,
             )
         self.after_call(what, waited=not own)
         return y

@@ -445,7 +445,8 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
     C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
-    kk = tl.arange(0, K_POW2)
+    GW: tl.constexpr = 8 if K_POW2 < 8 else K_POW2  # route-grad lanes: >= the 8 values a thread holds of a chunk
+    gk = tl.arange(0, GW)
     par = tl.load(epoch_ptr) % 2
     i = pid
     while i < W * T_max:
@@ -455,7 +456,8 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
             t = (i % T_max).to(tl.int64)
             gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + t * H
             wbase = tl.load(w_peers + s).to(tl.pointer_type(tl.float32)) + par * w_copy + t * K
-            gw = tl.zeros((K_POW2,), tl.float32)
+            # per-thread partial dot products, column j for slot j: one block reduction per entry, not per slot
+            gv = tl.zeros((CHUNK // GW, GW), tl.float32)
             for c0 in tl.static_range(0, H, CHUNK):
                 m = (c0 + offs) < H
                 cols = c0 // 32 + bcols
@@ -480,11 +482,13 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                             tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), xw.to(tl.bfloat16), mask=m)
                         if ROUTE_GRAD:
                             o = to_fp32(tl.load(out_ptr + r * H + c0 + offs, mask=m, other=0.0), INT_ROUND)
-                            gw = tl.where(kk == j, gw + tl.sum(o * xf, axis=0), gw)
+                            part = tl.sum(tl.reshape(o * xf, (CHUNK // GW, GW)), axis=1)
+                            gv = tl.where(gk[None, :] == j, gv + part[:, None], gv)
             if ROUTE_GRAD:
-                rows = tl.load(e + kk, mask=kk < K, other=-1)
+                gw = tl.sum(gv, axis=0)
+                rows = tl.load(e + gk, mask=gk < K, other=-1)
                 gwb = tl.load(gw_peers + s).to(tl.pointer_type(tl.float32)) + t * K
-                tl.store(gwb + kk, gw, mask=(kk < K) & (rows >= 0))
+                tl.store(gwb + gk, gw, mask=(gk < K) & (rows >= 0))
         i += G
     if ROUTE_GRAD and ARRIVE:
         _arrive_all(flags_peers, 4, me, W)
@@ -515,6 +519,34 @@ def first_refusal_kernel(words_ptr, W, out_ptr, W_POW2: tl.constexpr):
     w = tl.load(words_ptr + r, mask=r < W, other=0)
     first = tl.min(tl.where(w != 0, r, W_POW2), axis=0)
     tl.store(out_ptr, tl.where(first < W, first + 1, 0).to(tl.int64))
+
+
+@triton.jit
+def _leading_slots(ranks_ptr, K: tl.constexpr):
+    """Bit ``j`` set where slot ``j`` of a token (``K`` int32 destination ranks at ``ranks_ptr``, -1 = dropped) leads
+    its rank: valid, and no earlier slot goes to the same rank. Scalar loads and compares only (no block reduction:
+    the loads of the slots' rows that follow stay free to overlap)."""
+    bits = tl.load(ranks_ptr) * 0
+    for j in tl.static_range(K):
+        d = tl.load(ranks_ptr + j)
+        ok = d >= 0
+        for i in tl.static_range(j):
+            ok = ok & (tl.load(ranks_ptr + i) != d)
+        bits = bits | (ok.to(tl.int32) << j)
+    return bits
+
+
+@triton.jit
+def _nth_slot(bits, n: tl.constexpr, K: tl.constexpr):
+    """The index of the ``n``-th set bit (from 0, lowest first) of the ``K``-bit mask ``bits``; -1 when fewer are
+    set. Scalar work."""
+    sel = bits * 0 - 1
+    cnt = bits * 0
+    for j in tl.static_range(K):
+        b = (bits >> j) & 1
+        sel = tl.where((b != 0) & (cnt == n), j, sel)
+        cnt += b
+    return sel
 
 
 @triton.jit
@@ -651,7 +683,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
 @triton.jit
 def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w_ptr, y_ptr, T, epoch_ptr, nslot,
                           dest_row_ptr, own_ptr, own_s_ptr,
-                          H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
+                          H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr,
                           MX: tl.constexpr, INT_ROUND: tl.constexpr, OWN: tl.constexpr = False,
                           OWN_PASS: tl.constexpr = False, WEIGHTED: tl.constexpr = True, MODE: tl.constexpr = 0):
     """Combine / dispatch backward at the origin: ``y[t] = sum_i P_i`` in fp32, bf16 out, over the partials ``P_i``
@@ -672,6 +704,8 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w
             (``OWN`` with ``WEIGHTED`` only); y_ptr: bf16 ``[T, H]``.
         dest_row_ptr, own_ptr, own_s_ptr (``OWN``): the plan's rows, the expert rows ``[R, H]`` (bf16, or uint8 E4M3
             payload with ``OWN_PASS`` and their uint8 ``[R, H/32]`` row scales).
+        P: the most partials a token can have, ``min(K, W)`` (``OWN``: ``K``, the slots summed in place). A static
+            loop over them (not over the ``K`` slots) keeps the registers of the rows in flight to rows that exist.
         MX: the partials travel (or, with ``OWN``, are rounded) as MXFP8; MODE: the scale mode.
     """
     pid = tl.program_id(0)
@@ -680,28 +714,27 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w
     C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
-    kk = tl.arange(0, K_POW2)
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
     t = pid
     while t < T:
-        ranks = tl.load(dest_rank_ptr + t * K + kk, mask=kk < K, other=-1)
+        lead = _leading_slots(dest_rank_ptr + t * K, K)  # scalar work once a token: no reduction in the loops below
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
             cols = c0 // 32 + bcols
             cm = cols < C
             acc = tl.zeros((CHUNK,), tl.float32)
             fin = offs >= 0  # every partial summed here so far is finite
-            for j in tl.static_range(K):
-                d = tl.load(dest_rank_ptr + t * K + j)
-                if OWN:
-                    ok = d >= 0
-                    r = tl.load(dest_row_ptr + t * K + j)
+            for n in tl.static_range(P):
+                if OWN:  # slot n
+                    ok = tl.load(dest_rank_ptr + t * K + n) >= 0
+                    r = tl.load(dest_row_ptr + t * K + n)
                     v = _row_values(own_ptr, own_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, OWN_PASS, INT_ROUND)
                     if WEIGHTED:
-                        v = tl.load(w_ptr + t * K + j, mask=ok, other=0.0) * v
-                else:  # slot j leads its rank: valid, and no earlier slot of the token goes to the same rank
-                    ok = (d >= 0) & (tl.sum(((ranks == d) & (kk < j)).to(tl.int32), axis=0) == 0)
-                    p64 = tl.maximum(tl.load(send_pos_ptr + t * K + j), 0).to(tl.int64)
+                        v = tl.load(w_ptr + t * K + n, mask=ok, other=0.0) * v
+                else:  # partial n: the n-th leading slot j (-1: the token has fewer partials, adds +0)
+                    j = _nth_slot(lead, n, K)
+                    ok = j >= 0
+                    p64 = tl.maximum(tl.load(send_pos_ptr + t * K + tl.maximum(j, 0)), 0).to(tl.int64)
                     if MX:
                         q = tl.load(comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs, mask=m & ok, other=0)
                         sb = tl.load(comb_s_ptr + (slot0 + p64) * C + cols, mask=cm & ok, other=127)

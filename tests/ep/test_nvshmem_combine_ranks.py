@@ -223,7 +223,7 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
         combine_reduce_kernel[(2,)](
             comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank,
             torch.full((Ts[s], k), float("nan")), y, Ts[s], ep, nslot, p.dest_row, torch.zeros(1, dtype=torch.bfloat16),
-            torch.zeros(1, dtype=torch.uint8), H=H, K=k, K_POW2=P2(k), CHUNK=chunk, MX=mx, INT_ROUND=True, OWN=False,
+            torch.zeros(1, dtype=torch.uint8), H=H, K=k, P=min(k, W), CHUNK=chunk, MX=mx, INT_ROUND=True, OWN=False,
             OWN_PASS=False, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
         want = spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx)
         assert_bf16_same(y, want, f"origin {s}")
@@ -287,7 +287,7 @@ def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
         combine_reduce_kernel[(2,)](
             comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank, torch.zeros(1), y,
             Ts[s], ep, nslot, p.dest_row, torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8),
-            H=H, K=k, K_POW2=P2(k), CHUNK=32, MX=mx, INT_ROUND=True, OWN=False, OWN_PASS=False, WEIGHTED=weighted,
+            H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, OWN=False, OWN_PASS=False, WEIGHTED=weighted,
             MODE=0, enable_fp_fusion=False)
         want = spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx)
         assert_bf16_same(y, want, f"origin {s}")
@@ -346,7 +346,7 @@ def test_staged_partials_with_block_puts_match_the_peer_pointer_result(W, E, k, 
         combine_reduce_kernel[(2,)](
             comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank,
             torch.zeros(1), y, Ts[s], ep, nslot, p.dest_row, torch.zeros(1, dtype=torch.bfloat16),
-            torch.zeros(1, dtype=torch.uint8), H=H, K=k, K_POW2=P2(k), CHUNK=32, MX=mx, INT_ROUND=True, OWN=False,
+            torch.zeros(1, dtype=torch.uint8), H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, OWN=False,
             OWN_PASS=False, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
         assert_bf16_same(y, spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx), f"origin {s}")
 

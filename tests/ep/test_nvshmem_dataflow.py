@@ -225,8 +225,8 @@ def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode, weighted):
     comb_s = torch.randint(0, 256, (2, nslot, H // 32), dtype=torch.uint8, generator=g)
     y = torch.full((T, H), 7.0, dtype=torch.bfloat16)
     combine_reduce_kernel[(3,)](comb_q if mx else comb_q.view(torch.bfloat16), comb_s, plan.send_pos, plan.dest_rank,
-                                w, y, T, torch.tensor([1]), nslot, plan.dest_row, own, own_s, H=H, K=k,
-                                K_POW2=triton.next_power_of_2(k), CHUNK=64, MX=mx, INT_ROUND=True, OWN=True,
+                                w, y, T, torch.tensor([1]), nslot, plan.dest_row, own, own_s, H=H, K=k, P=k,
+                                CHUNK=64, MX=mx, INT_ROUND=True, OWN=True,
                                 OWN_PASS=passthrough, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
     want = spec_combine(plan.dest_rank, plan.dest_row, [vals], w if weighted else None, mx)
     assert_bf16_same(y, want)  # (the sign of a zero too: test_one_rank_reduce_gives_plus_zero)
@@ -255,8 +255,8 @@ def test_one_rank_reduce_gives_plus_zero(mx):
     w = torch.tensor([[1.0], [0.25]])
     y = torch.full((2, H), 7.0, dtype=torch.bfloat16)
     combine_reduce_kernel[(1,)](out, torch.zeros(1, dtype=torch.uint8), plan.send_pos, plan.dest_rank, w, y, 2,
-                                torch.tensor([1]), 2, plan.dest_row, out, torch.zeros(1, dtype=torch.uint8), H=H, K=k,
-                                K_POW2=1, CHUNK=32, MX=mx, INT_ROUND=True, OWN=True, OWN_PASS=False, WEIGHTED=True,
+                                torch.tensor([1]), 2, plan.dest_row, out, torch.zeros(1, dtype=torch.uint8), H=H, K=k, P=k,
+                                CHUNK=32, MX=mx, INT_ROUND=True, OWN=True, OWN_PASS=False, WEIGHTED=True,
                                 MODE=0, enable_fp_fusion=False)
     want = spec_combine(plan.dest_rank, plan.dest_row, [out.float()], w, mx)
     t = 0 if mx else 1
@@ -284,7 +284,7 @@ def test_one_rank_reduce_saturates_near_max(mx, weighted):
     y = torch.empty(T, H, dtype=torch.bfloat16)
     combine_reduce_kernel[(2,)](out, torch.zeros(1, dtype=torch.uint8), plan.send_pos, plan.dest_rank, w, y, T,
                                 torch.tensor([1]), T * k, plan.dest_row, out, torch.zeros(1, dtype=torch.uint8), H=H,
-                                K=k, K_POW2=2, CHUNK=32, MX=mx, INT_ROUND=True, OWN=True, OWN_PASS=False,
+                                K=k, P=k, CHUNK=32, MX=mx, INT_ROUND=True, OWN=True, OWN_PASS=False,
                                 WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
     want = spec_combine(plan.dest_rank, plan.dest_row, [out.float()], w if weighted else None, mx)
     assert_bf16_same(y, want)
@@ -738,10 +738,10 @@ red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_
            epoch_ptr=i64, dest_row_ptr=i32, own_ptr="*bf16", own_s_ptr=u8)
 # partials from comb_q; one rank: the expert rows in place, bf16 (combine) or MX (dispatch backward of an MX gradient)
 for own, own_pass, weighted in ((False, False, True), (True, False, True), (True, True, False)):
-    compile(nk.combine_reduce_kernel, dict(red, own_ptr=u8) if own_pass else red, False, H=4096, K=8, K_POW2=8,
-            CHUNK=1024 if own else 2048, MX=True, INT_ROUND=False, OWN=own, OWN_PASS=own_pass, WEIGHTED=weighted,
+    compile(nk.combine_reduce_kernel, dict(red, own_ptr=u8) if own_pass else red, False, H=4096, K=8,
+            P=8 if own else 4, CHUNK=1024 if own else 2048, MX=True, INT_ROUND=False, OWN=own, OWN_PASS=own_pass, WEIGHTED=weighted,
             MODE=0)
-compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), False, H=4096, K=6, K_POW2=8, CHUNK=4096, MX=False,
+compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), False, H=4096, K=6, P=6, CHUNK=4096, MX=False,
         INT_ROUND=False, OWN=False, OWN_PASS=False, WEIGHTED=True, MODE=0)  # BF16 transport; k not a power of two
 pub = dict(src_ptr=i32, dst_peers=i64, flags_peers=i64, flags_local=i64, epoch_ptr=i64, err_ptr=i64, timeout_ns="i64")
 compile(nk.publish_kernel, pub, BLOCK=1024)

@@ -1,16 +1,14 @@
 """Launch-parameter sweep and kernel profile of the nvshmem EP backend across the local GPUs.
 
     source bench/gpu/env.sh && torchrun --nproc-per-node 2 -m mxcomm.bench.tools.sweep [--tokens 4096] [--profile]
+    (several ranks on one GPU: start MPS first, ``mxcomm_mps_start 4`` of bench/gpu/env.sh)
 
-One EPGroup per precision (nvshmem backend, exact sizes); for every routing-plan implementation and
-(programs per SM, warps, row chunk) of the kernels that work per (token, rank) entry and quantize or sum per chunk -
-combine's partial sums and combine backward's weighted pull (the backend's frozen
-:class:`~mxcomm.ep.nvshmem_backend.LaunchConfig` fields ``partials_per_sm`` / ``weighted_warps`` / ``qdq_chunk``,
-replaced on the backend instance between measurements, identical on every rank; the dispatch kernels keep their
-own launch settings) it times
-dispatch, combine, combine backward and dispatch backward with CUDA events (median of --iters, the
-slowest rank), and with --profile prints rank 0's kernel-time table of one call of each op. Output:
-text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
+One EPGroup per precision (nvshmem backend, exact sizes); for every routing-plan implementation and every
+combination of the backend's frozen :class:`~mxcomm.ep.nvshmem_backend.LaunchConfig` fields given with ``--set``
+(e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend instance between
+measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch backward with
+CUDA events (median of --iters, the slowest rank), and with --profile prints rank 0's kernel-time table of one
+call of each op. Output: text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
 ``bench/gpu/env.sh`` (nvshmem4py, multicast off, NVSHMEM_SYMMETRIC_SIZE).
 """
 import argparse
@@ -59,8 +57,8 @@ def _time(fn, iters):
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) * 1e3)
-    med = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    med = torch.tensor([statistics.median(times)])
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # gloo: several ranks may share one GPU (under MPS)
     return float(med)
 
 
@@ -75,23 +73,24 @@ def main():
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--iters", type=int, default=15)
-    ap.add_argument("--per-sm", default="4,8,16", help="programs per SM of the per-entry kernels (partials_per_sm)")
-    ap.add_argument("--warps", default="4,8", help="warps of the per-entry kernels (weighted_warps)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
+                    help="LaunchConfig field and the integer values to try (repeatable; the grid is their product)")
     ap.add_argument("--precision", default="mxfp8,bf16")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--plan-impl", default="torch,triton", help="routing plan implementations to time (backend.plan_impl)")
-    ap.add_argument("--chunks", default="1024,2048", help="row chunk of the per-entry kernels (qdq_chunk)")
     ap.add_argument("--ops", default="dispatch,combine,combine_bwd,dispatch_bwd")
     a = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    dist.init_process_group("gloo")
     rank = dist.get_rank()
+    grid = [tuple(item.split("=", 1)) for item in a.set]
     x, idx, w = _inputs(a.tokens, a.hidden, a.experts, a.topk, rank, "cuda")
     for prec in a.precision.split(","):
         group = EPGroup(EPConfig(num_experts=a.experts, hidden=a.hidden, topk=a.topk, max_tokens_per_rank=a.tokens,
                                  precision=prec, backend="nvshmem"))
         be = group.backend
+        base = be.launch
         ops = {n: f for n, f in _ops(group, x, idx, w).items() if n in a.ops.split(",")}
         for fn in ops.values():  # compile every kernel variant once
             fn()
@@ -106,20 +105,19 @@ def main():
                     fn()
                     torch.cuda.synchronize()
                 if rank == 0:
-                    print(f"--- profile {prec} {name} T={a.tokens} programs={be.programs} warps={be.launch.weighted_warps}")
+                    print(f"--- profile {prec} {name} T={a.tokens} {be.launch}")
                     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
                                                     max_name_column_width=45), flush=True)
         for impl in a.plan_impl.split(","):
-            for per_sm, warps, chunk in itertools.product(*(_ints(v) for v in (a.per_sm, a.warps, a.chunks))):
-                be.launch = replace(be.launch, partials_per_sm=per_sm, weighted_warps=warps, qdq_chunk=chunk)
+            for values in itertools.product(*(_ints(v) for _, v in grid)):
+                fields = dict(zip((f for f, _ in grid), values))
+                be.launch = replace(base, **fields)
                 be.plan_impl = impl
-                progs = be.programs
                 for fn in ops.values():
                     fn()
                 res = {name: _time(fn, a.iters) for name, fn in ops.items()}
                 if rank == 0:
-                    print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, programs=progs, warps=warps,
-                                                     qdq_chunk=chunk, plan_impl=impl,
+                    print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, launch=fields, plan_impl=impl,
                                                      world=dist.get_world_size(), us=res)), flush=True)
     from mxcomm import transport as tp
 
