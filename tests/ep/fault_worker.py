@@ -4,7 +4,9 @@ Phases (``--phase``), each after a few good dispatch + combine rounds, results i
 
 * ``dispatch``: rank ``--victim`` kills itself (SIGKILL) right before a dispatch; every survivor's dispatch must
   raise ``PeerTimeout`` naming it, within ``timeout_s + 1 s``;
-* ``combine``: the victim dispatches, then dies before the combine; the survivors' combine must raise the same;
+* ``combine``: the victim dispatches, then dies before the combine; the survivors' combine records the bounded
+  wait's timeout on the device (a combine never syncs with the host) and their next sync, ``check_errors()``, must
+  raise the same within the same bound;
 * ``bad_ids``: the victim passes an expert id out of range (exact-size mode): it raises ValueError at once, before
   it sends anything; the others must raise ``PeerTimeout`` naming it (they wait for its counts);
 * ``soak``: ``--iters`` calls, each a new random case (no pool: a seeded stream draws every call's token counts
@@ -283,6 +285,7 @@ def main() -> int:
                         os.kill(os.getpid(), signal.SIGKILL)
                     t0 = time.monotonic()
                     group.steps.combine(torch.zeros(d.num_rows, H, dtype=torch.bfloat16, device=dev), d.handle)
+                    group.check_errors()  # combine never syncs with the host: its timeout is raised at the next sync
                 if args.phase == "sleep" and victim:  # a late rank may see its call complete: the next one raises
                     group.steps.dispatch(x, idx, w)
                 res["raised"] = None

@@ -1,7 +1,8 @@
 """Faults on the nvshmem backend, several ranks on ONE GPU under MPS (rank processes of ``fault_worker.py``):
 
 * a rank killed right before a dispatch, or between its dispatch and its combine: every survivor raises
-  ``PeerTimeout`` naming it within ``timeout_s + 1 s`` and then shuts down through the normal interpreter exit;
+  ``PeerTimeout`` naming it within ``timeout_s + 1 s`` (the dispatch at its host sync; the combine, which never
+  syncs, at the ``check_errors()`` that follows it) and then shuts down through the normal interpreter exit;
 * bad expert ids on one rank only (exact sizes): that rank raises ValueError at once, before it sends anything; the
   others raise ``PeerTimeout`` naming it;
 * a soak of random token counts (0..max), routings (random, a subset, all to one expert) and dropped slots on 2 and
