@@ -553,6 +553,43 @@ def _check_worker(rank, world):
     return out
 
 
+class _Poisoned:
+    """An EPGroup whose dispatch output gets its rows past the last group (the no-sync tail, which no kernel writes)
+    filled with garbage, and with ``row`` set also one row inside the groups (a wrong result)."""
+
+    def __init__(self, group, row=None):
+        self.group, self.config, self.row = group, group.config, row
+
+    def dispatch(self, *args):
+        d = self.group.dispatch(*args)
+        n = int(d.offs[-1])
+        rows = d.x.qdata.view(torch.uint8) if self.config.precision == "mxfp8" else d.x.view(torch.int16)
+        rows[n:] = 77
+        if self.row is not None:
+            rows[self.row] = 77
+        return d
+
+    def combine(self, *args):
+        return self.group.combine(*args)
+
+
+def _no_sync_check_worker(rank, world):
+    """check_against_reference in the no-sync mode (both groups): the unwritten tail is not compared, a wrong row is
+    found."""
+    from mxcomm.bench.cases import check_against_reference
+    from mxcomm.bench.routing import make_inputs
+    from mxcomm.ep import EPConfig, EPGroup
+
+    out = []
+    for prec in ("mxfp8", "bf16"):
+        cfg = EPConfig(num_experts=8, hidden=64, topk=3, max_tokens_per_rank=40, precision=prec, exact_sizes=False)
+        inp = make_inputs(seed=1, rank=rank, tokens=40, hidden=64, topk=3, experts=8, device=torch.device("cpu"))
+        for row in (None, 0):
+            a, b = _Poisoned(EPGroup(cfg), row), EPGroup(cfg)
+            out.append(check_against_reference(a, b, inp, seed=2, rank=rank)["dispatch_equal"])
+    return out
+
+
 def _failing_backend_worker(rank, world, opts_dict):
     """run_phase when the mxcomm groups cannot be built and the reference backend lacks combine_backward: those
     cases fail with the reason, the others still run."""
@@ -568,6 +605,13 @@ def test_check_against_reference_in_a_world():
 
     for res in run_world(2, _check_worker, timeout=120):
         assert res == [dict(dispatch_equal=True, combine_max_abs_diff=0.0)] * 2
+
+
+def test_check_against_reference_no_sync_compares_the_written_rows():
+    from _dist import run_world
+
+    for res in run_world(2, _no_sync_check_worker, timeout=120):
+        assert res == [True, False, True, False]  # per precision: tail poisoned only, then a real row too
 
 
 def test_phase_survives_a_backend_that_cannot_start(tmp_path):

@@ -149,14 +149,15 @@ def check_against_reference(group: EPGroup, ref: EPGroup, inputs: BenchInputs, *
     """One untimed dispatch + combine of ``group`` and of the reference ``ref`` (same precision) on the same
     inputs: ``dispatch_equal`` (offsets, counts, payload and scale bytes identical), ``combine_max_abs_diff``.
 
-    ``group`` may run in the no-host-sync mode (worst-case output rows, e.g. for ``--cuda-graph``): then its
-    rows up to the reference's row count and the groups' scale tile-rows are compared (the rest is past the last group,
-    not written)."""
+    ``group`` (and ``ref``, built from the same options) may run in the no-host-sync mode (worst-case output rows,
+    e.g. for ``--cuda-graph``): then the rows up to the last group's end (``offs[-1]``) and the groups' scale
+    tile-rows are compared (the rows past them are not written)."""
     a = group.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
     ha = a.handle
     b = ref.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights)
     hb = b.handle
     R = hb.num_rows
+    n = int(b.offs[-1]) if b.offs.numel() else 0  # the rows the groups cover (== R with exact sizes)
     same = (ha.num_rows >= R and torch.equal(a.offs.cpu(), b.offs.cpu())
             and torch.equal(a.counts.cpu(), b.counts.cpu()))
     if same and group.config.precision == "mxfp8":
@@ -164,10 +165,10 @@ def check_against_reference(group: EPGroup, ref: EPGroup, inputs: BenchInputs, *
         # exact sizes and not written in the no-sync mode)
         offs = b.offs.to(torch.int64)
         ns = int(((offs - torch.cat([offs.new_zeros(1), offs[:-1]]) + 127) // 128 * 128).sum())
-        same = (torch.equal(a.x.qdata[:R].view(torch.uint8), b.x.qdata.view(torch.uint8))
+        same = (torch.equal(a.x.qdata[:n].view(torch.uint8), b.x.qdata[:n].view(torch.uint8))
                 and a.x.scales.shape[0] >= ns and torch.equal(a.x.scales[:ns], b.x.scales[:ns]))
     elif same:
-        same = torch.equal(a.x[:R].view(torch.int16), b.x.view(torch.int16))
+        same = torch.equal(a.x[:n].view(torch.int16), b.x[:n].view(torch.int16))
     if ha.num_rows < R:
         return dict(dispatch_equal=False, combine_max_abs_diff=None)
     out = random_rows(a.num_rows, group.config.hidden, inputs.x.device, seed + 1, rank)
