@@ -33,11 +33,11 @@ step() {  # step LIMIT NAME CMD...: run CMD into OUT/r/NAME.log unless the deadl
       | tail -n 12
   [[ $r -ne 0 ]] && rc=$r
 }
-step 120 tests_ep python3 -m pytest -q -x -m "gpu or nvshmem" -p no:cacheprovider -n 4 \
+step 170 tests_ep python3 -m pytest -q -x -m "gpu or nvshmem" -p no:cacheprovider -n 4 \
     -k "not four_ranks and not mps and not soak and not nccl" \
     tests/ep/test_nvshmem_gpu.py tests/ep/test_cuda_graph_gpu.py tests/ep/test_autograd_gpu.py tests/kernels/test_launch.py
 if mxcomm_mps_start 4; then
-  step 80 tests_ep_mps python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "four_ranks_one_gpu_mps" \
+  step 120 tests_ep_mps python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "four_ranks_one_gpu_mps" \
       tests/ep/test_nvshmem_gpu.py
   mxcomm_mps_stop
 fi
