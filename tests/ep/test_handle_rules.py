@@ -3,8 +3,6 @@ and combine (combine raises; so does the backward when they change between combi
 passed to another group with the same config."""
 from __future__ import annotations
 
-import pytest
-
 from _dist import expect_error, run_world
 
 
