@@ -41,10 +41,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import triton
 
 from ..kernels.mx_device import SCALE_MODE_IDS
-from ..kernels.launch import fast_kernel
+from ..kernels.launch import cdiv, fast_kernel, next_pow2
 from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
@@ -238,13 +237,13 @@ class NvshmemBackend:
         """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot)."""
         if weighted:
             return _qdq_chunk(H, self.launch.qdq_chunk)
-        return min(self.launch.dispatch_chunk, triton_next_pow2(H))
+        return min(self.launch.dispatch_chunk, next_pow2(H))
 
     def _reduce_chunk(self, H: int, own: bool, mx: bool) -> int:
         """Row chunk of combine_reduce_kernel: ``own and mx`` quantizes every slot (compute-bound), the others read."""
         if own and mx:
             return _qdq_chunk(H, self.launch.qdq_chunk)
-        return min(self.launch.reduce_mx_chunk if mx else self.launch.reduce_chunk, triton_next_pow2(H))
+        return min(self.launch.reduce_mx_chunk if mx else self.launch.reduce_chunk, next_pow2(H))
 
     @property
     def memory_bytes(self) -> int:
@@ -410,11 +409,11 @@ class NvshmemBackend:
         out = torch.empty(rows, cp, dtype=torch.uint8, device=self.device)
         word = C % 4 == 0  # 4-byte columns (H a multiple of 128)
         ncols = cp // 4 if word else cp
-        cb = triton_next_pow2(ncols) if word else min(32, triton_next_pow2(cp))
+        cb = next_pow2(ncols) if word else min(32, next_pow2(cp))
         src = scale_rows.reshape(-1)
-        fast_kernel(scale_rows_to_grouped_kernel)[(rows // 128, triton.cdiv(ncols, cb))](
+        fast_kernel(scale_rows_to_grouped_kernel)[(rows // 128, cdiv(ncols, cb))](
             src.view(torch.int32) if word else src, out.view(torch.int32) if word else out, plan.offs,
-            plan.num_rows, plan.expert_counts, self.El, cp // 4, C=C, CB=cb, G_POW2=triton_next_pow2(self.El), WORD=word,
+            plan.num_rows, plan.expert_counts, self.El, cp // 4, C=C, CB=cb, G_POW2=next_pow2(self.El), WORD=word,
             TAIL=self.config.exact_sizes, num_warps=4,
         )
         return out
@@ -519,7 +518,7 @@ class NvshmemBackend:
 
     @staticmethod
     def next_pow2(n: int) -> int:
-        return triton_next_pow2(n)
+        return next_pow2(n)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         cfg = self.config
@@ -624,7 +623,7 @@ def _qdq_chunk(H: int, cap: int = LaunchConfig.qdq_chunk, floor: int = 512) -> i
     """Row chunk of the kernels that quantize every slot: among the powers of two in ``[floor, cap]`` the one that
     leaves the fewest values of the last chunk masked off (the larger on ties; below ``floor`` a 4-warp program
     holds too few values per thread); ``next_pow2(H)`` when that is smaller."""
-    c = min(cap, triton_next_pow2(H))
+    c = min(cap, next_pow2(H))
     best = c
     while c > floor:
         c //= 2
@@ -632,9 +631,6 @@ def _qdq_chunk(H: int, cap: int = LaunchConfig.qdq_chunk, floor: int = 512) -> i
             best = c
     return best
 
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 __all__ = ["NvshmemBackend", "LaunchConfig", "row_origins", "RowOrigins", "handle_origins"]

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.launch import fast_kernel
+from ..kernels.launch import cdiv, fast_kernel
 from . import put_path
 from .handle import EPHandle
 from .plan import FLAG_ROWS, RoutingPlan
@@ -239,7 +239,7 @@ class EnginePath:
         k = e.config.topk
         gw = torch.empty(T, k, dtype=torch.float32, device=e.device)
         if T:
-            fast_kernel(gather_route_grad_kernel)[(triton_cdiv(T * k, 1024),)](
+            fast_kernel(gather_route_grad_kernel)[(cdiv(T * k, 1024),)](
                 self.comb_gw.local, plan.dest_rank, gw, T * k, e.config.max_tokens_per_rank * k, BLOCK=1024)
         return gw
 
@@ -276,10 +276,6 @@ class EnginePath:
         fast_kernel(entries_table_kernel)[(min(n, e.dispatch_programs),)](
             self.pull_list.local, table, e.d_epoch, n, K=k, K_POW2=e.next_pow2(k), EW=self.pull_list.local.shape[-1])
         return table
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class LocalPath(EnginePath):

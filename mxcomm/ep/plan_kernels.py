@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.launch import fast_kernel
+from ..kernels.launch import cdiv, fast_kernel, next_pow2
 from .plan import RoutingPlan
 
 MAX_TABLE = 16384  # W_POW2 * W_POW2 * El_POW2 held by the one-program tables kernel
@@ -46,23 +46,19 @@ _SCAN_ROWS, _SCAN_KEYS = 256, 8
 
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def tokens_per_block(k: int) -> int:
     """Tokens per block of the slot kernels for top-``k`` (``_SLOT_BLOCK // pow2(k)``, at least 1)."""
-    return max(1, _SLOT_BLOCK // _pow2(k))
+    return max(1, _SLOT_BLOCK // next_pow2(k))
 
 
 def slot_blocks(T: int, k: int) -> int:
     """Blocks of the slot kernels for ``T`` tokens (rows of their ``hist`` table)."""
-    return triton.cdiv(T, tokens_per_block(k))
+    return cdiv(T, tokens_per_block(k))
 
 
 def fits(world: int, num_experts: int) -> bool:
     """True when the tables of ``world`` ranks x ``num_experts`` experts fit the one-program kernel."""
-    return _pow2(world) ** 2 * _pow2(num_experts // world) <= MAX_TABLE
+    return next_pow2(world) ** 2 * next_pow2(num_experts // world) <= MAX_TABLE
 
 
 @triton.jit
@@ -288,11 +284,11 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
     pre = prefix_buf.view(-1)[:n_hist].view(nb, E + 1)
     counts = counts_out if counts_out is not None else torch.empty(E, dtype=torch.int32, device=dev)
     if T:
-        fast_kernel(slot_check_hist_kernel)[(nb,)](idx, ids, pre, err, T, E, K=k, K_POW2=_pow2(k),
+        fast_kernel(slot_check_hist_kernel)[(nb,)](idx, ids, pre, err, T, E, K=k, K_POW2=next_pow2(k),
                                                    TOK=tokens_per_block(k), CHECK=check,
-                                                   ZERO_BLOCK=min(1024, _pow2(E + 1)))
-        fast_kernel(slot_scan_kernel)[(triton.cdiv(E + 1, _SCAN_KEYS),)](
-            pre, counts, nb, E + 1, BLOCK_B=min(_SCAN_ROWS, _pow2(nb)), BLOCK_K=_SCAN_KEYS)
+                                                   ZERO_BLOCK=min(1024, next_pow2(E + 1)))
+        fast_kernel(slot_scan_kernel)[(cdiv(E + 1, _SCAN_KEYS),)](
+            pre, counts, nb, E + 1, BLOCK_B=min(_SCAN_ROWS, next_pow2(nb)), BLOCK_K=_SCAN_KEYS)
     else:
         counts.zero_()
     return CheckedIds(ids=ids, counts=counts, slot_prefix=pre)
@@ -326,12 +322,12 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
     slots, rest = rest[:4 * n].view(4, n), rest[4 * n:]
     osrc, opos, cnt = rest[:n_orig], rest[n_orig:2 * n_orig], rest[2 * n_orig:]
     cnt.copy_(counts.reshape(-1))
-    fast_kernel(plan_tables_kernel)[(1,)](cnt, tab, recv, srp, ssp, rank, align, W, El, W_POW2=_pow2(W),
-                                          EL_POW2=_pow2(El))
+    fast_kernel(plan_tables_kernel)[(1,)](cnt, tab, recv, srp, ssp, rank, align, W, El, W_POW2=next_pow2(W),
+                                          EL_POW2=next_pow2(El))
     if n:
         tok = tokens_per_block(k)
         fast_kernel(slot_place_kernel)[(slot_blocks(T, k),)](idx, prefix, tab, recv, slots[0], slots[1], slots[2],
-                                                             slots[3], n, E, El, W, S=tok * k, S_POW2=_pow2(tok * k))
+                                                             slots[3], n, E, El, W, S=tok * k, S_POW2=next_pow2(tok * k))
     if n_orig:
         _row_origins(recv, srp, ssp, cnt, osrc, opos, rank, E, El, W)
     plan = RoutingPlan(
@@ -352,8 +348,8 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
 
 def _row_origins(offs, srp, ssp, counts, osrc, opos, rank, E, El, W) -> None:
     rb = 128
-    fast_kernel(row_origins_kernel)[(triton.cdiv(osrc.numel(), rb),)](
-        offs, srp, ssp, counts, osrc, opos, osrc.numel(), rank, E, El, W, BLOCK=rb, EL_POW2=_pow2(El), W_POW2=_pow2(W))
+    fast_kernel(row_origins_kernel)[(cdiv(osrc.numel(), rb),)](
+        offs, srp, ssp, counts, osrc, opos, osrc.numel(), rank, E, El, W, BLOCK=rb, EL_POW2=next_pow2(El), W_POW2=next_pow2(W))
 
 
 def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ..kernels.launch import cdiv, next_pow2
 from ..kernels.mx_device import BF16_MAX, bf16_rne_int, blocked_scale_offset, mx_decode_tile, mx_saturate, mx_scale_value
 from ..mx import MXTensor, ScaleLayout
 from ..mx.scales import BLOCK
@@ -323,7 +324,7 @@ def fit_k_step(cfg: GroupedGemmConfig, K: int) -> GroupedGemmConfig:
     ``block_k = 64`` gave NaN outputs whenever the weight was MX (any stage count; the activation alone was fine;
     ``block_k = 32`` exact; K = 64, 96, 128 exact with 64). The cause was not found; this keeps launches out of it.
     """
-    bk = max(32, min(cfg.block_k, triton.next_power_of_2(K)))
+    bk = max(32, min(cfg.block_k, next_pow2(K)))
     return cfg if bk == cfg.block_k else replace(cfg, block_k=bk)
 
 
@@ -341,8 +342,8 @@ def zero_rows_past_end(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return out
     if out.stride(1) != 1:
         raise ValueError("zero_rows_past_end needs unit stride along N")
-    BM, BN = 32, min(triton.next_power_of_2(N), 256)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    BM, BN = 32, min(next_pow2(N), 256)
+    grid = (cdiv(M, BM), cdiv(N, BN))
     _zero_tail_kernel[grid](out, offs, offs.numel(), M, N, out.stride(0), BLOCK_M=BM, BLOCK_N=BN, num_warps=4)
     return out
 
@@ -405,15 +406,15 @@ def triton_grouped_mm(
         a_ptr, as_ptr, a_layout, as_cols = a_t.to(torch.bfloat16).contiguous(), None, LAYOUT_ROW, 0
     if M and N and G:
         cfg = fit_k_step(config or default_gemm_config(M, N, K, G, interp), K)
-        num_m = triton.cdiv(M, cfg.block_m) + G
-        grid = (num_m * triton.cdiv(N, cfg.block_n),)
+        num_m = cdiv(M, cfg.block_m) + G
+        grid = (num_m * cdiv(N, cfg.block_n),)
         dummy = out
         _grouped_mm_kernel[grid](
             a_ptr, as_ptr if as_ptr is not None else dummy, w_ptr, ws_ptr if ws_ptr is not None else dummy, offs, out,
             M, N, G, as_cols, K=K,
             A_MX=a_mx is not None, A_LAYOUT=a_layout, W_MX=w_mx, INT_ROUND=ir, DOT_F32=interp,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            G_POW2=triton.next_power_of_2(max(G, 1)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            G_POW2=next_pow2(max(G, 1)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return zero_rows_past_end(out, offs)
 
@@ -473,13 +474,13 @@ def triton_grouped_wgrad(
             cfg = config or GroupedGemmConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
         else:
             cfg = config or GroupedGemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
-        grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(K, cfg.block_k), G)
+        grid = (cdiv(N, cfg.block_n) * cdiv(K, cfg.block_k), G)
         _grouped_wgrad_kernel[grid](
             go, x_ptr, xs_ptr if xs_ptr is not None else go, offs, res,
             M, N, K, G, xs_cols,
             X_MX=x_mx is not None, X_LAYOUT=x_layout, INT_ROUND=ir, INTERP=interp, ACCUMULATE=out is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            G_POW2=triton.next_power_of_2(max(G, 1)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            G_POW2=next_pow2(max(G, 1)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return res
 

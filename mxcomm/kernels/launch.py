@@ -1,4 +1,6 @@
-"""Triton kernel launches for less host time: :func:`fast_kernel`.
+"""Triton kernel launches for less host time: :func:`fast_kernel`, and the grid arithmetic on host ints
+(:func:`cdiv`, :func:`next_pow2`: what ``triton.cdiv`` / ``triton.next_power_of_2`` compute, without the
+constexpr-function wrapper those go through at every host call).
 
     from mxcomm.kernels.launch import fast_kernel
 
@@ -165,4 +167,14 @@ class FastKernel:
         return f"FastKernel({self.fn!r})"
 
 
-__all__ = ["fast_kernel", "FastKernel"]
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints, ``b > 0`` (grid sizes)."""
+    return -(-int(a) // int(b))
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``), host ints (tile and constexpr sizes)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+__all__ = ["cdiv", "next_pow2", "fast_kernel", "FastKernel"]

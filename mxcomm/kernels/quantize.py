@@ -33,7 +33,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..mx import MXTensor, ScaleLayout, check_quantizable, grouped_k_cols, grouped_m_rows, round_up
 from ..mx.scales import BLOCK, SCALE_MODES, check_mode
-from .launch import fast_kernel
+from .launch import cdiv, fast_kernel, next_pow2
 from .mx_device import SCALE_MODE_IDS, bf16_rne_int, blocked_scale_offset, grouped_k_scale_offset, grouped_padded_index
 from .mx_device import mx_decode_tile, mx_quantize_tile, out_max
 
@@ -251,7 +251,7 @@ def _fill_device(cfg_rows: int, rows: int, cols: int, block_k: int, device: torc
     if device.type != "cuda":
         return cfg_rows
     target = 4 * _sm_count(device)
-    while cfg_rows > min_rows and triton.cdiv(rows, cfg_rows) * triton.cdiv(cols, block_k) < target:
+    while cfg_rows > min_rows and cdiv(rows, cfg_rows) * cdiv(cols, block_k) < target:
         cfg_rows //= 2
     return cfg_rows
 
@@ -265,12 +265,12 @@ def default_rows_config(M: int, K: int, device: torch.device, interpret: bool) -
     fills the SMs. Interpreter: big tiles (few programs).
     """
     if interpret:
-        bk = min(triton.next_power_of_2(max(K, 32)), 2048)
-        bm = min(triton.next_power_of_2(max(M, 1)), max(1, 32768 // bk))
+        bk = min(next_pow2(max(K, 32)), 2048)
+        bm = min(next_pow2(max(M, 1)), max(1, 32768 // bk))
         return QuantizeConfig(block_rows=bm, block_k=bk, num_warps=4)
-    bk = min(1024, triton.next_power_of_2(max(K, 32)))
+    bk = min(1024, next_pow2(max(K, 32)))
     bm = max(1, 4096 // bk)
-    bm = min(bm, triton.next_power_of_2(max(M, 1)))
+    bm = min(bm, next_pow2(max(M, 1)))
     bm = _fill_device(bm, M, K, bk, device, 1)
     return QuantizeConfig(block_rows=bm, block_k=bk, num_warps=4)
 
@@ -280,12 +280,12 @@ def default_cols_config(M: int, K: int, device: torch.device, interpret: bool) -
     4 warps (best of the H200 sweep: 2.29 TB/s against 1.11 TB/s for 32 x 256 with 8 warps), fewer
     columns when K is small."""
     if interpret:
-        bk = min(triton.next_power_of_2(max(K, 32)), 1024)
-        br = min(triton.next_power_of_2(max(M, 32)), max(32, 32768 // bk))
+        bk = min(next_pow2(max(K, 32)), 1024)
+        br = min(next_pow2(max(M, 32)), max(32, 32768 // bk))
         return QuantizeConfig(block_rows=br, block_k=bk, num_warps=4)
-    bk = min(256, triton.next_power_of_2(max(K, 32)))
+    bk = min(256, next_pow2(max(K, 32)))
     br = 32 * max(1, 16384 // (32 * bk))
-    br = min(br, triton.next_power_of_2(max(M, 32)))
+    br = min(br, next_pow2(max(M, 32)))
     br = _fill_device(br, M, K, bk, device, 32)
     return QuantizeConfig(block_rows=br, block_k=bk, num_warps=4)
 
@@ -420,12 +420,12 @@ def quantize_rows(
     if ext_r > 0 and ext_k > 0:
         cfg = config or default_rows_config(M, K, dev, interpret_mode())
         n_groups = offs.numel() if offs is not None else 0
-        grid = (triton.cdiv(ext_r, cfg.block_rows), triton.cdiv(ext_k, cfg.block_k))
+        grid = (cdiv(ext_r, cfg.block_rows), cdiv(ext_k, cfg.block_k))
         fast_kernel(_quantize_rows_kernel)[grid](
             x2, qdata.view(torch.uint8), scales, offs if offs is not None else scales,
             M, K, n_groups, s_rows, s_cols,
             MODE=mode_id, INT_ROUND=ir, LAYOUT=int(_layout_id(lay)),
-            BLOCK_M=cfg.block_rows, BLOCK_K=cfg.block_k, G_POW2=triton.next_power_of_2(max(n_groups, 1)),
+            BLOCK_M=cfg.block_rows, BLOCK_K=cfg.block_k, G_POW2=next_pow2(max(n_groups, 1)),
             num_warps=cfg.num_warps,
         )
     if lay == ScaleLayout.ROW:
@@ -493,12 +493,12 @@ def quantize_cols(
             raise ValueError(f"{fn}: config.block_rows must be a multiple of 32, got {cfg.block_rows}")
         br = cfg.block_rows // BLOCK
         n_groups = offs.numel() if offs is not None else 0
-        grid = (triton.cdiv(ext_rb, br), triton.cdiv(ext_k, cfg.block_k))
+        grid = (cdiv(ext_rb, br), cdiv(ext_k, cfg.block_k))
         fast_kernel(_quantize_cols_kernel)[grid](
             x, qdata.view(torch.uint8), scales, offs if offs is not None else scales,
             M, K, n_groups, s_rows, s_cols,
             MODE=mode_id, INT_ROUND=ir, LAYOUT=int(_layout_id(lay)),
-            BLOCK_R=br, BLOCK_K=cfg.block_k, G_POW2=triton.next_power_of_2(max(n_groups, 1)),
+            BLOCK_R=br, BLOCK_K=cfg.block_k, G_POW2=next_pow2(max(n_groups, 1)),
             num_warps=cfg.num_warps,
         )
     return MXTensor(qdata=qdata, scales=scales, axis=0, layout=lay, mode=mode, orig_dtype=x.dtype, group_offs=offs)
@@ -560,17 +560,17 @@ def dequantize(
     n_groups = offs.numel() if offs is not None else 0
     s_cols = s.shape[-1]
     common = dict(INT_ROUND=ir, LAYOUT=int(_layout_id(lay)), BF16_INT=bool(ir and dtype == torch.bfloat16),
-                  OUT_MAX=out_max(dtype), G_POW2=triton.next_power_of_2(max(n_groups, 1)))
+                  OUT_MAX=out_max(dtype), G_POW2=next_pow2(max(n_groups, 1)))
     offs_arg = offs if offs is not None else s
     if mx.axis == 1:
         cfg = config or default_rows_config(M, K, q.device, interpret_mode())
-        grid = (triton.cdiv(M, cfg.block_rows), triton.cdiv(K, cfg.block_k))
+        grid = (cdiv(M, cfg.block_rows), cdiv(K, cfg.block_k))
         fast_kernel(_dequantize_rows_kernel)[grid](q.view(torch.uint8), s, offs_arg, out, M, K, n_groups, s_cols,
                                       BLOCK_M=cfg.block_rows, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **common)
     else:
         cfg = config or default_cols_config(M, K, q.device, interpret_mode())
         br = max(1, cfg.block_rows // BLOCK)
-        grid = (triton.cdiv(M // BLOCK, br), triton.cdiv(K, cfg.block_k))
+        grid = (cdiv(M // BLOCK, br), cdiv(K, cfg.block_k))
         fast_kernel(_dequantize_cols_kernel)[grid](q.view(torch.uint8), s, offs_arg, out, M, K, n_groups, s_cols,
                                       BLOCK_R=br, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **common)
     return out

@@ -39,7 +39,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from ..mx.scales import BLOCK
-from .launch import fast_kernel
+from .launch import cdiv, fast_kernel, next_pow2
 from .mx_device import bf16_rne_int, blocked_scale_offset, grouped_padded_index, mx_quantize_tile, to_fp32
 from .quantize import _check_mode, _check_offs, _layout_id, _sm_count_of, check_tile
 
@@ -183,14 +183,14 @@ def default_swiglu_config(M: int, N: int, device: torch.device, interpret: bool)
     """GPU: ``block_n = min(512, next_pow2(N))`` and ~4K h-values per program (two 8 KB bf16 loads),
     fewer rows per program while the grid would cover fewer than 4 waves of the SMs. Interpreter: big tiles."""
     if interpret:
-        bn = min(triton.next_power_of_2(max(N, 32)), 1024)
-        bm = min(triton.next_power_of_2(max(M, 1)), max(1, 16384 // bn))
+        bn = min(next_pow2(max(N, 32)), 1024)
+        bm = min(next_pow2(max(M, 1)), max(1, 16384 // bn))
         return SwigluConfig(block_rows=bm, block_n=bn, num_warps=4)
-    bn = min(512, triton.next_power_of_2(max(N, 32)))
-    bm = min(max(1, 4096 // bn), triton.next_power_of_2(max(M, 1)))
+    bn = min(512, next_pow2(max(N, 32)))
+    bm = min(max(1, 4096 // bn), next_pow2(max(M, 1)))
     if device.type == "cuda":
         target = 4 * _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-        while bm > 1 and triton.cdiv(M, bm) * triton.cdiv(N, bn) < target:
+        while bm > 1 and cdiv(M, bm) * cdiv(N, bn) < target:
             bm //= 2
     return SwigluConfig(block_rows=bm, block_n=bn, num_warps=8 if bm * bn >= 4096 else 4)
 
@@ -288,12 +288,12 @@ def swiglu_quantize(
     if M and N:
         cfg = config or default_swiglu_config(M, N, dev, interpret_mode())
         n_groups = offs.numel() if offs is not None else 0
-        grid = (triton.cdiv(M, cfg.block_rows), triton.cdiv(N, cfg.block_n))
+        grid = (cdiv(M, cfg.block_rows), cdiv(N, cfg.block_n))
         fast_kernel(_swiglu_quant_kernel)[grid](
             gu, qdata.view(torch.uint8), scales, offs if offs is not None else scales,
             h if h is not None else qdata, M, N, n_groups, s_cols,
             MODE=mode_id, INT_ROUND=ir, LIBDEVICE=libdev, LAYOUT=_layout_id(lay), STORE_H=return_h,
-            BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_n, G_POW2=triton.next_power_of_2(max(n_groups, 1)),
+            BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_n, G_POW2=next_pow2(max(n_groups, 1)),
             num_warps=cfg.num_warps, **_launch_opts(libdev),
         )
     out = MXTensor(qdata=qdata, scales=scales, axis=1, layout=lay, mode=mode, orig_dtype=torch.bfloat16,
@@ -337,7 +337,7 @@ def swiglu_backward(
     dgu = torch.empty_like(gu)
     if M and N:
         cfg = config or default_swiglu_config(M, N, gu.device, interpret_mode())
-        grid = (triton.cdiv(M, cfg.block_rows), triton.cdiv(N, cfg.block_n))
+        grid = (cdiv(M, cfg.block_rows), cdiv(N, cfg.block_n))
         fast_kernel(_swiglu_bwd_kernel)[grid](gu, grad_h, dgu, M, N, INT_ROUND=ir, LIBDEVICE=libdev,
                                  BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                                  **_launch_opts(libdev))
