@@ -306,7 +306,7 @@ class NvshmemBackend:
 
         if self.config.exact_sizes:
             fast_kernel(first_refusal_kernel)[(1,)](self.refusal_words, self.world, self._refused_word,
-                                                    W_POW2=self.next_pow2(self.world))
+                                                    W_POW2=next_pow2(self.world))
 
     def _raise_bad_ids(self, topk_idx: torch.Tensor) -> None:
         """The device saw bad expert ids in this call's ``topk_idx``: clear the word, raise the detailed error."""
@@ -516,10 +516,6 @@ class NvshmemBackend:
         """The first ``R`` row origins computed with the plan ``po``."""
         return RowOrigins(src=po.extra["origin_src"][:R], pos=po.extra["origin_pos"][:R])
 
-    @staticmethod
-    def next_pow2(n: int) -> int:
-        return next_pow2(n)
-
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         cfg = self.config
         if x.device != self.device:
@@ -630,7 +626,6 @@ def _qdq_chunk(H: int, cap: int = LaunchConfig.qdq_chunk, floor: int = 512) -> i
         if -H % c < -H % best:
             best = c
     return best
-
 
 
 __all__ = ["NvshmemBackend", "LaunchConfig", "row_origins", "RowOrigins", "handle_origins"]

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.launch import cdiv, fast_kernel
+from ..kernels.launch import cdiv, fast_kernel, next_pow2
 from . import put_path
 from .handle import EPHandle
 from .plan import FLAG_ROWS, RoutingPlan
@@ -185,7 +185,7 @@ class EnginePath:
             self.x_slot if g is None else g, T, q, self.send_s.local if mx else e.err, e.d_epoch, T_max,
             T_max * 2 * H if mx else T_max * H, e.err if w is None else w, self.send_w.local,
             H=H, CHUNK=e.chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, X_SLOT=g is None,
-            K=k, K_POW2=e.next_pow2(k), WEIGHTS=w is not None, num_warps=e.launch.dispatch_warps,
+            K=k, K_POW2=next_pow2(k), WEIGHTS=w is not None, num_warps=e.launch.dispatch_warps,
         )
 
     def _deliver_gradients(self, g: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> None:
@@ -215,8 +215,8 @@ class EnginePath:
             out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
             self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, self.g_copy, self.w_copy,
             expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
-            H=H, CHUNK=e.chunk(H, True), K=k, K_POW2=e.next_pow2(k), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
-            ZCHUNK=min(512, e.next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=self.gw_arrive,
+            H=H, CHUNK=e.chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
+            ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=self.gw_arrive,
             num_warps=e.dispatch_warps(True),
         )
         grad_w = self._route_grads(plan, g.shape[0]) if rg else None
@@ -274,7 +274,7 @@ class EnginePath:
         k, n = e.config.topk, e.world * e.config.max_tokens_per_rank
         table = torch.empty(n, k, dtype=torch.int32, device=e.device)
         fast_kernel(entries_table_kernel)[(min(n, e.dispatch_programs),)](
-            self.pull_list.local, table, e.d_epoch, n, K=k, K_POW2=e.next_pow2(k), EW=self.pull_list.local.shape[-1])
+            self.pull_list.local, table, e.d_epoch, n, K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1])
         return table
 
 
@@ -397,8 +397,8 @@ class PullPath(EnginePath):
         fast_kernel(pull_rows_kernel)[(e.dispatch_programs,)](
             out.view(torch.int64), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
             self.send_q.peer_ptrs, self.send_s.peer_ptrs, self.pull_list.local, table, e.d_epoch, T_max, e.world,
-            T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, e.next_pow2(words)), C=C,
-            C_POW2=e.next_pow2(C), K=k, K_POW2=e.next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx,
+            T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), C=C,
+            C_POW2=next_pow2(C), K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx,
             num_warps=4,
         )
         return out, srows, table
@@ -466,7 +466,7 @@ class PushPath(EnginePath):
             src = self.recv_q.local.view(-1)[: e.R_max * row_bytes].view(torch.int64)
             fast_kernel(copy_out_rows_kernel)[(min(R, e.programs * 4),)](
                 src, out.view(torch.int64), plan.num_rows, origins.src, R,
-                ROW_WORDS=words, CHUNK=min(512, e.next_pow2(words)), num_warps=4,
+                ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), num_warps=4,
             )
         return out
 

@@ -45,7 +45,6 @@ _SLOT_BLOCK = 128
 _SCAN_ROWS, _SCAN_KEYS = 256, 8
 
 
-
 def tokens_per_block(k: int) -> int:
     """Tokens per block of the slot kernels for top-``k`` (``_SLOT_BLOCK // pow2(k)``, at least 1)."""
     return max(1, _SLOT_BLOCK // next_pow2(k))
@@ -327,7 +326,8 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
     if n:
         tok = tokens_per_block(k)
         fast_kernel(slot_place_kernel)[(slot_blocks(T, k),)](idx, prefix, tab, recv, slots[0], slots[1], slots[2],
-                                                             slots[3], n, E, El, W, S=tok * k, S_POW2=next_pow2(tok * k))
+                                                             slots[3], n, E, El, W, S=tok * k,
+                                                             S_POW2=next_pow2(tok * k))
     if n_orig:
         _row_origins(recv, srp, ssp, cnt, osrc, opos, rank, E, El, W)
     plan = RoutingPlan(
@@ -349,7 +349,8 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
 def _row_origins(offs, srp, ssp, counts, osrc, opos, rank, E, El, W) -> None:
     rb = 128
     fast_kernel(row_origins_kernel)[(cdiv(osrc.numel(), rb),)](
-        offs, srp, ssp, counts, osrc, opos, osrc.numel(), rank, E, El, W, BLOCK=rb, EL_POW2=next_pow2(El), W_POW2=next_pow2(W))
+        offs, srp, ssp, counts, osrc, opos, osrc.numel(), rank, E, El, W, BLOCK=rb, EL_POW2=next_pow2(El),
+        W_POW2=next_pow2(W))
 
 
 def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
