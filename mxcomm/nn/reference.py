@@ -25,8 +25,10 @@ combine                       the routed sum ``sum_j w * out`` per token  per sl
 output ``y``                  bf16 (routed part, then with the shared)    grad_y bf16
 ============================  ==========================================  ==========================================
 
-Combine and dispatch backward are simulated as on one rank: one partial per token (with several ranks a token's
-partials are rounded per rank, so the layer's values depend on which experts share a rank).
+Combine and dispatch backward round one partial per (token, rank): ``ep_size`` ranks hold ``E / ep_size``
+consecutive experts each (as :class:`mxcomm.ep.EPGroup` places them), so a token whose experts sit on several ranks
+sums several rounded partials (``ep_size=1``: one partial per token). The layer's values depend on which experts
+share a rank; the simulation follows the placement.
 
 The shared expert sees ``x`` quantized like the dispatch (mxfp8) with no transport rounding of its gradient.
 Not simulated: the final bf16 rounding of ``grad_x`` and the bf16 sum of the routed and shared ``x``
@@ -171,7 +173,7 @@ def _swiglu_mlp(a, w13, w2, r: _Rounding):
 def moe_reference(
     x: torch.Tensor, config: MoEConfig, *, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     shared_w13: Optional[torch.Tensor] = None, shared_w2: Optional[torch.Tensor] = None,
-    topk_idx: Optional[torch.Tensor] = None, simulate: bool = False,
+    topk_idx: Optional[torch.Tensor] = None, simulate: bool = False, ep_size: int = 1,
 ) -> ReferenceOutput:
     """Plain-torch MoE over all ``E`` experts (see the module docstring).
 
@@ -184,23 +186,29 @@ def moe_reference(
         topk_idx: optional ``[T, k]`` selection to use instead of this function's own top-k (e.g. the layer's,
             so that a near-tie decided differently in fp32 cannot change the comparison).
         simulate: apply the layer's roundings in forward and backward (see the module docstring).
+        ep_size: the expert-parallel ranks whose per-(token, rank) partials ``simulate`` rounds (a divisor of E).
     Returns:
         :class:`ReferenceOutput`.
     """
+    E = config.num_experts
+    if ep_size < 1 or E % ep_size:
+        raise ValueError(f"ep_size must be a positive divisor of num_experts={E}, got {ep_size}")
     dt = x.dtype
     r = _Rounding.of(config, simulate)
     idx, w, _, aux = reference_route(x, router, config, topk_idx)
-    y = torch.zeros_like(x)
-    xd = r.sim(x, r.disp_f, r.disp_b)  # the dispatch rounding; backward: the slots' gradients summed, rounded once
-    for e in range(config.num_experts):
+    # per rank: the dispatch rounding of x; backward: that rank's slot gradients summed, rounded once
+    xd = [r.sim(x, r.disp_f, r.disp_b) for _ in range(ep_size)]
+    parts = [torch.zeros_like(x) for _ in range(ep_size)]
+    for e in range(E):
         tok, slot = torch.nonzero(idx == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        a = r.sim(xd[tok], _ident, r.row_b)
+        d = e // (E // ep_size)
+        a = r.sim(xd[d][tok], _ident, r.row_b)
         out = _swiglu_mlp(a, w13[e].to(dt), w2[e].to(dt), r)
         out = r.sim(out, _ident, r.comb_b)
-        y = y.index_add(0, tok, w[tok, slot].unsqueeze(1) * out)
-    y = r.sim(y, r.comb_f, _ident)  # one rounded partial per token
+        parts[d] = parts[d].index_add(0, tok, w[tok, slot].unsqueeze(1) * out)
+    y = sum(r.sim(p, r.comb_f, _ident) for p in parts)  # one rounded partial per (token, rank)
     y = r.sim(y, _bf16, _bf16)
     if shared_w13 is not None:
         s13 = shared_w13.reshape(-1, shared_w13.shape[-1]).to(dt)

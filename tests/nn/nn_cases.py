@@ -94,11 +94,12 @@ def step(moe: MoE, x: torch.Tensor, G: torch.Tensor) -> dict:
 
 
 def reference_step(case: NNCase, w: dict, x: torch.Tensor, G: torch.Tensor, *, topk_idx=None,
-                   simulate: bool = False) -> dict:
-    """The float64 reference of :func:`step` (keys as there, parameter gradients global-shaped)."""
+                   simulate: bool = False, ep_size: int = 1) -> dict:
+    """The float64 reference of :func:`step` (keys as there, parameter gradients global-shaped); ``ep_size``: the
+    world the layer ran in (the simulation rounds one partial per (token, rank))."""
     xr = x.double().requires_grad_()
     params = {k: v.double().requires_grad_() for k, v in w.items()}
-    ref = moe_reference(xr, case.config(), topk_idx=topk_idx, simulate=simulate, **params)
+    ref = moe_reference(xr, case.config(), topk_idx=topk_idx, simulate=simulate, ep_size=ep_size, **params)
     loss = (ref.y * G.double()).sum()
     if ref.aux_loss is not None:
         loss = loss + ref.aux_loss

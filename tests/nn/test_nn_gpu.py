@@ -41,7 +41,7 @@ def _check(results: list, cases: list) -> None:
         x, G = torch.cat(inp["xs"]), torch.cat(inp["gs"])
         idx = gather_world(case, results, "idx")
         refs = {"ref": reference_step(case, w, x, G, topk_idx=idx),
-                "sim": reference_step(case, w, x, G, topk_idx=idx, simulate=True)}
+                "sim": reference_step(case, w, x, G, topk_idx=idx, simulate=True, ep_size=len(results))}
         for key in ("y",) + GRAD_KEYS:
             if results[0][case.name].get(key) is None:
                 continue
