@@ -414,7 +414,7 @@ def triton_grouped_mm(
             M, N, G, as_cols, K=K,
             A_MX=a_mx is not None, A_LAYOUT=a_layout, W_MX=w_mx, INT_ROUND=ir, DOT_F32=interp,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            G_POW2=next_pow2(max(G, 1)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            G_POW2=next_pow2(G), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return zero_rows_past_end(out, offs)
 
@@ -480,7 +480,7 @@ def triton_grouped_wgrad(
             M, N, K, G, xs_cols,
             X_MX=x_mx is not None, X_LAYOUT=x_layout, INT_ROUND=ir, INTERP=interp, ACCUMULATE=out is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            G_POW2=next_pow2(max(G, 1)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            G_POW2=next_pow2(G), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return res
 

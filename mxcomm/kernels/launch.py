@@ -174,7 +174,7 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     """The smallest power of two ``>= n`` (1 for ``n <= 1``), host ints (tile and constexpr sizes)."""
-    return 1 << max(0, (int(n) - 1).bit_length())
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 __all__ = ["cdiv", "next_pow2", "fast_kernel", "FastKernel"]

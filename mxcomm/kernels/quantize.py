@@ -266,11 +266,11 @@ def default_rows_config(M: int, K: int, device: torch.device, interpret: bool) -
     """
     if interpret:
         bk = min(next_pow2(max(K, 32)), 2048)
-        bm = min(next_pow2(max(M, 1)), max(1, 32768 // bk))
+        bm = min(next_pow2(M), max(1, 32768 // bk))
         return QuantizeConfig(block_rows=bm, block_k=bk, num_warps=4)
     bk = min(1024, next_pow2(max(K, 32)))
     bm = max(1, 4096 // bk)
-    bm = min(bm, next_pow2(max(M, 1)))
+    bm = min(bm, next_pow2(M))
     bm = _fill_device(bm, M, K, bk, device, 1)
     return QuantizeConfig(block_rows=bm, block_k=bk, num_warps=4)
 
@@ -425,7 +425,7 @@ def quantize_rows(
             x2, qdata.view(torch.uint8), scales, offs if offs is not None else scales,
             M, K, n_groups, s_rows, s_cols,
             MODE=mode_id, INT_ROUND=ir, LAYOUT=int(_layout_id(lay)),
-            BLOCK_M=cfg.block_rows, BLOCK_K=cfg.block_k, G_POW2=next_pow2(max(n_groups, 1)),
+            BLOCK_M=cfg.block_rows, BLOCK_K=cfg.block_k, G_POW2=next_pow2(n_groups),
             num_warps=cfg.num_warps,
         )
     if lay == ScaleLayout.ROW:
@@ -498,7 +498,7 @@ def quantize_cols(
             x, qdata.view(torch.uint8), scales, offs if offs is not None else scales,
             M, K, n_groups, s_rows, s_cols,
             MODE=mode_id, INT_ROUND=ir, LAYOUT=int(_layout_id(lay)),
-            BLOCK_R=br, BLOCK_K=cfg.block_k, G_POW2=next_pow2(max(n_groups, 1)),
+            BLOCK_R=br, BLOCK_K=cfg.block_k, G_POW2=next_pow2(n_groups),
             num_warps=cfg.num_warps,
         )
     return MXTensor(qdata=qdata, scales=scales, axis=0, layout=lay, mode=mode, orig_dtype=x.dtype, group_offs=offs)
@@ -560,7 +560,7 @@ def dequantize(
     n_groups = offs.numel() if offs is not None else 0
     s_cols = s.shape[-1]
     common = dict(INT_ROUND=ir, LAYOUT=int(_layout_id(lay)), BF16_INT=bool(ir and dtype == torch.bfloat16),
-                  OUT_MAX=out_max(dtype), G_POW2=next_pow2(max(n_groups, 1)))
+                  OUT_MAX=out_max(dtype), G_POW2=next_pow2(n_groups))
     offs_arg = offs if offs is not None else s
     if mx.axis == 1:
         cfg = config or default_rows_config(M, K, q.device, interpret_mode())

@@ -184,10 +184,10 @@ def default_swiglu_config(M: int, N: int, device: torch.device, interpret: bool)
     fewer rows per program while the grid would cover fewer than 4 waves of the SMs. Interpreter: big tiles."""
     if interpret:
         bn = min(next_pow2(max(N, 32)), 1024)
-        bm = min(next_pow2(max(M, 1)), max(1, 16384 // bn))
+        bm = min(next_pow2(M), max(1, 16384 // bn))
         return SwigluConfig(block_rows=bm, block_n=bn, num_warps=4)
     bn = min(512, next_pow2(max(N, 32)))
-    bm = min(max(1, 4096 // bn), next_pow2(max(M, 1)))
+    bm = min(max(1, 4096 // bn), next_pow2(M))
     if device.type == "cuda":
         target = 4 * _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
         while bm > 1 and cdiv(M, bm) * cdiv(N, bn) < target:
@@ -293,7 +293,7 @@ def swiglu_quantize(
             gu, qdata.view(torch.uint8), scales, offs if offs is not None else scales,
             h if h is not None else qdata, M, N, n_groups, s_cols,
             MODE=mode_id, INT_ROUND=ir, LIBDEVICE=libdev, LAYOUT=_layout_id(lay), STORE_H=return_h,
-            BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_n, G_POW2=next_pow2(max(n_groups, 1)),
+            BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_n, G_POW2=next_pow2(n_groups),
             num_warps=cfg.num_warps, **_launch_opts(libdev),
         )
     out = MXTensor(qdata=qdata, scales=scales, axis=1, layout=lay, mode=mode, orig_dtype=torch.bfloat16,

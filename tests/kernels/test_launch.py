@@ -13,7 +13,7 @@ import triton.language as tl
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-from mxcomm.kernels.launch import FastKernel, fast_kernel
+from mxcomm.kernels.launch import FastKernel, cdiv, fast_kernel, next_pow2
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -48,6 +48,16 @@ def _run(launch, x, n, a, twice, grid=None):
     out = torch.full((64,), -1, dtype=torch.int32, device=DEV)
     k = launch[grid or (triton.cdiv(n, 32),)](x, out, n, a, BLOCK=32, TWICE=twice)
     return out, k
+
+
+def test_host_grid_helpers_match_triton():
+    """cdiv / next_pow2 compute what triton.cdiv / triton.next_power_of_2 do for grid sizes, and next_pow2 gives 1
+    (not 2) for 0 and 1 (a tile of one)."""
+    for n in range(1, 2050):
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 32, 128):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+    assert next_pow2(0) == 1 and next_pow2(1) == 1 and cdiv(0, 32) == 0
 
 
 def test_fast_kernel_is_one_wrapper_per_function():
