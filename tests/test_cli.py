@@ -88,8 +88,16 @@ def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int,
     assert {c["op"] for c in rep["cases"] if c["impl"] in ("a2a", "vdev2d")} <= {"dispatch", "combine"}
     assert {c["op"] for c in rep["cases"]} <= set(ops) | {TWIN[op] for op in ops}
     by = {(c["impl"], c["precision"], c["op"], c["tokens"]): c for c in rep["cases"]}
+    one_host = len({d.rsplit(":", 2)[0] for d in rep["world"]["devices"]}) == 1
+    want_start = {"auto": "clock" if one_host else "barrier"}.get(rep["config"]["start"], rep["config"]["start"])
     for c in rep["cases"]:
         assert c["status"] == "ok", (c["name"], c.get("reason"))
+        assert c["start"]["mode"] == want_start and 0 <= c["start"]["late_iterations"] <= iters
+        skew = c["samples_us"]["start_skew"]
+        if one_host:  # every rank's start instant on one clock: the spread is measured
+            assert len(skew) == iters and all(v >= 0 for v in skew) and c["start_skew_us"]["n"] == iters
+        else:
+            assert skew is None and c["start_skew_us"] is None
         assert c["bytes_per_row"] == (hidden + hidden // 32 if c["precision"] == "mxfp8" else 2 * hidden)
         # Traffic: every (token, expert) slot lands on exactly one rank; each token reaches 1..k ranks.
         assert len(c["rows_sel"]) == ranks and sum(c["rows_sel"]) == ranks * c["tokens"] * topk
@@ -190,7 +198,7 @@ def test_bench_joins_torchrun_style_world(tmp_path):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "mxcomm", "bench", *TINY, "--tokens", "24", "--precision", "mxfp8",
-             "--ops", "dispatch", "--out", str(out), "--label", "joined", "--no-plot"],
+             "--ops", "dispatch", "--out", str(out), "--label", "joined", "--no-plot", "--start", "barrier"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -201,7 +209,7 @@ def test_bench_joins_torchrun_style_world(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     rep = _load(out, "joined")
     check_report(rep, ranks=2, tokens=[24], hidden=64, topk=2, iters=3, precisions=("mxfp8",), ops=("dispatch",))
-    assert rep["world"]["launch"] == "torchrun"
+    assert rep["world"]["launch"] == "torchrun" and rep["config"]["start"] == "barrier"
     assert {c["op"] for c in rep["cases"]} == {"dispatch"}  # --ops dispatch: nothing else timed
     assert "GB/s dedup" in outs[0] and "GB/s dedup" not in outs[1]
 

@@ -234,7 +234,7 @@ def _run_case(rec, world, opts, groups, inputs, routing, bufs, flush) -> None:
         if graphed:
             fn = capture_graph(call.fn, world)
             rec["notes"].append("timed as CUDA graph replays (captured once after 2 eager warm-up calls)")
-        samples = measure(fn, world=world, iters=opts.iters, warmup=opts.warmup, flush=flush)
+        samples = measure(fn, world=world, iters=opts.iters, warmup=opts.warmup, flush=flush, start=opts.start)
         if graphed:
             groups[rec["impl"]][rec["precision"]].check_errors()  # replays check nothing themselves
         rec["cuda_graph"] = graphed
@@ -250,7 +250,8 @@ def _run_case(rec, world, opts, groups, inputs, routing, bufs, flush) -> None:
             print(f"mxcomm bench: {rec['impl']} {rec['precision']} {rec['op']} T={rec['tokens']} failed: "
                   f"{rec['reason']}", file=sys.stderr, flush=True)
     else:
-        rec["samples_us"] = dict(whole_call=samples.whole_call, kernel=samples.kernel)
+        rec["samples_us"] = dict(whole_call=samples.whole_call, kernel=samples.kernel, start_skew=samples.start_skew)
+        rec["start"] = dict(mode=samples.start, late_iterations=samples.late)
 
 
 def _check(world, group, ref, inputs, opts, T) -> dict:

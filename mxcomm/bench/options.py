@@ -37,6 +37,7 @@ CPU_DEFAULTS = dict(hidden=512, topk=8, experts=16, tokens={"throughput": [64], 
                     iters={"throughput": 10, "latency": 20}, warmup=2, quick_iters=3, quick_warmup=1)
 CPU_RANKS = 4
 MPS_MODES = ("check", "start")
+START_MODES = ("auto", "barrier", "clock")  # how ranks start a timed call (mxcomm.bench.timing)
 
 
 def default_out_dir(label: str, environ=None, now: Optional[datetime.datetime] = None) -> str:
@@ -153,6 +154,7 @@ class BenchOptions:
     pg_timeout_s: float = 300.0
     progress: bool = True
     mps: str = "check"
+    start: str = "auto"
 
     @property
     def max_tokens(self) -> int:
@@ -223,6 +225,8 @@ class BenchOptions:
                 "transport choice)")
         if self.transport == "put" and self.cuda_graph:
             bad("--transport put cannot be combined with --cuda-graph (the put path refuses graph capture)")
+        if self.start not in START_MODES:
+            bad(f"--start must be one of {', '.join(START_MODES)}, got {self.start!r}")
         if self.mps not in MPS_MODES:
             bad(f"--mps must be one of {', '.join(MPS_MODES)}, got {self.mps!r}")
         if self.num_sms is not None and self.num_sms < 1:
@@ -289,6 +293,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--iters", type=int, help="timed iterations per case (GPU 50 / 200 latency; CPU 10 / 20)")
     t.add_argument("--warmup", type=int, help="untimed iterations per case (GPU 10, CPU 2)")
     t.add_argument("--quick", action="store_true", help="few iterations (a smoke run)")
+    t.add_argument("--start", choices=START_MODES, default="auto",
+                   help="how the ranks start each timed call: barrier (a gloo barrier; its release skew lands in the "
+                        "first rank's time), clock (one instant of the host's monotonic clock; all ranks on one host), "
+                        "auto (clock on one host, else barrier)")
     t.add_argument("--seed", type=int, default=0, help="routing/data seed")
     t.add_argument("--no-check", action="store_true", help="skip the one-off mxcomm vs reference output check")
     t.add_argument("--timeout", type=float, help="seconds before a launched phase is killed (default 900 GPU, "
@@ -365,6 +373,7 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
         check=not args.no_check, exact_sizes=not args.no_exact_sizes, cuda_graph=args.cuda_graph,
         transport=args.transport, timeout_s=args.timeout if args.timeout is not None else (900.0 if device == "cuda" else 300.0),
         pg_timeout_s=args.pg_timeout, progress=not args.no_progress, mps=args.mps,
+        start=args.start,
     )
     if opts.side_channel == "auto":
         opts.side_channel = "nccl" if device == "cuda" and rpg == 1 else "gloo"
@@ -374,4 +383,4 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
 
 __all__ = ["BenchOptions", "OptionError", "add_bench_arguments", "options_from_args", "ops_for", "default_out_dir",
            "IMPLS", "MODES", "OPS", "BACKWARD_TWIN", "FORWARD_ONLY_IMPLS", "MPS_MODES", "PRECISIONS", "BACKENDS",
-           "ALIGNS", "TRANSPORTS"]
+           "ALIGNS", "TRANSPORTS", "START_MODES"]

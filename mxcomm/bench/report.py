@@ -28,7 +28,7 @@ from typing import Optional
 from .floor import floor_us as _floor_us
 from .floor import world_floor_bytes
 from .options import BACKWARD_TWIN, FORWARD_ONLY_IMPLS, OPS
-from .timing import KERNEL_DESC, WHOLE_CALL_DESC, summarize
+from .timing import KERNEL_DESC, START_DESC, WHOLE_CALL_DESC, summarize
 
 SCHEMA = "mxcomm.bench/1"
 BASELINES = ("reference", "a2a", "vdev2d", "mxcomm_bf16")
@@ -114,6 +114,7 @@ def finalize_cases(raw_cases: list) -> list:
             s = c["samples_us"]
             c["stats_us"] = dict(whole_call=summarize(s["whole_call"]),
                                  kernel=summarize(s["kernel"]) if s.get("kernel") else None)
+            c["start_skew_us"] = summarize(s["start_skew"]) if s.get("start_skew") else None
             c["gbps"] = {conv: {t: (c["bytes"][conv] / (st["median"] * 1e-6) / 1e9 if st and st["median"] > 0 else None)
                                 for t, st in c["stats_us"].items()}
                          for conv in ("dedup", "per_selection")}
@@ -258,6 +259,11 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
         "timing": {
             "whole_call": WHOLE_CALL_DESC,
             "kernel": KERNEL_DESC if on_gpu else None,
+            "start": START_DESC,
+            "start_requested": options.get("start", "auto"),
+            "start_skew": ("per case: start_skew_us, the spread of the ranks' start instants (latest minus earliest "
+                           "t0) per iteration, all ranks on one host; the mode used and the iterations some rank "
+                           "reached late under start.late_iterations"),
             "whole_call_measured": True,
             "kernel_measured": on_gpu,
             "kernel_is_pure_kernel_sum": False,

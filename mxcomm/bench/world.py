@@ -109,6 +109,11 @@ class BenchWorld:
     ranks_per_gpu: int
     devices: list
 
+    @property
+    def one_host(self) -> bool:
+        """Every rank runs on this rank's host (``devices`` name one host)."""
+        return len({d.rsplit(":", 2)[0] for d in self.devices}) == 1
+
     def barrier(self) -> None:
         import torch.distributed as dist
 
