@@ -89,7 +89,8 @@ def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int,
     assert {c["op"] for c in rep["cases"]} <= set(ops) | {TWIN[op] for op in ops}
     by = {(c["impl"], c["precision"], c["op"], c["tokens"]): c for c in rep["cases"]}
     one_host = len({d.rsplit(":", 2)[0] for d in rep["world"]["devices"]}) == 1
-    want_start = {"auto": "clock" if one_host else "barrier"}.get(rep["config"]["start"], rep["config"]["start"])
+    auto = "clock" if one_host and ranks > 1 else "barrier"
+    want_start = {"auto": auto}.get(rep["config"]["start"], rep["config"]["start"])
     for c in rep["cases"]:
         assert c["status"] == "ok", (c["name"], c.get("reason"))
         assert c["start"]["mode"] == want_start and 0 <= c["start"]["late_iterations"] <= iters

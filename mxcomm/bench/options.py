@@ -296,7 +296,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--start", choices=START_MODES, default="auto",
                    help="how the ranks start each timed call: barrier (a gloo barrier; its release skew lands in the "
                         "first rank's time), clock (one instant of the host's monotonic clock; all ranks on one host), "
-                        "auto (clock on one host, else barrier)")
+                        "auto (clock with several ranks on one host, else barrier)")
     t.add_argument("--seed", type=int, default=0, help="routing/data seed")
     t.add_argument("--no-check", action="store_true", help="skip the one-off mxcomm vs reference output check")
     t.add_argument("--timeout", type=float, help="seconds before a launched phase is killed (default 900 GPU, "

@@ -38,7 +38,7 @@ KERNEL_DESC = ("CUDA events recorded on the current stream immediately before an
                "iteration the max over ranks")
 
 
-CLOCK_LEAD_S = 0.003  # the wait before a clock-aligned start: longer than a gloo all-gather's release skew
+CLOCK_LEAD_S = 0.005  # the wait before a clock-aligned start: longer than a gloo all-gather's release skew
 START_DESC = {
     "barrier": "ranks released by a gloo barrier before each iteration",
     "clock": ("ranks start at one instant of the host's monotonic clock (perf_counter readings exchanged, each rank "
@@ -59,13 +59,13 @@ class Samples:
     late: int = 0
 
 
-def start_mode(requested: str, one_host: bool) -> str:
-    """The start alignment to use: ``auto`` is ``clock`` when every rank is on one host, else ``barrier``;
-    ``clock`` across hosts raises ValueError (their clocks are not one)."""
+def start_mode(requested: str, one_host: bool, ranks: int) -> str:
+    """The start alignment to use: ``auto`` is ``clock`` when several ranks share one host, else ``barrier`` (one
+    rank has nobody to wait for); ``clock`` across hosts raises ValueError (their clocks are not one)."""
     if requested not in START_MODES:
         raise ValueError(f"start alignment must be one of {', '.join(START_MODES)}, got {requested!r}")
     if requested == "auto":
-        return "clock" if one_host else "barrier"
+        return "clock" if one_host and ranks > 1 else "barrier"
     if requested == "clock" and not one_host:
         raise ValueError("--start clock needs every rank on one host (one monotonic clock); use --start barrier")
     return requested
@@ -75,12 +75,9 @@ def wait_for_common_instant(world, lead_s: float = CLOCK_LEAD_S) -> bool:
     """Collective: exchange ``perf_counter`` readings and wait until the latest plus ``lead_s``; True when this rank
     got there after that instant (the exchange released it too late)."""
     deadline = max(world.all_gather_object(time.perf_counter())) + lead_s
-    now = time.perf_counter()
-    if now > deadline:
+    if time.perf_counter() > deadline:
         return True
-    if deadline - now > 5e-4:
-        time.sleep(deadline - now - 4e-4)  # yield the core, then spin the last part for precision
-    while time.perf_counter() < deadline:
+    while time.perf_counter() < deadline:  # spin: a thread that slept starts its next CUDA calls slower
         pass
     return False
 
@@ -124,31 +121,28 @@ class L2Flusher:
 def measure(fn: Callable[[], object], *, world, iters: int, warmup: int, flush: Optional[L2Flusher] = None,
             start: str = "auto") -> Samples:
     """Time ``fn`` (see module doc). Collective over ``world`` (a :class:`~mxcomm.bench.world.BenchWorld`);
-    ``start``: one of :data:`START_MODES`."""
+    ``start``: one of :data:`mxcomm.bench.options.START_MODES`."""
     dev = world.device
     cuda = dev.type == "cuda"
-    mode = start_mode(start, world.one_host)
-    late = 0
+    mode = start_mode(start, world.one_host, world.world)
 
-    def prepare():
-        nonlocal late
+    def prepare() -> bool:
+        """Flush, sync, align; True when this rank reached a clock-aligned start late."""
         if flush is not None:
             flush()
         if cuda:
             torch.cuda.synchronize(dev)
         world.barrier()
-        if mode == "clock":
-            late += wait_for_common_instant(world)
+        return mode == "clock" and wait_for_common_instant(world)
 
     for _ in range(warmup):
         prepare()
         fn()
-    late = 0
-    host, events, starts = [], [], []
+    host, events, starts, late = [], [], [], []
     for _ in range(iters):
+        late.append(prepare())
         if cuda:
             start_ev, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        prepare()
         t0 = time.perf_counter()
         if cuda:
             start_ev.record()
@@ -169,7 +163,7 @@ def measure(fn: Callable[[], object], *, world, iters: int, warmup: int, flush: 
     if world.one_host:
         skew = [(max(e[2][i] for e in everyone) - min(e[2][i] for e in everyone)) * 1e6 for i in range(iters)]
     return Samples(whole_call=host_max, kernel=kern_max, start_skew=skew, start=mode,
-                   late=max(e[3] for e in everyone))
+                   late=sum(any(e[3][i] for e in everyone) for i in range(iters)))
 
 
 __all__ = ["Samples", "measure", "start_mode", "wait_for_common_instant", "START_DESC", "CLOCK_LEAD_S", "summarize",

@@ -52,7 +52,7 @@ from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from .ids import check_expert_ids
 from .plan import FLAG_ROWS, RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
-from .nvshmem_paths import PATHS
+from .nvshmem_paths import PATHS, PUSH_BLOCK
 from .nvshmem_state import NvshmemState, RowOrigins, handle_origins, row_origins
 
 _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently used dropped)
@@ -210,20 +210,30 @@ class NvshmemBackend:
         return tp.SymmetricHeap(ctx)
 
     # -- launch settings (self.launch; grids are per-SM counts times self.sms, the same on every rank) -------
+    # Kernels whose programs each signal every rank when done (a system-scope release per program and peer) get no
+    # more programs than a call of max_tokens_per_rank tokens has work units: past them a program only signals.
+    # The caps depend on the config alone, so every rank launches (and expects) the same number.
     @property
     def programs(self) -> int:
         """Programs of combine_partials_kernel and pull_weighted_kernel (receivers count them: identical on every
-        rank)."""
-        return self.sms * self.launch.partials_per_sm
+        rank): per SM, capped at the (source, token) entries a call can have (``W * T_max``)."""
+        return min(self.sms * self.launch.partials_per_sm, self.world * self.config.max_tokens_per_rank)
 
     @property
     def dispatch_programs(self) -> int:
-        """Programs of dispatch_kernel / pack_rows_kernel / pull_rows_kernel / the reduce."""
+        """Programs of dispatch_kernel / pack_rows_kernel / pull_rows_kernel / the reduce (no cap: the output kernels
+        also zero the padding rows, whose number does not follow the tokens)."""
         return self.sms * self.launch.dispatch_per_sm
 
     @property
+    def sender_programs(self) -> int:
+        """Programs of the push path's dispatch_kernel, which signals every rank: capped at ``T_max`` tokens."""
+        return min(self.dispatch_programs, self.config.max_tokens_per_rank)
+
+    @property
     def push_programs(self) -> int:
-        return self.sms * self.launch.push_per_sm
+        """Programs of push_entries_kernel (blocks of ``PUSH_BLOCK`` tokens): capped at ``T_max``'s blocks."""
+        return min(self.sms * self.launch.push_per_sm, cdiv(self.config.max_tokens_per_rank, PUSH_BLOCK))
 
     @property
     def route_grad_programs(self) -> int:
@@ -244,6 +254,13 @@ class NvshmemBackend:
         if own and mx:
             return _qdq_chunk(H, self.launch.qdq_chunk)
         return min(self.launch.reduce_mx_chunk if mx else self.launch.reduce_chunk, next_pow2(H))
+
+    def _reduce_grid(self, T: int, H: int, chunk: int) -> tuple:
+        """Grid of combine_reduce_kernel for ``T > 0`` tokens: up to ``dispatch_programs`` programs over the tokens;
+        when there are fewer tokens than that, each row's chunks are dealt out over a second axis as well (at 128
+        tokens a program per token would walk its whole row alone)."""
+        tokens = min(T, self.dispatch_programs)
+        return tokens, max(1, min(cdiv(H, chunk), self.dispatch_programs // tokens))
 
     @property
     def memory_bytes(self) -> int:
@@ -570,11 +587,12 @@ class NvshmemBackend:
             self.impl.send_partials(payload, in_scales, handle, mx, passthrough, weighted=w is not None)
         if T:
             comb = (None, None) if own else self.comb
-            fast_kernel(combine_reduce_kernel)[(min(T, self.dispatch_programs),)](
+            chunk = self._reduce_chunk(H, own, mx)
+            fast_kernel(combine_reduce_kernel)[self._reduce_grid(T, H, chunk)](
                 payload if own else (comb[0].local if mx else comb[0].local.view(torch.bfloat16)),
                 in_scales if own else comb[1].local, plan.send_pos, plan.dest_rank, self.err if w is None else w, y,
                 T, self.c_epoch, self.nslot, plan.dest_row, payload, in_scales,
-                H=H, K=k, P=k if own else min(k, self.world), CHUNK=self._reduce_chunk(H, own, mx), MX=mx,
+                H=H, K=k, P=k if own else min(k, self.world), CHUNK=chunk, MX=mx,
                 INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, WEIGHTED=w is not None,
                 MODE=self.mode_id, num_warps=4 if own else self.launch.reduce_warps, enable_fp_fusion=False,
             )

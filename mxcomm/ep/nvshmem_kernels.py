@@ -707,9 +707,13 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w
         P: the most partials a token can have, ``min(K, W)`` (``OWN``: ``K``, the slots summed in place). A static
             loop over them (not over the ``K`` slots) keeps the registers of the rows in flight to rows that exist.
         MX: the partials travel (or, with ``OWN``, are rounded) as MXFP8; MODE: the scale mode.
+    Grid: ``(programs over tokens, programs over each row's CHUNK-value chunks)``; any sizes (persistent over tokens;
+    chunk ``c`` of a row belongs to the program with ``c % grid[1] == program_id(1)``).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    hs = tl.program_id(1)  # the row's chunks are dealt out over the grid's second axis (few tokens: more programs)
+    HS = tl.num_programs(1)
     NB: tl.constexpr = CHUNK // 32
     C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
@@ -719,46 +723,47 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w
     while t < T:
         lead = _leading_slots(dest_rank_ptr + t * K, K)  # scalar work once a token: no reduction in the loops below
         for c0 in tl.static_range(0, H, CHUNK):
-            m = (c0 + offs) < H
-            cols = c0 // 32 + bcols
-            cm = cols < C
-            acc = tl.zeros((CHUNK,), tl.float32)
-            fin = offs >= 0  # every partial summed here so far is finite
-            for n in tl.static_range(P):
-                if OWN:  # slot n
-                    ok = tl.load(dest_rank_ptr + t * K + n) >= 0
-                    r = tl.load(dest_row_ptr + t * K + n)
-                    v = _row_values(own_ptr, own_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, OWN_PASS, INT_ROUND)
-                    if WEIGHTED:
-                        v = tl.load(w_ptr + t * K + n, mask=ok, other=0.0) * v
-                else:  # partial n: the n-th leading slot j (-1: the token has fewer partials, adds +0)
-                    j = _nth_slot(lead, n, K)
-                    ok = j >= 0
-                    p64 = tl.maximum(tl.load(send_pos_ptr + t * K + tl.maximum(j, 0)), 0).to(tl.int64)
+            if (c0 // CHUNK) % HS == hs:  # this program's share of the row's chunks
+                m = (c0 + offs) < H
+                cols = c0 // 32 + bcols
+                cm = cols < C
+                acc = tl.zeros((CHUNK,), tl.float32)
+                fin = offs >= 0  # every partial summed here so far is finite
+                for n in tl.static_range(P):
+                    if OWN:  # slot n
+                        ok = tl.load(dest_rank_ptr + t * K + n) >= 0
+                        r = tl.load(dest_row_ptr + t * K + n)
+                        v = _row_values(own_ptr, own_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, OWN_PASS, INT_ROUND)
+                        if WEIGHTED:
+                            v = tl.load(w_ptr + t * K + n, mask=ok, other=0.0) * v
+                    else:  # partial n: the n-th leading slot j (-1: the token has fewer partials, adds +0)
+                        j = _nth_slot(lead, n, K)
+                        ok = j >= 0
+                        p64 = tl.maximum(tl.load(send_pos_ptr + t * K + tl.maximum(j, 0)), 0).to(tl.int64)
+                        if MX:
+                            q = tl.load(comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs, mask=m & ok, other=0)
+                            sb = tl.load(comb_s_ptr + (slot0 + p64) * C + cols, mask=cm & ok, other=127)
+                            v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (CHUNK,))
+                        else:
+                            v = to_fp32(tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0),
+                                        INT_ROUND)
+                        fin = fin & (tl.abs(v) <= FP32_MAX)
+                    acc = acc + v
+                if OWN:  # the transport rounding of the one partial in registers, then the origin's sum (0 + P: -0 -> +0)
                     if MX:
-                        q = tl.load(comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs, mask=m & ok, other=0)
-                        sb = tl.load(comb_s_ptr + (slot0 + p64) * C + cols, mask=cm & ok, other=127)
-                        v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (CHUNK,))
+                        acc = tl.reshape(mx_qdq_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1, BF16_MAX), (CHUNK,))
+                    elif INT_ROUND:
+                        acc = to_fp32(bf16_rne_int(_bf16_saturated(acc)), INT_ROUND)
                     else:
-                        v = to_fp32(tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0),
-                                    INT_ROUND)
-                    fin = fin & (tl.abs(v) <= FP32_MAX)
-                acc = acc + v
-            if OWN:  # the transport rounding of the one partial, in registers, then the origin's sum (0 + P: -0 -> +0)
-                if MX:
-                    acc = tl.reshape(mx_qdq_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1, BF16_MAX), (CHUNK,))
-                elif INT_ROUND:
-                    acc = to_fp32(bf16_rne_int(_bf16_saturated(acc)), INT_ROUND)
+                        acc = _bf16_saturated(acc).to(tl.bfloat16).to(tl.float32)
+                    fin = tl.abs(acc) <= FP32_MAX
+                    acc = tl.zeros((CHUNK,), tl.float32) + acc
+                # a sum of finite partials saturates at the BF16 range; an Inf or NaN partial passes through
+                acc = tl.where(fin, mx_saturate(acc, BF16_MAX), acc)
+                if INT_ROUND:
+                    tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
                 else:
-                    acc = _bf16_saturated(acc).to(tl.bfloat16).to(tl.float32)
-                fin = tl.abs(acc) <= FP32_MAX
-                acc = tl.zeros((CHUNK,), tl.float32) + acc
-            # a sum of finite partials saturates at the BF16 range; an Inf or NaN partial passes through
-            acc = tl.where(fin, mx_saturate(acc, BF16_MAX), acc)
-            if INT_ROUND:
-                tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
-            else:
-                tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
+                    tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
         t += G
 
 

@@ -43,6 +43,8 @@ from .plan import FLAG_ROWS, RoutingPlan
 from .nvshmem_state import RowOrigins
 from .plan_graph import PlanOutputs
 
+PUSH_BLOCK = 64  # tokens per block of push_entries_kernel
+
 _PUBLISH_BLOCK = 1024  # int32 words per step of publish_kernel
 _ROW_FLAGS = {name: i for i, name in enumerate(FLAG_ROWS)}  # rows of ep.flags
 
@@ -263,7 +265,7 @@ class EnginePath:
         fast_kernel(push_entries_kernel)[(e.push_programs,)](
             plan.dest_rank, plan.dest_row, plan.dest_rank.shape[0], list_ptrs, flags_ptrs,
             e.d_epoch, e.rank, e.world, e.config.max_tokens_per_rank, K=e.config.topk,
-            EW=self.pull_list.local.shape[-1], BLOCK=64, num_warps=4,
+            EW=self.pull_list.local.shape[-1], BLOCK=PUSH_BLOCK, num_warps=4,
         )
 
     def _table_from_list(self) -> torch.Tensor:
@@ -443,12 +445,12 @@ class PushPath(EnginePath):
                               mx, arrive=True)
         self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
         fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[1], e.expect_rows[1],
-                                                      e.dispatch_programs + e.push_programs, e.err, e.timeout_ns)
+                                                      e.sender_programs + e.push_programs, e.err, e.timeout_ns)
 
     def _dispatch_kernel(self, kernel, x, plan, rows, q_ptrs, s_ptrs, mx, arrive):
         e = self.e
         T, H = x.shape
-        fast_kernel(kernel)[(e.dispatch_programs,)](
+        fast_kernel(kernel)[(e.sender_programs,)](
             x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, x,
             plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.chunk(H),
             MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=False, ARRIVE=arrive,
@@ -632,4 +634,4 @@ class PutPath(PushPath):
 
 PATHS = {"local": LocalPath, "pull": PullPath, "push": PushPath, "put": PutPath}
 
-__all__ = ["EnginePath", "LocalPath", "PullPath", "PushPath", "PutPath", "DispatchRows", "BackwardRows", "PATHS"]
+__all__ = ["EnginePath", "LocalPath", "PullPath", "PushPath", "PutPath", "DispatchRows", "BackwardRows", "PATHS", "PUSH_BLOCK"]

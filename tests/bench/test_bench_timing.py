@@ -18,19 +18,20 @@ class _Readings:
         return self.gathered
 
 
-@pytest.mark.parametrize("requested,one_host,want", [
-    ("auto", True, "clock"), ("auto", False, "barrier"), ("barrier", True, "barrier"), ("barrier", False, "barrier"),
-    ("clock", True, "clock"),
+@pytest.mark.parametrize("requested,one_host,ranks,want", [
+    ("auto", True, 4, "clock"), ("auto", True, 1, "barrier"), ("auto", False, 4, "barrier"),
+    ("barrier", True, 4, "barrier"), ("barrier", False, 2, "barrier"), ("clock", True, 2, "clock"),
+    ("clock", True, 1, "clock"),
 ])
-def test_start_mode(requested, one_host, want):
-    assert start_mode(requested, one_host) == want
+def test_start_mode(requested, one_host, ranks, want):
+    assert start_mode(requested, one_host, ranks) == want
 
 
 def test_start_mode_refuses_clock_across_hosts_and_unknown_modes():
     with pytest.raises(ValueError, match="one host"):
-        start_mode("clock", False)
+        start_mode("clock", False, 2)
     with pytest.raises(ValueError, match="one of auto, barrier, clock"):
-        start_mode("now", True)
+        start_mode("now", True, 2)
 
 
 def test_waits_until_the_latest_reading_plus_the_lead():

@@ -184,15 +184,17 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through combine)")
-@pytest.mark.parametrize("E,k,mode,weighted", [(8, 3, "quant", True), (6, 4, "pass", False), (4, 2, "bf16", True),
-                                               (5, 5, "quant", False), (6, 3, "pass", True), (4, 3, "bf16", False)])
-def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode, weighted):
+@pytest.mark.parametrize("E,k,mode,weighted,grid", [
+    (8, 3, "quant", True, (3,)), (6, 4, "pass", False, (3, 2)), (4, 2, "bf16", True, (2, 3)),
+    (5, 5, "quant", False, (3, 2)), (6, 3, "pass", True, (3,)), (4, 3, "bf16", False, (4, 2))])
+def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode, weighted, grid):
     """One rank (``OWN``): the reduce forms the token's single partial from the expert output at its dispatch rows -
     bf16 rows, or MXFP8 rows (``OWN_PASS``) decoded - weighted (combine) or not (dispatch backward), in fp32 ``j``
     ascending, and rounds it in registers (MXFP8 quantize + decode, or BF16): bit-exact to the spec; the comb_q buffer
     it would otherwise read holds garbage, padding rows hold NaN (never read), dropped slots carry NaN weights (never
     read). A NaN row poisons exactly its tokens; a token without a valid slot gives 0; a token count that does not
-    fill the last program; ``k`` not a power of two; ``H = 96`` (a masked chunk)."""
+    fill the last program; ``k`` not a power of two; ``H = 96`` (a masked chunk); a row's two chunks on one program
+    or dealt out over the grid's second axis (2 programs, or 3: one without a chunk)."""
     from combine_spec import assert_bf16_same, combine as spec_combine
     from mxcomm.ep.nvshmem_kernels import combine_reduce_kernel
     from mxcomm.mx import quantize
@@ -224,7 +226,7 @@ def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode, weighted):
     comb_q = torch.randint(0, 256, (2, nslot, 2 * H), dtype=torch.uint8, generator=g)  # never read
     comb_s = torch.randint(0, 256, (2, nslot, H // 32), dtype=torch.uint8, generator=g)
     y = torch.full((T, H), 7.0, dtype=torch.bfloat16)
-    combine_reduce_kernel[(3,)](comb_q if mx else comb_q.view(torch.bfloat16), comb_s, plan.send_pos, plan.dest_rank,
+    combine_reduce_kernel[grid](comb_q if mx else comb_q.view(torch.bfloat16), comb_s, plan.send_pos, plan.dest_rank,
                                 w, y, T, torch.tensor([1]), nslot, plan.dest_row, own, own_s, H=H, K=k, P=k,
                                 CHUNK=64, MX=mx, INT_ROUND=True, OWN=True,
                                 OWN_PASS=passthrough, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
