@@ -7,6 +7,7 @@
 * :mod:`.host_costs` - host microseconds of a Triton launch, a graph replay, small tensor operations;
 * :mod:`.combine_sqnr` - SQNR against float64 of combine and dispatch backward, per-selection vs per-(token, rank)
   transport rounding (CPU; no GPU needed);
-* :mod:`.host_glue` - host microseconds of the four public EP calls on one rank over a loopback heap (no NVSHMEM; on
-  CPU under the interpreter with the kernels stubbed out, or on a GPU).
+* :mod:`.host_glue` - host microseconds of the four public EP calls over a loopback heap (no NVSHMEM; on CPU under
+  the interpreter with the kernels stubbed out, also as rank 0 of a world of N whose peers are the process itself -
+  the pull and push paths -, or on a GPU with one rank).
 """

@@ -2,6 +2,7 @@
 the Python between the kernels (argument checks, handles, autograd wrappers, launches) costs per call.
 
     TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue [--tokens 128] [--profile combine]   # CPU
+    TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue --world 4 [--transport push]      # CPU, rank 0 of 4
     python -m mxcomm.bench.tools.host_glue --device cuda [--hidden 7168 --experts 256 --topk 8]   # GPU
 
 The backend is built over a loopback stand-in for the symmetric heap (:class:`LoopbackHeap`: plain tensors, a peer
@@ -19,6 +20,11 @@ is defined): each call runs once for real in Triton's interpreter, then every ke
 (``InterpretedFunction.run`` does nothing) and the calls are timed again: what is left is the host's own work, the
 torch ops included (on CPU tensors). The stub writes the one value the host reads back from a kernel - a dispatch
 plan's row count, read at the exact-size dispatch's sync - so stubbed dispatches keep the real run's output size.
+``--world N`` (CPU, N > 1): this process plays rank 0 of N whose peers are itself (every peer pointer is its own
+buffer's), so the multi-rank paths' host code runs (``--transport``: ``auto`` - the pull path - or ``push``);
+no peer would ever signal, so every kernel is stubbed from the first call and the dispatch's row count is ``T k``.
+On the GPU a multi-rank dispatch replays its middle (pack, exchange, plan) from a captured graph: on the CPU it runs
+eagerly, so its share here is larger than there.
 ``--device cuda``: the same calls with CUDA tensors and real kernel launches (the GPU runs them; the time per call is
 the host's while the GPU keeps up, as at a few hundred tokens on one rank).
 
@@ -45,7 +51,7 @@ OPS = ("dispatch", "combine", "combine_bwd", "dispatch_bwd")
 
 @dataclass
 class LoopbackCtx:
-    """The NVSHMEM context of a world of 1: ``device``, rank 0 of 1."""
+    """The NVSHMEM context of rank 0 of ``world`` on ``device`` (the peers are this process)."""
 
     device: torch.device
     rank: int = 0
@@ -65,16 +71,17 @@ class LoopbackBuf:
 
 
 class LoopbackHeap:
-    """World-of-1 stand-in for ``mxcomm.transport.SymmetricHeap`` on ``device`` (CPU under the interpreter, or a
-    GPU): zeroed tensors, each buffer's peer pointer its own address."""
+    """Stand-in for ``mxcomm.transport.SymmetricHeap`` of rank 0 of ``world`` on ``device`` (CPU under the
+    interpreter, or a GPU): zeroed tensors, every peer pointer of a buffer its own address."""
 
-    def __init__(self, device: torch.device):
-        self.ctx = LoopbackCtx(device)
+    def __init__(self, device: torch.device, world: int = 1):
+        self.ctx = LoopbackCtx(device, 0, world)
         self.bufs: dict = {}
 
     def alloc(self, name: str, shape, dtype: torch.dtype) -> LoopbackBuf:
         t = torch.zeros(shape, dtype=dtype, device=self.ctx.device)
-        self.bufs[name] = LoopbackBuf(t, torch.tensor([t.data_ptr()], dtype=torch.int64, device=t.device))
+        ptrs = torch.tensor([t.data_ptr()] * self.ctx.world, dtype=torch.int64, device=t.device)
+        self.bufs[name] = LoopbackBuf(t, ptrs)
         return self.bufs[name]
 
     @property
@@ -82,8 +89,8 @@ class LoopbackHeap:
         return sum(b.nbytes for b in self.bufs.values())
 
 
-def loopback_group(cfg, device: torch.device):
-    """An :class:`~mxcomm.ep.EPGroup` of one rank whose backend is the ``nvshmem`` backend over a
+def loopback_group(cfg, device: torch.device, world: int = 1):
+    """An :class:`~mxcomm.ep.EPGroup` whose backend is the ``nvshmem`` backend of rank 0 of ``world`` over a
     :class:`LoopbackHeap` (the group is made with the ``torch`` backend - no NVSHMEM needed - and its config, backend
     and steps swapped). Needs a torch.distributed world of 1."""
     from mxcomm.ep import EPGroup
@@ -91,7 +98,7 @@ def loopback_group(cfg, device: torch.device):
     from mxcomm.ep.steps import EPSteps
 
     g = EPGroup(dataclasses.replace(cfg, backend="torch"))
-    be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(device), group_id=g.op_id)
+    be = NvshmemBackend(cfg, None, 0, world, heap=LoopbackHeap(device, world), group_id=g.op_id)
     g.config, g.backend = cfg, be
     g.steps = EPSteps(cfg, g.op_id, be)
     return g
@@ -192,6 +199,9 @@ def _args(argv=None):
     ap.add_argument("--experts", type=int, default=None, help="default: 16 on cpu, 256 on cuda")
     ap.add_argument("--topk", type=int, default=None, help="default: 4 on cpu, 8 on cuda")
     ap.add_argument("--precision", choices=("mxfp8", "bf16"), default="mxfp8")
+    ap.add_argument("--world", type=int, default=1, help="CPU: play rank 0 of this many (peers = this process)")
+    ap.add_argument("--transport", choices=("auto", "push"), default="auto",
+                    help="the path of a world > 1: auto (pull) or push (the put path needs NVSHMEM's puts)")
     ap.add_argument("--no-sync", action="store_true", help="EPConfig(exact_sizes=False) (default: exact sizes)")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--calls", type=int, default=200)
@@ -213,21 +223,28 @@ def main(argv=None) -> dict:
         raise SystemExit("--device cpu runs the kernels in Triton's interpreter: start it with TRITON_INTERPRET=1")
     if not cpu and (knobs.runtime.interpret or not torch.cuda.is_available()):
         raise SystemExit("--device cuda needs a CUDA GPU and TRITON_INTERPRET unset")
+    if a.world < 1 or (a.world > 1 and not cpu):
+        raise SystemExit("--world N > 1 runs on the CPU only (no peer would ever signal a GPU kernel)")
     from mxcomm.ep import EPConfig
 
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     H = a.hidden or (256 if cpu else 7168)
     E = a.experts or (16 if cpu else 256)
     k = a.topk or (4 if cpu else 8)
+    if E % a.world:
+        raise SystemExit(f"--experts {E} must be divisible by --world {a.world}")
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(a.tokens, 1), precision=a.precision,
-                   backend="nvshmem", exact_sizes=not a.no_sync, num_sms=1 if cpu else None, timeout_s=10.0)
+                   backend="nvshmem", exact_sizes=not a.no_sync, num_sms=1 if cpu else None, timeout_s=10.0,
+                   transport=a.transport)
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    g = loopback_group(cfg, device)
+    g = loopback_group(cfg, device, a.world)
+    undo = stub_kernels(a.tokens * k) if a.world > 1 else None  # no peer: nothing may wait for one
     calls = make_calls(g, a.tokens, device)
-    undo = stub_kernels(_rows(calls)) if cpu else None
+    if cpu and undo is None:
+        undo = stub_kernels(_rows(calls))
     ops = [o for o in a.ops.split(",") if o]
-    print(f"host_glue: {a.device}, path {g.path}, T={a.tokens} H={H} E={E} k={k} {a.precision}, "
+    print(f"host_glue: {a.device}, path {g.path}, rank 0 of {a.world}, T={a.tokens} H={H} E={E} k={k} {a.precision}, "
           f"exact_sizes={cfg.exact_sizes}{', kernels stubbed' if cpu else ''}, {a.clock} clock")
     result = {}
     try:
