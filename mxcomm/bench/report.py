@@ -260,10 +260,9 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
             "whole_call": WHOLE_CALL_DESC,
             "kernel": KERNEL_DESC if on_gpu else None,
             "start": START_DESC,
-            "start_requested": options.get("start", "auto"),
             "start_skew": ("per case: start_skew_us, the spread of the ranks' start instants (latest minus earliest "
-                           "t0) per iteration, all ranks on one host; the mode used and the iterations some rank "
-                           "reached late under start.late_iterations"),
+                           "t0) per iteration, all ranks on one host; the mode used (config.start: the one asked "
+                           "for) and the iterations some rank reached late under start.late_iterations"),
             "whole_call_measured": True,
             "kernel_measured": on_gpu,
             "kernel_is_pure_kernel_sum": False,
