@@ -9,17 +9,18 @@ launching its kernels (:mod:`mxcomm.ep.nvshmem_kernels`). docs/design.md describ
 One call of :meth:`NvshmemBackend.dispatch` with the default pull dispatch (``transport="auto"`` on one node), all
 on the current CUDA stream:
 
-1. the device-side id check, this rank's per-expert counts and the plan's per-block slot table in two kernels
-   (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``);
-2. the middle, replayed from a CUDA graph captured per token count (:meth:`NvshmemBackend.run_middle`): epoch += 1,
+1. the middle, replayed from a CUDA graph captured per token count (:meth:`NvshmemBackend.run_middle`): the
+   device-side id check, this rank's per-expert counts and the plan's per-block slot table in two kernels
+   (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``), epoch += 1,
    ``pack_rows_kernel`` (each token row read once, quantized once, into this rank's send copy), ``publish_kernel``
    (the counts and a refusal word into every peer, then the wait for all), the routing plan on the exchanged counts
    plus each received row's origin, ``push_entries_kernel`` (one pull-list entry per (token, destination rank)) and
-   the bounded wait for every source's entries;
-3. exact sizes: the call's ONE host sync (:meth:`NvshmemBackend._check`): the output size, the error words and the
+   the bounded wait for every source's entries; the copies of the plan the handle keeps are enqueued right after
+   it, while the device still runs it;
+2. exact sizes: the call's ONE host sync (:meth:`NvshmemBackend._check`): the output size, the error words and the
    refusals, one transfer; a rank with bad ids raises the detailed ValueError, the others PeerTimeout naming it,
    before anything is gathered;
-4. ``pull_rows_kernel``: each listed token's row read once from its source's send copy through the peer pointer and
+3. ``pull_rows_kernel``: each listed token's row read once from its source's send copy through the peer pointer and
    stored at all its rows of a fresh output tensor (the entries kept as the dispatch's table), padding rows zero;
    ``scale_rows_to_grouped_kernel``: the scale rows into a fresh grouped-along-M blocked matrix.
 
@@ -89,21 +90,6 @@ class LaunchConfig:
     reduce_warps: int = 8
     route_grad_per_sm: int = 8
     push_per_sm: int = 1
-
-
-@dataclass(frozen=True)
-class Middle:
-    """The plan (and row maps) of a dispatch's middle: ``live`` for the kernels the call enqueues at once (may be a
-    captured graph's own memory, overwritten by its next replay), ``keep()`` the copies the handle keeps (call it
-    after those kernels are enqueued: on the host it costs microseconds the GPU then spends on them)."""
-
-    live: PlanOutputs
-    keep: Callable[[], PlanOutputs]
-
-    @staticmethod
-    def owned(po: PlanOutputs) -> "Middle":
-        """Outputs the caller already owns (eager runs)."""
-        return Middle(live=po, keep=lambda: po)
 
 
 class NvshmemBackend:
@@ -484,34 +470,36 @@ class NvshmemBackend:
         )
 
     # -- dispatch ----------------------------------------------------------------------------
-    def run_middle(self, middle: Callable[[torch.Tensor, torch.Tensor], PlanOutputs], ids: torch.Tensor) -> "Middle":
-        """Run a path's dispatch middle ``middle(counts_buf, ids)`` (the pull path's pack, exchange, plan and entries;
-        the local path's id check and plan) for this call's ``ids``. On the GPU it is captured into a CUDA graph per
-        (path, token count, id dtype, plan implementation) after the first eager call with that key and replayed
-        afterwards (its launches cost the host more than its GPU work; a key is captured at its second call, so a
-        token count seen once is never captured); its inputs go through fixed-address buffers
-        (the path's, and ``counts_in``). Eager on the interpreter, for T = 0, and inside an outer capture (which records
-        its kernels). Returns the outputs for use at once (``live``: a replay's own memory) and how to keep them
-        (``keep()``: the caller's copies; enqueue before the next dispatch)."""
-        T, k = ids.shape
+    def run_middle(self, middle: Callable[[torch.Tensor, torch.Tensor], PlanOutputs],
+                   topk_idx: torch.Tensor) -> PlanOutputs:
+        """Run a path's dispatch middle ``middle(counts_buf, topk_idx)`` (the id check and the plan; on the pull path
+        also pack, counts exchange and pull-list entries) for this call's ``topk_idx``. On the GPU it is captured into
+        a CUDA graph per (path, token count, id dtype, plan implementation) after the first eager call with that key
+        and replayed afterwards (its launches cost the host more than its GPU work; a key is captured at its second
+        call, so a token count seen once is never captured); its inputs go through fixed-address buffers (the
+        path's, and ``counts_in``). Eager on the interpreter, for T = 0, and inside an outer capture (which records
+        its kernels). Returns outputs the caller owns (a replay's are copied, :meth:`PlanGraph.snapshot`: the copies
+        are enqueued at once, so an exact-size dispatch makes them while the device runs the middle, before its
+        host sync)."""
+        T, k = topk_idx.shape
         if self.device.type != "cuda" or T == 0 or self.capturing():
-            return Middle.owned(middle(self.counts_mat, ids))
-        key = (self.path, T, ids.dtype, self.plan_impl)
+            return middle(self.counts_mat, topk_idx)
+        key = (self.path, T, topk_idx.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:
             # eager (the first call with a key compiles every kernel); captured at the key's second call, so a token
             # count seen once (a last, smaller batch) costs no capture
-            po = middle(self.counts_mat, ids)
+            po = middle(self.counts_mat, topk_idx)
             if self._seen_keys.pop(key, None) is None:
                 while len(self._seen_keys) >= 8 * _MAX_PLAN_GRAPHS:
                     self._seen_keys.pop(next(iter(self._seen_keys)))
                 self._seen_keys[key] = True
-                return Middle.owned(po)
-            g = PlanGraph(self.counts_mat, T, k, ids.dtype, middle, warmup=False)
+                return po
+            g = PlanGraph(self.counts_mat, T, k, topk_idx.dtype, middle, warmup=False)
             self._remember_graph(key, g)
-            return Middle.owned(po)
+            return po
         self._remember_graph(key, g)
-        return Middle(live=g.replay(ids), keep=g.snapshot)
+        return g(topk_idx)
 
     def _remember_graph(self, key, g: PlanGraph) -> None:
         """Keep ``g`` as the most recently used captured graph (at most ``_MAX_PLAN_GRAPHS``: varying token

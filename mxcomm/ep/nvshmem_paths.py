@@ -326,10 +326,9 @@ class LocalPath(EnginePath):
 
     def dispatch(self, x, topk_idx):
         e = self.e
-        mid = e.run_middle(self._middle, topk_idx)  # sends nothing: the id check is read at the output size sync
+        po = e.run_middle(self._middle, topk_idx)  # sends nothing: the id check is read at the output size sync
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
-        q = self._out(x, mid.live.plan, R, e.mx, x, weighted=False)  # the output kernel first, then the copies
-        po = mid.keep()
+        q = self._out(x, po.plan, R, e.mx, x, weighted=False)
         return DispatchRows(q=q, scale_rows=self.recv_s.local, kept=po, ids=po.extra["ids"], num_rows=R,
                             origins=None)
 
@@ -345,8 +344,8 @@ class LocalPath(EnginePath):
 
 
 class PullPath(EnginePath):
-    """Several ranks with peer pointers (the default). Dispatch: the id check and counts; then, captured once per
-    token count and replayed: epoch += 1, ``pack_rows_kernel`` (each token row read once, quantized once, into this
+    """Several ranks with peer pointers (the default). Dispatch, captured once per token count and replayed: the id
+    check and counts, epoch += 1, ``pack_rows_kernel`` (each token row read once, quantized once, into this
     rank's send copy ``epoch % 2``), the counts exchange (with every rank's refusal word), the routing plan,
     ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the destination) and the bounded
     wait for every source's entries; then, after the call's one host sync, ``pull_rows_kernel`` reads each listed
@@ -370,11 +369,14 @@ class PullPath(EnginePath):
         fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.push_programs, e.err,
                                                       e.timeout_ns)
 
-    def _middle(self, counts_buf: torch.Tensor, ids: torch.Tensor) -> PlanOutputs:
-        """Between the id check and the receivers' gather: epoch += 1, pack (``x`` from ``x_slot``), counts exchange
-        (the engine's ``counts_in``: counts and refusal word), the plan of ``ids`` on the exchanged ``counts_buf``,
-        the pull-list entries and the bounded wait for every source's; the refusals into the status words."""
+    def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
+        """Everything before the receivers' gather: the id check of the caller's ``topk_idx`` and this rank's counts
+        (into the engine's ``counts_in``; a refusal is read at the call's one host sync), epoch += 1, pack (``x``
+        from ``x_slot``), counts exchange (counts and refusal word), the plan of the checked ids on the exchanged
+        ``counts_buf``, the pull-list entries and the bounded wait for every source's; the refusals into the status
+        words. ``extra["ids"]``: the checked ids."""
         e = self.e
+        ids, _ = e.checked_ids(topk_idx, sync=False)  # writes counts_in[:E]
         e.d_epoch.add_(1)
         self._pack(ids.shape[0])  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
         e.counts_in[e.config.num_experts:].copy_(e.input_err)  # the refusal word: bad ids seen by the id check
@@ -382,12 +384,13 @@ class PullPath(EnginePath):
         e.note_refusals()
         po = e.compute_plan(counts_buf, ids)
         self._entries_and_wait(po.plan)
-        return po
+        return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
-    def _pull_out(self, plan: RoutingPlan, R: int, row_bytes: int):
-        """``(rows, scale_rows, table)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read
-        once from its source's send copy and stored at all its rows, padding rows zero; (MX) a fresh uint8 ``[R,
-        H/32]`` of their scale rows, row-major (unfilled rows undefined); the dispatch's table."""
+    def _pull_out(self, plan: RoutingPlan, R: int, row_bytes: int, table: torch.Tensor):
+        """``(rows, scale_rows)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read once
+        from its source's send copy and stored at all its rows, padding rows zero; (MX) a fresh uint8 ``[R, H/32]``
+        of their scale rows, row-major (unfilled rows undefined). The pull list's entries go to ``table`` (int32
+        ``[W * T_max, k]``: the dispatch's table)."""
         from .nvshmem_kernels import pull_rows_kernel
 
         e = self.e
@@ -395,7 +398,6 @@ class PullPath(EnginePath):
         words = row_bytes // 8
         C, k, T_max = e.config.hidden // 32, e.config.topk, e.config.max_tokens_per_rank
         srows = self._scale_rows(R, e.mx)
-        table = torch.empty(e.world * T_max, k, dtype=torch.int32, device=e.device)
         fast_kernel(pull_rows_kernel)[(e.dispatch_programs,)](
             out.view(torch.int64), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
             self.send_q.peer_ptrs, self.send_s.peer_ptrs, self.pull_list.local, table, e.d_epoch, T_max, e.world,
@@ -403,21 +405,18 @@ class PullPath(EnginePath):
             C_POW2=next_pow2(C), K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx,
             num_warps=4,
         )
-        return out, srows, table
+        return out, srows
 
     def dispatch(self, x, topk_idx):
         e = self.e
-        ids, my_counts = e.checked_ids(topk_idx, sync=False)  # a refusal is read at the call's one sync
         self.x_slot.fill_(x.data_ptr())
-        if my_counts.data_ptr() != e.counts_in.data_ptr():  # (check_and_count writes it in place)
-            e.counts_in.copy_(my_counts)
-        mid = e.run_middle(self._middle, ids)
+        po = e.run_middle(self._middle, topk_idx)  # (copies of a replay's outputs: made before the sync)
+        table = torch.empty(e.world * e.config.max_tokens_per_rank, e.config.topk, dtype=torch.int32,
+                            device=e.device)
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
-        live = mid.live
-        q, srows, table = self._pull_out(live.plan, R, e.config.hidden * (1 if e.mx else 2))  # first, then copies
-        po = mid.keep()
-        return DispatchRows(q=q, scale_rows=srows, kept=po, ids=ids, num_rows=R, origins=e.origins_from(po, R),
-                            table=table)
+        q, srows = self._pull_out(po.plan, R, e.config.hidden * (1 if e.mx else 2), table)
+        return DispatchRows(q=q, scale_rows=srows, kept=po, ids=po.extra["ids"], num_rows=R,
+                            origins=e.origins_from(po, R), table=table)
 
 
 class PushPath(EnginePath):
