@@ -37,6 +37,9 @@ def moe_block(group, x, idx, w_leaf, Wr, params, router: bool, use_ops: bool, gr
     h = d.dense(torch.float32)
     R = h.shape[0]
     r = torch.arange(R, device=h.device).view(R, 1)
+    # rows past offs[-1] are not written in the no-sync mode: select them away (a multiply by 0 in the experts'
+    # backward would turn a NaN there into NaN gradients)
+    h = torch.where(r < d.offs[-1].to(torch.int64), h, 0.0)
     out = torch.zeros_like(h)
     start = torch.zeros((), dtype=torch.int64, device=h.device)
     for le in range(group.num_local_experts):
