@@ -5,8 +5,9 @@
 #   python3 -m pytest -m nvshmem tests/transport
 #
 # What it does:
-#   1. installs the wheels in .whl/ (e.g. nvshmem4py-cu13 on a machine without a package registry; the folder is
-#      git-ignored) into /tmp/site with --no-index --no-deps, and puts /tmp/site and the repository on PYTHONPATH;
+#   1. installs the wheels in .whl/ built for this Python (e.g. nvshmem4py-cu13 on a machine without a package
+#      registry; the folder is git-ignored) into /tmp/site with --no-index --no-deps, and puts /tmp/site and the
+#      repository on PYTHONPATH;
 #   2. exports mxcomm.transport.launcher_env(HEAP_BYTES): NVLink multicast off
 #      (NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0), single node
 #      (NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NCCL=1) and NVSHMEM_SYMMETRIC_SIZE;
@@ -18,12 +19,25 @@
 _mx_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 _mx_py=${PYTHON:-python3}
 
-if compgen -G "$_mx_root/.whl/*.whl" >/dev/null; then
-  "$_mx_py" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$_mx_root"/.whl/*.whl \
-    || { echo "env.sh: installing $_mx_root/.whl/*.whl failed" >&2; return 1; }
+# Only the wheels this interpreter can install (its cpXY tag, or pure Python): .whl/ may hold builds for several
+# Pythons (e.g. cp311 for a CPU machine, cp312 for a GPU machine); a skipped one is named with how to fetch the right one.
+_mx_tag=$("$_mx_py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+_mx_whls=()
+for _mx_w in "$_mx_root"/.whl/*.whl; do
+  [[ -e $_mx_w ]] || continue
+  case ${_mx_w##*/} in
+    *-"$_mx_tag"-*|*-py3-none-*|*-py2.py3-none-*) _mx_whls+=("$_mx_w") ;;
+    *) echo "env.sh: skipped ${_mx_w##*/} (not for $_mx_tag; e.g. pip download --no-deps --only-binary=:all:" \
+            "--python-version ${_mx_tag:2:1}.${_mx_tag:3} -d .whl nvshmem4py-cu13)" >&2 ;;
+  esac
+done
+if [[ ${#_mx_whls[@]} -gt 0 ]]; then
+  "$_mx_py" -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "${_mx_whls[@]}" \
+    || { echo "env.sh: installing ${_mx_whls[*]} failed" >&2; return 1; }
 else
-  echo "env.sh: no wheels in $_mx_root/.whl; nvshmem4py may be missing" >&2
+  echo "env.sh: no wheels for $_mx_tag in $_mx_root/.whl; nvshmem4py may be missing" >&2
 fi
+unset _mx_tag _mx_whls _mx_w
 export PYTHONPATH="/tmp/site:$_mx_root${PYTHONPATH:+:$PYTHONPATH}"
 
 _mx_exports=$("$_mx_py" -c '
