@@ -5,9 +5,9 @@ one costs the host more than the GPU work (measured on the H200: ~2.4 ms of host
 8192 tokens with the torch ops; ~40-60 µs of host time per Triton launch against ~2-9 µs of GPU time).
 The plan depends only on the exchanged counts matrix (a symmetric buffer: fixed address) and the
 (sanitised) ``topk_idx`` of this call, so it is captured once per token count ``T`` and replayed:
-the call copies ``topk_idx`` into the graph's static input, replays, and may use the graph's outputs in place for
-work it enqueues at once (:meth:`PlanGraph.replay`); what it keeps (the :class:`~mxcomm.ep.plan.RoutingPlan` of a
-handle) are views into clones (:meth:`PlanGraph.snapshot`), so they stay valid after later replays.
+the call copies ``topk_idx`` into the graph's static input and replays (:meth:`PlanGraph.replay`); what it uses and
+keeps (the :class:`~mxcomm.ep.plan.RoutingPlan` of a handle) are views into clones of the graph's outputs
+(:meth:`PlanGraph.snapshot`), enqueued right after the replay, so they stay valid after later replays.
 """
 from __future__ import annotations
 
@@ -120,9 +120,9 @@ class PlanGraph:
             when ``compute`` has side effects that must happen only at replays (a collective: its kernels
             must already have run eagerly for this shape, so nothing compiles during the capture).
 
-    :meth:`replay` runs it and returns the LIVE outputs (the graph's own memory: valid for work enqueued on this
-    stream before the next replay), :meth:`snapshot` copies them into tensors the caller owns (:class:`OutputCopier`:
-    two clones; the graph itself copies only the outputs outside the plan's main buffer).
+    :meth:`replay` runs it (its outputs stay in the graph's own memory, overwritten by the next replay),
+    :meth:`snapshot` copies them into tensors the caller owns (:class:`OutputCopier`: two clones; the graph itself
+    copies only the outputs outside the plan's main buffer); calling the object does both.
     """
 
     def __init__(self, counts_buf: torch.Tensor, T: int, k: int, idx_dtype: torch.dtype,
@@ -155,14 +155,12 @@ class PlanGraph:
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream(dev).wait_stream(cap)
-        self.live = out
         self.template = out.plan
 
-    def replay(self, topk_idx: torch.Tensor) -> PlanOutputs:
-        """Run the graph for this call's ``topk_idx`` (same shape/dtype); returns the live outputs (see class doc)."""
+    def replay(self, topk_idx: torch.Tensor) -> None:
+        """Run the graph for this call's ``topk_idx`` (same shape/dtype); :meth:`snapshot` copies its outputs."""
         self.idx.copy_(topk_idx)
         self.graph.replay()
-        return self.live
 
     def snapshot(self) -> PlanOutputs:
         """Copies of the outputs of the last replay (enqueue before the next replay), owned by the caller."""
