@@ -31,6 +31,12 @@ it), for each module and (programs, warps, chunk):
   position of its first slot): ``T*(H + H/32)`` read + ``T*H*2`` written. Checked against the plain-torch partial
   (the fp32 weighted sum of the token's rows, quantized) dequantized (bf16 output; max |diff| reported, must be
   within bf16 rounding).
+* ``reduce_ranks`` (``--ops reduce_ranks``, ``--world W``): the reduce at the origin of a ``W``-rank world - each
+  token's experts live on ranks ``expert // (E / W)``, so it sums one MXFP8 partial per distinct rank (random rows,
+  quantized, at the send position of the rank's leading slot, as the expert side stores them), in the order of the
+  ranks' first slots: ``P*(H + H/32)`` read (``P`` partials) + ``T*H*2`` written. Checked against the plain-torch sum
+  of the dequantized partials (bf16 rounding). Run it in a process confined to part of the GPU (MPS,
+  ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) to see it as one of several ranks sharing the GPU does;
 * ``local_path``: the one-rank dispatch (``dispatch_kernel`` straight into the fresh output, the unfilled rows
   zeroed at the end of the same launch (``ZERO_PAD``), then the swizzle), checked like the other paths;
 * ``reduce_own``: the one-rank combine (``combine_reduce_kernel(OWN=True)``: every row read as bf16 from the expert
@@ -543,6 +549,58 @@ class Lab:
                                     nbytes=self.S * self.H * 2 + self.T * self.H * 2)
 
 
+    def bench_reduce_ranks(self, mod, impl: str) -> None:
+        a, T, H, k, E, C, dev = self.args, self.T, self.H, self.k, self.E, self.C, self.dev
+        W = a.world
+        if E % W:
+            raise SystemExit(f"--experts {E} is not a multiple of --world {W}")
+        dest_rank = torch.where(self.idx >= 0, self.idx // (E // W), -1).to(torch.int32)
+        counts = local_counts(self.idx, E)
+        plan = build_plan(counts[None].expand(W, E).contiguous(), self.idx, 0, a.align)
+        send_pos = plan.send_pos
+        g = torch.Generator().manual_seed(1)
+        y_ref = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        nslot = T * k
+        comb_q = torch.zeros(2, nslot, 2 * H, dtype=torch.uint8, device=dev)
+        comb_s = torch.zeros(2, nslot, C, dtype=torch.uint8, device=dev)
+        seen = torch.zeros(T, W, dtype=torch.bool, device=dev)
+        P = 0
+        for j in range(k):  # slot j leads its rank when no earlier slot of the token goes there
+            r = dest_rank[:, j].long()
+            lead = (r >= 0) & ~seen.gather(1, r.clamp(min=0)[:, None])[:, 0]
+            seen.scatter_(1, r.clamp(min=0)[:, None], seen.gather(1, r.clamp(min=0)[:, None]) | lead[:, None])
+            n = int(lead.sum())
+            if not n:
+                continue
+            qp = quantize(torch.randn(n, H, generator=g).to(dev))
+            pos = send_pos[:, j].long()[lead]
+            comb_q[0].view(-1)[: nslot * H].view(nslot, H)[pos] = qp.qdata.view(torch.uint8)
+            comb_s[0][pos] = qp.scales.view(torch.uint8).reshape(n, C)
+            y_ref[lead] = y_ref[lead] + qp.dequantize(torch.float32, saturate_to=torch.bfloat16)
+            P += n
+        ref = y_ref.to(torch.bfloat16)
+        y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+        epoch = torch.zeros(1, dtype=torch.int64, device=dev)
+        kern = mod.combine_reduce_kernel
+
+        def check(fn):
+            y.zero_()
+            fn()
+            d = (y.float() - ref.float()).abs()
+            ok = bool((d <= ref.float().abs() * 2.0 ** -7 + 1e-30).all())
+            return ok, dict(max_abs_diff=float(d.max()) if d.numel() else 0.0)
+
+        for programs in self.grids():
+            for warps in _ints(a.warps):
+                for chunk in _ints(a.chunks):
+                    fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
+                        comb_q, comb_s, send_pos, dest_rank, self.w, y, T, epoch, nslot, plan.dest_row, y, comb_s,
+                        H=H, K=k, P=min(k, W), CHUNK=chunk, MX=True, INT_ROUND=self.interp, num_warps=warps,
+                        enable_fp_fusion=False))
+                    self.record("reduce_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk, world=W,
+                                                           partials=P), fn, check, nbytes=P * (H + C) + T * H * 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -552,6 +610,7 @@ def main() -> None:
     ap.add_argument("--align", type=int, default=32)
     ap.add_argument("--drop", type=float, default=0.0, help="fraction of slots dropped (-1)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--world", type=int, default=4, help="reduce_ranks: ranks the experts are spread over")
     ap.add_argument("--timer", choices=("graph", "events"), default="graph",
                     help="graph: 10 launches captured in a CUDA graph, replay time / 10 (kernel time, no host launch "
                          "gaps); events: CUDA events around one eager launch (it includes "
@@ -574,6 +633,8 @@ def main() -> None:
             lab.bench_dispatch(mod, name)
         if "reduce" in ops:
             lab.bench_reduce(mod, name)
+        if "reduce_ranks" in ops:
+            lab.bench_reduce_ranks(mod, name)
     if "naive" in ops:
         lab.bench_naive()
     if "pattern" in ops:
