@@ -1,6 +1,10 @@
 """Copy ceilings measured in the same run as the benchmark (see BENCH.md "Ceilings").
 
 * device copy (GPU): ``dst.copy_(src)`` of a large buffer on one GPU; read + write bytes counted.
+* shared device copy (several ranks on one GPU, e.g. under MPS): every rank on rank 0's GPU copies its share of the
+  buffer at the same time; their bytes over the slowest rank's time. This is the GPU's memory bandwidth as the ranks
+  sharing it can reach it together. Under MPS one rank alone gets only its share of the SMs, and its
+  ``device_copy`` can then be far below what the GPU's memory moves (about half on an H200 with 4 ranks).
 * peer copy (2+ GPUs with peer access): ``dst_on_gpu_b.copy_(src_on_gpu_a)``; bytes counted once
   (what crosses the link).
 * all-pairs copy (2+ GPUs): every GPU copies to every other GPU at the same time (one stream per
@@ -42,6 +46,41 @@ def device_copy(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) ->
     return dict(kind="device_copy", device=str(device), bytes_copied=nbytes, bytes_counted=2 * nbytes,
                 median_us=ms * 1e3, gbps=2 * nbytes / (ms * 1e-3) / 1e9,
                 convention="read + write bytes of dst.copy_(src) on one GPU; CUDA-event median")
+
+
+def shared_device_copy(world, nbytes: int = 1 << 30, iters: int = 20) -> dict | None:
+    """Collective (every rank calls it): the ranks on rank 0's GPU (``world.devices`` equal to rank 0's) each copy
+    ``nbytes / n`` bytes ``iters`` times back to back, all starting after one barrier; the time of a rank is CUDA
+    events around its whole loop. Returns (on every rank) ``gbps`` = all the ranks' read + write bytes / the slowest
+    rank's time, or None when rank 0's GPU has one rank."""
+    mine = [r for r, d in enumerate(world.devices) if d == world.devices[0]]
+    n = len(mine)
+    if n < 2:
+        return None
+    us = None
+    if world.rank in mine:
+        src = torch.empty(nbytes // n // 2, dtype=torch.bfloat16, device=world.device).normal_()
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        torch.cuda.synchronize(world.device)
+    world.barrier()
+    if world.rank in mine:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        e.record()
+        torch.cuda.synchronize(world.device)
+        us = s.elapsed_time(e) * 1e3
+        del src, dst
+    times = [t for t in world.all_gather_object(us) if t is not None]
+    per_rank = 2 * (nbytes // n // 2) * 2  # read + write bytes of one copy
+    slowest = max(times)
+    return dict(kind="shared_device_copy", device=world.devices[0], ranks=n, bytes_counted=n * per_rank * iters,
+                median_us=slowest / iters, gbps=n * per_rank * iters / (slowest * 1e-6) / 1e9,
+                rank_us=times, convention=f"{n} ranks on one GPU copy at once ({iters} copies of 1/{n} of "
+                f"{nbytes >> 20} MiB each, one barrier before): read + write bytes of all / the slowest rank's time")
 
 
 def peer_copy(src_dev: int, dst_dev: int, nbytes: int = 1 << 29, iters: int = 20) -> dict:
@@ -109,7 +148,8 @@ def host_copy(nbytes: int = 64 << 20, iters: int = 10) -> dict:
 
 
 def measure_ceilings(world) -> dict:
-    """Rank 0 measures (others wait at a barrier, so a shared GPU is idle); returns the dict on every rank."""
+    """Rank 0 measures (others wait at a barrier, so a shared GPU is idle); then, with several ranks on one GPU, the
+    ranks on rank 0's GPU measure ``shared_device_copy`` together. Returns the dict on every rank."""
     out: dict = {}
     if world.rank == 0:
         try:
@@ -132,10 +172,17 @@ def measure_ceilings(world) -> dict:
                 out["host_copy"] = host_copy()
         except Exception as e:  # noqa: BLE001 - a ceiling must not stop the benchmark
             out["error"] = f"{type(e).__name__}: {e}"
+    got = world.all_gather_object(out)[0]
+    if world.device.type == "cuda" and world.ranks_per_gpu > 1:
+        try:
+            shared = shared_device_copy(world)
+        except Exception as e:  # noqa: BLE001 - a ceiling must not stop the benchmark
+            shared, got = None, {**got, "shared_error": f"{type(e).__name__}: {e}"}
+        if shared is not None:
+            got = {**got, "shared_device_copy": shared}
     if world.device.type == "cuda":
         torch.cuda.empty_cache()  # give the ceiling buffers back before the benchmark allocates
-    got = world.all_gather_object(out)
-    return got[0]
+    return got
 
 
-__all__ = ["device_copy", "peer_copy", "all_pairs_copy", "host_copy", "measure_ceilings"]
+__all__ = ["device_copy", "shared_device_copy", "peer_copy", "all_pairs_copy", "host_copy", "measure_ceilings"]

@@ -50,7 +50,8 @@ CONVENTIONS = {
                      "once, per-selection gradient rows written in the transport dtype); dispatch_bwd like combine. "
                      "Ranks sharing one memory (one GPU, or CPU processes of one host) add up; with a memory per rank "
                      "the busiest one counts. floor_us = those bytes / the copy ceiling of the same run (device_copy "
-                     "on a GPU, host_copy on CPU; read + write counted); time_over_floor = median / floor_us",
+                     "on a GPU - shared_device_copy, all the ranks on one GPU copying at once, when several share it "
+                     "-, host_copy on CPU; read + write counted); time_over_floor = median / floor_us",
     "loopback_traffic": "one rank on one GPU (EP = 1) only: bytes = tokens x 2H (the BF16 token rows, read once: "
                         "dispatch's input, combine's output) + bytes.per_selection (the rows written / read per "
                         "selection), compared with the device copy ceiling of the same run (read + write bytes)",
@@ -211,7 +212,7 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
     if meta.get("machine", {}).get("gpus"):
         sm_dev = meta["machine"]["gpus"][0]["sm_count"]
     ceiling_gbps = None
-    for k in ("all_pairs_copy", "peer_copy", "device_copy", "host_copy"):
+    for k in ("all_pairs_copy", "peer_copy", "shared_device_copy", "device_copy", "host_copy"):
         if ceilings.get(k):
             ceiling_gbps = ceilings[k]["gbps"]
             ceilings["reference_for_fractions"] = k
@@ -223,7 +224,9 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
     if options["ranks"] == 1 and ceilings.get("device_copy"):
         for c in cases:
             add_loopback_traffic(c, options["hidden"], ceilings["device_copy"]["gbps"])
-    floor_ceiling = "device_copy" if on_gpu else "host_copy"
+    # several ranks on one GPU: the copy rate they reach together (one rank alone under MPS has a share of the SMs)
+    floor_ceiling = ("shared_device_copy" if ceilings.get("shared_device_copy") else "device_copy") if on_gpu \
+        else "host_copy"
     if ceilings.get(floor_ceiling):
         mem = _memories(options, world)
         for c in cases:
@@ -407,7 +410,7 @@ def format_table(report: dict) -> str:
         for s in report["skipped"]:
             out.append(f"skipped {s['impl']}: {s['reason']}")
     ce = report.get("ceilings") or {}
-    for k in ("device_copy", "peer_copy", "all_pairs_copy", "host_copy"):
+    for k in ("device_copy", "shared_device_copy", "peer_copy", "all_pairs_copy", "host_copy"):
         if ce.get(k):
             out.append(f"ceiling {k}: {_f(ce[k]['gbps'], 1)} GB/s ({ce[k]['convention']})")
     for chk in report.get("checks", []):

@@ -56,3 +56,18 @@ def test_table_has_the_floor_column_and_one_reference_row():
     assert [r[1] for r in rows] == ["mxcomm=ref", "mxcomm", "a2a"]
     x_floor = [r for r in rows if r[1] == "mxcomm=ref"][0]
     assert f"{10.0 / 1.56:.1f}" in x_floor
+
+
+def test_floor_uses_the_shared_copy_when_ranks_share_a_gpu():
+    """Several ranks on one GPU: the floor divides by what they copy together, not by rank 0's copy alone."""
+    cases = [_raw("mxcomm", "mxfp8", "dispatch", 10.0, 66)]
+    ceil = {"device_copy": dict(gbps=1.0, convention="one rank"),
+            "shared_device_copy": dict(gbps=2.0, convention="both ranks at once")}
+    phase = dict(phase="main", status="ok", cases=cases, checks=[], skipped=[], ceilings=ceil, merged=[])
+    world = dict(ranks_per_gpu=2, side_channel="gloo", devices=["h:cuda:0", "h:cuda:0"])
+    rep = build_report(options={**OPTS, "device": "cuda", "ranks_per_gpu": 2}, world=world, meta={}, phases=[phase],
+                       command=["t"])
+    d = rep["cases"][0]
+    assert rep["floor_ceiling"] == "shared_device_copy"
+    assert d["floor"]["bytes"] == 1560 and d["floor_us"] == pytest.approx(0.78)  # 1560 bytes at 2 GB/s
+    assert "ceiling shared_device_copy: 2.0 GB/s (both ranks at once)" in format_table(rep)
