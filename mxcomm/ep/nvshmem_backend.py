@@ -86,8 +86,8 @@ class LaunchConfig:
     qdq_chunk: int = 1024
     partials_per_sm: int = 16
     reduce_chunk: int = 2048
-    reduce_mx_chunk: int = 1024
-    reduce_warps: int = 8
+    reduce_mx_chunk: int = 8192
+    reduce_warps: int = 4
     route_grad_per_sm: int = 8
     push_per_sm: int = 1
 
