@@ -548,8 +548,8 @@ class Lab:
                         self.record("reduce_own", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check,
                                     nbytes=self.S * self.H * 2 + self.T * self.H * 2)
 
-
     def bench_reduce_ranks(self, mod, impl: str) -> None:
+        """``reduce_ranks`` (see the module doc): the origin's reduce of one MXFP8 partial per (token, rank)."""
         a, T, H, k, E, C, dev = self.args, self.T, self.H, self.k, self.E, self.C, self.dev
         W = a.world
         if E % W:

@@ -78,7 +78,7 @@ def shared_device_copy(world, nbytes: int = 1 << 30, iters: int = 20) -> dict | 
     per_rank = 2 * (nbytes // n // 2) * 2  # read + write bytes of one copy
     slowest = max(times)
     return dict(kind="shared_device_copy", device=world.devices[0], ranks=n, bytes_counted=n * per_rank * iters,
-                median_us=slowest / iters, gbps=n * per_rank * iters / (slowest * 1e-6) / 1e9,
+                us_per_copy=slowest / iters, gbps=n * per_rank * iters / (slowest * 1e-6) / 1e9,
                 rank_us=times, convention=f"{n} ranks on one GPU copy at once ({iters} copies of 1/{n} of "
                 f"{nbytes >> 20} MiB each, one barrier before): read + write bytes of all / the slowest rank's time")
 

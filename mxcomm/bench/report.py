@@ -212,7 +212,7 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
     if meta.get("machine", {}).get("gpus"):
         sm_dev = meta["machine"]["gpus"][0]["sm_count"]
     ceiling_gbps = None
-    for k in ("all_pairs_copy", "peer_copy", "shared_device_copy", "device_copy", "host_copy"):
+    for k in ("all_pairs_copy", "peer_copy", "device_copy", "host_copy"):  # per rank (or GPU) rates
         if ceilings.get(k):
             ceiling_gbps = ceilings[k]["gbps"]
             ceilings["reference_for_fractions"] = k
