@@ -12,8 +12,9 @@ on the current CUDA stream:
 1. the middle, replayed from a CUDA graph captured per token count (:meth:`NvshmemBackend.run_middle`): the
    device-side id check, this rank's per-expert counts and the plan's per-block slot table in two kernels
    (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``), epoch += 1,
-   ``pack_rows_kernel`` (each token row read once, quantized once, into this rank's send copy), ``publish_kernel``
-   (the counts and a refusal word into every peer, then the wait for all), the routing plan on the exchanged counts
+   ``publish_kernel`` (the counts and a refusal word into every peer), ``pack_rows_kernel`` (each token row read
+   once, quantized once, into this rank's send copy) while they arrive, ``wait_published_kernel`` (the wait for
+   every peer's counts), the routing plan on the exchanged counts
    plus each received row's origin, ``push_entries_kernel`` (one pull-list entry per (token, destination rank)) and
    the bounded wait for every source's entries; the copies of the plan the handle keeps are enqueued right after
    it, while the device still runs it;
@@ -84,7 +85,7 @@ class LaunchConfig:
     dispatch_chunk: int = 8192
     weighted_warps: int = 4
     qdq_chunk: int = 1024
-    partials_per_sm: int = 16
+    partials_per_sm: int = 32
     reduce_chunk: int = 2048
     reduce_mx_chunk: int = 8192
     reduce_warps: int = 4

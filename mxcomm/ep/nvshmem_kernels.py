@@ -10,9 +10,9 @@ system scope. Every wait is bounded (``mxcomm.transport.flags.wait_flag_geq``). 
   per slot where it lands, the route-weight gradient formed there);
 * towards the origins: ``combine_partials_kernel`` (one row per (token, rank): the weighted partial sum of the
   token's rows on this rank, rounded once) and ``combine_reduce_kernel`` (the sum of a token's partials);
-* handshakes and layout: ``publish_kernel`` (counts + refusal word, "ready", route weights), ``wait_arrivals_kernel``,
-  ``scale_rows_to_grouped_kernel``, ``copy_out_rows_kernel``, ``entries_table_kernel``, ``gather_route_grad_kernel``,
-  ``first_refusal_kernel``.
+* handshakes and layout: ``publish_kernel`` (counts + refusal word, "ready", route weights), ``wait_published_kernel``,
+  ``wait_arrivals_kernel``, ``scale_rows_to_grouped_kernel``, ``copy_out_rows_kernel``, ``entries_table_kernel``,
+  ``gather_route_grad_kernel``, ``first_refusal_kernel``.
 
 Why two copies of ``comb_q`` (by combine epoch parity): the combine direction has no handshake before it writes into
 its peers. Combine epoch ``e+1`` of rank A may start while rank B still reduces epoch ``e``; it writes the other
@@ -21,8 +21,8 @@ finished reducing epoch ``e-1`` (stream order), the copy ``e+1`` uses. ``comb_w`
 weights for ``e+1`` only after it received every rank's partials of ``e``, which each rank sent after reading A's
 weights of ``e``. The dispatch direction needs no second receive buffer: every dispatch starts with the counts
 exchange (combine backward with the "ready" handshake), and nobody writes before seeing all counts. The send copies
-``send_q`` / ``send_w`` have two copies for the same reason as combine: a rank packs its rows before the exchange,
-while a peer may still be reading the previous call's rows; the copy it writes was last read two dispatch-direction
+``send_q`` / ``send_w`` have two copies for the same reason as combine: a rank packs its rows before it has every
+peer's counts, while a peer may still be reading the previous call's rows; the copy it writes was last read two dispatch-direction
 epochs ago, and every peer finished that read before it published the counts of the epoch in between. The pull list
 is tagged with the 64-bit epoch, so entries of earlier calls are skipped without clearing; ``comb_gw`` is written in
 combine backward after its "ready" handshake, which the origin joins only after it gathered the previous call's.
@@ -46,12 +46,13 @@ from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 @triton.jit
 def publish_kernel(src_ptr, n_words, dst_peers, dst_word0, tail_word, flags_peers, flags_local, row, W, epoch_ptr,
-                   err_ptr, timeout_ns, me, BLOCK: tl.constexpr):
+                   err_ptr, timeout_ns, me, BLOCK: tl.constexpr, WAIT: tl.constexpr = True):
     """Program ``p``: copy my ``n_words`` int32 words into rank ``p``'s buffer at word ``dst_word0`` (and, when
     ``tail_word >= 0``, word ``src[n_words]`` to word ``tail_word`` there), raise ``flags[row, me]`` there to the
-    epoch (release, sys), then wait (bounded) until rank ``p`` has published to me (``flags[row, p]`` here). The counts
-    exchange (my ``[E]`` counts into every ``counts[me]``, my refusal word into every refusal row), the "ready"
-    handshake (``n_words = 0``) and combine's route weights (my ``[T, k]`` into every ``comb_w[me]``).
+    epoch (release, sys), then (``WAIT``) wait (bounded) until rank ``p`` has published to me (``flags[row, p]``
+    here; without ``WAIT`` a later :func:`wait_published_kernel` does, so that work can run between the two). The
+    counts exchange (my ``[E]`` counts into every ``counts[me]``, my refusal word into every refusal row), the
+    "ready" handshake (``n_words = 0``) and combine's route weights (my ``[T, k]`` into every ``comb_w[me]``).
 
     Args: src_ptr int32 words; dst_peers / flags_peers int64 ``[W]`` peer base pointers (the destination buffer
     viewed as int32); flags_local this rank's int64 ``flags``; epoch_ptr int64 scalar; err_ptr int64 error word.
@@ -72,7 +73,16 @@ def publish_kernel(src_ptr, n_words, dst_peers, dst_word0, tail_word, flags_peer
     tl.debug_barrier()
     fb = tl.load(flags_peers + p).to(tl.pointer_type(tl.int64))
     signal_peer(fb + row * W + me, epoch)
-    wait_flag_geq(flags_local + row * W + p, epoch, deadline_after(timeout_ns), err_ptr, p)
+    if WAIT:
+        wait_flag_geq(flags_local + row * W + p, epoch, deadline_after(timeout_ns), err_ptr, p)
+
+
+@triton.jit
+def wait_published_kernel(flags_local, row, W, epoch_ptr, err_ptr, timeout_ns):
+    """Program ``p``: wait (bounded) until rank ``p`` has published this epoch to me (``flags[row, p] >= epoch``
+    here), the wait :func:`publish_kernel` leaves out without ``WAIT``. Args as there. Grid: (W,)."""
+    p = tl.program_id(0)
+    wait_flag_geq(flags_local + row * W + p, tl.load(epoch_ptr), deadline_after(timeout_ns), err_ptr, p)
 
 
 @triton.jit

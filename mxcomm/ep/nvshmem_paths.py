@@ -111,26 +111,35 @@ class EnginePath:
 
     # -- handshakes ---------------------------------------------------------------------------
     def _publish(self, src: torch.Tensor, n_words: int, dst_peers: torch.Tensor, dst_word0: int, row: str,
-                 epoch: torch.Tensor, tail_word: int = -1) -> None:
+                 epoch: torch.Tensor, tail_word: int = -1, wait: bool = True) -> None:
         from .nvshmem_kernels import publish_kernel
 
         e = self.e
         fast_kernel(publish_kernel)[(e.world,)](
             src, n_words, dst_peers, dst_word0, tail_word, e.flags.peer_ptrs, e.flags.local, _ROW_FLAGS[row], e.world,
-            epoch, e.err, e.timeout_ns, e.rank, BLOCK=_PUBLISH_BLOCK,
+            epoch, e.err, e.timeout_ns, e.rank, BLOCK=_PUBLISH_BLOCK, WAIT=wait,
         )
 
-    def exchange(self, my_counts: Optional[torch.Tensor]) -> None:
+    def exchange(self, my_counts: Optional[torch.Tensor], wait: bool = True) -> None:
         """Publish this rank's int32 ``[E + 1]`` counts and refusal word to every rank and wait (bounded) for
         everybody's (``None``: the "ready" handshake only), through peer pointers. The dispatch epoch must already be
-        advanced."""
+        advanced. ``wait=False`` (counts only): publish, and leave the wait to :meth:`wait_for_counts`."""
         e = self.e
         if my_counts is None:
             self._publish(e.err, 0, e.counts.peer_ptrs, 0, "counts", e.d_epoch)
             return
         E = e.config.num_experts
         self._publish(my_counts, E, e.counts.peer_ptrs, e.rank * E, "counts", e.d_epoch,
-                      tail_word=e.world * E + e.rank)
+                      tail_word=e.world * E + e.rank, wait=wait)
+
+    def wait_for_counts(self) -> None:
+        """The wait (bounded) for every rank's counts of this dispatch epoch that ``exchange(..., wait=False)`` left
+        out."""
+        from .nvshmem_kernels import wait_published_kernel
+
+        e = self.e
+        fast_kernel(wait_published_kernel)[(e.world,)](e.flags.local, _ROW_FLAGS["counts"], e.world, e.d_epoch, e.err,
+                                                       e.timeout_ns)
 
     def publish_weights(self, w: Optional[torch.Tensor]) -> None:
         """Combine's route weights (fp32 ``[T, k]``) into row ``me`` of every rank's ``comb_w``, then wait (bounded)
@@ -345,8 +354,9 @@ class LocalPath(EnginePath):
 
 class PullPath(EnginePath):
     """Several ranks with peer pointers (the default). Dispatch, captured once per token count and replayed: the id
-    check and counts, epoch += 1, ``pack_rows_kernel`` (each token row read once, quantized once, into this
-    rank's send copy ``epoch % 2``), the counts exchange (with every rank's refusal word), the routing plan,
+    check and counts, epoch += 1, the counts exchange (with every rank's refusal word; ``pack_rows_kernel``, each
+    token row read once, quantized once, into this rank's send copy ``epoch % 2``, runs while the peers' counts
+    arrive), the routing plan,
     ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the destination) and the bounded
     wait for every source's entries; then, after the call's one host sync, ``pull_rows_kernel`` reads each listed
     token's row once from its source's send copy into the fresh output at all its rows and keeps the entries as the
@@ -371,16 +381,19 @@ class PullPath(EnginePath):
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
         """Everything before the receivers' gather: the id check of the caller's ``topk_idx`` and this rank's counts
-        (into the engine's ``counts_in``; a refusal is read at the call's one host sync), epoch += 1, pack (``x``
-        from ``x_slot``), counts exchange (counts and refusal word), the plan of the checked ids on the exchanged
+        (into the engine's ``counts_in``; a refusal is read at the call's one host sync), epoch += 1, the counts
+        exchange (counts and refusal word) with the pack (``x`` from ``x_slot``) between its publish and its wait, the plan of the checked ids on the exchanged
         ``counts_buf``, the pull-list entries and the bounded wait for every source's; the refusals into the status
         words. ``extra["ids"]``: the checked ids."""
         e = self.e
         ids, _ = e.checked_ids(topk_idx, sync=False)  # writes counts_in[:E]
         e.d_epoch.add_(1)
-        self._pack(ids.shape[0])  # before the exchange: its copy is not being read (see nvshmem_kernels, send_q)
         e.counts_in[e.config.num_experts:].copy_(e.input_err)  # the refusal word: bad ids seen by the id check
-        self.exchange(e.counts_in)
+        self.exchange(e.counts_in, wait=False)
+        # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q), and
+        # no peer reads it before this rank's entries, pushed after it in stream order
+        self._pack(ids.shape[0])
+        self.wait_for_counts()
         e.note_refusals()
         po = e.compute_plan(counts_buf, ids)
         self._entries_and_wait(po.plan)

@@ -480,6 +480,44 @@ def route_grad_of(dest_row, gy, out):
     return route_grad(torch.where(dest_row < out.shape[0], dest_row, -1), gy, out)
 
 
+@pytest.mark.parametrize("W,silent", [(3, None), (4, 2), (2, 0)])
+def test_publish_without_wait_then_wait_published(W, silent):
+    """``publish_kernel`` with ``WAIT=False`` (the pull dispatch packs between the publish and the wait): every rank
+    but ``silent`` publishes its counts and refusal word and raises ``flags[0, r]`` everywhere, and returns without
+    waiting (no error word, even before its peers have published). ``wait_published_kernel`` then returns at once
+    on every rank when all published; when ``silent`` did not, every rank's wait times out naming it. Only the
+    publishers' rows of the counts matrix are written."""
+    from mxcomm.ep.nvshmem_kernels import publish_kernel, wait_published_kernel
+    from mxcomm.transport.errors import TIMEOUT_CODE, error_word
+    from mxcomm.transport.flags import timeout_ns
+
+    E, epoch = 2 * W, 9
+    g = torch.Generator().manual_seed(W * 7 + (silent or 0))
+    counts = [torch.full((W * E + W,), -7, dtype=torch.int32) for _ in range(W)]
+    flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
+    errs = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
+    srcs = [torch.randint(0, 100, (E + 1,), generator=g, dtype=torch.int32) for _ in range(W)]
+    ep = torch.tensor([epoch])
+    row = FLAG_ROWS.index("counts")
+    tmo = timeout_ns(0.05)
+    pubs = [r for r in range(W) if r != silent]
+    for r in pubs:
+        publish_kernel[(W,)](srcs[r], E, ptrs(counts), r * E, W * E + r, ptrs(flags), flags[r], row, W, ep, errs[r],
+                             tmo, r, BLOCK=4, WAIT=False)
+        assert int(errs[r]) == 0, r
+    for r in range(W):
+        want = [epoch if s in pubs else 0 for s in range(W)]
+        assert flags[r][row].tolist() == want, r
+        for s in range(W):
+            got = counts[r][s * E:(s + 1) * E], counts[r][W * E + s]
+            if s in pubs:
+                assert torch.equal(got[0], srcs[s][:E]) and int(got[1]) == int(srcs[s][E]), (r, s)
+            else:
+                assert (got[0] == -7).all() and int(got[1]) == -7, (r, s)
+        wait_published_kernel[(W,)](flags[r], row, W, ep, errs[r], tmo)
+        assert int(errs[r]) == (0 if silent is None else error_word(TIMEOUT_CODE, silent)), r
+
+
 @pytest.mark.parametrize("W,refusing", [(3, ()), (3, (1, 2)), (4, (3,)), (2, (0,))])
 def test_publish_counts_with_refusal_word_then_first_refusal(W, refusing):
     """``publish_kernel``, ranks run one after another in one process: rank ``r`` writes its ``E`` counts into row

@@ -746,7 +746,9 @@ for own, own_pass, weighted in ((False, False, True), (True, False, True), (True
 compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), False, H=4096, K=6, P=6, CHUNK=4096, MX=False,
         INT_ROUND=False, OWN=False, OWN_PASS=False, WEIGHTED=True, MODE=0)  # BF16 transport; k not a power of two
 pub = dict(src_ptr=i32, dst_peers=i64, flags_peers=i64, flags_local=i64, epoch_ptr=i64, err_ptr=i64, timeout_ns="i64")
-compile(nk.publish_kernel, pub, BLOCK=1024)
+for wait in (True, False):
+    compile(nk.publish_kernel, pub, BLOCK=1024, WAIT=wait)
+compile(nk.wait_published_kernel, dict(flags_local=i64, epoch_ptr=i64, err_ptr=i64, timeout_ns="i64"))
 compile(nk.wait_arrivals_kernel, dict(flags_row_ptr=i64, expect_row_ptr=i64, err_ptr=i64, timeout_ns="i64"))
 compile(nk.first_refusal_kernel, dict(words_ptr=i32, out_ptr=i64), W_POW2=8)
 compile(nk.entries_table_kernel, dict(list_ptr=i32, table_ptr=i32, epoch_ptr=i64), K=8, K_POW2=8, EW=16)

@@ -3,12 +3,15 @@
     source bench/gpu/env.sh && torchrun --nproc-per-node 2 -m mxcomm.bench.tools.sweep [--tokens 4096] [--profile]
     (several ranks on one GPU: start MPS first, ``mxcomm_mps_start 4`` of bench/gpu/env.sh)
 
-One EPGroup per precision (nvshmem backend, exact sizes); for every routing-plan implementation and every
+One EPGroup per precision (nvshmem backend, exact sizes; no-sync with --graph); for every routing-plan implementation and every
 combination of the backend's frozen :class:`~mxcomm.ep.nvshmem_backend.LaunchConfig` fields given with ``--set``
 (e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend instance between
 measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch backward with
-CUDA events (median of --iters, the slowest rank), and with --profile prints rank 0's kernel-time table of one
-call of each op. Output: text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
+CUDA events (median of --iters, the slowest rank), and with --profile prints rank 0's kernel-time table of five
+calls of each op (each started after a barrier). With --graph every op runs in the no-sync mode as a CUDA-graph
+replay (captured once per launch setting, after eager warm-up calls), as ``mxcomm bench --cuda-graph`` times it; the
+profile then shows the replays' kernels (no host work between them: what is not kernel time is waiting on the
+device). Output: text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
 ``bench/gpu/env.sh`` (nvshmem4py, multicast off, NVSHMEM_SYMMETRIC_SIZE).
 """
 import argparse
@@ -46,6 +49,27 @@ def _ops(group, x, idx, w):
     }
 
 
+def _graphed(ops: dict) -> dict:
+    """Each op captured into a CUDA graph (2 warm-up calls on a side stream first, every rank in step): its replay."""
+    out = {}
+    for name, fn in ops.items():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        dist.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        out[name] = g.replay
+    return out
+
+
 def _time(fn, iters):
     times = []
     for _ in range(iters):
@@ -79,6 +103,7 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--plan-impl", default="torch,triton", help="routing plan implementations to time (backend.plan_impl)")
     ap.add_argument("--ops", default="dispatch,combine,combine_bwd,dispatch_bwd")
+    ap.add_argument("--graph", action="store_true", help="no-sync mode, every op timed (and profiled) as graph replays")
     a = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
@@ -88,12 +113,13 @@ def main():
     x, idx, w = _inputs(a.tokens, a.hidden, a.experts, a.topk, rank, "cuda")
     for prec in a.precision.split(","):
         group = EPGroup(EPConfig(num_experts=a.experts, hidden=a.hidden, topk=a.topk, max_tokens_per_rank=a.tokens,
-                                 precision=prec, backend="nvshmem"))
+                                 precision=prec, backend="nvshmem", exact_sizes=not a.graph))
         be = group.backend
         base = be.launch
-        ops = {n: f for n, f in _ops(group, x, idx, w).items() if n in a.ops.split(",")}
-        for fn in ops.values():  # compile every kernel variant once
+        eager = {n: f for n, f in _ops(group, x, idx, w).items() if n in a.ops.split(",")}
+        for fn in eager.values():  # compile every kernel variant once
             fn()
+        ops = _graphed(eager) if a.graph else eager
         if a.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -102,10 +128,12 @@ def main():
                 torch.cuda.synchronize()
                 dist.barrier()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    fn()
-                    torch.cuda.synchronize()
+                    for _ in range(5):  # every rank in step before each call (the table's "avg": per call)
+                        dist.barrier()
+                        fn()
+                        torch.cuda.synchronize()
                 if rank == 0:
-                    print(f"--- profile {prec} {name} T={a.tokens} {be.launch}")
+                    print(f"--- profile {prec} {name} T={a.tokens}{' graph' if a.graph else ''} {be.launch}")
                     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
                                                     max_name_column_width=45), flush=True)
         for impl in a.plan_impl.split(","):
@@ -113,12 +141,14 @@ def main():
                 fields = dict(zip((f for f, _ in grid), values))
                 be.launch = replace(base, **fields)
                 be.plan_impl = impl
+                if a.graph:  # a replay keeps the launches it captured: capture again with this setting
+                    ops = _graphed(eager)
                 for fn in ops.values():
                     fn()
                 res = {name: _time(fn, a.iters) for name, fn in ops.items()}
                 if rank == 0:
                     print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, launch=fields, plan_impl=impl,
-                                                     world=dist.get_world_size(), us=res)), flush=True)
+                                                     world=dist.get_world_size(), graph=a.graph, us=res)), flush=True)
     from mxcomm import transport as tp
 
     dist.barrier()
