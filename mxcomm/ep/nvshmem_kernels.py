@@ -22,8 +22,9 @@ weights for ``e+1`` only after it received every rank's partials of ``e``, which
 weights of ``e``. The dispatch direction needs no second receive buffer: every dispatch starts with the counts
 exchange (combine backward with the "ready" handshake), and nobody writes before seeing all counts. The send copies
 ``send_q`` / ``send_w`` have two copies for the same reason as combine: a rank packs its rows before it has every
-peer's counts, while a peer may still be reading the previous call's rows; the copy it writes was last read two dispatch-direction
-epochs ago, and every peer finished that read before it published the counts of the epoch in between. The pull list
+peer's counts, while a peer may still be reading the previous call's rows; the copy it writes was last read two
+dispatch-direction epochs ago, and every peer finished that read before it published the counts of the epoch in
+between. The pull list
 is tagged with the 64-bit epoch, so entries of earlier calls are skipped without clearing; ``comb_gw`` is written in
 combine backward after its "ready" handshake, which the origin joins only after it gathered the previous call's.
 

@@ -382,9 +382,9 @@ class PullPath(EnginePath):
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
         """Everything before the receivers' gather: the id check of the caller's ``topk_idx`` and this rank's counts
         (into the engine's ``counts_in``; a refusal is read at the call's one host sync), epoch += 1, the counts
-        exchange (counts and refusal word) with the pack (``x`` from ``x_slot``) between its publish and its wait, the plan of the checked ids on the exchanged
-        ``counts_buf``, the pull-list entries and the bounded wait for every source's; the refusals into the status
-        words. ``extra["ids"]``: the checked ids."""
+        exchange (counts and refusal word) with the pack (``x`` from ``x_slot``) between its publish and its wait,
+        the plan of the checked ids on the exchanged ``counts_buf``, the pull-list entries and the bounded wait for
+        every source's; the refusals into the status words. ``extra["ids"]``: the checked ids."""
         e = self.e
         ids, _ = e.checked_ids(topk_idx, sync=False)  # writes counts_in[:E]
         e.d_epoch.add_(1)

@@ -3,11 +3,11 @@
     source bench/gpu/env.sh && torchrun --nproc-per-node 2 -m mxcomm.bench.tools.sweep [--tokens 4096] [--profile]
     (several ranks on one GPU: start MPS first, ``mxcomm_mps_start 4`` of bench/gpu/env.sh)
 
-One EPGroup per precision (nvshmem backend, exact sizes; no-sync with --graph); for every routing-plan implementation and every
-combination of the backend's frozen :class:`~mxcomm.ep.nvshmem_backend.LaunchConfig` fields given with ``--set``
-(e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend instance between
-measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch backward with
-CUDA events (median of --iters, the slowest rank), and with --profile prints rank 0's kernel-time table of five
+One EPGroup per precision (nvshmem backend, exact sizes; no-sync with --graph); for every routing-plan
+implementation and every combination of the backend's frozen :class:`~mxcomm.ep.nvshmem_backend.LaunchConfig` fields
+given with ``--set`` (e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend instance
+between measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch backward
+with CUDA events (median of --iters, the slowest rank), and with --profile prints rank 0's kernel-time table of five
 calls of each op (each started after a barrier). With --graph every op runs in the no-sync mode as a CUDA-graph
 replay (captured once per launch setting, after eager warm-up calls), as ``mxcomm bench --cuda-graph`` times it; the
 profile then shows the replays' kernels (no host work between them: what is not kernel time is waiting on the
@@ -50,24 +50,14 @@ def _ops(group, x, idx, w):
 
 
 def _graphed(ops: dict) -> dict:
-    """Each op captured into a CUDA graph (2 warm-up calls on a side stream first, every rank in step): its replay."""
-    out = {}
-    for name, fn in ops.items():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        dist.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        torch.cuda.synchronize()
-        dist.barrier()
-        out[name] = g.replay
-    return out
+    """Each op captured into a CUDA graph as ``mxcomm bench --cuda-graph`` captures it (2 warm-up calls on a side
+    stream first, every rank in step): its replay."""
+    from types import SimpleNamespace
+
+    from mxcomm.bench.harness import capture_graph
+
+    world = SimpleNamespace(device=torch.device("cuda", torch.cuda.current_device()), barrier=dist.barrier)
+    return {name: capture_graph(fn, world) for name, fn in ops.items()}
 
 
 def _time(fn, iters):
