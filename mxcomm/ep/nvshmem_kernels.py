@@ -24,9 +24,9 @@ exchange (combine backward with the "ready" handshake), and nobody writes before
 ``send_q`` / ``send_w`` have two copies for the same reason as combine: a rank packs its rows before it has every
 peer's counts, while a peer may still be reading the previous call's rows; the copy it writes was last read two
 dispatch-direction epochs ago, and every peer finished that read before it published the counts of the epoch in
-between. The pull list
-is tagged with the 64-bit epoch, so entries of earlier calls are skipped without clearing; ``comb_gw`` is written in
-combine backward after its "ready" handshake, which the origin joins only after it gathered the previous call's.
+between. The pull list is tagged with the 64-bit epoch, so entries of earlier calls are skipped without clearing;
+``comb_gw`` is written in combine backward after its "ready" handshake, which the origin joins only after it gathered
+the previous call's.
 
 Flags (``ep.flags`` ``[len(FLAG_ROWS), W]``, :data:`mxcomm.ep.plan.FLAG_ROWS`): entry ``[i, s]`` is written by rank
 ``s``; flags only grow (epochs or running totals), never reset. Arrival protocol: every program of a sending kernel,
