@@ -42,6 +42,7 @@ import triton.language as tl
 from ..kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, blocked_scale_offset, mx_decode_tile,
                                  mx_qdq_tile,
                                  mx_quantize_tile, mx_quantize_tile_amax, mx_saturate, to_fp32)
+from ..kernels.prefetch import prefetch_bytes_l2, prefetch_rows_l2
 from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
@@ -234,7 +235,7 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
 def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_elems, w_ptr, send_w_ptr,
                      H: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
                      INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr = False, K: tl.constexpr = 1,
-                     K_POW2: tl.constexpr = 1, WEIGHTS: tl.constexpr = False):
+                     K_POW2: tl.constexpr = 1, WEIGHTS: tl.constexpr = False, PREFETCH: tl.constexpr = True):
     """Pull path, sender: every token row read once and (MX) quantized once into this rank's send copy
     ``par = epoch % 2``, row ``t``; the receivers read the rows they need from there.
 
@@ -248,6 +249,7 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
         w_ptr / send_w_ptr (``WEIGHTS``, combine backward): fp32 ``[T, K]`` route weights, copied to this rank's
             ``send_w`` (fp32 ``[2, T_max, K]``) at row ``t`` of copy ``par``; unused otherwise. ``K_POW2``:
             ``next_pow2(K)``.
+        PREFETCH: each program asks for its next token row to be brought into L2 when it starts a row.
     Grid: any; persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -262,7 +264,13 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
     if X_SLOT:
         x_ptr = tl.load(x_ptr).to(tl.pointer_type(tl.bfloat16))
     t = pid
+    if PREFETCH:
+        if t < T:
+            prefetch_bytes_l2(x_ptr + t.to(tl.int64) * H, 2 * H)
     while t < T:
+        if PREFETCH:
+            if t + G < T:
+                prefetch_bytes_l2(x_ptr + (t + G).to(tl.int64) * H, 2 * H)
         drow = row0 + t
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
@@ -425,7 +433,8 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                          table_ptr, epoch_ptr, T_max, W, copy_elems, w_copy, out_ptr, gw_peers, flags_peers, me,
                          H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
                          MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ZCHUNK: tl.constexpr,
-                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True):
+                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True,
+                         PREFETCH: tl.constexpr = True):
     """Combine backward, expert side: every (source ``s``, token ``t``) of the dispatch's table has its BF16 gradient
     row ``g[t]`` read ONCE from the source's send copy (through the peer pointer; on the put path a local copy that
     puts delivered), and for each of its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read with the
@@ -448,6 +457,8 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
         out_ptr: bf16 ``[R, H]`` the expert rows the forward combine was given (``ROUTE_GRAD``).
         gw_peers: int64 ``[W]`` addresses of each source's fp32 ``gw`` ``[T_max, K]`` (``ROUTE_GRAD``).
         CHUNK: row chunk (a power of two, a multiple of 32); ZCHUNK: int64 words per store of the zeroing loop.
+        PREFETCH (``ROUTE_GRAD``): each program asks for the expert rows of its next entry to be brought into L2 when
+            it starts an entry.
     Grid: any fixed number of programs (identical on every rank with ``ARRIVE``); persistent over entries.
     """
     pid = tl.program_id(0)
@@ -460,8 +471,14 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
     gk = tl.arange(0, GW)
     par = tl.load(epoch_ptr) % 2
     i = pid
+    if ROUTE_GRAD and PREFETCH:
+        if i < W * T_max:
+            prefetch_rows_l2(out_ptr, table_ptr + i.to(tl.int64) * K, K, 2 * H)
     while i < W * T_max:
         e = table_ptr + i.to(tl.int64) * K
+        if ROUTE_GRAD and PREFETCH:
+            if i + G < W * T_max:
+                prefetch_rows_l2(out_ptr, e + G * K, K, 2 * H)
         if _lead_row(e, K) >= 0:
             s = i // T_max
             t = (i % T_max).to(tl.int64)
@@ -548,7 +565,26 @@ def _leading_slots(ranks_ptr, K: tl.constexpr):
 
 
 @triton.jit
-def _nth_slot(bits, n: tl.constexpr, K: tl.constexpr):
+def _listed_slots(e, K: tl.constexpr):
+    """Bit ``j`` set where slot ``j`` of a table entry (``K`` int32 rows, -1 for a slot elsewhere) lists a row here.
+    Scalar work."""
+    bits = tl.load(e) * 0
+    for j in tl.static_range(K):
+        bits = bits | ((tl.load(e + j) >= 0).to(tl.int32) << j)
+    return bits
+
+
+@triton.jit
+def _bit_count(bits, K: tl.constexpr):
+    """The number of set bits among the low ``K`` of ``bits``. Scalar work."""
+    n = bits * 0
+    for j in tl.static_range(K):
+        n += (bits >> j) & 1
+    return n
+
+
+@triton.jit
+def _nth_slot(bits, n, K: tl.constexpr):
     """The index of the ``n``-th set bit (from 0, lowest first) of the ``K``-bit mask ``bits``; -1 when fewer are
     set. Scalar work."""
     sel = bits * 0 - 1
@@ -620,7 +656,8 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
                             me, W, T_max, epoch_ptr, nslot,
                             H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                             MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr,
-                            INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False):
+                            INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False, ROWS: tl.constexpr = 2,
+                            PREFETCH: tl.constexpr = True):
     """Combine / dispatch backward, expert side: ONE row per (source, token). For every (source ``s``, token ``t``)
     this rank received (an entry of the dispatch's table), the partial sum of the token's rows here
     ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then added: launch with
@@ -640,6 +677,11 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * K`` slots per copy.
         STAGED (put path): every ``*_peers`` entry is this rank's staging buffer; the partial goes to the leading
             row's own index there (the block puts move it to the origin's slot), and no flag is raised.
+        ROWS: rows loaded together per step of a chunk's sum, taken from the entry's listed slots in ascending order
+            (a slot elsewhere adds nothing, so only listed rows are loaded: the registers of the loads in flight hold
+            rows that exist, and more programs fit on an SM than with one load per slot of ``K``).
+        PREFETCH: each program asks for the rows of its next entry to be brought into L2 when it starts an entry
+            (:func:`~mxcomm.kernels.prefetch.prefetch_rows_l2`), so that its loads there hit L2.
 
     Destination layout (what the origin's :func:`combine_reduce_kernel` reads): slot ``pos`` of the copy starting at
     slot ``slot0``: MX payload at byte ``slot0 * 2H + pos * H``, scales at byte ``(slot0 + pos) * H/32``; BF16 at
@@ -655,11 +697,20 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
     if STAGED:
         slot0 = slot0 * 0
+    RB: tl.constexpr = H if PASS else 2 * H  # bytes per expert row
     i = pid
+    if PREFETCH:
+        if i < W * T_max:
+            prefetch_rows_l2(out_ptr, table_ptr + i.to(tl.int64) * K, K, RB)
     while i < W * T_max:
         e = table_ptr + i.to(tl.int64) * K
-        lead = _lead_row(e, K)
-        if lead >= 0:
+        if PREFETCH:
+            if i + G < W * T_max:
+                prefetch_rows_l2(out_ptr, e + G * K, K, RB)
+        listed = _listed_slots(e, K)
+        if listed != 0:
+            lead = tl.load(e + _nth_slot(listed, 0, K))
+            n_listed = _bit_count(listed, K)
             s = i // T_max
             t = (i % T_max).to(tl.int64)
             if STAGED:
@@ -676,15 +727,19 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
                 cols = c0 // 32 + bcols
                 cm = cols < C
                 acc = tl.zeros((CHUNK,), tl.float32)
-                for j in tl.static_range(K):  # scalar row loads (L1 hits after the first chunk), masked row loads
-                    r = tl.load(e + j)
-                    ok = r >= 0
-                    v = _row_values(out_ptr, out_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND)
-                    if WEIGHTED:
-                        wv = tl.load(tl.load(w_ptrs + s).to(tl.pointer_type(tl.float32)) + t * K + j, mask=ok,
-                                     other=0.0)
-                        v = wv * v
-                    acc = acc + v  # a slot elsewhere adds +0 (acc is never -0: it starts at +0)
+                n0 = n_listed * 0
+                while n0 < n_listed:  # ROWS listed slots a step, ascending (scalar table loads: L1 hits)
+                    for u in tl.static_range(ROWS):
+                        j = _nth_slot(listed, n0 + u, K)
+                        ok = j >= 0
+                        r = tl.load(e + tl.maximum(j, 0), mask=ok, other=-1)
+                        v = _row_values(out_ptr, out_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND)
+                        if WEIGHTED:
+                            wv = tl.load(tl.load(w_ptrs + s).to(tl.pointer_type(tl.float32)) + t * K + j, mask=ok,
+                                         other=0.0)
+                            v = wv * v
+                        acc = acc + v  # past the last listed slot: +0 (acc is never -0: it starts at +0)
+                    n0 += ROWS
                 _store_partial(acc, qbase, sbase, slot0 + pos, c0, offs, cols, m, cm, H, NB, MX, MODE, INT_ROUND)
         i += G
     if not STAGED:

@@ -478,8 +478,10 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=T_max, precision=precision, backend="nvshmem",
                    num_sms=1, timeout_s=5.0, transport=transport, exact_sizes=exact)
     # few programs per kernel (the interpreter runs them one by one; uneven counts keep the persistent loops' ragged
-    # ends), the default launch settings in test_exact_dispatch_scale_matrix_is_fully_written and the other tests
-    be = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2))
+    # ends), the default launch settings in test_exact_dispatch_scale_matrix_is_fully_written and the other tests; the
+    # push path's partials load one listed row a step (the put path's two: a token's third slot takes a second step)
+    be = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2,
+                                             partials_rows=1 if transport == "push" else 2))
     be.plan_impl = "triton" if exact else "torch"
     sz = True  # the sign of a zero too, on every path (test_one_rank_reduce_gives_plus_zero)
     g = torch.Generator().manual_seed(len(transport) * 100 + 10 * mx + exact)
@@ -702,6 +704,7 @@ from triton.compiler import ASTSource
 from mxcomm.ep import nvshmem_kernels as nk
 
 def compile(fn, types, fusion=True, **consts):
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     opts = dict(num_warps=4, enable_fp_fusion=fusion)
@@ -732,6 +735,11 @@ for staged, mx, weighted in ((False, True, True), (False, False, False), (True, 
     ptx = compile(nk.combine_partials_kernel, part, False, H=4096, K=8, CHUNK=2048 if mx else 1024, MX=mx,
                   PASS=False, WEIGHTED=weighted, MODE=0, INT_ROUND=False, STAGED=staged)
     assert "st.global.v4.b32" in ptx, ("partials", staged, mx, weighted)
+    assert "cp.async.bulk.prefetch.L2.global" in ptx, ("partials: the next entry's rows into L2", staged)
+for rows, prefetch in ((1, False), (4, True)):  # the launch settings' other values
+    ptx = compile(nk.combine_partials_kernel, part, False, H=7168, K=8, CHUNK=1024, MX=True, PASS=False, WEIGHTED=True,
+                  MODE=0, INT_ROUND=False, ROWS=rows, PREFETCH=prefetch)
+    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == prefetch, ("partials", rows, prefetch)
 for pas in (False, True):  # the backend's chunk (qdq_chunk 1024, 4 warps): MXFP8 payload stores are 8-byte vectors
     ptx = compile(nk.combine_partials_kernel, dict(part, out_ptr=u8) if pas else part, False, H=4096, K=8,
                   CHUNK=1024, MX=True, PASS=pas, WEIGHTED=not pas, MODE=0, INT_ROUND=False, STAGED=False)
@@ -776,6 +784,7 @@ for mx in (True, False):
                       send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32", send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=mx,
                       MODE=0, INT_ROUND=False, X_SLOT=slot, K=1, K_POW2=1, WEIGHTS=False)
         assert "st.global.v4.b32" in ptx, ("pack", mx, slot)
+        assert "cp.async.bulk.prefetch.L2.global" in ptx, ("pack: the next row into L2", mx, slot)
 # combine backward, pull path: the BF16 rows + weights packed; the receiver weights and quantizes per slot
 compile(nk.pack_rows_kernel, dict(x_ptr="*bf16", send_q_ptr="*bf16", send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32",
         send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=False, MODE=0, INT_ROUND=False, X_SLOT=False, K=8, K_POW2=8,
@@ -787,6 +796,7 @@ for mx, route_grad, arrive in ((True, True, True), (False, True, False), (True, 
                   out_ptr="*bf16", gw_peers=i64, flags_peers=i64), H=4096, CHUNK=2048 if mx else 1024, K=8,
                   K_POW2=8, MX=mx, MODE=0, INT_ROUND=False, ZCHUNK=512, ROUTE_GRAD=route_grad, ARRIVE=arrive)
     assert "st.global.v4.b32" in ptx, ("pull weighted", mx, route_grad)
+    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == route_grad, ("pull weighted: expert rows into L2", mx)
 compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, list_peers=i64, flags_peers=i64,
         epoch_ptr=i64), K=8, EW=16, BLOCK=64)
 print("ok")
