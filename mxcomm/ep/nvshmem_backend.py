@@ -75,9 +75,6 @@ class LaunchConfig:
         partials_per_sm: ``combine_partials_kernel`` and ``pull_weighted_kernel`` (persistent over (token, rank)
             entries; their arrivals are counted).
         partials_rows: rows ``combine_partials_kernel`` loads together per step of a chunk's sum (its ``ROWS``).
-        l2_prefetch: the persistent kernels that read whole local rows (``pack_rows_kernel``,
-            ``combine_partials_kernel``, ``pull_weighted_kernel``'s expert rows) bring their next item's rows into L2
-            while they work on the current one (:mod:`mxcomm.kernels.prefetch`).
         reduce_chunk / reduce_mx_chunk / reduce_warps: ``combine_reduce_kernel`` on BF16 / MXFP8 partials that
             arrived (its loads of a token's partials are issued together: registers bound its occupancy).
         route_grad_per_sm: ``route_weight_grad`` (4 warps per program; one rank).
@@ -91,7 +88,6 @@ class LaunchConfig:
     qdq_chunk: int = 1024
     partials_per_sm: int = 32
     partials_rows: int = 2
-    l2_prefetch: bool = True
     reduce_chunk: int = 2048
     reduce_mx_chunk: int = 8192
     reduce_warps: int = 4

@@ -42,7 +42,6 @@ import triton.language as tl
 from ..kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, blocked_scale_offset, mx_decode_tile,
                                  mx_qdq_tile,
                                  mx_quantize_tile, mx_quantize_tile_amax, mx_saturate, to_fp32)
-from ..kernels.prefetch import prefetch_bytes_l2, prefetch_rows_l2
 from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
@@ -235,7 +234,7 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
 def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_elems, w_ptr, send_w_ptr,
                      H: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
                      INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr = False, K: tl.constexpr = 1,
-                     K_POW2: tl.constexpr = 1, WEIGHTS: tl.constexpr = False, PREFETCH: tl.constexpr = True):
+                     K_POW2: tl.constexpr = 1, WEIGHTS: tl.constexpr = False):
     """Pull path, sender: every token row read once and (MX) quantized once into this rank's send copy
     ``par = epoch % 2``, row ``t``; the receivers read the rows they need from there.
 
@@ -249,7 +248,6 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
         w_ptr / send_w_ptr (``WEIGHTS``, combine backward): fp32 ``[T, K]`` route weights, copied to this rank's
             ``send_w`` (fp32 ``[2, T_max, K]``) at row ``t`` of copy ``par``; unused otherwise. ``K_POW2``:
             ``next_pow2(K)``.
-        PREFETCH: each program asks for its next token row to be brought into L2 when it starts a row.
     Grid: any; persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -264,13 +262,7 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
     if X_SLOT:
         x_ptr = tl.load(x_ptr).to(tl.pointer_type(tl.bfloat16))
     t = pid
-    if PREFETCH:
-        if t < T:
-            prefetch_bytes_l2(x_ptr + t.to(tl.int64) * H, 2 * H)
     while t < T:
-        if PREFETCH:
-            if t + G < T:
-                prefetch_bytes_l2(x_ptr + (t + G).to(tl.int64) * H, 2 * H)
         drow = row0 + t
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
@@ -433,8 +425,7 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                          table_ptr, epoch_ptr, T_max, W, copy_elems, w_copy, out_ptr, gw_peers, flags_peers, me,
                          H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
                          MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ZCHUNK: tl.constexpr,
-                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True,
-                         PREFETCH: tl.constexpr = True):
+                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True):
     """Combine backward, expert side: every (source ``s``, token ``t``) of the dispatch's table has its BF16 gradient
     row ``g[t]`` read ONCE from the source's send copy (through the peer pointer; on the put path a local copy that
     puts delivered), and for each of its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read with the
@@ -457,8 +448,6 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
         out_ptr: bf16 ``[R, H]`` the expert rows the forward combine was given (``ROUTE_GRAD``).
         gw_peers: int64 ``[W]`` addresses of each source's fp32 ``gw`` ``[T_max, K]`` (``ROUTE_GRAD``).
         CHUNK: row chunk (a power of two, a multiple of 32); ZCHUNK: int64 words per store of the zeroing loop.
-        PREFETCH (``ROUTE_GRAD``): each program asks for the expert rows of its next entry to be brought into L2 when
-            it starts an entry.
     Grid: any fixed number of programs (identical on every rank with ``ARRIVE``); persistent over entries.
     """
     pid = tl.program_id(0)
@@ -471,14 +460,8 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
     gk = tl.arange(0, GW)
     par = tl.load(epoch_ptr) % 2
     i = pid
-    if ROUTE_GRAD and PREFETCH:
-        if i < W * T_max:
-            prefetch_rows_l2(out_ptr, table_ptr + i.to(tl.int64) * K, K, 2 * H)
     while i < W * T_max:
         e = table_ptr + i.to(tl.int64) * K
-        if ROUTE_GRAD and PREFETCH:
-            if i + G < W * T_max:
-                prefetch_rows_l2(out_ptr, e + G * K, K, 2 * H)
         if _lead_row(e, K) >= 0:
             s = i // T_max
             t = (i % T_max).to(tl.int64)
@@ -656,8 +639,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
                             me, W, T_max, epoch_ptr, nslot,
                             H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                             MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr,
-                            INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False, ROWS: tl.constexpr = 2,
-                            PREFETCH: tl.constexpr = True):
+                            INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False, ROWS: tl.constexpr = 2):
     """Combine / dispatch backward, expert side: ONE row per (source, token). For every (source ``s``, token ``t``)
     this rank received (an entry of the dispatch's table), the partial sum of the token's rows here
     ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then added: launch with
@@ -680,8 +662,6 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         ROWS: rows loaded together per step of a chunk's sum, taken from the entry's listed slots in ascending order
             (a slot elsewhere adds nothing, so only listed rows are loaded: the registers of the loads in flight hold
             rows that exist, and more programs fit on an SM than with one load per slot of ``K``).
-        PREFETCH: each program asks for the rows of its next entry to be brought into L2 when it starts an entry
-            (:func:`~mxcomm.kernels.prefetch.prefetch_rows_l2`), so that its loads there hit L2.
 
     Destination layout (what the origin's :func:`combine_reduce_kernel` reads): slot ``pos`` of the copy starting at
     slot ``slot0``: MX payload at byte ``slot0 * 2H + pos * H``, scales at byte ``(slot0 + pos) * H/32``; BF16 at
@@ -697,16 +677,9 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
     if STAGED:
         slot0 = slot0 * 0
-    RB: tl.constexpr = H if PASS else 2 * H  # bytes per expert row
     i = pid
-    if PREFETCH:
-        if i < W * T_max:
-            prefetch_rows_l2(out_ptr, table_ptr + i.to(tl.int64) * K, K, RB)
     while i < W * T_max:
         e = table_ptr + i.to(tl.int64) * K
-        if PREFETCH:
-            if i + G < W * T_max:
-                prefetch_rows_l2(out_ptr, e + G * K, K, RB)
         listed = _listed_slots(e, K)
         if listed != 0:
             lead = tl.load(e + _nth_slot(listed, 0, K))

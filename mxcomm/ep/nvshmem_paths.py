@@ -176,8 +176,7 @@ class EnginePath:
             payload, in_scales, st.table, st.origins.pos, self.w_local, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank,
             e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, H=H, K=e.config.topk, CHUNK=e.chunk(H, True),
             MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=e.mode_id, INT_ROUND=e.int_round, STAGED=staged,
-            ROWS=e.launch.partials_rows, PREFETCH=e.launch.l2_prefetch, num_warps=e.launch.weighted_warps,
-            enable_fp_fusion=False,
+            ROWS=e.launch.partials_rows, num_warps=e.launch.weighted_warps, enable_fp_fusion=False,
         )
 
     # -- combine backward (the dispatch direction) -------------------------------------------
@@ -197,8 +196,7 @@ class EnginePath:
             self.x_slot if g is None else g, T, q, self.send_s.local if mx else e.err, e.d_epoch, T_max,
             T_max * 2 * H if mx else T_max * H, e.err if w is None else w, self.send_w.local,
             H=H, CHUNK=e.chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, X_SLOT=g is None,
-            K=k, K_POW2=next_pow2(k), WEIGHTS=w is not None, PREFETCH=e.launch.l2_prefetch,
-            num_warps=e.launch.dispatch_warps,
+            K=k, K_POW2=next_pow2(k), WEIGHTS=w is not None, num_warps=e.launch.dispatch_warps,
         )
 
     def _deliver_gradients(self, g: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> None:
@@ -230,7 +228,7 @@ class EnginePath:
             expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
             H=H, CHUNK=e.chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
             ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=self.gw_arrive,
-            PREFETCH=e.launch.l2_prefetch, num_warps=e.dispatch_warps(True),
+            num_warps=e.dispatch_warps(True),
         )
         grad_w = self._route_grads(plan, g.shape[0]) if rg else None
         return BackwardRows(q=out, scale_rows=srows, grad_w=grad_w)
