@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,11 @@ def check_report(rep: dict, *, ranks: int, tokens: list, hidden: int, topk: int,
                 continue
             samples = c["samples_us"][timing]
             assert len(samples) == iters and all(v > 0 for v in samples)
+            # every rank's own times: their per-iteration max is the case's sample, their medians are reported
+            own = c["samples_us"]["per_rank"][timing]
+            assert len(own) == ranks and all(len(r) == iters for r in own)
+            assert [max(r[i] for r in own) for i in range(iters)] == samples
+            assert c["rank_medians_us"][timing] == [statistics.median(r) for r in own]
             assert st["n"] == iters and 0 < st["min"] <= st["p10"] <= st["median"] <= st["p90"] <= st["max"]
             for conv in ("dedup", "per_selection"):
                 g = c["gbps"][conv][timing]

@@ -145,8 +145,8 @@ def run_phase(opts: BenchOptions, world, impls, *, phase: str = "main") -> dict:
             steps = steps_for(opts, impls)
             bufs = None
             result["skipped"].append(dict(impl="vdev2d", reason=f"torch symmetric memory setup failed: {errs[0]}"))
-    flush = L2Flusher(world.device)
-    result["l2_flush_bytes"] = flush.buf.numel() if flush.active else 0
+    flush = L2Flusher(world.device) if opts.l2_flush else None
+    result["l2_flush_bytes"] = flush.buf.numel() if flush is not None and flush.active else 0
     prog = _Progress(len(steps), opts.progress and world.rank == 0, f"mxcomm bench [{phase}]")
     broken: dict = {}  # (impl, precision, op) -> first failure; that op's later cases are skipped
     try:
@@ -250,7 +250,8 @@ def _run_case(rec, world, opts, groups, inputs, routing, bufs, flush) -> None:
             print(f"mxcomm bench: {rec['impl']} {rec['precision']} {rec['op']} T={rec['tokens']} failed: "
                   f"{rec['reason']}", file=sys.stderr, flush=True)
     else:
-        rec["samples_us"] = dict(whole_call=samples.whole_call, kernel=samples.kernel, start_skew=samples.start_skew)
+        rec["samples_us"] = dict(whole_call=samples.whole_call, kernel=samples.kernel, start_skew=samples.start_skew,
+                                 per_rank=samples.per_rank)
         rec["start"] = dict(mode=samples.start, late_iterations=samples.late)
 
 

@@ -155,6 +155,7 @@ class BenchOptions:
     progress: bool = True
     mps: str = "check"
     start: str = "auto"
+    l2_flush: bool = True
 
     @property
     def max_tokens(self) -> int:
@@ -297,6 +298,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the ranks start each timed call: barrier (a gloo barrier; its release skew lands in the "
                         "first rank's time), clock (one instant of the host's monotonic clock; all ranks on one host), "
                         "auto (clock with several ranks on one host, else barrier)")
+    t.add_argument("--no-l2-flush", action="store_true",
+                   help="do not flush the L2 before each timed call (GPU; the JSON's l2_flush_bytes is then 0)")
     t.add_argument("--seed", type=int, default=0, help="routing/data seed")
     t.add_argument("--no-check", action="store_true", help="skip the one-off mxcomm vs reference output check")
     t.add_argument("--timeout", type=float, help="seconds before a launched phase is killed (default 900 GPU, "
@@ -373,7 +376,7 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
         check=not args.no_check, exact_sizes=not args.no_exact_sizes, cuda_graph=args.cuda_graph,
         transport=args.transport, timeout_s=args.timeout if args.timeout is not None else (900.0 if device == "cuda" else 300.0),
         pg_timeout_s=args.pg_timeout, progress=not args.no_progress, mps=args.mps,
-        start=args.start,
+        start=args.start, l2_flush=not args.no_l2_flush,
     )
     if opts.side_channel == "auto":
         opts.side_channel = "nccl" if device == "cuda" and rpg == 1 else "gloo"

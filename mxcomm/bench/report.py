@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 from typing import Optional
 
 from .floor import floor_us as _floor_us
@@ -116,6 +117,9 @@ def finalize_cases(raw_cases: list) -> list:
             c["stats_us"] = dict(whole_call=summarize(s["whole_call"]),
                                  kernel=summarize(s["kernel"]) if s.get("kernel") else None)
             c["start_skew_us"] = summarize(s["start_skew"]) if s.get("start_skew") else None
+            per_rank = s.get("per_rank") or {}
+            c["rank_medians_us"] = {t: [statistics.median(r) for r in per_rank[t]] if per_rank.get(t) else None
+                                    for t in ("whole_call", "kernel")}
             c["gbps"] = {conv: {t: (c["bytes"][conv] / (st["median"] * 1e-6) / 1e9 if st and st["median"] > 0 else None)
                                 for t, st in c["stats_us"].items()}
                          for conv in ("dedup", "per_selection")}

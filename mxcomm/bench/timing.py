@@ -17,8 +17,9 @@ Per timed iteration, on every rank:
 call enqueued on the current stream (NCCL work is ordered with it), which includes launch gaps and
 any host synchronisation inside the call, but not the host time before the first launch.
 After the loop the per-iteration times of all ranks are gathered; each iteration counts as the
-slowest rank's time (max over ranks). On one host ``start_skew`` records, per iteration, the spread of the ranks'
-``t0`` (latest minus earliest): how well step 2 aligned them.
+slowest rank's time (max over ranks), and every rank's own times are kept too (``per_rank``: a median of each rank's
+times, and the largest of those, is what a tool that times ranks apart reports). On one host ``start_skew``
+records, per iteration, the spread of the ranks' ``t0`` (latest minus earliest): how well step 2 aligned them.
 """
 from __future__ import annotations
 
@@ -50,13 +51,16 @@ START_DESC = {
 class Samples:
     """Per-iteration times in µs (already max over ranks): ``whole_call`` always, ``kernel`` on GPU else None;
     ``start_skew`` (all ranks on one host, else None): latest minus earliest ``t0`` of the ranks; ``start``: the
-    alignment used (``barrier``/``clock``); ``late``: clock-aligned iterations some rank reached after the instant."""
+    alignment used (``barrier``/``clock``); ``late``: clock-aligned iterations some rank reached after the instant;
+    ``per_rank``: ``{"whole_call": [rank 0's times, ...], "kernel": [...] or None}``, each rank's own per-iteration
+    times (None when not gathered)."""
 
     whole_call: list
     kernel: Optional[list]
     start_skew: Optional[list] = None
     start: str = "barrier"
     late: int = 0
+    per_rank: Optional[dict] = None
 
 
 def start_mode(requested: str, one_host: bool, ranks: int) -> str:
@@ -162,8 +166,9 @@ def measure(fn: Callable[[], object], *, world, iters: int, warmup: int, flush: 
     skew = None
     if world.one_host:
         skew = [(max(e[2][i] for e in everyone) - min(e[2][i] for e in everyone)) * 1e6 for i in range(iters)]
+    per_rank = dict(whole_call=[e[0] for e in everyone], kernel=[e[1] for e in everyone] if cuda else None)
     return Samples(whole_call=host_max, kernel=kern_max, start_skew=skew, start=mode,
-                   late=sum(any(e[3][i] for e in everyone) for i in range(iters)))
+                   late=sum(any(e[3][i] for e in everyone) for i in range(iters)), per_rank=per_rank)
 
 
 __all__ = ["Samples", "measure", "start_mode", "wait_for_common_instant", "START_DESC", "CLOCK_LEAD_S", "summarize",
