@@ -39,7 +39,7 @@ reduce forms the one partial from the expert rows in place.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
 import torch
@@ -93,6 +93,19 @@ class LaunchConfig:
     reduce_warps: int = 4
     route_grad_per_sm: int = 8
     push_per_sm: int = 1
+
+    def __post_init__(self):
+        """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
+        without progress): every field a positive int, chunks powers of two of at least 32 values, warps powers of
+        two up to 32."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LaunchConfig.{f.name} must be a positive int, got {v!r}")
+            if f.name.endswith("_chunk") and (v < 32 or v & (v - 1)):
+                raise ValueError(f"LaunchConfig.{f.name} must be a power of two >= 32, got {v}")
+            if f.name.endswith("_warps") and (v > 32 or v & (v - 1)):
+                raise ValueError(f"LaunchConfig.{f.name} must be a power of two <= 32, got {v}")
 
 
 class NvshmemBackend:

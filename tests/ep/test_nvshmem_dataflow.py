@@ -836,3 +836,14 @@ def test_qdq_chunk_wastes_least(H):
     assert -H % c == min(-H % x for x in allowed)
     if H % 1024 == 0:
         assert c == 1024
+
+
+@pytest.mark.parametrize("field, value", [("partials_rows", 0), ("partials_per_sm", -1), ("dispatch_warps", 3),
+                                          ("dispatch_warps", 64), ("qdq_chunk", 1000), ("reduce_mx_chunk", 16),
+                                          ("reduce_warps", 2.0), ("push_per_sm", True)])
+def test_launch_config_refuses_settings_no_launch_can_take(field, value):
+    """A zero rows-a-step would leave the partial sums' loop without progress (a kernel that never ends): every
+    setting is checked when the config is made, with the field named."""
+    with pytest.raises(ValueError, match=f"LaunchConfig.{field} "):
+        LaunchConfig(**{field: value})
+    LaunchConfig(partials_rows=1, dispatch_warps=32, qdq_chunk=32)  # the edges that are allowed
