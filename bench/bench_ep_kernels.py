@@ -37,6 +37,13 @@ it), for each module and (programs, warps, chunk):
   ranks' first slots: ``P*(H + H/32)`` read (``P`` partials) + ``T*H*2`` written. Checked against the plain-torch sum
   of the dequantized partials (bf16 rounding). Run it in a process confined to part of the GPU (MPS,
   ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) to see it as one of several ranks sharing the GPU does;
+* ``partials_ranks`` (``--ops partials_ranks``, ``--world W``, ``--rows``): the expert side of combine in a ``W``-rank
+  world (``combine_partials_kernel``) - this rank holds experts ``[0, E / W)``; each of ``W`` sources routes its tokens
+  at random (source 0 as the other ops), the rows here are expert-major, and for every (source, token) that lists rows
+  here the weighted fp32 sum of its rows is quantized once into that source's combine buffer (``W`` buffers and flag
+  words on this GPU): ``R*H*2`` read (the ``R`` expert rows) + one MXFP8 partial per listed entry written. Checked
+  bit for bit against the plain-torch sum (products rounded, then added in slot order) quantized by the reference,
+  and every program's arrival at every rank;
 * ``local_path``: the one-rank dispatch (``dispatch_kernel`` straight into the fresh output, the unfilled rows
   zeroed at the end of the same launch (``ZERO_PAD``), then the swizzle), checked like the other paths;
 * ``reduce_own``: the one-rank combine (``combine_reduce_kernel(OWN=True)``: every row read as bf16 from the expert
@@ -600,6 +607,80 @@ class Lab:
                     self.record("reduce_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk, world=W,
                                                            partials=P), fn, check, nbytes=P * (H + C) + T * H * 2)
 
+    def bench_partials_ranks(self, mod, impl: str) -> None:
+        """``partials_ranks`` (see the module doc): the expert side of a ``W``-rank world, one MXFP8 partial per
+        (source, token) that lists rows here."""
+        a, T, H, k, E, C, dev = self.args, self.T, self.H, self.k, self.E, self.C, self.dev
+        W = a.world
+        if E % W:
+            raise SystemExit(f"--experts {E} is not a multiple of --world {W}")
+        g = torch.Generator().manual_seed(2)
+        ids = [self.idx.cpu()]  # source 0 routes like the other ops; the other sources at random
+        for _ in range(1, W):
+            i = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k].to(torch.int32)
+            if a.drop:
+                i[torch.rand(T, k, generator=g) < a.drop] = -1
+            ids.append(i)
+        idx = torch.stack(ids)  # [W, T, k]
+        here = (idx >= 0) & (idx < E // W)  # rank 0 holds experts [0, E / W)
+        src, tok, slot = here.nonzero(as_tuple=True)
+        order = torch.argsort(idx[src, tok, slot].long() * (W * T) + src * T + tok, stable=True)  # expert-major
+        src, tok, slot = src[order], tok[order], slot[order]
+        R = int(src.numel())
+        table = torch.full((W * T, k), -1, dtype=torch.int32)
+        table[src * T + tok, slot] = torch.arange(R, dtype=torch.int32)
+        origin_pos = (tok * k + slot).to(torch.int32)  # a slot's send position at its origin (one per (t, j))
+        out = torch.randn(max(R, 1), H, generator=g).to(torch.bfloat16)
+        ws = torch.rand(W, T, k, generator=g)
+        nslot = T * k
+        # reference: each listed entry's partial, products rounded then added in slot order, quantized once
+        listed = (table >= 0).any(1).nonzero()[:, 0]
+        part = torch.zeros(int(listed.numel()), H, dtype=torch.float32)
+        for j in range(k):
+            r = table[listed, j].long()
+            on = (r >= 0)[:, None]
+            prod = ws.reshape(W * T, k)[listed, j][:, None] * out[r.clamp(min=0)].float()
+            part = part + torch.where(on, prod, torch.zeros(()))
+        ref = quantize(part)
+        lead_slot = torch.argmax((table[listed] >= 0).to(torch.int32), dim=1)
+        ref_pos = (listed % T) * k + lead_slot
+        ref_src = listed // T
+        table, origin_pos, out, ws = (t.to(dev) for t in (table, origin_pos, out, ws))
+        comb_q = [torch.zeros(2, nslot, 2 * H, dtype=torch.uint8, device=dev) for _ in range(W)]
+        comb_s = [torch.zeros(2, nslot, C, dtype=torch.uint8, device=dev) for _ in range(W)]
+        flags = [torch.zeros(6, W, dtype=torch.int64, device=dev) for _ in range(W)]
+        ptrs = {name: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
+                for name, ts in (("q", comb_q), ("s", comb_s), ("f", flags), ("w", list(ws)))}
+        epoch = torch.zeros(1, dtype=torch.int64, device=dev)
+        kern = mod.combine_partials_kernel
+
+        def check_for(programs):
+            def check(fn):
+                for t in comb_q + comb_s + flags:
+                    t.zero_()
+                fn()
+                ok = all(int(f[2, 0]) == programs for f in flags)  # every program arrived at every rank once
+                for s_ in range(W):
+                    mine = ref_src == s_
+                    pos = ref_pos[mine].to(dev)
+                    got_q = comb_q[s_][0].view(-1)[: nslot * H].view(nslot, H)[pos]
+                    ok = ok and torch.equal(got_q.cpu(), ref.qdata.view(torch.uint8)[mine])
+                    ok = ok and torch.equal(comb_s[s_][0][pos].cpu(), ref.scales.view(torch.uint8).reshape(-1, C)[mine])
+                return ok, dict(entries=int(listed.numel()))
+            return check
+
+        for programs in self.grids():
+            for warps in _ints(a.warps):
+                for chunk in _ints(a.chunks):
+                    for rows in _ints(a.rows):
+                        fn = (lambda programs=programs, warps=warps, chunk=chunk, rows=rows: kern[(programs,)](
+                            out, comb_s[0], table, origin_pos, ptrs["w"], ptrs["q"], ptrs["s"], ptrs["f"], 0, W, T,
+                            epoch, nslot, H=H, K=k, CHUNK=chunk, MX=True, PASS=False, WEIGHTED=True, MODE=0,
+                            INT_ROUND=self.interp, STAGED=False, ROWS=rows, num_warps=warps, enable_fp_fusion=False))
+                        self.record("partials_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk,
+                                                                 rows=rows, world=W, expert_rows=R),
+                                    fn, check_for(programs), nbytes=R * H * 2 + int(listed.numel()) * (H + C))
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -620,6 +701,7 @@ def main() -> None:
     ap.add_argument("--programs", default="4,tokens", help="programs per SM, or 'tokens' (one per token)")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--chunks", default="1024")
+    ap.add_argument("--rows", default="2", help="partials_ranks: listed rows summed a step (LaunchConfig.partials_rows)")
     ap.add_argument("--gather-chunks", default="512", help="8-byte words per row chunk of the pull gather")
     ap.add_argument("--scale-cbs", default="32", help="scale columns per program of the swizzle (bytes; the word variant covers a row)")
     ap.add_argument("--scales", default="row,blocked", help="scale layouts of the naive kernel: row,blocked")
@@ -635,6 +717,8 @@ def main() -> None:
             lab.bench_reduce(mod, name)
         if "reduce_ranks" in ops:
             lab.bench_reduce_ranks(mod, name)
+        if "partials_ranks" in ops:
+            lab.bench_partials_ranks(mod, name)
     if "naive" in ops:
         lab.bench_naive()
     if "pattern" in ops:
