@@ -11,19 +11,25 @@ import pytest
 import torch
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run uses the CPU interpreter")
-def test_bench_ep_kernels_smoke(tmp_path):
+def _lab_results(tmp_path, *args) -> list:
+    """Run the lab under the interpreter at tiny sizes (29 tokens, H 128, 8 experts, top-3, 20 % of the slots
+    dropped, 1 program and one per token, 4 warps, 64-value chunks) with ``args``; its results."""
     root = pathlib.Path(__file__).resolve().parents[2]
     out = tmp_path / "k.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run(
         [sys.executable, str(root / "bench" / "bench_ep_kernels.py"), "--tokens", "29", "--hidden", "128",
          "--experts", "8", "--topk", "3", "--drop", "0.2", "--programs", "1,tokens", "--warps", "4",
-         "--chunks", "64", "--ops", "dispatch,naive,reduce,pattern", "--out", str(out)],
+         "--chunks", "64", *args, "--out", str(out)],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())["results"]
+    return json.loads(out.read_text())["results"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run uses the CPU interpreter")
+def test_bench_ep_kernels_smoke(tmp_path):
+    res = _lab_results(tmp_path, "--ops", "dispatch,naive,reduce,pattern")
     mod = "mxcomm.ep.nvshmem_kernels"
     ops = ("dispatch", "copyout", "swizzle", "pack", "gather", "push_path", "pull_path", "local_path", "reduce",
            "reduce_own")
@@ -40,17 +46,7 @@ def test_bench_ep_kernels_smoke(tmp_path):
 def test_bench_ep_kernels_world_ops_smoke(tmp_path):
     """The two sides of combine in a world of ranks: the expert side's partials (1 and 2 listed rows a step, checked
     bit for bit with every program's arrival) and the origin's reduce of one partial per (token, rank)."""
-    root = pathlib.Path(__file__).resolve().parents[2]
-    out = tmp_path / "k.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run(
-        [sys.executable, str(root / "bench" / "bench_ep_kernels.py"), "--tokens", "29", "--hidden", "128",
-         "--experts", "8", "--topk", "3", "--drop", "0.2", "--programs", "1,tokens", "--warps", "4",
-         "--chunks", "64", "--rows", "1,2", "--world", "2", "--ops", "partials_ranks,reduce_ranks", "--out", str(out)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())["results"]
+    res = _lab_results(tmp_path, "--rows", "1,2", "--world", "2", "--ops", "partials_ranks,reduce_ranks")
     part = [x for x in res if x["op"] == "partials_ranks"]
     assert sorted((x["programs"], x["rows"]) for x in part) == [(1, 1), (1, 2), (29, 1), (29, 2)]
     assert len([x for x in res if x["op"] == "reduce_ranks"]) == 2 and len(res) == 6
