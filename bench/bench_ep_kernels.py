@@ -691,7 +691,8 @@ def main() -> None:
     ap.add_argument("--align", type=int, default=32)
     ap.add_argument("--drop", type=float, default=0.0, help="fraction of slots dropped (-1)")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--world", type=int, default=4, help="reduce_ranks: ranks the experts are spread over")
+    ap.add_argument("--world", type=int, default=4,
+                    help="reduce_ranks / partials_ranks: ranks the experts are spread over")
     ap.add_argument("--timer", choices=("graph", "events"), default="graph",
                     help="graph: 10 launches captured in a CUDA graph, replay time / 10 (kernel time, no host launch "
                          "gaps); events: CUDA events around one eager launch (it includes "
@@ -701,7 +702,8 @@ def main() -> None:
     ap.add_argument("--programs", default="4,tokens", help="programs per SM, or 'tokens' (one per token)")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--chunks", default="1024")
-    ap.add_argument("--rows", default="2", help="partials_ranks: listed rows summed a step (LaunchConfig.partials_rows)")
+    ap.add_argument("--rows", default="2",
+                    help="partials_ranks: listed rows summed a step (LaunchConfig.partials_rows)")
     ap.add_argument("--gather-chunks", default="512", help="8-byte words per row chunk of the pull gather")
     ap.add_argument("--scale-cbs", default="32", help="scale columns per program of the swizzle (bytes; the word variant covers a row)")
     ap.add_argument("--scales", default="row,blocked", help="scale layouts of the naive kernel: row,blocked")
