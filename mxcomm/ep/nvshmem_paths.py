@@ -356,12 +356,11 @@ class PullPath(EnginePath):
     """Several ranks with peer pointers (the default). Dispatch, captured once per token count and replayed: the id
     check and counts, epoch += 1, the counts exchange (with every rank's refusal word; ``pack_rows_kernel``, each
     token row read once, quantized once, into this rank's send copy ``epoch % 2``, runs while the peers' counts
-    arrive), the routing plan,
-    ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the destination) and the bounded
-    wait for every source's entries; then, after the call's one host sync, ``pull_rows_kernel`` reads each listed
-    token's row once from its source's send copy into the fresh output at all its rows and keeps the entries as the
-    handle's table. Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine buffers; no
-    symmetric receive buffer (the receivers write fresh tensors)."""
+    arrive), the routing plan, ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the
+    destination) and the bounded wait for every source's entries; then, after the call's one host sync,
+    ``pull_rows_kernel`` reads each listed token's row once from its source's send copy into the fresh output at all
+    its rows and keeps the entries as the handle's table. Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``,
+    ``ep.pull_list`` and the combine buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
 
     name = "pull"
 
