@@ -44,6 +44,12 @@ it), for each module and (programs, warps, chunk):
   words on this GPU): ``R*H*2`` read (the ``R`` expert rows) + one MXFP8 partial per listed entry written. Checked
   bit for bit against the plain-torch sum (products rounded, then added in slot order) quantized by the reference,
   and every program's arrival at every rank;
+* ``weighted_ranks`` (``--ops weighted_ranks``, ``--world W``, ``--rows``): the expert side of combine backward in
+  the same world (``pull_weighted_kernel`` with the route-weight gradient): every (source, token) listing rows here
+  has its BF16 gradient row read once from that source's rows, and each of its rows gets ``w * g`` quantized, the
+  expert row read for ``<g, out[row]>`` into that source's ``gw``: one BF16 row read per listed entry + ``R*H*2``
+  read + ``R*(H + H/32)`` written. Checked bit for bit (payload, row-major scales) against the reference quantization
+  of the fp32 products, the route-weight gradients against a float64 dot, and every program's arrival;
 * ``local_path``: the one-rank dispatch (``dispatch_kernel`` straight into the fresh output, the unfilled rows
   zeroed at the end of the same launch (``ZERO_PAD``), then the swizzle), checked like the other paths;
 * ``reduce_own``: the one-rank combine (``combine_reduce_kernel(OWN=True)``: every row read as bf16 from the expert
@@ -607,15 +613,15 @@ class Lab:
                     self.record("reduce_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk, world=W,
                                                            partials=P), fn, check, nbytes=P * (H + C) + T * H * 2)
 
-    def bench_partials_ranks(self, mod, impl: str) -> None:
-        """``partials_ranks`` (see the module doc): the expert side of a ``W``-rank world, one MXFP8 partial per
-        (source, token) that lists rows here."""
-        a, T, H, k, E, C, dev = self.args, self.T, self.H, self.k, self.E, self.C, self.dev
+    def expert_side_world(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0 of a ``W``-rank world holds experts ``[0, E / W)``; source 0 routes like the other ops, the other
+        sources at random. Returns the dispatch's table here (int32 ``[W * T, k]``: each (source, token)'s expert-major
+        rows per slot, -1 elsewhere; CPU) and the ``[R, 3]`` (source, token, slot) of every row ``0..R-1``."""
+        a, T, k, E = self.args, self.T, self.k, self.E
         W = a.world
         if E % W:
             raise SystemExit(f"--experts {E} is not a multiple of --world {W}")
-        g = torch.Generator().manual_seed(2)
-        ids = [self.idx.cpu()]  # source 0 routes like the other ops; the other sources at random
+        ids = [self.idx.cpu()]
         for _ in range(1, W):
             i = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k].to(torch.int32)
             if a.drop:
@@ -626,9 +632,19 @@ class Lab:
         src, tok, slot = here.nonzero(as_tuple=True)
         order = torch.argsort(idx[src, tok, slot].long() * (W * T) + src * T + tok, stable=True)  # expert-major
         src, tok, slot = src[order], tok[order], slot[order]
-        R = int(src.numel())
         table = torch.full((W * T, k), -1, dtype=torch.int32)
-        table[src * T + tok, slot] = torch.arange(R, dtype=torch.int32)
+        table[src * T + tok, slot] = torch.arange(int(src.numel()), dtype=torch.int32)
+        return table, torch.stack([src, tok, slot], 1)
+
+    def bench_partials_ranks(self, mod, impl: str) -> None:
+        """``partials_ranks`` (see the module doc): the expert side of a ``W``-rank world, one MXFP8 partial per
+        (source, token) that lists rows here."""
+        a, T, H, k, C, dev = self.args, self.T, self.H, self.k, self.C, self.dev
+        W = a.world
+        g = torch.Generator().manual_seed(2)
+        table, rows = self.expert_side_world(g)
+        tok, slot = rows[:, 1], rows[:, 2]
+        R = int(rows.shape[0])
         origin_pos = (tok * k + slot).to(torch.int32)  # a slot's send position at its origin (one per (t, j))
         out = torch.randn(max(R, 1), H, generator=g).to(torch.bfloat16)
         ws = torch.rand(W, T, k, generator=g)
@@ -681,6 +697,60 @@ class Lab:
                                                                  rows=rows, world=W, expert_rows=R),
                                     fn, check_for(programs), nbytes=R * H * 2 + int(listed.numel()) * (H + C))
 
+    def bench_weighted_ranks(self, mod, impl: str) -> None:
+        """``weighted_ranks`` (see the module doc): combine backward's expert side of a ``W``-rank world, with the
+        route-weight gradient."""
+        a, T, H, k, C, dev = self.args, self.T, self.H, self.k, self.C, self.dev
+        W = a.world
+        g = torch.Generator().manual_seed(3)
+        table, rows = self.expert_side_world(g)
+        src, tok, slot = rows[:, 0], rows[:, 1], rows[:, 2]
+        R = int(rows.shape[0])
+        entries = int((table >= 0).any(1).sum())
+        grads = (torch.randn(W, T, H, generator=g) * 2).to(torch.bfloat16)  # each source's send copy (one copy)
+        ws = torch.randn(W, T, k, generator=g)
+        out = torch.randn(max(R, 1), H, generator=g).to(torch.bfloat16)
+        ref = quantize(ws[src, tok, slot][:, None] * grads[src, tok].float())  # w * g, quantized per row
+        prods = grads[src, tok].double() * out[:R].double()
+        ref_gw, gw_tol = prods.sum(1), 2e-5 * prods.abs().sum(1) + 1e-6  # fp32 sums in another order: within this
+        table, out, grads, ws = (t.to(dev) for t in (table, out, grads, ws))
+        dst = torch.empty(max(R, 1), H, dtype=torch.uint8, device=dev)
+        dst_s = torch.empty(max(R, 1), C, dtype=torch.uint8, device=dev)
+        gw = [torch.zeros(T, k, device=dev) for _ in range(W)]
+        flags = [torch.zeros(6, W, dtype=torch.int64, device=dev) for _ in range(W)]
+        ptrs = {name: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
+                for name, ts in (("g", list(grads)), ("w", list(ws)), ("gw", gw), ("f", flags))}
+        one_group = torch.tensor([R], dtype=torch.int32, device=dev)  # offs = counts = [R]: no padding rows
+        epoch = torch.zeros(1, dtype=torch.int64, device=dev)
+        kern = mod.pull_weighted_kernel
+
+        def check_for(programs):
+            def check(fn):
+                for t in [dst, dst_s] + gw + flags:
+                    t.zero_()
+                fn()
+                ok = all(int(f[4, 0]) == programs for f in flags)  # every program arrived at every rank once
+                ok = ok and torch.equal(dst[:R].cpu(), ref.qdata.view(torch.uint8))
+                ok = ok and torch.equal(dst_s[:R].cpu(), ref.scales.view(torch.uint8).reshape(R, C))
+                got_gw = torch.stack(gw).cpu()[src, tok, slot].double()
+                err = float((got_gw - ref_gw).abs().max()) if R else 0.0
+                ok = ok and bool(((got_gw - ref_gw).abs() <= gw_tol).all())
+                return ok, dict(entries=entries, gw_max_abs_diff=err)
+            return check
+
+        for programs in self.grids():
+            for warps in _ints(a.warps):
+                for chunk in _ints(a.chunks):
+                    for rows_ in _ints(a.rows):
+                        fn = (lambda programs=programs, warps=warps, chunk=chunk, rows_=rows_: kern[(programs,)](
+                            dst, dst_s, one_group, one_group, one_group, 1, R, ptrs["g"], ptrs["w"], table, epoch, T,
+                            W, 0, 0, out, ptrs["gw"], ptrs["f"], 0, H=H, CHUNK=chunk, K=k, K_POW2=triton.next_power_of_2(k), MX=True,
+                            MODE=0, INT_ROUND=self.interp, ZCHUNK=512, ROUTE_GRAD=True, ARRIVE=True, ROWS=rows_,
+                            num_warps=warps))
+                        self.record("weighted_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk,
+                                                                 rows=rows_, world=W, expert_rows=R),
+                                    fn, check_for(programs), nbytes=entries * H * 2 + R * (2 * H + H + C))
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -692,7 +762,7 @@ def main() -> None:
     ap.add_argument("--drop", type=float, default=0.0, help="fraction of slots dropped (-1)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--world", type=int, default=4,
-                    help="reduce_ranks / partials_ranks: ranks the experts are spread over")
+                    help="reduce_ranks / partials_ranks / weighted_ranks: ranks the experts are spread over")
     ap.add_argument("--timer", choices=("graph", "events"), default="graph",
                     help="graph: 10 launches captured in a CUDA graph, replay time / 10 (kernel time, no host launch "
                          "gaps); events: CUDA events around one eager launch (it includes "
@@ -703,7 +773,8 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--chunks", default="1024")
     ap.add_argument("--rows", default="2",
-                    help="partials_ranks: listed rows summed a step (LaunchConfig.partials_rows)")
+                    help="partials_ranks / weighted_ranks: listed rows a step (LaunchConfig.partials_rows / "
+                         "weighted_rows)")
     ap.add_argument("--gather-chunks", default="512", help="8-byte words per row chunk of the pull gather")
     ap.add_argument("--scale-cbs", default="32", help="scale columns per program of the swizzle (bytes; the word variant covers a row)")
     ap.add_argument("--scales", default="row,blocked", help="scale layouts of the naive kernel: row,blocked")
@@ -721,6 +792,8 @@ def main() -> None:
             lab.bench_reduce_ranks(mod, name)
         if "partials_ranks" in ops:
             lab.bench_partials_ranks(mod, name)
+        if "weighted_ranks" in ops:
+            lab.bench_weighted_ranks(mod, name)
     if "naive" in ops:
         lab.bench_naive()
     if "pattern" in ops:

@@ -45,9 +45,13 @@ def test_bench_ep_kernels_smoke(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run uses the CPU interpreter")
 def test_bench_ep_kernels_world_ops_smoke(tmp_path):
     """The two sides of combine in a world of ranks: the expert side's partials (1 and 2 listed rows a step, checked
-    bit for bit with every program's arrival) and the origin's reduce of one partial per (token, rank)."""
-    res = _lab_results(tmp_path, "--rows", "1,2", "--world", "2", "--ops", "partials_ranks,reduce_ranks")
-    part = [x for x in res if x["op"] == "partials_ranks"]
-    assert sorted((x["programs"], x["rows"]) for x in part) == [(1, 1), (1, 2), (29, 1), (29, 2)]
-    assert len([x for x in res if x["op"] == "reduce_ranks"]) == 2 and len(res) == 6
-    assert all(x["correct"] for x in res) and all(x["entries"] > 0 for x in part)
+    bit for bit with every program's arrival), the origin's reduce of one partial per (token, rank), and combine
+    backward's expert side (weighted quantized rows bit for bit, route-weight gradients against float64)."""
+    res = _lab_results(tmp_path, "--rows", "1,2", "--world", "2", "--ops",
+                       "partials_ranks,reduce_ranks,weighted_ranks")
+    for op in ("partials_ranks", "weighted_ranks"):
+        part = [x for x in res if x["op"] == op]
+        assert sorted((x["programs"], x["rows"]) for x in part) == [(1, 1), (1, 2), (29, 1), (29, 2)], op
+        assert all(x["entries"] > 0 for x in part), op
+    assert len([x for x in res if x["op"] == "reduce_ranks"]) == 2 and len(res) == 10
+    assert all(x["correct"] for x in res)
