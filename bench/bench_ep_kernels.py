@@ -44,7 +44,7 @@ it), for each module and (programs, warps, chunk):
   words on this GPU): ``R*H*2`` read (the ``R`` expert rows) + one MXFP8 partial per listed entry written. Checked
   bit for bit against the plain-torch sum (products rounded, then added in slot order) quantized by the reference,
   and every program's arrival at every rank;
-* ``weighted_ranks`` (``--ops weighted_ranks``, ``--world W``, ``--rows``): the expert side of combine backward in
+* ``weighted_ranks`` (``--ops weighted_ranks``, ``--world W``): the expert side of combine backward in
   the same world (``pull_weighted_kernel`` with the route-weight gradient): every (source, token) listing rows here
   has its BF16 gradient row read once from that source's rows, and each of its rows gets ``w * g`` quantized, the
   expert row read for ``<g, out[row]>`` into that source's ``gw``: one BF16 row read per listed entry + ``R*H*2``
@@ -741,15 +741,14 @@ class Lab:
         for programs in self.grids():
             for warps in _ints(a.warps):
                 for chunk in _ints(a.chunks):
-                    for rows_ in _ints(a.rows):
-                        fn = (lambda programs=programs, warps=warps, chunk=chunk, rows_=rows_: kern[(programs,)](
-                            dst, dst_s, one_group, one_group, one_group, 1, R, ptrs["g"], ptrs["w"], table, epoch, T,
-                            W, 0, 0, out, ptrs["gw"], ptrs["f"], 0, H=H, CHUNK=chunk, K=k, K_POW2=triton.next_power_of_2(k), MX=True,
-                            MODE=0, INT_ROUND=self.interp, ZCHUNK=512, ROUTE_GRAD=True, ARRIVE=True, ROWS=rows_,
-                            num_warps=warps))
-                        self.record("weighted_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk,
-                                                                 rows=rows_, world=W, expert_rows=R),
-                                    fn, check_for(programs), nbytes=entries * H * 2 + R * (2 * H + H + C))
+                    fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
+                        dst, dst_s, one_group, one_group, one_group, 1, R, ptrs["g"], ptrs["w"], table, epoch, T, W,
+                        0, 0, out, ptrs["gw"], ptrs["f"], 0, H=H, CHUNK=chunk, K=k, K_POW2=triton.next_power_of_2(k),
+                        MX=True, MODE=0, INT_ROUND=self.interp, ZCHUNK=512, ROUTE_GRAD=True, ARRIVE=True,
+                        num_warps=warps))
+                    self.record("weighted_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk, world=W,
+                                                             expert_rows=R),
+                                fn, check_for(programs), nbytes=entries * H * 2 + R * (2 * H + H + C))
 
 
 def main() -> None:
@@ -773,8 +772,7 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--chunks", default="1024")
     ap.add_argument("--rows", default="2",
-                    help="partials_ranks / weighted_ranks: listed rows a step (LaunchConfig.partials_rows / "
-                         "weighted_rows)")
+                    help="partials_ranks: listed rows summed a step (LaunchConfig.partials_rows)")
     ap.add_argument("--gather-chunks", default="512", help="8-byte words per row chunk of the pull gather")
     ap.add_argument("--scale-cbs", default="32", help="scale columns per program of the swizzle (bytes; the word variant covers a row)")
     ap.add_argument("--scales", default="row,blocked", help="scale layouts of the naive kernel: row,blocked")

@@ -75,8 +75,6 @@ class LaunchConfig:
         partials_per_sm: ``combine_partials_kernel`` and ``pull_weighted_kernel`` (persistent over (token, rank)
             entries; their arrivals are counted).
         partials_rows: rows ``combine_partials_kernel`` loads together per step of a chunk's sum (its ``ROWS``).
-        weighted_rows: slots ``pull_weighted_kernel`` weights, quantizes and (route-weight gradient) reads the expert
-            rows of together per step of a chunk (its ``ROWS``).
         reduce_chunk / reduce_mx_chunk / reduce_warps: ``combine_reduce_kernel`` on BF16 / MXFP8 partials that
             arrived (its loads of a token's partials are issued together: registers bound its occupancy).
         route_grad_per_sm: ``route_weight_grad`` (4 warps per program; one rank).
@@ -90,7 +88,6 @@ class LaunchConfig:
     qdq_chunk: int = 1024
     partials_per_sm: int = 32
     partials_rows: int = 2
-    weighted_rows: int = 2
     reduce_chunk: int = 2048
     reduce_mx_chunk: int = 8192
     reduce_warps: int = 4
@@ -99,16 +96,14 @@ class LaunchConfig:
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
-        without progress): every field a positive int, chunks powers of two of at least 32 values, rows a step powers
-        of two (a tile's extent), warps powers of two up to 32."""
+        without progress): every field a positive int, chunks powers of two of at least 32 values, warps powers of
+        two up to 32."""
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"LaunchConfig.{f.name} must be a positive int, got {v!r}")
             if f.name.endswith("_chunk") and (v < 32 or v & (v - 1)):
                 raise ValueError(f"LaunchConfig.{f.name} must be a power of two >= 32, got {v}")
-            if f.name.endswith("_rows") and v & (v - 1):
-                raise ValueError(f"LaunchConfig.{f.name} must be a power of two, got {v}")
             if f.name.endswith("_warps") and (v > 32 or v & (v - 1)):
                 raise ValueError(f"LaunchConfig.{f.name} must be a power of two <= 32, got {v}")
 

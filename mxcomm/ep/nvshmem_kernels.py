@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, blocked_scale_offset, mx_decode_tile,
                                  mx_qdq_tile,
-                                 mx_quantize_tile, mx_quantize_tile_amax, mx_saturate, to_fp32)
+                                 mx_quantize_tile, mx_quantize_tile_amax, mx_saturate, store_block_bytes, to_fp32)
 from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
@@ -425,7 +425,7 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                          table_ptr, epoch_ptr, T_max, W, copy_elems, w_copy, out_ptr, gw_peers, flags_peers, me,
                          H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
                          MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ZCHUNK: tl.constexpr,
-                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True, ROWS: tl.constexpr = 1):
+                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True):
     """Combine backward, expert side: every (source ``s``, token ``t``) of the dispatch's table has its BF16 gradient
     row ``g[t]`` read ONCE from the source's send copy (through the peer pointer; on the put path a local copy that
     puts delivered), and for each of its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read with the
@@ -448,8 +448,6 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
         out_ptr: bf16 ``[R, H]`` the expert rows the forward combine was given (``ROUTE_GRAD``).
         gw_peers: int64 ``[W]`` addresses of each source's fp32 ``gw`` ``[T_max, K]`` (``ROUTE_GRAD``).
         CHUNK: row chunk (a power of two, a multiple of 32); ZCHUNK: int64 words per store of the zeroing loop.
-        ROWS: listed slots handled together per step of a chunk, in ascending order, as one ``[ROWS, CHUNK]`` tile (a
-            step past the last listed slot loads and stores nothing): their expert-row loads are issued together.
     Grid: any fixed number of programs (identical on every rank with ``ARRIVE``); persistent over entries.
     """
     pid = tl.program_id(0)
@@ -458,16 +456,13 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
     C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
     bcols = tl.arange(0, NB)
-    us = tl.arange(0, ROWS)
     GW: tl.constexpr = 8 if K_POW2 < 8 else K_POW2  # route-grad lanes: >= the 8 values a thread holds of a chunk
     gk = tl.arange(0, GW)
     par = tl.load(epoch_ptr) % 2
     i = pid
     while i < W * T_max:
         e = table_ptr + i.to(tl.int64) * K
-        listed = _listed_slots(e, K)
-        if listed != 0:
-            n_listed = _bit_count(listed, K)
+        if _lead_row(e, K) >= 0:
             s = i // T_max
             t = (i % T_max).to(tl.int64)
             gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + t * H
@@ -482,37 +477,30 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                 xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
                 if MX:
                     ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
-                n0 = n_listed * 0
-                while n0 < n_listed:  # ROWS listed slots a step (scalar table loads: L1 hits)
-                    j = _nth_slot(listed, n0 + us, K)  # [ROWS], -1 past the last listed slot
-                    ok = j >= 0
-                    r = tl.load(e + tl.maximum(j, 0), mask=ok, other=0).to(tl.int64)
-                    wv = tl.load(wbase + tl.maximum(j, 0), mask=ok, other=0.0)
-                    xw = wv[:, None] * xf[None, :]
-                    ms = ok[:, None] & m[None, :]
-                    dst = dst_ptr + tl.multiple_of(r * H + c0, 16)[:, None] + offs[None, :]
-                    if MX:
-                        q2, sc = mx_quantize_tile_amax(tl.reshape(xw, (ROWS, NB, 32)),
-                                                       tl.abs(wv)[:, None] * ax[None, :], MODE, INT_ROUND, 2)
-                        tl.store(tl.max_contiguous(tl.multiple_of(dst, [16, 16]), [1, 16]), tl.reshape(q2, (ROWS, CHUNK)),
-                                 mask=ms)
-                        tl.store(dst_s_ptr + (r * C)[:, None] + cols[None, :], sc, mask=ok[:, None] & cm[None, :])
-                    elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
-                        tl.store(dst, bf16_rne_int(xw), mask=ms)
-                    else:
-                        tl.store(tl.max_contiguous(tl.multiple_of(dst, [16, 16]), [1, 16]), xw.to(tl.bfloat16), mask=ms)
-                    if ROUTE_GRAD:
-                        o = to_fp32(tl.load(out_ptr + (r * H + c0)[:, None] + offs[None, :], mask=ms, other=0.0),
-                                    INT_ROUND)
-                        part = tl.sum(tl.reshape(o * xf[None, :], (ROWS, CHUNK // GW, GW)), axis=2)
-                        # slot j's column gains its part (the other rows of the step add +0 there)
-                        hit = gk[None, None, :] == j[:, None, None]
-                        gv += tl.sum(tl.where(hit, part[:, :, None], 0.0), axis=0)
-                    n0 += ROWS
+                for j in tl.static_range(K):
+                    r = tl.load(e + j).to(tl.int64)
+                    if r >= 0:
+                        if ROUTE_GRAD:  # issued first: no store of this slot comes before it
+                            o = to_fp32(tl.load(out_ptr + r * H + c0 + offs, mask=m, other=0.0), INT_ROUND)
+                        wv = tl.load(wbase + j)
+                        xw = wv * xf
+                        dst = dst_ptr + tl.multiple_of(r * H + c0, 16) + offs
+                        if MX:
+                            q2, sc = mx_quantize_tile_amax(tl.reshape(xw, (NB, 32)), tl.abs(wv) * ax, MODE, INT_ROUND, 1)
+                            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
+                            store_block_bytes(dst_s_ptr + r * C + cols, sc, cm, INT_ROUND)
+                        elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
+                            tl.store(dst, bf16_rne_int(xw), mask=m)
+                        else:
+                            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), xw.to(tl.bfloat16), mask=m)
+                        if ROUTE_GRAD:
+                            part = tl.sum(tl.reshape(o * xf, (CHUNK // GW, GW)), axis=1)
+                            gv = tl.where(gk[None, :] == j, gv + part[:, None], gv)
             if ROUTE_GRAD:
                 gw = tl.sum(gv, axis=0)
+                rows = tl.load(e + gk, mask=gk < K, other=-1)
                 gwb = tl.load(gw_peers + s).to(tl.pointer_type(tl.float32)) + t * K
-                tl.store(gwb + gk, gw, mask=(gk < K) & (((listed >> gk) & 1) != 0))
+                tl.store(gwb + gk, gw, mask=(gk < K) & (rows >= 0))
         i += G
     if ROUTE_GRAD and ARRIVE:
         _arrive_all(flags_peers, 4, me, W)
@@ -593,6 +581,17 @@ def _nth_slot(bits, n, K: tl.constexpr):
 
 
 @triton.jit
+def _lead_row(e, K: tl.constexpr):
+    """The leading row of a table entry (``K`` int32 rows, -1 for a slot elsewhere): the row of the token's first slot
+    on this rank, -1 when the entry lists none."""
+    lead = tl.load(e) * 0 - 1
+    for j in tl.static_range(K):
+        r = tl.load(e + j)
+        lead = tl.where((lead < 0) & (r >= 0), r, lead)
+    return lead
+
+
+@triton.jit
 def _row_values(src_ptr, src_s_ptr, r, ok, c0, offs, cols, m, cm, H: tl.constexpr, NB: tl.constexpr,
                 PASS: tl.constexpr, INT_ROUND: tl.constexpr):
     """fp32 ``[CHUNK]`` values of row ``r`` (columns ``c0 + offs``) of an expert-side ``[R, H]`` tensor: bf16, or
@@ -619,7 +618,7 @@ def _store_partial(acc, qbase, sbase, slot, c0, offs, cols, m, cm, H: tl.constex
         q2, sc = mx_quantize_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1)
         dst = qbase + tl.multiple_of(slot * H + c0, 16) + offs
         tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (NB * 32,)), mask=m)
-        tl.store(sbase + slot * (H // 32) + cols, sc, mask=cm)
+        store_block_bytes(sbase + slot * (H // 32) + cols, sc, cm, INT_ROUND)
     else:
         dst = qbase + tl.multiple_of(slot * H + c0, 16) + offs
         acc = _bf16_saturated(acc)

@@ -228,7 +228,7 @@ class EnginePath:
             expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
             H=H, CHUNK=e.chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
             ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=self.gw_arrive,
-            ROWS=e.launch.weighted_rows, num_warps=e.dispatch_warps(True),
+            num_warps=e.dispatch_warps(True),
         )
         grad_w = self._route_grads(plan, g.shape[0]) if rg else None
         return BackwardRows(q=out, scale_rows=srows, grad_w=grad_w)

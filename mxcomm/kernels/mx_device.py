@@ -297,6 +297,21 @@ def mx_qdq_tile(x, MODE: tl.constexpr, INT_ROUND: tl.constexpr, AXIS: tl.constex
 
 
 @triton.jit
+def store_block_bytes(ptr, v, mask, INT_ROUND: tl.constexpr):
+    """Store the bytes ``v`` (e.g. the ``[NB]`` scale bytes :func:`mx_quantize_tile` returns, one per 32-value block)
+    at ``ptr`` where ``mask``, in the layout the block reduction left them in. A plain ``tl.store`` of such a vector is
+    first redistributed one byte per thread through shared memory (two barriers per store, which stall every warp of
+    the program); here each thread that holds a byte stores it (threads holding the same byte store the same value).
+    ``INT_ROUND`` (the interpreter, which runs no PTX): a plain ``tl.store``."""
+    if INT_ROUND:
+        tl.store(ptr, v, mask=mask)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p st.global.u8 [$1], $2; } mov.u32 $0, 0;",
+            "=r,l,r,r", [ptr, v.to(tl.uint32), mask.to(tl.uint32)], dtype=tl.uint32, is_pure=False, pack=1)
+
+
+@triton.jit
 def blocked_scale_offset(r, c, n_col_tiles):
     """Flat byte offset of scale (row ``r``, block column ``c``) in a 128x4-blocked scale matrix
     (cuBLAS/CUTLASS SWIZZLE_32_4_4) with ``n_col_tiles`` 4-wide tiles per 128-row tile-row."""

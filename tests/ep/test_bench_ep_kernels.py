@@ -49,9 +49,10 @@ def test_bench_ep_kernels_world_ops_smoke(tmp_path):
     backward's expert side (weighted quantized rows bit for bit, route-weight gradients against float64)."""
     res = _lab_results(tmp_path, "--rows", "1,2", "--world", "2", "--ops",
                        "partials_ranks,reduce_ranks,weighted_ranks")
-    for op in ("partials_ranks", "weighted_ranks"):
-        part = [x for x in res if x["op"] == op]
-        assert sorted((x["programs"], x["rows"]) for x in part) == [(1, 1), (1, 2), (29, 1), (29, 2)], op
-        assert all(x["entries"] > 0 for x in part), op
-    assert len([x for x in res if x["op"] == "reduce_ranks"]) == 2 and len(res) == 10
+    part = [x for x in res if x["op"] == "partials_ranks"]
+    assert sorted((x["programs"], x["rows"]) for x in part) == [(1, 1), (1, 2), (29, 1), (29, 2)]
+    weighted = [x for x in res if x["op"] == "weighted_ranks"]
+    assert sorted(x["programs"] for x in weighted) == [1, 29]
+    assert all(x["entries"] > 0 for x in part + weighted)
+    assert len([x for x in res if x["op"] == "reduce_ranks"]) == 2 and len(res) == 8
     assert all(x["correct"] for x in res)

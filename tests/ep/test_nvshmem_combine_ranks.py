@@ -351,14 +351,14 @@ def test_staged_partials_with_block_puts_match_the_peer_pointer_result(W, E, k, 
         assert_bf16_same(y, spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx), f"origin {s}")
 
 
-@pytest.mark.parametrize("W,E,k,H,Ts,mx,route_grad,copies,step", [
-    (2, 8, 3, 64, (0, 6), True, True, 2, 2),
-    (3, 6, 4, 64, (5, 0, 4), True, True, 1, 1),
-    (2, 4, 2, 96, (4, 5), False, True, 2, 4),
-    (3, 9, 3, 64, (3, 6, 2), False, False, 2, 2),
-    (4, 16, 3, 64, (2, 5, 0, 4), True, False, 1, 4),
+@pytest.mark.parametrize("W,E,k,H,Ts,mx,route_grad,copies", [
+    (2, 8, 3, 64, (0, 6), True, True, 2),
+    (3, 6, 4, 64, (5, 0, 4), True, True, 1),
+    (2, 4, 2, 96, (4, 5), False, True, 2),
+    (3, 9, 3, 64, (3, 6, 2), False, False, 2),
+    (4, 16, 3, 64, (2, 5, 0, 4), True, False, 1),
 ])
-def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, route_grad, copies, step):
+def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, route_grad, copies):
     """Combine backward on the expert ranks, ranks simulated in one process: each source's BF16 gradient rows and fp32
     route weights sit in its send copy (``copies=2``: the pull path, copy 1 of an odd epoch, weights read with their
     copy stride; ``copies=1``: the put path's received rows, stride 0); ``pull_weighted_kernel`` walks the receiver's
@@ -368,8 +368,7 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
     of a float64 dot with the expert rows; padding rows hold NaN and are never read) into row ``me`` of the origin's
     ``comb_gw`` for exactly the slots on this rank, raising ``flags[4, me]`` once per program (pull path);
     ``gather_route_grad_kernel`` at the origin picks each slot's value from its rank's row (0 for a dropped slot).
-    Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with zero tokens, dropped slots; 1, 2 and 4
-    listed slots a step (``ROWS``: with k=3 and 2 a step, entries of three slots take a step with one slot unused)."""
+    Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with zero tokens, dropped slots."""
     from mxcomm.ep.nvshmem_kernels import gather_route_grad_kernel, pack_rows_kernel, pull_weighted_kernel
 
     g = torch.Generator().manual_seed(W * 31 + E + k + H + copies)
@@ -426,7 +425,7 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
             ptrs(send_g), ptrs(send_w), rk.tables[d], ep, T_max, W, T_max * H if copies == 2 else 0,
             T_max * k if copies == 2 else 0, outs[d] if route_grad else torch.zeros(1, dtype=torch.bfloat16),
             gw_peers, ptrs(flags), d, H=H, CHUNK=32, K=k, K_POW2=P2(k), MX=mx, MODE=0, INT_ROUND=True, ZCHUNK=4,
-            ROUTE_GRAD=route_grad, ARRIVE=copies == 2, ROWS=step)
+            ROUTE_GRAD=route_grad, ARRIVE=copies == 2)
         want = torch.zeros(R, H * B, dtype=torch.uint8)
         want[n_rows:] = before[n_rows:]
         real = torch.zeros(R, dtype=torch.bool)

@@ -742,6 +742,9 @@ for pas in (False, True):  # the backend's chunk (qdq_chunk 1024, 4 warps): MXFP
     ptx = compile(nk.combine_partials_kernel, dict(part, out_ptr=u8) if pas else part, False, H=4096, K=8,
                   CHUNK=1024, MX=True, PASS=pas, WEIGHTED=not pas, MODE=0, INT_ROUND=False, STAGED=False)
     assert re.search(r"st[.]global[.]v[24][.]b32", ptx), ("partials at the backend's chunk", pas)
+    # the scale bytes are stored by the threads that hold them (store_block_bytes): no trip through shared memory
+    # with two barriers per chunk (4 chunks here: 8 barriers before)
+    assert "st.global.u8" in ptx and ptx.count("bar.sync") <= 2, ("partials' scale stores", pas)
 red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_ptr="*fp32", y_ptr="*bf16",
            epoch_ptr=i64, dest_row_ptr=i32, own_ptr="*bf16", own_s_ptr=u8)
 # partials from comb_q; one rank: the expert rows in place, bf16 (combine) or MX (dispatch backward of an MX gradient)
@@ -793,6 +796,8 @@ for mx, route_grad, arrive in ((True, True, True), (False, True, False), (True, 
                   out_ptr="*bf16", gw_peers=i64, flags_peers=i64), H=4096, CHUNK=2048 if mx else 1024, K=8,
                   K_POW2=8, MX=mx, MODE=0, INT_ROUND=False, ZCHUNK=512, ROUTE_GRAD=route_grad, ARRIVE=arrive)
     assert "st.global.v4.b32" in ptx, ("pull weighted", mx, route_grad)
+    if mx:  # scale bytes stored where they are held: not 2 barriers per (chunk, slot) (2 x 2 x 8 = 32 before)
+        assert ptx.count("bar.sync") <= 8, ("pull weighted scale stores", route_grad, ptx.count("bar.sync"))
 compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, list_peers=i64, flags_peers=i64,
         epoch_ptr=i64), K=8, EW=16, BLOCK=64)
 print("ok")
@@ -840,8 +845,7 @@ def test_qdq_chunk_wastes_least(H):
 
 @pytest.mark.parametrize("field, value", [("partials_rows", 0), ("partials_per_sm", -1), ("dispatch_warps", 3),
                                           ("dispatch_warps", 64), ("qdq_chunk", 1000), ("reduce_mx_chunk", 16),
-                                          ("reduce_warps", 2.0), ("push_per_sm", True),
-                                          ("weighted_rows", 3)])
+                                          ("reduce_warps", 2.0), ("push_per_sm", True)])
 def test_launch_config_refuses_settings_no_launch_can_take(field, value):
     """A zero rows-a-step would leave the partial sums' loop without progress (a kernel that never ends): every
     setting is checked when the config is made, with the field named."""
