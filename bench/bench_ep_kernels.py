@@ -69,6 +69,7 @@ import importlib
 import itertools
 import json
 import os
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -180,6 +181,7 @@ class Lab:
     def __init__(self, args):
         self.args = args
         self.interp = os.environ.get("TRITON_INTERPRET") == "1"
+        self.worlds = {}  # op -> inputs, reference and buffers made once for every module timed
         dev = self.dev = torch.device("cpu" if self.interp else "cuda")
         T, H, k, E = self.T, self.H, self.k, self.E = args.tokens, args.hidden, args.topk, args.experts
         C = self.C = H // 32
@@ -697,11 +699,10 @@ class Lab:
                                                                  rows=rows, world=W, expert_rows=R),
                                     fn, check_for(programs), nbytes=R * H * 2 + int(listed.numel()) * (H + C))
 
-    def bench_weighted_ranks(self, mod, impl: str) -> None:
-        """``weighted_ranks`` (see the module doc): combine backward's expert side of a ``W``-rank world, with the
-        route-weight gradient."""
-        a, T, H, k, C, dev = self.args, self.T, self.H, self.k, self.C, self.dev
-        W = a.world
+    def weighted_world(self) -> SimpleNamespace:
+        """The inputs, reference and buffers of ``weighted_ranks`` (made once, shared by every module timed)."""
+        T, H, k, C, dev = self.T, self.H, self.k, self.C, self.dev
+        W = self.args.world
         g = torch.Generator().manual_seed(3)
         table, rows = self.expert_side_world(g)
         src, tok, slot = rows[:, 0], rows[:, 1], rows[:, 2]
@@ -722,6 +723,21 @@ class Lab:
                 for name, ts in (("g", list(grads)), ("w", list(ws)), ("gw", gw), ("f", flags))}
         one_group = torch.tensor([R], dtype=torch.int32, device=dev)  # offs = counts = [R]: no padding rows
         epoch = torch.zeros(1, dtype=torch.int64, device=dev)
+        return SimpleNamespace(table=table, src=src, tok=tok, slot=slot, R=R, entries=entries, grads=grads, ws=ws,
+                               out=out, ref=ref, ref_gw=ref_gw, gw_tol=gw_tol, dst=dst, dst_s=dst_s, gw=gw,
+                               flags=flags, ptrs=ptrs, one_group=one_group, epoch=epoch)
+
+    def bench_weighted_ranks(self, mod, impl: str) -> None:
+        """``weighted_ranks`` (see the module doc): combine backward's expert side of a ``W``-rank world, with the
+        route-weight gradient."""
+        a, T, H, k, C = self.args, self.T, self.H, self.k, self.C
+        W = a.world
+        if "weighted_ranks" not in self.worlds:
+            self.worlds["weighted_ranks"] = self.weighted_world()
+        v = self.worlds["weighted_ranks"]
+        src, tok, slot, R, entries = v.src, v.tok, v.slot, v.R, v.entries
+        ref, ref_gw, gw_tol, table, out = v.ref, v.ref_gw, v.gw_tol, v.table, v.out
+        dst, dst_s, gw, flags, ptrs, one_group, epoch = v.dst, v.dst_s, v.gw, v.flags, v.ptrs, v.one_group, v.epoch
         kern = mod.pull_weighted_kernel
 
         def check_for(programs):
