@@ -7,7 +7,10 @@
 #    CUDA-graph replays, the fast launcher), then four ranks on the GPU under MPS;
 # 2. `mxcomm bench`: four ranks under MPS at 4096 tokens (eager and CUDA-graph replays, the four ops, MXFP8 and BF16)
 #    and 128 tokens (dispatch and combine), one rank at 8192 tokens (with the reference and NCCL baselines, and as
-#    graph replays) and 128 tokens. Every run checks mxcomm's outputs against the reference backend first.
+#    graph replays) and 128 tokens. Every run checks mxcomm's outputs against the reference backend first;
+# 3. (between the 4-rank and the one-rank benches) the expert side's two kernels alone (bench/bench_ep_kernels.py:
+#    combine's partials, combine backward's weighted rows with the route-weight gradient; a 4-rank world's share on
+#    the whole GPU, checked against the reference).
 # DEADLINE (s, default 540): a step that would not end before it is skipped (and said so), so the call always ends
 # with its results packed into OUT/results.tgz.
 set -uo pipefail
@@ -29,7 +32,8 @@ step() {  # step LIMIT NAME CMD...: run CMD into OUT/r/NAME.log unless the deadl
   timeout "$lim" "$@" > "$OUT/r/$name.log" 2>&1
   local r=$?
   echo "=== $name rc=$r ($SECONDS s)"
-  grep -E "passed|failed|error|x floor|^dispatch|^combine|check vs" "$OUT/r/$name.log" | grep -v "^combine_bwd\|^dispatch_bwd" \
+  grep -E "passed|failed|error|x floor|^dispatch|^combine|check vs|_ranks\"|copy ceiling" "$OUT/r/$name.log" \
+      | grep -v "^combine_bwd\|^dispatch_bwd" \
       | tail -n 12
   [[ $r -ne 0 ]] && rc=$r
 }
@@ -52,6 +56,8 @@ bench 90 4ranks_t4096 "${M4[@]}" --tokens 4096 --iters 20
 bench 80 4ranks_t4096_graph "${M4[@]}" --tokens 4096 --iters 20 --cuda-graph --no-exact-sizes
 bench 50 4ranks_t128_graph "${M4[@]}" --tokens 128 --iters 50 --cuda-graph --no-exact-sizes --ops dispatch,combine
 bench 50 4ranks_t128 "${M4[@]}" --tokens 128 --iters 50 --ops dispatch,combine
+step 60 lab_expert_side python3 bench/bench_ep_kernels.py --tokens 4096 --world 4 --ops partials_ranks,weighted_ranks \
+    --programs 32 --chunks 1024 --warps 4 --rows 2 --iters 10 --out "$OUT/r/lab_expert_side.json"
 bench 80 ep1_t8192 --ranks 1 --tokens 8192 --iters 20
 bench 50 ep1_t8192_graph --ranks 1 --tokens 8192 --iters 20 --impls mxcomm --cuda-graph --no-exact-sizes
 bench 40 ep1_t128 --ranks 1 --tokens 128 --iters 50 --impls mxcomm --ops dispatch,combine
