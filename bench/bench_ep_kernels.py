@@ -638,11 +638,16 @@ class Lab:
         table[src * T + tok, slot] = torch.arange(int(src.numel()), dtype=torch.int32)
         return table, torch.stack([src, tok, slot], 1)
 
-    def bench_partials_ranks(self, mod, impl: str) -> None:
-        """``partials_ranks`` (see the module doc): the expert side of a ``W``-rank world, one MXFP8 partial per
-        (source, token) that lists rows here."""
-        a, T, H, k, C, dev = self.args, self.T, self.H, self.k, self.C, self.dev
-        W = a.world
+    def made_once(self, op: str, make) -> SimpleNamespace:
+        """``make()`` for ``op`` the first time, then the same inputs, reference and buffers for every module timed."""
+        if op not in self.worlds:
+            self.worlds[op] = make()
+        return self.worlds[op]
+
+    def partials_world(self) -> SimpleNamespace:
+        """The inputs, reference and buffers of ``partials_ranks``."""
+        T, H, k, C, dev = self.T, self.H, self.k, self.C, self.dev
+        W = self.args.world
         g = torch.Generator().manual_seed(2)
         table, rows = self.expert_side_world(g)
         tok, slot = rows[:, 1], rows[:, 2]
@@ -661,15 +666,26 @@ class Lab:
             part = part + torch.where(on, prod, torch.zeros(()))
         ref = quantize(part)
         lead_slot = torch.argmax((table[listed] >= 0).to(torch.int32), dim=1)
-        ref_pos = (listed % T) * k + lead_slot
-        ref_src = listed // T
         table, origin_pos, out, ws = (t.to(dev) for t in (table, origin_pos, out, ws))
         comb_q = [torch.zeros(2, nslot, 2 * H, dtype=torch.uint8, device=dev) for _ in range(W)]
         comb_s = [torch.zeros(2, nslot, C, dtype=torch.uint8, device=dev) for _ in range(W)]
         flags = [torch.zeros(6, W, dtype=torch.int64, device=dev) for _ in range(W)]
         ptrs = {name: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
                 for name, ts in (("q", comb_q), ("s", comb_s), ("f", flags), ("w", list(ws)))}
-        epoch = torch.zeros(1, dtype=torch.int64, device=dev)
+        return SimpleNamespace(table=table, R=R, origin_pos=origin_pos, out=out, nslot=nslot, listed=listed, ref=ref,
+                               ref_pos=(listed % T) * k + lead_slot, ref_src=listed // T, comb_q=comb_q,
+                               comb_s=comb_s, flags=flags, ptrs=ptrs, ws=ws,  # (ptrs["w"] points into ws)
+                               epoch=torch.zeros(1, dtype=torch.int64, device=dev))
+
+    def bench_partials_ranks(self, mod, impl: str) -> None:
+        """``partials_ranks`` (see the module doc): the expert side of a ``W``-rank world, one MXFP8 partial per
+        (source, token) that lists rows here."""
+        a, T, H, k, C, dev = self.args, self.T, self.H, self.k, self.C, self.dev
+        W = a.world
+        v = self.made_once("partials_ranks", self.partials_world)
+        table, R, origin_pos, out, nslot, listed, ref = v.table, v.R, v.origin_pos, v.out, v.nslot, v.listed, v.ref
+        ref_pos, ref_src, comb_q, comb_s, flags, ptrs, epoch = (v.ref_pos, v.ref_src, v.comb_q, v.comb_s, v.flags,
+                                                                v.ptrs, v.epoch)
         kern = mod.combine_partials_kernel
 
         def check_for(programs):
@@ -700,7 +716,7 @@ class Lab:
                                     fn, check_for(programs), nbytes=R * H * 2 + int(listed.numel()) * (H + C))
 
     def weighted_world(self) -> SimpleNamespace:
-        """The inputs, reference and buffers of ``weighted_ranks`` (made once, shared by every module timed)."""
+        """The inputs, reference and buffers of ``weighted_ranks``."""
         T, H, k, C, dev = self.T, self.H, self.k, self.C, self.dev
         W = self.args.world
         g = torch.Generator().manual_seed(3)
@@ -723,6 +739,7 @@ class Lab:
                 for name, ts in (("g", list(grads)), ("w", list(ws)), ("gw", gw), ("f", flags))}
         one_group = torch.tensor([R], dtype=torch.int32, device=dev)  # offs = counts = [R]: no padding rows
         epoch = torch.zeros(1, dtype=torch.int64, device=dev)
+        # grads, ws, gw and flags are kept: ptrs holds their addresses
         return SimpleNamespace(table=table, src=src, tok=tok, slot=slot, R=R, entries=entries, grads=grads, ws=ws,
                                out=out, ref=ref, ref_gw=ref_gw, gw_tol=gw_tol, dst=dst, dst_s=dst_s, gw=gw,
                                flags=flags, ptrs=ptrs, one_group=one_group, epoch=epoch)
@@ -732,9 +749,7 @@ class Lab:
         route-weight gradient."""
         a, T, H, k, C = self.args, self.T, self.H, self.k, self.C
         W = a.world
-        if "weighted_ranks" not in self.worlds:
-            self.worlds["weighted_ranks"] = self.weighted_world()
-        v = self.worlds["weighted_ranks"]
+        v = self.made_once("weighted_ranks", self.weighted_world)
         src, tok, slot, R, entries = v.src, v.tok, v.slot, v.R, v.entries
         ref, ref_gw, gw_tol, table, out = v.ref, v.ref_gw, v.gw_tol, v.table, v.out
         dst, dst_s, gw, flags, ptrs, one_group, epoch = v.dst, v.dst_s, v.gw, v.flags, v.ptrs, v.one_group, v.epoch
