@@ -329,11 +329,12 @@ class Lab:
         words = H // 8
         progs = self.sms * 16
 
+        x_slot = self.ptrs(self.x)  # x by address, as the backend passes it (a captured graph replays any call's x)
+
         def pack(programs=progs, warps=4, chunk=chunk0):
             mod.pack_rows_kernel[(min(T, programs),)](
-                self.x, T, send_q, send_s, epoch, T, T * H, send_s, send_s, H=H, CHUNK=chunk, MX=True, MODE=0,
-                INT_ROUND=self.interp,
-                num_warps=warps)
+                x_slot, T, send_q, send_s, epoch, T, T * H, send_s, send_s, H=H, CHUNK=chunk, MX=True, MODE=0,
+                INT_ROUND=self.interp, X_SLOT=True, num_warps=warps)
 
         # the pull list of this plan (one entry per token; the entry kernel is part of the plan step, not timed)
         mod.push_entries_kernel[(self.sms,)](self.plan.dest_rank, self.plan.dest_row, T, self.ptrs(plist), fp, epoch,

@@ -39,9 +39,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, blocked_scale_offset, mx_decode_tile,
-                                 mx_qdq_tile,
-                                 mx_quantize_tile, mx_quantize_tile_amax, mx_saturate, store_block_bytes, to_fp32)
+from ..kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, blocked_scale_offset,
+                                 load_block_bytes, mx_decode_tile, mx_qdq_tile, mx_quantize_tile,
+                                 mx_quantize_tile_amax, mx_saturate, store_block_bytes, to_fp32)
 from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
@@ -111,10 +111,12 @@ def _arrive_all(flags_peers, row, me, W):
 @triton.jit
 def _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm,
                 H: tl.constexpr, C: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
-                OUT_DIRECT: tl.constexpr):
+                OUT_DIRECT: tl.constexpr, HELD: tl.constexpr, INT_ROUND: tl.constexpr):
     """dispatch_kernel: one slot's stores of a row chunk - payload ``q`` at ``row`` of rank ``rk``'s ``recv_q`` (or of
     ``q_peers`` itself, ``OUT_DIRECT``), and (MX) its scales ``s`` at the same row of ``recv_s``, row-major; ``m`` /
-    ``cm`` mask values / scale columns."""
+    ``cm`` mask values / scale columns. ``HELD``: the scales are stored by the threads that hold them
+    (:func:`store_block_bytes`; for scales quantized per slot, which a vector store would first move through shared
+    memory for every slot); else as one vector store."""
     if OUT_DIRECT:
         qbase = q_peers
     elif MX:
@@ -129,9 +131,12 @@ def _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm,
     if MX:
         sbase = tl.load(s_peers + rk).to(tl.pointer_type(tl.uint8))
         sp = sbase + row * C + cols
-        if C % 16 == 0 and (NB % 16 == 0 or CHUNK >= H):  # 16 aligned, contiguous bytes
-            sp = tl.max_contiguous(tl.multiple_of(sp, 16), 16)
-        tl.store(sp, s, mask=cm)
+        if HELD:
+            store_block_bytes(sp, s, cm, INT_ROUND)
+        else:
+            if C % 16 == 0 and (NB % 16 == 0 or CHUNK >= H):  # 16 aligned, contiguous bytes
+                sp = tl.max_contiguous(tl.multiple_of(sp, 16), 16)
+            tl.store(sp, s, mask=cm)
 
 
 @triton.jit
@@ -209,7 +214,8 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                             q = bf16_rne_int(xw)
                         else:
                             q = xw.to(tl.bfloat16)
-                        _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX, OUT_DIRECT)
+                        _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX,
+                                    OUT_DIRECT, True, INT_ROUND)
                 else:
                     if not MX:
                         q = x
@@ -217,7 +223,7 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                     # registers are packed once per chunk, not once per slot
                     ok = rk >= 0
                     _store_slot(q, s, q_peers, s_peers, tl.maximum(rk, 0), row, c0, offs, cols, m & ok, cm & ok,
-                                H, C, NB, CHUNK, MX, OUT_DIRECT)
+                                H, C, NB, CHUNK, MX, OUT_DIRECT, False, INT_ROUND)
         t += G
     if ZERO_PAD:
         WORDS: tl.constexpr = H // 8 if MX else H // 4
@@ -240,7 +246,7 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
 
     Args:
         x_ptr: bf16 ``[T, H]`` contiguous; with ``X_SLOT``, an int64 word holding that tensor's address (so a
-            CUDA graph captured once replays with each call's ``x``).
+            CUDA graph captured once replays with each call's ``x``), which must be 16-byte aligned.
         send_q_ptr: this rank's ``send_q`` (uint8 ``[2, T_max, 2H]``) as uint8 (MX: H-byte rows) or bf16 (H-value
             rows); row ``t`` of copy ``par`` starts at element ``par * copy_elems + t * H``.
         send_s_ptr: uint8 ``[2, T_max, H/32]`` row-major scales (MX only).
@@ -266,13 +272,16 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
         drow = row0 + t
         for c0 in tl.static_range(0, H, CHUNK):
             m = (c0 + offs) < H
-            x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
+            xp = x_ptr + t.to(tl.int64) * H + c0 + offs
+            if X_SLOT:  # an address read from memory carries no alignment: without the hint, one load per value
+                xp = tl.max_contiguous(tl.multiple_of(xp, 16), 16)
+            x = tl.load(xp, mask=m, other=0.0)
             dst = send_q_ptr + tl.multiple_of(copy0 + t.to(tl.int64) * H + c0, 16) + offs
             if MX:
                 q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
                 tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
                 cols = c0 // 32 + bcols
-                tl.store(send_s_ptr + drow * C + cols, s, mask=cols < C)
+                store_block_bytes(send_s_ptr + drow * C + cols, s, cols < C, INT_ROUND)
             else:
                 tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), x, mask=m)
         if WEIGHTS:
@@ -462,7 +471,7 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
     i = pid
     while i < W * T_max:
         e = table_ptr + i.to(tl.int64) * K
-        if _lead_row(e, K) >= 0:
+        if _listed_slots(e, K) != 0:
             s = i // T_max
             t = (i % T_max).to(tl.int64)
             gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + t * H
@@ -473,7 +482,9 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                 m = (c0 + offs) < H
                 cols = c0 // 32 + bcols
                 cm = cols < C
-                x = tl.load(gbase + c0 + offs, mask=m, other=0.0)  # once over the link
+                # once over the link; 16-byte aligned rows (symmetric buffer, H % 32 == 0): without the hint an
+                # address read from the peer table carries no alignment, and every value is loaded alone
+                x = tl.load(tl.max_contiguous(tl.multiple_of(gbase + c0 + offs, 16), 16), mask=m, other=0.0)
                 xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
                 if MX:
                     ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
@@ -581,17 +592,6 @@ def _nth_slot(bits, n, K: tl.constexpr):
 
 
 @triton.jit
-def _lead_row(e, K: tl.constexpr):
-    """The leading row of a table entry (``K`` int32 rows, -1 for a slot elsewhere): the row of the token's first slot
-    on this rank, -1 when the entry lists none."""
-    lead = tl.load(e) * 0 - 1
-    for j in tl.static_range(K):
-        r = tl.load(e + j)
-        lead = tl.where((lead < 0) & (r >= 0), r, lead)
-    return lead
-
-
-@triton.jit
 def _row_values(src_ptr, src_s_ptr, r, ok, c0, offs, cols, m, cm, H: tl.constexpr, NB: tl.constexpr,
                 PASS: tl.constexpr, INT_ROUND: tl.constexpr):
     """fp32 ``[CHUNK]`` values of row ``r`` (columns ``c0 + offs``) of an expert-side ``[R, H]`` tensor: bf16, or
@@ -696,6 +696,8 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
             else:
                 qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.bfloat16))
             sbase = tl.load(s_peers + s).to(tl.pointer_type(tl.uint8))
+            if WEIGHTED:  # the source's weights of token t, fp32 [K]
+                wbase = tl.load(w_ptrs + s).to(tl.pointer_type(tl.float32)) + t * K
             for c0 in tl.static_range(0, H, CHUNK):
                 m = (c0 + offs) < H
                 cols = c0 // 32 + bcols
@@ -709,8 +711,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
                         r = tl.load(e + tl.maximum(j, 0), mask=ok, other=-1)
                         v = _row_values(out_ptr, out_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND)
                         if WEIGHTED:
-                            wv = tl.load(tl.load(w_ptrs + s).to(tl.pointer_type(tl.float32)) + t * K + j, mask=ok,
-                                         other=0.0)
+                            wv = tl.load(wbase + j, mask=ok, other=0.0)
                             v = wv * v
                         acc = acc + v  # past the last listed slot: +0 (acc is never -0: it starts at +0)
                     n0 += ROWS
@@ -780,9 +781,11 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w
                         j = _nth_slot(lead, n, K)
                         ok = j >= 0
                         p64 = tl.maximum(tl.load(send_pos_ptr + t * K + tl.maximum(j, 0)), 0).to(tl.int64)
-                        if MX:
-                            q = tl.load(comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs, mask=m & ok, other=0)
-                            sb = tl.load(comb_s_ptr + (slot0 + p64) * C + cols, mask=cm & ok, other=127)
+                        if MX:  # 8 payload bytes a thread: the layout of the 8 bf16 values a thread stores (16
+                            # bytes a thread would be converted to it through shared memory, with barriers)
+                            qp = comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs
+                            q = tl.load(tl.max_contiguous(tl.multiple_of(qp, 8), 8), mask=m & ok, other=0)
+                            sb = load_block_bytes(comb_s_ptr + (slot0 + p64) * C + cols, cm & ok, 127, INT_ROUND)
                             v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (CHUNK,))
                         else:
                             v = to_fp32(tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0),

@@ -421,6 +421,8 @@ class PullPath(EnginePath):
 
     def dispatch(self, x, topk_idx):
         e = self.e
+        if x.data_ptr() % 16:  # the pack reads x by address in 16-byte vectors (pack_rows_kernel, X_SLOT)
+            x = x.clone()
         self.x_slot.fill_(x.data_ptr())
         po = e.run_middle(self._middle, topk_idx)  # (copies of a replay's outputs: made before the sync)
         table = torch.empty(e.world * e.config.max_tokens_per_rank, e.config.topk, dtype=torch.int32,

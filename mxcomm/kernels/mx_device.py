@@ -312,6 +312,24 @@ def store_block_bytes(ptr, v, mask, INT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def load_block_bytes(ptr, mask, other, INT_ROUND: tl.constexpr):
+    """Load bytes (e.g. the ``[NB]`` scale bytes of a row chunk) at ``ptr`` where ``mask`` (``other`` elsewhere, an
+    int) as uint8, in the layout the pointers are in: each thread loads the bytes it holds (threads holding the same
+    byte load it again, from L1). A plain ``tl.load`` of such a vector is given one byte per thread and then
+    redistributed through shared memory (two barriers) into the layout a block-wise decode broadcasts from.
+    Declared pure (a load the compiler may drop when unused, or merge): only for memory that no program of the same
+    launch writes. ``INT_ROUND`` (the interpreter, which runs no PTX): a plain ``tl.load``."""
+    if INT_ROUND:
+        v = tl.load(ptr, mask=mask, other=other)
+    else:
+        v = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; mov.u32 $0, $3; @p ld.global.u8 $0, [$1]; }",
+            "=r,l,r,r", [ptr, mask.to(tl.uint32), (mask.to(tl.uint32) * 0 + other).to(tl.uint32)], dtype=tl.uint32,
+            is_pure=True, pack=1).to(tl.uint8)
+    return v
+
+
+@triton.jit
 def blocked_scale_offset(r, c, n_col_tiles):
     """Flat byte offset of scale (row ``r``, block column ``c``) in a 128x4-blocked scale matrix
     (cuBLAS/CUTLASS SWIZZLE_32_4_4) with ``n_col_tiles`` 4-wide tiles per 128-row tile-row."""

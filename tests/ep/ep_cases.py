@@ -57,6 +57,7 @@ class Case:
     backend: str = "torch"
     transport: str = "auto"
     num_sms: Optional[int] = None  # the nvshmem backend's SM budget (None: the whole GPU)
+    misaligned_x: bool = False  # x passed as a view 2 bytes past a 16-byte boundary
 
     def config(self) -> EPConfig:
         return EPConfig(
@@ -250,7 +251,11 @@ def run_case(group: EPGroup, case: Case, rank: int, fails: list, exact: list) ->
     dev = torch.device(case.device)
     xs, idxs, ws = make_inputs(case)
     expected, routes = oracle_dispatch(config, xs, idxs)
-    res = group.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    x = xs[rank].to(dev)
+    if case.misaligned_x:  # a contiguous view whose address is 2 bytes past a 16-byte boundary
+        x = torch.empty(x.numel() + 8, dtype=x.dtype, device=dev)[1:1 + x.numel()].view_as(x).copy_(x)
+        assert x.data_ptr() % 16 == 2, x.data_ptr()
+    res = group.dispatch(x, idxs[rank].to(dev), ws[rank].to(dev))
     handle = res.handle
     tag = f"{case.name}[rank {rank}]"
     check_dispatch(tag, res, expected[rank], config, fails)
@@ -482,6 +487,7 @@ def standard_cases(world: int, seed: int = 0) -> list:
         Case("hidden_32", T(33, 8), E, 32, 2, seed=s + 20),
         Case("topk_1", T(40, 10), E, 64, 1, seed=s + 21),
         Case("topk_eq_E", T(5, 7), E, 32, E, seed=s + 22, combine_modes=(None, False)),
+        Case("misaligned_x", T(9, 6), E, 64, 2, misaligned_x=True, seed=s + 23, combine_modes=(None,)),
     ]
     return cases
 

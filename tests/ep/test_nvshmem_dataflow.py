@@ -706,7 +706,10 @@ from mxcomm.ep import nvshmem_kernels as nk
 def compile(fn, types, fusion=True, **consts):
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    # tensor arguments 16-byte aligned, as a launch specializes them (the layouts, and so the vector widths and the
+    # trips through shared memory, follow from it)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
     opts = dict(num_warps=4, enable_fp_fusion=fusion)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     assert ptx
@@ -749,9 +752,16 @@ red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_
            epoch_ptr=i64, dest_row_ptr=i32, own_ptr="*bf16", own_s_ptr=u8)
 # partials from comb_q; one rank: the expert rows in place, bf16 (combine) or MX (dispatch backward of an MX gradient)
 for own, own_pass, weighted in ((False, False, True), (True, False, True), (True, True, False)):
-    compile(nk.combine_reduce_kernel, dict(red, own_ptr=u8) if own_pass else red, False, H=4096, K=8,
-            P=8 if own else 4, CHUNK=1024 if own else 2048, MX=True, INT_ROUND=False, OWN=own, OWN_PASS=own_pass, WEIGHTED=weighted,
-            MODE=0)
+    ptx = compile(nk.combine_reduce_kernel, dict(red, own_ptr=u8) if own_pass else red, False, H=4096, K=8,
+                  P=8 if own else 4, CHUNK=1024 if own else 2048, MX=True, INT_ROUND=False, OWN=own, OWN_PASS=own_pass,
+                  WEIGHTED=weighted, MODE=0)
+    assert ptx.count("bar.sync") <= 2, ("reduce", own, own_pass, ptx.count("bar.sync"))
+# the backend's MXFP8 reduce (whole rows, 4 warps): the partials' scale bytes loaded where the decode holds them
+# (load_block_bytes) and 8 payload bytes a thread, the layout of the bf16 stores: no trip through shared memory (16
+# barriers before: 2 per partial's scales, 8 for the stores)
+ptx = compile(nk.combine_reduce_kernel, red, False, H=7168, K=8, P=4, CHUNK=8192, MX=True, INT_ROUND=False, OWN=False,
+              OWN_PASS=False, WEIGHTED=True, MODE=0)
+assert ptx.count("bar.sync") == 0 and "ld.global.v2.b32" in ptx, ("reduce", ptx.count("bar.sync"))
 compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), False, H=4096, K=6, P=6, CHUNK=4096, MX=False,
         INT_ROUND=False, OWN=False, OWN_PASS=False, WEIGHTED=True, MODE=0)  # BF16 transport; k not a power of two
 pub = dict(src_ptr=i32, dst_peers=i64, flags_peers=i64, flags_local=i64, epoch_ptr=i64, err_ptr=i64, timeout_ns="i64")
@@ -775,6 +785,8 @@ for weighted in (False, True):  # local path: straight into the output; the unfi
         ptx = compile(nk.dispatch_kernel, dict(disp, q_peers=u8 if mx else "*bf16"), H=7168, K=8, CHUNK=4096, MX=mx,
                       MODE=0, INT_ROUND=False, WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True)
         assert "st.global.v4.b32" in ptx, ("local", weighted, mx)
+        if weighted and mx:  # scales quantized per slot, stored where they are held (2 barriers a slot before)
+            assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("weighted scale stores", ptx.count("bar.sync"))
 for mx in (True, False):
     compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32,
             q_peers=i64, s_peers=i64, list_ptr=i32, table_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792,
@@ -785,6 +797,10 @@ for mx in (True, False):
                       send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32", send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=mx,
                       MODE=0, INT_ROUND=False, X_SLOT=slot, K=1, K_POW2=1, WEIGHTS=False)
         assert "st.global.v4.b32" in ptx, ("pack", mx, slot)
+        # x by address too: 16-byte loads (without the alignment hint, one load per value)
+        assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx, ("pack's loads", mx, slot)
+        if mx:  # scale bytes stored where they are held (store_block_bytes): not 2 barriers per chunk (8 before)
+            assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("pack's scale stores", slot)
 # combine backward, pull path: the BF16 rows + weights packed; the receiver weights and quantizes per slot
 compile(nk.pack_rows_kernel, dict(x_ptr="*bf16", send_q_ptr="*bf16", send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32",
         send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=False, MODE=0, INT_ROUND=False, X_SLOT=False, K=8, K_POW2=8,
@@ -796,6 +812,8 @@ for mx, route_grad, arrive in ((True, True, True), (False, True, False), (True, 
                   out_ptr="*bf16", gw_peers=i64, flags_peers=i64), H=4096, CHUNK=2048 if mx else 1024, K=8,
                   K_POW2=8, MX=mx, MODE=0, INT_ROUND=False, ZCHUNK=512, ROUTE_GRAD=route_grad, ARRIVE=arrive)
     assert "st.global.v4.b32" in ptx, ("pull weighted", mx, route_grad)
+    # the gradient rows, through the peer table, in 16-byte loads (without the alignment hint, one load per value)
+    assert "ld.global.b16" not in ptx, ("pull weighted's loads", mx, route_grad)
     if mx:  # scale bytes stored where they are held: not 2 barriers per (chunk, slot) (2 x 2 x 8 = 32 before)
         assert ptx.count("bar.sync") <= 8, ("pull weighted scale stores", route_grad, ptx.count("bar.sync"))
 compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, list_peers=i64, flags_peers=i64,
