@@ -415,7 +415,9 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
                  + (i % T_max).to(tl.int64) * ROW_WORDS)
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
-            v = tl.load(sbase + c0 + offs, mask=m & ok, other=0)  # once over the link
+            # once over the link, 16 bytes a load (rows 16-byte aligned; an address read from the peer table
+            # carries no alignment without the hint)
+            v = tl.load(tl.max_contiguous(tl.multiple_of(sbase + c0 + offs, 16), 16), mask=m & ok, other=0)
             for j in tl.static_range(K):
                 r = tl.load(e + 2 + j, mask=ok, other=-1)
                 tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, v, mask=m & (r >= 0))

@@ -788,9 +788,11 @@ for weighted in (False, True):  # local path: straight into the output; the unfi
         if weighted and mx:  # scales quantized per slot, stored where they are held (2 barriers a slot before)
             assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("weighted scale stores", ptx.count("bar.sync"))
 for mx in (True, False):
-    compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32,
-            q_peers=i64, s_peers=i64, list_ptr=i32, table_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792,
-            CHUNK=512, C=224, C_POW2=256, K=8, K_POW2=8, EW=16, MX=mx)
+    ptx = compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32,
+                  q_peers=i64, s_peers=i64, list_ptr=i32, table_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792,
+                  CHUNK=512, C=224, C_POW2=256, K=8, K_POW2=8, EW=16, MX=mx)
+    # the rows read through the peer table in 16-byte loads, as they are stored (8-byte loads without the hint)
+    assert "ld.global.v2.b64" in ptx, ("pull rows' loads", mx)
 for mx in (True, False):
     for slot in (True, False):  # x by address (the backend), x as a tensor (the kernel lab)
         ptx = compile(nk.pack_rows_kernel, dict(x_ptr=i64 if slot else "*bf16", send_q_ptr=u8 if mx else "*bf16",
