@@ -57,7 +57,7 @@ bench 80 4ranks_t4096_graph "${M4[@]}" --tokens 4096 --iters 20 --cuda-graph --n
 bench 50 4ranks_t128_graph "${M4[@]}" --tokens 128 --iters 50 --cuda-graph --no-exact-sizes --ops dispatch,combine
 bench 50 4ranks_t128 "${M4[@]}" --tokens 128 --iters 50 --ops dispatch,combine
 step 60 lab_expert_side python3 bench/bench_ep_kernels.py --tokens 4096 --world 4 --ops partials_ranks,weighted_ranks \
-    --programs 32 --chunks 1024 --warps 4 --rows 2 --iters 10 --out "$OUT/r/lab_expert_side.json"
+    --programs 32 --chunks 1024,2048 --warps 4 --rows 2 --iters 10 --out "$OUT/r/lab_expert_side.json"
 bench 80 ep1_t8192 --ranks 1 --tokens 8192 --iters 20
 bench 50 ep1_t8192_graph --ranks 1 --tokens 8192 --iters 20 --impls mxcomm --cuda-graph --no-exact-sizes
 bench 40 ep1_t128 --ranks 1 --tokens 128 --iters 50 --impls mxcomm --ops dispatch,combine

@@ -72,6 +72,9 @@ class LaunchConfig:
         weighted_warps / qdq_chunk: kernels that quantize or sum every slot (combine backward's weighted dispatch, the
             expert side's partial sums of combine, the one-rank reduce that rounds in registers): their chunk divides H
             where it can (:func:`_qdq_chunk`), since a masked-off tail is computed all the same.
+        partials_chunk: ``combine_partials_kernel``'s row chunk (at most ``next_pow2(H)``; a masked tail where it does
+            not divide H): its per-chunk scalar work (the listed slots, their rows and weights) is paid per chunk, and
+            at 2048 values and 4 warps its MXFP8 stores are 16 bytes a thread.
         partials_per_sm: ``combine_partials_kernel`` and ``pull_weighted_kernel`` (persistent over (token, rank)
             entries; their arrivals are counted).
         partials_rows: rows ``combine_partials_kernel`` loads together per step of a chunk's sum (its ``ROWS``).
@@ -88,6 +91,7 @@ class LaunchConfig:
     qdq_chunk: int = 1024
     partials_per_sm: int = 32
     partials_rows: int = 2
+    partials_chunk: int = 2048
     reduce_chunk: int = 2048
     reduce_mx_chunk: int = 8192
     reduce_warps: int = 4
@@ -250,6 +254,10 @@ class NvshmemBackend:
         if weighted:
             return _qdq_chunk(H, self.launch.qdq_chunk)
         return min(self.launch.dispatch_chunk, next_pow2(H))
+
+    def partials_chunk(self, H: int) -> int:
+        """Row chunk (values) of combine_partials_kernel."""
+        return min(self.launch.partials_chunk, next_pow2(H))
 
     def _reduce_chunk(self, H: int, own: bool, mx: bool) -> int:
         """Row chunk of combine_reduce_kernel: ``own and mx`` quantizes every slot (compute-bound), the others read."""

@@ -174,7 +174,7 @@ class EnginePath:
         st = handle.backend_state
         fast_kernel(combine_partials_kernel)[(e.programs,)](
             payload, in_scales, st.table, st.origins.pos, self.w_local, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank,
-            e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, H=H, K=e.config.topk, CHUNK=e.chunk(H, True),
+            e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, H=H, K=e.config.topk, CHUNK=e.partials_chunk(H),
             MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=e.mode_id, INT_ROUND=e.int_round, STAGED=staged,
             ROWS=e.launch.partials_rows, num_warps=e.launch.weighted_warps, enable_fp_fusion=False,
         )

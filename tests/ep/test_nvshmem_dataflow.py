@@ -734,20 +734,21 @@ part = dict(out_ptr="*bf16", out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_
 for staged, mx, weighted in ((False, True, True), (False, False, False), (True, True, False), (True, False, True)):
     # the partial's payload store (MXFP8 bytes or BF16 values, through _store_partial to a pointer read from the peer
     # table) stays a 16-byte vector store where a thread holds 16 bytes of the chunk: MXFP8 needs a 2048-value chunk
-    # at 4 warps (the backend's 1024-value chunk gives each thread 8 bytes: checked below)
+    # at 4 warps (the backend's LaunchConfig.partials_chunk; at 1024 values a thread holds 8 bytes: checked below)
     ptx = compile(nk.combine_partials_kernel, part, False, H=4096, K=8, CHUNK=2048 if mx else 1024, MX=mx,
                   PASS=False, WEIGHTED=weighted, MODE=0, INT_ROUND=False, STAGED=staged)
     assert "st.global.v4.b32" in ptx, ("partials", staged, mx, weighted)
 for rows in (1, 4):  # the launch setting's other values
     compile(nk.combine_partials_kernel, part, False, H=7168, K=8, CHUNK=1024, MX=True, PASS=False, WEIGHTED=True,
             MODE=0, INT_ROUND=False, ROWS=rows)
-for pas in (False, True):  # the backend's chunk (qdq_chunk 1024, 4 warps): MXFP8 payload stores are 8-byte vectors
-    ptx = compile(nk.combine_partials_kernel, dict(part, out_ptr=u8) if pas else part, False, H=4096, K=8,
-                  CHUNK=1024, MX=True, PASS=pas, WEIGHTED=not pas, MODE=0, INT_ROUND=False, STAGED=False)
-    assert re.search(r"st[.]global[.]v[24][.]b32", ptx), ("partials at the backend's chunk", pas)
+for pas, chunk in ((False, 1024), (True, 1024), (False, 2048), (True, 2048)):  # 2048: the backend's, 4 warps
+    ptx = compile(nk.combine_partials_kernel, dict(part, out_ptr=u8) if pas else part, False, H=7168, K=8,
+                  CHUNK=chunk, MX=True, PASS=pas, WEIGHTED=not pas, MODE=0, INT_ROUND=False, STAGED=False)
+    # MXFP8 payload stores: 8-byte vectors at 1024 values, 16-byte at 2048 (a masked tail at 7168 values)
+    assert re.search(r"st[.]global[.]v2[.]b32" if chunk == 1024 else r"st[.]global[.]v4[.]b32", ptx), (pas, chunk)
     # the scale bytes are stored by the threads that hold them (store_block_bytes): no trip through shared memory
-    # with two barriers per chunk (4 chunks here: 8 barriers before)
-    assert "st.global.u8" in ptx and ptx.count("bar.sync") <= 2, ("partials' scale stores", pas)
+    # with two barriers per chunk (7 chunks at 1024 values: 14 barriers before)
+    assert "st.global.u8" in ptx and ptx.count("bar.sync") <= 2, ("partials' scale stores", pas, chunk)
 red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_ptr="*fp32", y_ptr="*bf16",
            epoch_ptr=i64, dest_row_ptr=i32, own_ptr="*bf16", own_s_ptr=u8)
 # partials from comb_q; one rank: the expert rows in place, bf16 (combine) or MX (dispatch backward of an MX gradient)
@@ -786,7 +787,7 @@ for weighted in (False, True):  # local path: straight into the output; the unfi
                       MODE=0, INT_ROUND=False, WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True)
         assert "st.global.v4.b32" in ptx, ("local", weighted, mx)
         if weighted and mx:  # scales quantized per slot, stored where they are held (2 barriers a slot before)
-            assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("weighted scale stores", ptx.count("bar.sync"))
+            assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("weighted scales", ptx.count("bar.sync"))
 for mx in (True, False):
     ptx = compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32,
                   q_peers=i64, s_peers=i64, list_ptr=i32, table_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792,
@@ -865,7 +866,7 @@ def test_qdq_chunk_wastes_least(H):
 
 @pytest.mark.parametrize("field, value", [("partials_rows", 0), ("partials_per_sm", -1), ("dispatch_warps", 3),
                                           ("dispatch_warps", 64), ("qdq_chunk", 1000), ("reduce_mx_chunk", 16),
-                                          ("reduce_warps", 2.0), ("push_per_sm", True)])
+                                          ("partials_chunk", 48), ("reduce_warps", 2.0), ("push_per_sm", True)])
 def test_launch_config_refuses_settings_no_launch_can_take(field, value):
     """A zero rows-a-step would leave the partial sums' loop without progress (a kernel that never ends): every
     setting is checked when the config is made, with the field named."""
