@@ -69,9 +69,9 @@ class LaunchConfig:
     Attributes:
         dispatch_per_sm / dispatch_warps / dispatch_chunk: ``dispatch_kernel`` and ``pack_rows_kernel`` (memory-bound:
             a whole row per chunk at H <= 8192); ``pull_rows_kernel`` uses the same grid.
-        weighted_warps / qdq_chunk: kernels that quantize or sum every slot (combine backward's weighted dispatch, the
-            expert side's partial sums of combine, the one-rank reduce that rounds in registers): their chunk divides H
-            where it can (:func:`_qdq_chunk`), since a masked-off tail is computed all the same.
+        weighted_warps / qdq_chunk: kernels that quantize or sum every slot (combine backward's weighted rows, the
+            one-rank reduce that rounds in registers; the warps also for the partial sums of combine): their chunk
+            divides H where it can (:func:`_qdq_chunk`), since a masked-off tail is computed all the same.
         partials_chunk: ``combine_partials_kernel``'s row chunk (at most ``next_pow2(H)``; a masked tail where it does
             not divide H): its per-chunk scalar work (the listed slots, their rows and weights) is paid per chunk, and
             at 2048 values and 4 warps its MXFP8 stores are 16 bytes a thread.
