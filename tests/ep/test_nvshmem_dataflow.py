@@ -698,20 +698,13 @@ def test_peer_that_never_arrives_raises_naming_it():
 _AOT = '''
 import re
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from mxcomm.bench.tools.kernel_report import compile_sm90
 from mxcomm.ep import nvshmem_kernels as nk
 
 def compile(fn, types, fusion=True, **consts):
-    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
-    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     # tensor arguments 16-byte aligned, as a launch specializes them (the layouts, and so the vector widths and the
     # trips through shared memory, follow from it)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
-    opts = dict(num_warps=4, enable_fp_fusion=fusion)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    ptx = compile_sm90(fn, types, 4, fusion, **consts).asm["ptx"]
     assert ptx
     if not fusion:  # the partial sums: each product rounded, then added (launched with enable_fp_fusion=False)
         assert "fma." not in ptx, fn.__name__

@@ -9,5 +9,7 @@
   transport rounding (CPU; no GPU needed);
 * :mod:`.host_glue` - host microseconds of the four public EP calls over a loopback heap (no NVSHMEM; on CPU under
   the interpreter with the kernels stubbed out, also as rank 0 of a world of N whose peers are the process itself -
-  the pull and push paths -, or on a GPU with one rank).
+  the pull and push paths -, or on a GPU with one rank);
+* :mod:`.kernel_report` - registers, spills, barriers and load / store widths of the EP data kernels compiled for
+  sm_90 as the backend launches them (CPU; no GPU needed).
 """
