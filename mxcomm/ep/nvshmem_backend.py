@@ -111,6 +111,21 @@ class LaunchConfig:
             if f.name.endswith("_warps") and (v > 32 or v & (v - 1)):
                 raise ValueError(f"LaunchConfig.{f.name} must be a power of two <= 32, got {v}")
 
+    def row_chunk(self, H: int, weighted: bool = False) -> int:
+        """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot, as in
+        pull_weighted_kernel too)."""
+        return _qdq_chunk(H, self.qdq_chunk) if weighted else min(self.dispatch_chunk, next_pow2(H))
+
+    def partials_row_chunk(self, H: int) -> int:
+        """Row chunk (values) of combine_partials_kernel."""
+        return min(self.partials_chunk, next_pow2(H))
+
+    def reduce_row_chunk(self, H: int, own: bool, mx: bool) -> int:
+        """Row chunk of combine_reduce_kernel: ``own and mx`` quantizes every slot (compute-bound), the others read."""
+        if own and mx:
+            return _qdq_chunk(H, self.qdq_chunk)
+        return min(self.reduce_mx_chunk if mx else self.reduce_chunk, next_pow2(H))
+
 
 class NvshmemBackend:
     """GPU backend over NVSHMEM symmetric buffers (see module doc). Built by ``EPGroup``.
@@ -248,22 +263,6 @@ class NvshmemBackend:
     def dispatch_warps(self, weighted: bool) -> int:
         """Warps per program of dispatch_kernel (``weighted``: combine backward's per-slot quantization)."""
         return self.launch.weighted_warps if weighted else self.launch.dispatch_warps
-
-    def chunk(self, H: int, weighted: bool = False) -> int:
-        """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot)."""
-        if weighted:
-            return _qdq_chunk(H, self.launch.qdq_chunk)
-        return min(self.launch.dispatch_chunk, next_pow2(H))
-
-    def partials_chunk(self, H: int) -> int:
-        """Row chunk (values) of combine_partials_kernel."""
-        return min(self.launch.partials_chunk, next_pow2(H))
-
-    def _reduce_chunk(self, H: int, own: bool, mx: bool) -> int:
-        """Row chunk of combine_reduce_kernel: ``own and mx`` quantizes every slot (compute-bound), the others read."""
-        if own and mx:
-            return _qdq_chunk(H, self.launch.qdq_chunk)
-        return min(self.launch.reduce_mx_chunk if mx else self.launch.reduce_chunk, next_pow2(H))
 
     def _reduce_grid(self, T: int, H: int, chunk: int) -> tuple:
         """Grid of combine_reduce_kernel for ``T > 0`` tokens: up to ``dispatch_programs`` programs over the tokens;
@@ -599,7 +598,7 @@ class NvshmemBackend:
             self.impl.send_partials(payload, in_scales, handle, mx, passthrough, weighted=w is not None)
         if T:
             comb = (None, None) if own else self.comb
-            chunk = self._reduce_chunk(H, own, mx)
+            chunk = self.launch.reduce_row_chunk(H, own, mx)
             fast_kernel(combine_reduce_kernel)[self._reduce_grid(T, H, chunk)](
                 payload if own else (comb[0].local if mx else comb[0].local.view(torch.bfloat16)),
                 in_scales if own else comb[1].local, plan.send_pos, plan.dest_rank, self.err if w is None else w, y,

@@ -174,9 +174,10 @@ class EnginePath:
         st = handle.backend_state
         fast_kernel(combine_partials_kernel)[(e.programs,)](
             payload, in_scales, st.table, st.origins.pos, self.w_local, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank,
-            e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, H=H, K=e.config.topk, CHUNK=e.partials_chunk(H),
-            MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=e.mode_id, INT_ROUND=e.int_round, STAGED=staged,
-            ROWS=e.launch.partials_rows, num_warps=e.launch.weighted_warps, enable_fp_fusion=False,
+            e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, H=H, K=e.config.topk,
+            CHUNK=e.launch.partials_row_chunk(H), MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=e.mode_id,
+            INT_ROUND=e.int_round, STAGED=staged, ROWS=e.launch.partials_rows, num_warps=e.launch.weighted_warps,
+            enable_fp_fusion=False,
         )
 
     # -- combine backward (the dispatch direction) -------------------------------------------
@@ -195,7 +196,7 @@ class EnginePath:
         fast_kernel(pack_rows_kernel)[(min(T, e.dispatch_programs),)](
             self.x_slot if g is None else g, T, q, self.send_s.local if mx else e.err, e.d_epoch, T_max,
             T_max * 2 * H if mx else T_max * H, e.err if w is None else w, self.send_w.local,
-            H=H, CHUNK=e.chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, X_SLOT=g is None,
+            H=H, CHUNK=e.launch.row_chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, X_SLOT=g is None,
             K=k, K_POW2=next_pow2(k), WEIGHTS=w is not None, num_warps=e.launch.dispatch_warps,
         )
 
@@ -226,7 +227,8 @@ class EnginePath:
             out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
             self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, self.g_copy, self.w_copy,
             expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
-            H=H, CHUNK=e.chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
+            H=H, CHUNK=e.launch.row_chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id,
+            INT_ROUND=e.int_round,
             ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=self.gw_arrive,
             num_warps=e.dispatch_warps(True),
         )
@@ -328,7 +330,7 @@ class LocalPath(EnginePath):
             fast_kernel(dispatch_kernel)[(e.dispatch_programs,)](
                 x, T, plan.dest_rank, plan.dest_row, out if mx else out.view(torch.bfloat16), self.recv_s.peer_ptrs,
                 e.flags.peer_ptrs, 0, 1, w, plan.offs, plan.expert_counts, plan.num_rows, R, e.El, H=H,
-                K=e.config.topk, CHUNK=e.chunk(H, weighted), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
+                K=e.config.topk, CHUNK=e.launch.row_chunk(H, weighted), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
                 WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True, num_warps=e.dispatch_warps(weighted),
             )
         return out
@@ -465,7 +467,7 @@ class PushPath(EnginePath):
         T, H = x.shape
         fast_kernel(kernel)[(e.sender_programs,)](
             x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, x,
-            plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.chunk(H),
+            plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.launch.row_chunk(H),
             MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=False, ARRIVE=arrive,
             num_warps=e.dispatch_warps(False),
         )

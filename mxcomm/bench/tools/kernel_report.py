@@ -92,7 +92,9 @@ def memory_widths(ptx: str) -> tuple[dict, dict]:
 
 def _resources(cubin: bytes) -> tuple[Optional[int], Optional[int]]:
     """``(registers, local bytes)`` of the cubin's kernel, or ``(None, None)`` without ``cuobjdump``."""
-    tool = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     exe = str(tool) if tool.exists() else shutil.which("cuobjdump")
     if exe is None:
         return None, None
@@ -106,10 +108,10 @@ def _resources(cubin: bytes) -> tuple[Optional[int], Optional[int]]:
 
 def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     """The kernel variants the nvshmem backend launches for hidden ``H``, top-``K`` of ``E`` experts and ``W`` ranks,
-    with the default
-    launch settings (mirroring the launch sites in :mod:`mxcomm.ep.nvshmem_paths` and
-    :mod:`mxcomm.ep.nvshmem_backend`)."""
-    from mxcomm.ep.nvshmem_backend import LaunchConfig, _qdq_chunk
+    with the default launch settings: chunks from the :class:`LaunchConfig` methods the backend calls; the constexprs
+    of each launch site in :mod:`mxcomm.ep.nvshmem_paths` and :mod:`mxcomm.ep.nvshmem_backend` (the gather's and the
+    zeroing chunks, the scale layout's tiles of ``NvshmemBackend._grouped_scales``) written out here."""
+    from mxcomm.ep.nvshmem_backend import LaunchConfig
     from mxcomm.ep.nvshmem_paths import PUSH_BLOCK
     from mxcomm.ep.plan import pull_entry_words
     from mxcomm.kernels.launch import next_pow2
@@ -117,14 +119,14 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     L = LaunchConfig()
     C, words = H // 32, H // 8
     i32, i64, u8, bf16, f32 = "*i32", "*i64", "*u8", "*bf16", "*fp32"
-    row_chunk, qdq = min(L.dispatch_chunk, next_pow2(H)), _qdq_chunk(H, L.qdq_chunk)
+    row_chunk, qdq = L.row_chunk(H), L.row_chunk(H, weighted=True)
     disp = dict(x_ptr=bf16, dest_rank_ptr=i32, dest_row_ptr=i32, q_peers=u8, s_peers=i64, flags_peers=i64, w_ptr=f32,
                 offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32)
     local = dict(H=H, K=K, MX=True, MODE=0, INT_ROUND=False, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True)
     pack = dict(x_ptr=i64, send_q_ptr=u8, send_s_ptr=u8, epoch_ptr=i64, w_ptr=f32, send_w_ptr=f32)
     part = dict(out_ptr=bf16, out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptrs=i64, q_peers=i64, s_peers=i64,
                 flags_peers=i64, epoch_ptr=i64)
-    pconst = dict(H=H, K=K, CHUNK=min(L.partials_chunk, next_pow2(H)), MODE=0, INT_ROUND=False, STAGED=False,
+    pconst = dict(H=H, K=K, CHUNK=L.partials_row_chunk(H), MODE=0, INT_ROUND=False, STAGED=False,
                   ROWS=L.partials_rows)
     red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_ptr=f32, y_ptr=bf16,
                epoch_ptr=i64, dest_row_ptr=i32, own_ptr=bf16, own_s_ptr=u8)
@@ -162,13 +164,14 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
         Variant("partials, BF16 transport", "combine_partials_kernel", part,
                 dict(pconst, MX=False, PASS=False, WEIGHTED=True), L.weighted_warps, False),
         Variant("reduce, MX partials", "combine_reduce_kernel", red,
-                dict(rconst, P=min(K, W), CHUNK=min(L.reduce_mx_chunk, next_pow2(H)), MX=True, OWN=False,
+                dict(rconst, P=min(K, W), CHUNK=L.reduce_row_chunk(H, False, True), MX=True, OWN=False,
                      OWN_PASS=False, WEIGHTED=True), L.reduce_warps, False),
         Variant("reduce, BF16 partials", "combine_reduce_kernel", dict(red, comb_q_ptr=bf16),
-                dict(rconst, P=min(K, W), CHUNK=min(L.reduce_chunk, next_pow2(H)), MX=False, OWN=False,
+                dict(rconst, P=min(K, W), CHUNK=L.reduce_row_chunk(H, False, False), MX=False, OWN=False,
                      OWN_PASS=False, WEIGHTED=True), L.reduce_warps, False),
         Variant("reduce, one rank (MX rounding)", "combine_reduce_kernel", red,
-                dict(rconst, P=K, CHUNK=qdq, MX=True, OWN=True, OWN_PASS=False, WEIGHTED=True), 4, False),
+                dict(rconst, P=K, CHUNK=L.reduce_row_chunk(H, True, True), MX=True, OWN=True, OWN_PASS=False,
+                     WEIGHTED=True), 4, False),
         Variant("weighted rows + route grad", "pull_weighted_kernel", weighted,
                 dict(H=H, CHUNK=qdq, K=K, K_POW2=next_pow2(K), MX=True, MODE=0, INT_ROUND=False,
                      ZCHUNK=min(512, next_pow2(words)), ROUTE_GRAD=True, ARRIVE=True), L.weighted_warps),
