@@ -12,15 +12,16 @@ slots), through a table ``hist [blocks, E + 1]`` (key = expert id, ``E`` for a d
       and each key's count in the block (atomics into the block's own row: no contention);
    b. :func:`slot_scan_kernel` (one program per ``_SCAN_KEYS`` keys): per key, the counts become the count in
       the lower blocks, and the key's total is this rank's count for that expert.
-2. :func:`plan_tables_kernel` (one program): every per-expert and per-source table from the exchanged counts
-   matrix ``[W, E]``, held as a ``[W_src, W_dst, El]`` tile (cumulative sums along each axis).
-3. :func:`slot_place_kernel` (one program per block): each slot's occurrence index among the slots of its key
-   in ``(t, j)`` order (lower blocks + its rank in the block: a ``[BLOCK, BLOCK]`` comparison), hence its send
-   position, destination rank/row, and ``send_order``.
-4. :func:`row_origins_kernel`: for each expert-major receive row, its origin rank and position in that
-   origin's send order (-1 for padding rows and rows past the last group).
+2. :func:`plan_kernel` (after the exchange, one launch): every program derives the per-expert and per-source tables
+   from the exchanged counts matrix ``[W, E]``, held as a ``[W_src, W_dst, El]`` tile (cumulative sums along each
+   axis); program 0 writes them; one group of programs places the slots, block by block (each slot's occurrence
+   index among the slots of its key in ``(t, j)`` order: lower blocks + its rank in the block, a ``[BLOCK, BLOCK]``
+   comparison; hence its send position, destination rank/row, and ``send_order``); the other writes the row
+   origins (for each expert-major receive row, its origin rank and position in that origin's send order; -1 for
+   padding rows and rows past the last group). Deriving the tables in every program (a few thousand values) costs
+   less than the launch and the wait a separate tables kernel would put between them.
 
-:func:`triton_plan` runs 2-4 (and 1 without the check when it is not given step 1's table).
+:func:`triton_plan` runs 2 (and 1 without the check when it is not given step 1's table).
 
 Sizes: the tables tile holds ``W_POW2^2 * El_POW2`` values; :func:`fits` says whether a config fits
 (``MAX_TABLE``); callers use the torch plan otherwise.
@@ -37,12 +38,16 @@ import triton.language as tl
 from ..kernels.launch import cdiv, fast_kernel, next_pow2
 from .plan import RoutingPlan
 
-MAX_TABLE = 16384  # W_POW2 * W_POW2 * El_POW2 held by the one-program tables kernel
+MAX_TABLE = 16384  # W_POW2 * W_POW2 * El_POW2: the counts tile every program of plan_kernel holds
 # slot kernels (H200, T=8192, k=8, E=256: 512 blocks; 64-256 within 10%): slots per block (rounded down to whole
 # tokens), a [128, 128] comparison tile in slot_place_kernel; slot_scan_kernel's tile, blocks x keys (2K values:
 # no spills)
 _SLOT_BLOCK = 128
 _SCAN_ROWS, _SCAN_KEYS = 256, 8
+# plan_kernel: rows per block of the row-origin maps; most programs of each of its two groups (each loops over its
+# blocks; every program first derives the tables from the counts)
+_ORIGIN_ROWS = 128
+_MAX_PROGRAMS = 512
 
 
 def tokens_per_block(k: int) -> int:
@@ -58,79 +63,6 @@ def slot_blocks(T: int, k: int) -> int:
 def fits(world: int, num_experts: int) -> bool:
     """True when the tables of ``world`` ranks x ``num_experts`` experts fit the one-program kernel."""
     return next_pow2(world) ** 2 * next_pow2(num_experts // world) <= MAX_TABLE
-
-
-@triton.jit
-def plan_tables_kernel(counts_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, me, align, W, El,
-                       W_POW2: tl.constexpr, EL_POW2: tl.constexpr):
-    """Per-expert and per-source tables of the plan from ``counts [W, E]`` (int32, E = W * El).
-
-    Writes (int32): ``tab [2, E]``: row base of this rank's rows in the expert's group on its rank, and
-    this rank's send position base (per global expert);
-    ``recv [El + 2W + 4]``: offs [El], expert_counts [El] ... see :func:`triton_plan`;
-    ``srp [W, El]`` src_row_start; ``ssp [W, El]`` src_send_pos.
-    """
-    s = tl.arange(0, W_POW2)[:, None, None]   # source rank
-    d = tl.arange(0, W_POW2)[None, :, None]   # destination rank
-    lo = tl.arange(0, EL_POW2)[None, None, :]  # local expert on d
-    E = W * El
-    ok = (s < W) & (d < W) & (lo < El)
-    c = tl.load(counts_ptr + s * E + d * El + lo, mask=ok, other=0)                 # [Ws, Wd, El]
-    n = tl.sum(c, axis=0)                                                            # [Wd, El] rows per expert
-    p = (n + align - 1) // align * align                                             # padded group rows
-    gstart = tl.cumsum(p, axis=1) - p                                                # group start on rank d
-    src_excl = tl.cumsum(c, axis=0) - c                                              # rows of lower sources
-    # send_excl[s, d, l]: rows s sends to experts before (d, l) in global expert order
-    blk = tl.sum(c, axis=2)                                                          # [Ws, Wd]
-    blk_excl = tl.cumsum(blk, axis=1) - blk
-    send_excl = blk_excl[:, :, None] + tl.cumsum(c, axis=2) - c
-    mine = s == me                                                                   # [Ws, 1, 1]
-    my_src_excl = tl.sum(tl.where(mine, src_excl, 0), axis=0)                        # [Wd, El]
-    my_send_excl = tl.sum(tl.where(mine, send_excl, 0), axis=0)
-    d2 = tl.arange(0, W_POW2)[:, None]
-    l2 = tl.arange(0, EL_POW2)[None, :]
-    ok2 = (d2 < W) & (l2 < El)
-    e2 = d2 * El + l2
-    tl.store(tab_ptr + 0 * E + e2, gstart + my_src_excl, mask=ok2)
-    tl.store(tab_ptr + 1 * E + e2, my_send_excl, mask=ok2)
-    # receive side: my local experts (d == me)
-    dme = d2 == me                                                                   # [Wd, 1]
-    p_me = tl.sum(tl.where(dme, p, 0), axis=0)                                       # [El]
-    n_me = tl.sum(tl.where(dme, n, 0), axis=0)
-    offs = tl.cumsum(p_me, axis=0)
-    l1 = tl.arange(0, EL_POW2)
-    lm = l1 < El
-    tl.store(recv_ptr + l1, offs, mask=lm)
-    tl.store(recv_ptr + El + l1, n_me, mask=lm)
-    dsel = d == me                                                                   # [1, Wd, 1]
-    c_to_me = tl.sum(tl.where(dsel, c, 0), axis=1)                                   # [Ws, El]
-    srcx_me = tl.sum(tl.where(dsel, src_excl, 0), axis=1)
-    sendx_me = tl.sum(tl.where(dsel, send_excl, 0), axis=1)
-    s2 = tl.arange(0, W_POW2)[:, None]
-    oks = (s2 < W) & (l2 < El)
-    tl.store(srp_ptr + s2 * El + l2, (offs - p_me)[None, :] + srcx_me, mask=oks)
-    tl.store(ssp_ptr + s2 * El + l2, sendx_me, mask=oks)
-    w1 = tl.arange(0, W_POW2)
-    wm = w1 < W
-    recv_splits = tl.sum(c_to_me, axis=1)                                            # [Ws]
-    send_splits = tl.sum(tl.sum(tl.where(mine, c, 0), axis=0), axis=1)               # [Wd]
-    tl.store(recv_ptr + 2 * El + w1, recv_splits, mask=wm)
-    tl.store(recv_ptr + 2 * El + W + w1, send_splits, mask=wm)
-    tail = recv_ptr + 2 * El + 2 * W
-    tl.store(tail + 0, tl.sum(tl.where(lm, p_me, 0), axis=0))  # num_rows (= offs[-1])
-    tl.store(tail + 1, tl.sum(recv_splits, axis=0))             # num_recv
-    tl.store(tail + 2, tl.sum(send_splits, axis=0))             # num_send
-
-
-@triton.jit
-def _block_slots(idx_ptr, n_slots, E, S: tl.constexpr, S_POW2: tl.constexpr):
-    """The slots of program ``b``'s block ``[b*S, (b+1)*S)``: ``(sl, inb, key)``, each ``[S_POW2]``;
-    key: the (checked) expert id, ``E`` for a dropped slot (id < 0)."""
-    i = tl.arange(0, S_POW2)
-    sl = tl.program_id(0) * S + i
-    inb = (i < S) & (sl < n_slots)
-    key = tl.load(idx_ptr + sl, mask=inb, other=-1)
-    return sl, inb, tl.where(key < 0, E, key)
 
 
 @triton.jit
@@ -193,55 +125,196 @@ def slot_scan_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, BLOCK_B: tl.constex
 
 
 @triton.jit
-def slot_place_kernel(idx_ptr, pre_ptr, tab_ptr, recv_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr, order_ptr,
-                      n_slots, E, El, W, S: tl.constexpr, S_POW2: tl.constexpr):
-    """Per block of ``S`` slots (``TOK * k``: the blocks of :func:`slot_check_hist_kernel`; grid its grid): each
-    slot's occurrence index among the slots of its key in ``(t, j)`` order = its key's count in the lower blocks
-    (``pre`` int32 ``[num_blocks, E + 1]``, :func:`slot_scan_kernel`) + its rank in the block; from it and the
-    tables: send position, destination rank and row (int32 ``[T*k]`` each, -1 for a dropped slot) and its entry of
-    ``send_order`` (dropped slots after the ``num_send`` sent ones). idx_ptr: the checked int32 ids ``[T*k]``."""
-    sl, inb, key = _block_slots(idx_ptr, n_slots, E, S, S_POW2)
-    i = tl.arange(0, S_POW2)
-    same = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])               # [S_POW2, S_POW2]
-    rank = tl.sum(same.to(tl.int32), axis=1)                                         # same key, earlier
-    occ = tl.load(pre_ptr + tl.program_id(0) * (E + 1) + key, mask=inb, other=0) + rank
-    dropped = key == E
-    ok = inb & ~dropped
-    dst_base = tl.load(tab_ptr + 0 * E + key, mask=ok, other=0)
-    send_base = tl.load(tab_ptr + 1 * E + key, mask=ok, other=0)
-    num_send = tl.load(recv_ptr + 2 * El + 2 * W + 2)
-    order = tl.where(dropped, num_send, send_base) + occ
-    # (always inside [0, n_slots) when pre and the tables come from these ids; the mask keeps a warm-up run on other
-    # ids from writing outside the order table)
-    tl.store(order_ptr + order, sl, mask=inb & (order >= 0) & (order < n_slots))
-    tl.store(dest_rank_ptr + sl, tl.where(dropped, -1, key // El), mask=inb)
-    tl.store(dest_row_ptr + sl, tl.where(dropped, -1, dst_base + occ), mask=inb)
-    tl.store(send_pos_ptr + sl, tl.where(dropped, -1, send_base + occ), mask=inb)
+def _counts_tile(counts_ptr, c_stride, W, El, W_POW2: tl.constexpr, EL_POW2: tl.constexpr):
+    """The counts matrix as a ``[W_src, W_dst, El]`` tile (zeros outside ``W x W x El``): ``c[s, d, l]`` = rows
+    source ``s`` sends to local expert ``l`` of rank ``d`` (``counts[s, d * El + l]``, rows ``c_stride`` apart)."""
+    s = tl.arange(0, W_POW2)[:, None, None]
+    d = tl.arange(0, W_POW2)[None, :, None]
+    lo = tl.arange(0, EL_POW2)[None, None, :]
+    ok = (s < W) & (d < W) & (lo < El)
+    return tl.load(counts_ptr + s * c_stride + d * El + lo, mask=ok, other=0)
 
 
 @triton.jit
-def row_origins_kernel(recv_ptr, srp_ptr, ssp_ptr, counts_ptr, src_ptr, pos_ptr, n_rows, me, E, El, W,
-                       BLOCK: tl.constexpr, EL_POW2: tl.constexpr, W_POW2: tl.constexpr):
-    """For each receive row ``r < n_rows``: origin rank and position in its send order (-1 = padding or
-    past the last group). One program per ``BLOCK`` rows; groups and source blocks found by comparison."""
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    rin = r < n_rows
+def _send_excl(c):
+    """``[Ws, Wd, El]``: rows source ``s`` sends to experts before ``(d, l)`` in global expert order."""
+    blk = tl.sum(c, axis=2)                                                          # [Ws, Wd]
+    return (tl.cumsum(blk, axis=1) - blk)[:, :, None] + tl.cumsum(c, axis=2) - c
+
+
+@triton.jit
+def _send_tables(c, me, align, W_POW2: tl.constexpr):
+    """Sender tables of rank ``me`` from the counts tile ``c`` ``[Ws, Wd, El]``: ``(dst_base, send_base)``, each
+    ``[Wd, El]`` - the first row of ``me``'s rows in each expert's group on its rank, and ``me``'s send position
+    base per expert (rows ``me`` sends to experts before it in global order)."""
+    mine = tl.arange(0, W_POW2)[:, None, None] == me                                # [Ws, 1, 1]
+    n = tl.sum(c, axis=0)                                                            # [Wd, El] rows per expert
+    p = (n + align - 1) // align * align                                             # padded group rows
+    gstart = tl.cumsum(p, axis=1) - p                                                # group start on rank d
+    src_excl = tl.cumsum(c, axis=0) - c                                              # rows of lower sources
+    return (gstart + tl.sum(tl.where(mine, src_excl, 0), axis=0),
+            tl.sum(tl.where(mine, _send_excl(c), 0), axis=0))
+
+
+@triton.jit
+def _recv_tables(c, me, align, W_POW2: tl.constexpr):
+    """Receiver tables of rank ``me`` from the counts tile ``c`` ``[Ws, Wd, El]``: ``(offs, rows_me, c_me, srp,
+    ssp)`` - group ends ``[El]`` (padded), rows per local expert ``[El]``, and per (source, local expert) ``[Ws,
+    El]``: rows received, src_row_start, src_send_pos."""
+    dsel = tl.arange(0, W_POW2)[None, :, None] == me                                # [1, Wd, 1]
+    c_me = tl.sum(tl.where(dsel, c, 0), axis=1)                                      # [Ws, El]
+    n_me = tl.sum(c_me, axis=0)                                                      # [El]
+    p_me = (n_me + align - 1) // align * align
+    offs = tl.cumsum(p_me, axis=0)
+    srp = (offs - p_me)[None, :] + tl.cumsum(c_me, axis=0) - c_me
+    return offs, n_me, c_me, srp, tl.sum(tl.where(dsel, _send_excl(c), 0), axis=1)
+
+
+@triton.jit
+def _flat(t, N: tl.constexpr):
+    """A 2-D tile as its ``N`` values in row-major order (what ``tl.gather`` indexes)."""
+    return tl.reshape(t, (N,))
+
+
+@triton.jit
+def _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, me, align, W, El,
+                  W_POW2: tl.constexpr, EL_POW2: tl.constexpr):
+    """Every table of the plan into its tensor (see :func:`plan_kernel`)."""
+    E = W * El
+    dst_base, send_base = _send_tables(c, me, align, W_POW2)
+    offs, n_me, c_me, srp, ssp = _recv_tables(c, me, align, W_POW2)
+    w2 = tl.arange(0, W_POW2)[:, None]
+    l2 = tl.arange(0, EL_POW2)[None, :]
+    ok2 = (w2 < W) & (l2 < El)
+    tl.store(tab_ptr + 0 * E + w2 * El + l2, dst_base, mask=ok2)
+    tl.store(tab_ptr + 1 * E + w2 * El + l2, send_base, mask=ok2)
+    tl.store(srp_ptr + w2 * El + l2, srp, mask=ok2)
+    tl.store(ssp_ptr + w2 * El + l2, ssp, mask=ok2)
+    s3 = tl.arange(0, W_POW2)[:, None, None]
+    d3 = tl.arange(0, W_POW2)[None, :, None]
+    l3 = tl.arange(0, EL_POW2)[None, None, :]
+    tl.store(cnt_ptr + s3 * E + d3 * El + l3, c, mask=(s3 < W) & (d3 < W) & (l3 < El))
     l1 = tl.arange(0, EL_POW2)
-    offs = tl.load(recv_ptr + l1, mask=l1 < El, other=2147483647)                    # [El] group ends
-    g = tl.sum((offs[None, :] <= r[:, None]).to(tl.int32), axis=1)                   # group of row r
-    in_group = rin & (g < El)
-    gc = tl.minimum(g, El - 1)
+    lm = l1 < El
+    tl.store(recv_ptr + l1, offs, mask=lm)
+    tl.store(recv_ptr + El + l1, n_me, mask=lm)
     w1 = tl.arange(0, W_POW2)
-    wm = (w1 < W)[None, :]
-    start = tl.load(srp_ptr + w1[None, :] * El + gc[:, None], mask=wm, other=0)      # [B, W] block starts
-    cnt = tl.load(counts_ptr + w1[None, :] * E + me * El + gc[:, None], mask=wm, other=0)
-    inside = wm & (r[:, None] >= start) & (r[:, None] < start + cnt)                  # at most one source
+    wm = w1 < W
+    recv_splits = tl.sum(c_me, axis=1)                                               # [Ws]
+    send_splits = tl.sum(tl.sum(tl.where(s3 == me, c, 0), axis=0), axis=1)           # [Wd]
+    tl.store(recv_ptr + 2 * El + w1, recv_splits, mask=wm)
+    tl.store(recv_ptr + 2 * El + W + w1, send_splits, mask=wm)
+    tail = recv_ptr + 2 * El + 2 * W
+    tl.store(tail + 0, tl.max(tl.where(lm, offs, 0), axis=0))                       # num_rows (= offs[-1])
+    tl.store(tail + 1, tl.sum(recv_splits, axis=0))                                  # num_recv
+    tl.store(tail + 2, tl.sum(send_splits, axis=0))                                  # num_send
+
+
+@triton.jit
+def _place_slots(dst_base, send_base, num_send, idx_ptr, pre_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr,
+                 order_ptr, b, n_slots, E, El, EL_POW2: tl.constexpr, S: tl.constexpr, S_POW2: tl.constexpr):
+    """Block ``b`` of ``S`` slots: each slot's occurrence index among the slots of its key in ``(t, j)`` order (its
+    key's count in the lower blocks, ``pre``, + its rank in the block: a ``[S, S]`` comparison), hence its send
+    position, destination rank and row, and its entry of ``send_order`` (dropped slots after the ``num_send`` sent
+    ones). ``dst_base`` / ``send_base``: :func:`_send_tables`' tiles, flat (``d * EL_POW2 + l``)."""
+    i = tl.arange(0, S_POW2)
+    sl = b * S + i
+    inb = (i < S) & (sl < n_slots)
+    key = tl.load(idx_ptr + sl, mask=inb, other=-1)
+    key = tl.where(key < 0, E, key)                                                  # E: a dropped slot
+    same = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])               # [S_POW2, S_POW2]
+    occ = tl.load(pre_ptr + b * (E + 1) + key, mask=inb, other=0) + tl.sum(same.to(tl.int32), axis=1)
+    dropped = key == E
+    kk = tl.where(inb & ~dropped, key, 0)
+    at = kk // El * EL_POW2 + kk % El                                                # (rank, local expert) in a tile
+    dst = tl.gather(dst_base, at, 0)
+    snd = tl.gather(send_base, at, 0)
+    order = tl.where(dropped, num_send, snd) + occ
+    # (always inside [0, n_slots) when pre and the counts come from these ids; the mask keeps a warm-up run on other
+    # ids from writing outside the order table)
+    tl.store(order_ptr + order, sl, mask=inb & (order >= 0) & (order < n_slots))
+    tl.store(dest_rank_ptr + sl, tl.where(dropped, -1, key // El), mask=inb)
+    tl.store(dest_row_ptr + sl, tl.where(dropped, -1, dst + occ), mask=inb)
+    tl.store(send_pos_ptr + sl, tl.where(dropped, -1, snd + occ), mask=inb)
+
+
+@triton.jit
+def _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W,
+                 W_POW2: tl.constexpr, EL_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows ``[rb * BLOCK, (rb + 1) * BLOCK)`` of the row-origin maps: each receive row's origin rank and position
+    in that origin's send order (-1 for padding rows and rows past the last group). ``offs``, ``c_me``, ``srp``,
+    ``ssp``: :func:`_recv_tables`' (the last three flat, ``s * EL_POW2 + l``)."""
+    r = rb * BLOCK + tl.arange(0, BLOCK)
+    rin = r < n_rows
+    # group of row r: how many group ends are <= r, by a binary search over the ascending ends (it counts up to
+    # EL_POW2 - 1: a row past the last group then gets group El - 1 or El, and lies in none of its source blocks)
+    ends = tl.where(tl.arange(0, EL_POW2) < El, offs, 2147483647)
+    g = tl.zeros((BLOCK,), tl.int32)
+    for i in tl.static_range(1, 31):
+        if (EL_POW2 >> i) > 0:
+            g += tl.where(tl.gather(ends, g + ((EL_POW2 >> i) - 1), 0) <= r, EL_POW2 >> i, 0)
+    in_group = rin & (g < El)
+    w1 = tl.arange(0, W_POW2)
+    at = _flat(w1[None, :] * EL_POW2 + tl.minimum(g, El - 1)[:, None], BLOCK * W_POW2)  # [B, W] (source, group)
+    start = tl.reshape(tl.gather(srp, at, 0), (BLOCK, W_POW2))
+    cnt = tl.reshape(tl.gather(c_me, at, 0), (BLOCK, W_POW2))
+    sp = tl.reshape(tl.gather(ssp, at, 0), (BLOCK, W_POW2))
+    inside = (w1 < W)[None, :] & (r[:, None] >= start) & (r[:, None] < start + cnt)  # at most one source
     real = in_group & (tl.sum(inside.to(tl.int32), axis=1) > 0)
     s = tl.sum(tl.where(inside, w1[None, :], 0), axis=1)
-    sp = tl.load(ssp_ptr + w1[None, :] * El + gc[:, None], mask=wm, other=0)
     pos = tl.sum(tl.where(inside, sp + r[:, None] - start, 0), axis=1)
     tl.store(src_ptr + r, tl.where(real, s, -1), mask=rin)
     tl.store(pos_ptr + r, tl.where(real, pos, -1), mask=rin)
+
+
+@triton.jit
+def plan_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr,
+                dest_rank_ptr, dest_row_ptr, send_pos_ptr, order_ptr, src_ptr, pos_ptr,
+                n_slots, n_rows, slot_programs, me, align, W, El,
+                W_POW2: tl.constexpr, EL_POW2: tl.constexpr, S: tl.constexpr, S_POW2: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """The routing plan of rank ``me`` after the counts exchange, in one launch. Every program loads the counts
+    matrix ``[W, E]`` (int32, rows ``c_stride`` apart, ``E = W * El``) as a ``[W_src, W_dst, El]`` tile and derives
+    the tables it needs from it (cumulative sums along each axis; the same values in every program), so no program
+    waits for another:
+
+    * program 0 also writes the tables (int32): ``cnt [W, E]`` a copy of the counts; ``tab [2, E]`` per global
+      expert the first row of this rank's rows in the expert's group on its rank, and this rank's send position
+      base; ``recv [2 El + 2 W + 3]``: offs, expert_counts, recv_splits, send_splits, num_rows, num_recv, num_send;
+      ``srp`` / ``ssp`` ``[W, El]`` src_row_start / src_send_pos (the fields of :func:`triton_plan`'s plan);
+    * programs ``[0, slot_programs)`` place the slots, over blocks of ``S`` slots (those of
+      :func:`slot_check_hist_kernel`; ``pre`` its scanned table ``[blocks, E + 1]``, ``idx`` the checked ids
+      ``[n_slots]``): ``dest_rank``, ``dest_row``, ``send_pos`` ``[n_slots]`` (-1 for a dropped slot) and
+      ``order [n_slots]``;
+    * the other programs write the row-origin maps ``src`` / ``pos`` ``[n_rows]`` over blocks of ``BLOCK`` rows.
+
+    Grid: ``max(1, slot_programs + origin programs)``; both groups loop over their blocks.
+    """
+    pid = tl.program_id(0)
+    c = _counts_tile(counts_ptr, c_stride, W, El, W_POW2, EL_POW2)
+    if pid == 0:
+        _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, me, align, W, El, W_POW2, EL_POW2)
+    N: tl.constexpr = W_POW2 * EL_POW2
+    if pid < slot_programs:
+        dst_base, send_base = _send_tables(c, me, align, W_POW2)
+        dst_base = _flat(dst_base, N)
+        send_base = _flat(send_base, N)
+        num_send = tl.sum(tl.where(tl.arange(0, W_POW2)[:, None, None] == me, c, 0))
+        b = pid
+        while b * S < n_slots:
+            _place_slots(dst_base, send_base, num_send, idx_ptr, pre_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr,
+                         order_ptr, b, n_slots, W * El, El, EL_POW2, S, S_POW2)
+            b += slot_programs
+    else:
+        offs, n_me, c_me, srp, ssp = _recv_tables(c, me, align, W_POW2)
+        c_me = _flat(c_me, N)
+        srp = _flat(srp, N)
+        ssp = _flat(ssp, N)
+        rb = pid - slot_programs
+        step = tl.num_programs(0) - slot_programs
+        while rb * BLOCK < n_rows:
+            _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W, W_POW2, EL_POW2, BLOCK)
+            rb += step
 
 
 @dataclass(frozen=True)
@@ -293,6 +366,30 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
     return CheckedIds(ids=ids, counts=counts, slot_prefix=pre)
 
 
+@dataclass(frozen=True)
+class _Tables:
+    """The int32 tables :func:`plan_kernel`'s program 0 writes (views of one buffer): ``cnt [W, E]``, ``tab [2, E]``,
+    ``recv [2 El + 2 W + 3]``, ``srp`` / ``ssp`` ``[W, El]``."""
+
+    cnt: torch.Tensor
+    tab: torch.Tensor
+    recv: torch.Tensor
+    srp: torch.Tensor
+    ssp: torch.Tensor
+
+    @staticmethod
+    def numel(W: int, E: int) -> int:
+        El = E // W
+        return W * E + 2 * E + 2 * El + 2 * W + 3 + 2 * W * El
+
+    @staticmethod
+    def views(ints: torch.Tensor, W: int, E: int) -> "_Tables":
+        El = E // W
+        sizes = [W * E, 2 * E, 2 * El + 2 * W + 3, W * El, W * El]
+        cnt, tab, recv, srp, ssp = torch.split(ints[:sum(sizes)], sizes)
+        return _Tables(cnt=cnt, tab=tab, recv=recv, srp=srp, ssp=ssp)
+
+
 def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int, n_rows: int,
                 prefix: Optional[torch.Tensor] = None, origins: bool = True) -> dict:
     """The plan with the Triton kernels: ``{"plan": RoutingPlan, "origin_src", "origin_pos"}`` (the row origins
@@ -313,23 +410,13 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
     if n and prefix is None:
         prefix = check_and_count(idx, E, torch.zeros(1, dtype=torch.int64, device=dev), check=False).slot_prefix
     n_orig = n_rows if origins else 0
-    ints = torch.empty(2 * E + 2 * El + 2 * W + 3 + 2 * W * El + 4 * n + 2 * n_orig + W * E,
-                       dtype=torch.int32, device=dev)
-    tab, rest = ints[:2 * E], ints[2 * E:]
-    recv, rest = rest[:2 * El + 2 * W + 3], rest[2 * El + 2 * W + 3:]
-    srp, ssp, rest = rest[:W * El], rest[W * El:2 * W * El], rest[2 * W * El:]
-    slots, rest = rest[:4 * n].view(4, n), rest[4 * n:]
-    osrc, opos, cnt = rest[:n_orig], rest[n_orig:2 * n_orig], rest[2 * n_orig:]
-    cnt.copy_(counts.reshape(-1))
-    fast_kernel(plan_tables_kernel)[(1,)](cnt, tab, recv, srp, ssp, rank, align, W, El, W_POW2=next_pow2(W),
-                                          EL_POW2=next_pow2(El))
-    if n:
-        tok = tokens_per_block(k)
-        fast_kernel(slot_place_kernel)[(slot_blocks(T, k),)](idx, prefix, tab, recv, slots[0], slots[1], slots[2],
-                                                             slots[3], n, E, El, W, S=tok * k,
-                                                             S_POW2=next_pow2(tok * k))
-    if n_orig:
-        _row_origins(recv, srp, ssp, cnt, osrc, opos, rank, E, El, W)
+    ints = torch.empty(_Tables.numel(W, E) + 4 * n + 2 * n_orig, dtype=torch.int32, device=dev)
+    t = _Tables.views(ints, W, E)
+    rest = ints[_Tables.numel(W, E):]
+    slots, osrc, opos = rest[:4 * n].view(4, n), rest[4 * n:4 * n + n_orig], rest[4 * n + n_orig:]
+    _launch_plan(counts, t, rank, align, osrc, opos, idx=idx, prefix=prefix, slots=slots,
+                 n_blocks=slot_blocks(T, k) if n else 0, S=tokens_per_block(k) * k)
+    cnt, tab, recv, srp, ssp = t.cnt, t.tab, t.recv, t.srp, t.ssp
     plan = RoutingPlan(
         rank=rank, world_size=W, num_experts=E, num_local_experts=El, align=align, topk=k, num_tokens=T,
         counts=cnt.view(W, E),
@@ -346,25 +433,40 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
     return out
 
 
-def _row_origins(offs, srp, ssp, counts, osrc, opos, rank, E, El, W) -> None:
-    rb = 128
-    fast_kernel(row_origins_kernel)[(cdiv(osrc.numel(), rb),)](
-        offs, srp, ssp, counts, osrc, opos, osrc.numel(), rank, E, El, W, BLOCK=rb, EL_POW2=next_pow2(El),
-        W_POW2=next_pow2(W))
+def _launch_plan(counts: torch.Tensor, t: _Tables, rank: int, align: int, osrc: torch.Tensor, opos: torch.Tensor, *,
+                 idx: Optional[torch.Tensor] = None, prefix: Optional[torch.Tensor] = None,
+                 slots: Optional[torch.Tensor] = None, n_blocks: int = 0, S: int = 1) -> None:
+    """:func:`plan_kernel`: the tables into ``t``; with ``slots`` (int32 ``[4, n]``: dest_rank, dest_row, send_pos,
+    send_order) the ``n`` slots of ``idx`` over ``n_blocks`` blocks of ``S`` (``prefix``: their scanned table);
+    the ``osrc.numel()`` rows of the row-origin maps ``osrc`` / ``opos``."""
+    W, E = counts.shape
+    El = E // W
+    if counts.stride(1) != 1:
+        counts = counts.contiguous()
+    n_slots = 0 if slots is None else slots.shape[1]
+    if slots is None:
+        slots = osrc.new_empty(4, 0)
+    n_orig = osrc.numel()
+    slot_programs = min(n_blocks, _MAX_PROGRAMS) if n_slots else 0
+    origin_programs = min(cdiv(n_orig, _ORIGIN_ROWS), _MAX_PROGRAMS)
+    w2, el2 = next_pow2(W), next_pow2(El)
+    fast_kernel(plan_kernel)[(max(1, slot_programs + origin_programs),)](
+        counts, counts.stride(0), osrc if idx is None else idx, osrc if prefix is None else prefix, t.cnt, t.tab,
+        t.recv, t.srp, t.ssp, slots[0], slots[1], slots[2], slots[3], osrc, opos, n_slots, n_orig, slot_programs,
+        rank, align, W, El, W_POW2=w2, EL_POW2=el2, S=S, S_POW2=next_pow2(S), BLOCK=_ORIGIN_ROWS,
+        num_warps=4 if w2 * w2 * el2 <= 2048 else 8)
 
 
 def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
     """``{"origin_src", "origin_pos"}`` int32 ``[n_rows]`` of ``plan`` (what :func:`triton_plan` returns with
-    ``origins``), computed from the plan alone by :func:`row_origins_kernel`."""
-    W, E, El = plan.world_size, plan.num_experts, plan.num_local_experts
-    ints = torch.empty(2 * n_rows, dtype=torch.int32, device=plan.offs.device)
-    osrc, opos = ints[:n_rows], ints[n_rows:]
+    ``origins``), computed from the plan's counts matrix by :func:`plan_kernel` (its tables go to scratch)."""
+    W, E = plan.world_size, plan.num_experts
+    ints = torch.empty(2 * n_rows + _Tables.numel(W, E), dtype=torch.int32, device=plan.counts.device)
+    osrc, opos = ints[:n_rows], ints[n_rows:2 * n_rows]
     if n_rows:
-        _row_origins(plan.offs.contiguous(), plan.src_row_start.contiguous(), plan.src_send_pos.contiguous(),
-                     plan.counts.contiguous(), osrc, opos, plan.rank, E, El, W)
+        _launch_plan(plan.counts, _Tables.views(ints[2 * n_rows:], W, E), plan.rank, plan.align, osrc, opos)
     return {"origin_src": osrc, "origin_pos": opos}
 
 
 __all__ = ["triton_plan", "plan_row_origins", "check_and_count", "CheckedIds", "fits", "tokens_per_block", "slot_blocks",
-           "plan_tables_kernel", "slot_check_hist_kernel", "slot_scan_kernel", "slot_place_kernel", "row_origins_kernel",
-           "MAX_TABLE"]
+           "plan_kernel", "slot_check_hist_kernel", "slot_scan_kernel", "MAX_TABLE"]

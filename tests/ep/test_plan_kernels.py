@@ -4,6 +4,7 @@ experts, all tokens on one expert, all slots on one expert, all slots dropped, z
 align 32/128, slots over several blocks of the slot kernels (also with small blocks and scan tiles).
 CPU: Triton interpreter; GPU: the same cases on CUDA plus a DeepSeek-sized one."""
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -95,15 +96,19 @@ STRESS = [  # several slot blocks, T*k mostly not a multiple of the block
 ]
 
 
-@pytest.mark.parametrize("block,scan_rows,scan_keys", [(None, None, None), (16, 32, 64)])
+@pytest.mark.parametrize("block,scan_rows,scan_keys,programs", [(None, None, None, None), (16, 32, 64, 3)])
 @pytest.mark.parametrize("W,E,k,tokens,align,drop_p,mode", STRESS)
-def test_triton_plan_slot_blocks(monkeypatch, W, E, k, tokens, align, drop_p, mode, block, scan_rows, scan_keys):
+def test_triton_plan_slot_blocks(monkeypatch, W, E, k, tokens, align, drop_p, mode, block, scan_rows, scan_keys,
+                                 programs):
     """Slot kernels over many blocks: the default block, and blocks of 16 slots with a scan over 32
-    blocks x 64 keys at a time (several scan steps and key chunks with E = 256)."""
+    blocks x 64 keys at a time (several scan steps and key chunks with E = 256), the plan kernel's two groups
+    at 3 programs each (every program loops over several slot blocks and row blocks of 16 rows)."""
     if block:
         monkeypatch.setattr(pk, "_SLOT_BLOCK", block)
         monkeypatch.setattr(pk, "_SCAN_ROWS", scan_rows)
         monkeypatch.setattr(pk, "_SCAN_KEYS", scan_keys)
+        monkeypatch.setattr(pk, "_MAX_PROGRAMS", programs)
+        monkeypatch.setattr(pk, "_ORIGIN_ROWS", 16)
     counts, idxs = _case(W, E, k, tokens, align, drop_p, mode, seed=W * 10 + E + k + 7)
     R = sum(tokens) * k + (E // W) * align + 3
     bad = []
@@ -112,7 +117,25 @@ def test_triton_plan_slot_blocks(monkeypatch, W, E, k, tokens, align, drop_p, mo
     assert not bad, "\n".join(bad[:20])
 
 
-def test_fits_limits_the_one_program_tables():
+@pytest.mark.parametrize("programs", [None, 2])
+@pytest.mark.parametrize("W,E,k,tokens,align,drop_p,mode", CASES + STRESS[:2])
+def test_plan_row_origins_from_the_plan_alone(monkeypatch, W, E, k, tokens, align, drop_p, mode, programs):
+    """plan_row_origins (the row origins of a kept plan, from its counts) equals the torch row_origins, also with
+    2 programs each looping over row blocks of 16 rows."""
+    if programs:
+        monkeypatch.setattr(pk, "_MAX_PROGRAMS", programs)
+        monkeypatch.setattr(pk, "_ORIGIN_ROWS", 16)
+    counts, idxs = _case(W, E, k, tokens, align, drop_p, mode, seed=W * 7 + E + k)
+    R = sum(tokens) * k + (E // W) * align + 5
+    for rank in range(W):
+        plan = build_plan(counts, idxs[rank], rank, align)
+        want = row_origins(plan, R)
+        got = pk.plan_row_origins(replace(plan, counts=plan.counts.to(torch.int32).to(DEV)), R)
+        assert torch.equal(got["origin_src"].cpu(), want.src), f"rank {rank}: origin ranks"
+        assert torch.equal(got["origin_pos"].cpu(), want.pos), f"rank {rank}: origin positions"
+
+
+def test_fits_limits_the_counts_tile():
     assert pk.fits(8, 256) and pk.fits(64, 256) and not pk.fits(64, 4096)
 
 
@@ -160,13 +183,12 @@ def compile(fn, **consts):
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
 
-compile(pk.plan_tables_kernel, W_POW2=8, EL_POW2=32)
 compile(pk.slot_check_hist_kernel, K=8, K_POW2=8, TOK=16, CHECK=True, ZERO_BLOCK=512)
 compile(pk.slot_check_hist_kernel, K=6, K_POW2=8, TOK=16, CHECK=False, ZERO_BLOCK=512)
 compile(pk.slot_scan_kernel, BLOCK_B=256, BLOCK_K=8)
-compile(pk.slot_place_kernel, S=128, S_POW2=128)
-compile(pk.slot_place_kernel, S=96, S_POW2=128)
-compile(pk.row_origins_kernel, BLOCK=128, EL_POW2=32, W_POW2=8)
+compile(pk.plan_kernel, W_POW2=8, EL_POW2=32, S=128, S_POW2=128, BLOCK=128)
+compile(pk.plan_kernel, W_POW2=4, EL_POW2=64, S=96, S_POW2=128, BLOCK=128)
+compile(pk.plan_kernel, W_POW2=1, EL_POW2=256, S=128, S_POW2=128, BLOCK=128)
 print("ok")
 '''
 

@@ -131,18 +131,20 @@ def make_calls(g, tokens: int, device: torch.device) -> dict[str, Callable[[], o
 
 
 def stub_kernels(rows: int) -> Callable[[], None]:
-    """Make every interpreted kernel launch a no-op, except that the plan-tables kernel writes ``rows`` as the plan's
-    row count (what an exact-size dispatch reads back). Returns the function that undoes it."""
+    """Make every interpreted kernel launch a no-op, except that the plan kernel writes ``rows`` as the plan's row
+    count (what an exact-size dispatch reads back). Returns the function that undoes it."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from mxcomm.ep import plan_kernels
 
     real = InterpretedFunction.run
-    tables = plan_kernels.plan_tables_kernel
+    plan = plan_kernels.plan_kernel
+    names = plan.arg_names
 
     def run(self, *args, grid, warmup, **kwargs):
-        if self is tables:  # (cnt, tab, recv, srp, ssp, rank, align, W, El): recv[2 El + 2 W] is the row count
-            args[2][2 * args[8] + 2 * args[7]] = rows
+        if self is plan:  # recv[2 El + 2 W] is the row count
+            a = dict(zip(names, args))
+            a["recv_ptr"][2 * a["El"] + 2 * a["W"]] = rows
         return None
 
     InterpretedFunction.run = run
