@@ -253,7 +253,8 @@ class NvshmemBackend:
 
     @property
     def push_programs(self) -> int:
-        """Programs of push_entries_kernel (blocks of ``PUSH_BLOCK`` tokens): capped at ``T_max``'s blocks."""
+        """Programs of push_entries_kernel per destination rank (blocks of ``PUSH_BLOCK`` tokens; each signals its
+        destination once): capped at ``T_max``'s blocks."""
         return min(self.sms * self.launch.push_per_sm, cdiv(self.config.max_tokens_per_rank, PUSH_BLOCK))
 
     @property

@@ -295,45 +295,43 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
 def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers, epoch_ptr, me, W, T_max,
                         K: tl.constexpr, EW: tl.constexpr, BLOCK: tl.constexpr):
     """Pull dispatch, sender: for each token ``t`` and each rank ``d`` that receives it, one pull-list entry
-    ``[s, t]`` (``s = me``) on ``d``: ``[tag_lo, tag_hi, row_0, ..., row_{K-1}]`` with ``row_j = dest_row[t, j]``
-    for the slots going to ``d`` and -1 for the others; the tag is the 64-bit dispatch epoch (an entry can never
-    be mistaken for one of another call, however many calls ago it was written). Then add 1 to
-    ``flags[1, me]`` on every rank (release, sys). One entry per (token, rank): the receiver reads the row
-    once, however many of its experts the token selected.
+    ``[s, t]`` (``s = me``) on ``d``: ``[tag_lo, tag_hi, row_0, ..., row_{K-1}, -1, ...]`` (``EW`` words) with
+    ``row_j = dest_row[t, j]`` for the slots going to ``d`` and -1 for the others; the tag is the 64-bit dispatch
+    epoch (an entry can never be mistaken for one of another call, however many calls ago it was written). One entry
+    per (token, rank): the receiver reads the row once, however many of its experts the token selected.
+
+    Program ``(p, i)`` writes the entries of destination ``d = (me + i) % W`` for blocks ``p, p + P, ...`` of
+    ``BLOCK`` tokens, then adds 1 to ``flags[1, me]`` on ``d`` (release, sys): each rank receives ``P`` arrivals
+    from every source, one release per program.
 
     Args:
         dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan; rank -1 = dropped slot).
         list_peers / flags_peers: int64 ``[W]`` base pointers of ``pull_list`` (int32 ``[W, T_max, EW]``) /
             ``flags``. epoch_ptr: int64 dispatch epoch (already advanced for this call).
         EW: int32 words per entry (a power of two >= K + 2).
-    Grid: any fixed number of programs (identical on every rank: receivers count their arrivals);
-    persistent over blocks of ``BLOCK`` tokens.
+    Grid: ``(P, W)``, ``P`` identical on every rank (receivers count their arrivals).
     """
     pid = tl.program_id(0)
-    G = tl.num_programs(0)
+    P = tl.num_programs(0)
+    d = (me + tl.program_id(1)) % W
     ep = tl.load(epoch_ptr)
-    tag_lo = ep.to(tl.int32)
-    tag_hi = (ep >> 32).to(tl.int32)
-    jj = tl.arange(0, EW)
+    jj = tl.arange(0, EW)[None, :]
     slot = (jj >= 2) & (jj <= K + 1)  # entry word 2 + j holds slot j's row
+    head = tl.where(jj == 0, ep.to(tl.int32), (ep >> 32).to(tl.int32))  # the tag, in words 0-1
+    lst = tl.load(list_peers + d).to(tl.pointer_type(tl.int32)) + me.to(tl.int64) * T_max * EW
     b = pid * BLOCK
     while b < T:
-        t = b + tl.arange(0, BLOCK)
-        m2 = (t < T)[:, None] & slot[None, :]
-        sidx = t.to(tl.int64)[:, None] * K + (jj - 2)[None, :]
-        rk = tl.load(dest_rank_ptr + sidx, mask=m2, other=-1)  # [BLOCK, EW]: slot ranks at words 2..K+1
-        rw = tl.load(dest_row_ptr + sidx, mask=m2, other=-1)
-        for j in tl.static_range(K):
-            d = tl.sum(tl.where(jj[None, :] == j + 2, rk, 0), axis=1)  # slot j's rank, [BLOCK]
-            same = rk == d[:, None]
-            # slot j leads its rank's entry when no earlier slot of the token goes there
-            lead = (d >= 0) & (tl.sum((same & (jj[None, :] <= j + 1)).to(tl.int32), axis=1) == 0)
-            base = tl.load(list_peers + tl.where(lead, d, 0), mask=lead, other=0).to(tl.pointer_type(tl.int32))
-            entry = base + (me * T_max + t).to(tl.int64) * EW  # [BLOCK]
-            words = tl.where(jj[None, :] == 0, tag_lo, tl.where(jj[None, :] == 1, tag_hi, tl.where(same, rw, -1)))
-            tl.store(entry[:, None] + jj[None, :], words, mask=lead[:, None] & (jj <= K + 1)[None, :])
-        b += G * BLOCK
-    _arrive_all(flags_peers, 1, me, W)
+        t = b + tl.arange(0, BLOCK)[:, None]
+        m2 = (t < T) & slot
+        sidx = t.to(tl.int64) * K + (jj - 2)
+        to_d = tl.load(dest_rank_ptr + sidx, mask=m2, other=-1) == d                 # [BLOCK, EW]
+        rows = tl.load(dest_row_ptr + sidx, mask=m2 & to_d, other=-1)
+        listed = tl.max(to_d.to(tl.int32), axis=1)[:, None] > 0                      # the token goes to d
+        tl.store(lst + t.to(tl.int64) * EW + jj, tl.where(jj < 2, head, rows), mask=listed)
+        b += P * BLOCK
+    tl.debug_barrier()
+    flags = tl.load(flags_peers + d).to(tl.pointer_type(tl.int64))
+    tl.atomic_add(flags + 1 * W + me, 1, sem="release", scope="sys")  # flags[1, me] on d
 
 
 @triton.jit

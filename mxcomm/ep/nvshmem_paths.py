@@ -268,12 +268,12 @@ class EnginePath:
         raise NotImplementedError
 
     def _push_entries(self, plan: RoutingPlan, list_ptrs: torch.Tensor, flags_ptrs: torch.Tensor) -> None:
-        """One pull-list entry per (token, destination rank) into ``list_ptrs[d]`` (the destinations' pull lists),
-        each program then raising ``flags[1, me]`` at ``flags_ptrs``."""
+        """One pull-list entry per (token, destination rank) into ``list_ptrs[d]`` (the destinations' pull lists):
+        ``push_programs`` programs per destination, each then raising ``flags[1, me]`` on its destination."""
         from .nvshmem_kernels import push_entries_kernel
 
         e = self.e
-        fast_kernel(push_entries_kernel)[(e.push_programs,)](
+        fast_kernel(push_entries_kernel)[(e.push_programs, e.world)](
             plan.dest_rank, plan.dest_row, plan.dest_rank.shape[0], list_ptrs, flags_ptrs,
             e.d_epoch, e.rank, e.world, e.config.max_tokens_per_rank, K=e.config.topk,
             EW=self.pull_list.local.shape[-1], BLOCK=PUSH_BLOCK, num_warps=4,

@@ -67,7 +67,7 @@ class Ranks:
         flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
         for s in range(W):
             p = self.plans[s]
-            push_entries_kernel[(2,)](p.dest_rank, p.dest_row, self.Ts[s], ptrs(lists), ptrs(flags), ep, s, W, T_max,
+            push_entries_kernel[(2, W)](p.dest_rank, p.dest_row, self.Ts[s], ptrs(lists), ptrs(flags), ep, s, W, T_max,
                                       K=k, EW=EW, BLOCK=4)
         tables = []
         for d in range(W):

@@ -141,7 +141,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     ep = torch.tensor([epoch], dtype=torch.int64)
     for s in range(W):
-        push_entries_kernel[(2,)](plans[s].dest_rank, plans[s].dest_row, Ts[s], ptrs(lists), ptrs(flags), ep, s, W,
+        push_entries_kernel[(2, W)](plans[s].dest_rank, plans[s].dest_row, Ts[s], ptrs(lists), ptrs(flags), ep, s, W,
                                   T_max, K=k, EW=EW, BLOCK=4)
     for d in range(W):
         assert flags[d][1].tolist() == [2] * W  # every sender's programs arrived
