@@ -318,7 +318,7 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers,
     jj = tl.arange(0, EW)[None, :]
     slot = (jj >= 2) & (jj <= K + 1)  # entry word 2 + j holds slot j's row
     head = tl.where(jj == 0, ep.to(tl.int32), (ep >> 32).to(tl.int32))  # the tag, in words 0-1
-    lst = tl.load(list_peers + d).to(tl.pointer_type(tl.int32)) + me.to(tl.int64) * T_max * EW
+    lst = tl.load(list_peers + d).to(tl.pointer_type(tl.int32))
     b = pid * BLOCK
     while b < T:
         t = b + tl.arange(0, BLOCK)[:, None]
@@ -327,7 +327,8 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers,
         to_d = tl.load(dest_rank_ptr + sidx, mask=m2, other=-1) == d                 # [BLOCK, EW]
         rows = tl.load(dest_row_ptr + sidx, mask=m2 & to_d, other=-1)
         listed = tl.max(to_d.to(tl.int32), axis=1)[:, None] > 0                      # the token goes to d
-        tl.store(lst + t.to(tl.int64) * EW + jj, tl.where(jj < 2, head, rows), mask=listed)
+        entry = lst + (me * T_max + t).to(tl.int64) * EW                            # entry [me, t] on d
+        tl.store(entry + jj, tl.where(jj < 2, head, rows), mask=listed)
         b += P * BLOCK
     tl.debug_barrier()
     flags = tl.load(flags_peers + d).to(tl.pointer_type(tl.int64))

@@ -812,8 +812,9 @@ for mx, route_grad, arrive in ((True, True, True), (False, True, False), (True, 
     assert "ld.global.b16" not in ptx, ("pull weighted's loads", mx, route_grad)
     if mx:  # scale bytes stored where they are held: not 2 barriers per (chunk, slot) (2 x 2 x 8 = 32 before)
         assert ptx.count("bar.sync") <= 8, ("pull weighted scale stores", route_grad, ptx.count("bar.sync"))
-compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, list_peers=i64, flags_peers=i64,
-        epoch_ptr=i64), K=8, EW=16, BLOCK=64)
+for one in ({}, dict(me=1), dict(me=1, T_max=1, T=1)):  # a launch specializes ints equal to 1 as constants
+    compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, list_peers=i64, flags_peers=i64,
+            epoch_ptr=i64), K=8, EW=16, BLOCK=64, **one)
 print("ok")
 '''
 

@@ -189,6 +189,9 @@ compile(pk.slot_scan_kernel, BLOCK_B=256, BLOCK_K=8)
 compile(pk.plan_kernel, W_POW2=8, EL_POW2=32, S=128, S_POW2=128, BLOCK=128)
 compile(pk.plan_kernel, W_POW2=4, EL_POW2=64, S=96, S_POW2=128, BLOCK=128)
 compile(pk.plan_kernel, W_POW2=1, EL_POW2=256, S=128, S_POW2=128, BLOCK=128)
+# a launch specializes ints equal to 1 as constants (one rank, one expert, one slot, rank 1)
+compile(pk.plan_kernel, W_POW2=1, EL_POW2=1, S=16, S_POW2=16, BLOCK=128, me=1, W=1, El=1, align=1, n_slots=1,
+        n_rows=1, slot_programs=1, c_stride=1)
 print("ok")
 '''
 
