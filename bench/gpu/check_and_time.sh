@@ -12,7 +12,7 @@
 #    combine's partials, combine backward's weighted rows with the route-weight gradient; a 4-rank world's share on
 #    the whole GPU, checked against the reference).
 # DEADLINE (s, default 540): a step that would not end before it is skipped (and said so), so the call always ends
-# with its results packed into OUT/results.tgz.
+# with its results packed into OUT/results.tgz. TESTS=0 leaves out step 1 (the benches alone, after the tests ran).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-${XDG_CACHE_HOME:-$HOME/.cache}/mxcomm/gpu-check}
@@ -37,10 +37,11 @@ step() {  # step LIMIT NAME CMD...: run CMD into OUT/r/NAME.log unless the deadl
       | tail -n 12
   [[ $r -ne 0 ]] && rc=$r
 }
-step 170 tests_ep python3 -m pytest -q -x -m "gpu or nvshmem" -p no:cacheprovider -n 4 \
+TESTS=${TESTS:-1}
+(( TESTS )) && step 170 tests_ep python3 -m pytest -q -x -m "gpu or nvshmem" -p no:cacheprovider -n 4 \
     -k "not four_ranks and not mps and not soak and not nccl" \
     tests/ep/test_nvshmem_gpu.py tests/ep/test_cuda_graph_gpu.py tests/ep/test_autograd_gpu.py tests/kernels/test_launch.py
-if mxcomm_mps_start 4; then
+if (( TESTS )) && mxcomm_mps_start 4; then
   step 120 tests_ep_mps python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "four_ranks_one_gpu_mps" \
       tests/ep/test_nvshmem_gpu.py
   mxcomm_mps_stop

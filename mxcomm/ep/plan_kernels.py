@@ -267,7 +267,9 @@ def _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W,
     tl.store(pos_ptr + r, tl.where(real, pos, -1), mask=rin)
 
 
-@triton.jit
+# sizes, rank and strides are not specialized (equal to 1, multiples of 16): one compile per tile shape, not one per
+# call size or rank
+@triton.jit(do_not_specialize=["c_stride", "n_slots", "n_rows", "slot_programs", "me", "align", "W", "El"])
 def plan_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr,
                 dest_rank_ptr, dest_row_ptr, send_pos_ptr, order_ptr, src_ptr, pos_ptr,
                 n_slots, n_rows, slot_programs, me, align, W, El,
