@@ -159,7 +159,7 @@ class NvshmemBackend:
         self.sms = sms
         self.launch = launch if launch is not None else LaunchConfig()
         # routing plan: "triton" (mxcomm.ep.plan_kernels: the id check + counts + per-block slot table in two kernels,
-        # the plan in three, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the
+        # the plan in one, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the
         # GPU replayed from a CUDA graph captured per token count)
         self.plan_impl = "triton" if plan_kernels.fits(W, config.num_experts) else "torch"
         # the per-block slot table of this call's ids (check_and_count writes it, the plan reads it): a fixed
