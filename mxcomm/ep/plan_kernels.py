@@ -380,14 +380,19 @@ class _Tables:
     ssp: torch.Tensor
 
     @staticmethod
-    def numel(W: int, E: int) -> int:
+    def sizes(W: int, E: int) -> list:
+        """Values of cnt, tab, recv, srp, ssp (in that order in the buffer)."""
         El = E // W
-        return W * E + 2 * E + 2 * El + 2 * W + 3 + 2 * W * El
+        return [W * E, 2 * E, 2 * El + 2 * W + 3, W * El, W * El]
+
+    @staticmethod
+    def numel(W: int, E: int) -> int:
+        return sum(_Tables.sizes(W, E))
 
     @staticmethod
     def views(ints: torch.Tensor, W: int, E: int) -> "_Tables":
-        El = E // W
-        sizes = [W * E, 2 * E, 2 * El + 2 * W + 3, W * El, W * El]
+        """The tables as views of the first :meth:`numel` values of the int32 ``ints``."""
+        sizes = _Tables.sizes(W, E)
         cnt, tab, recv, srp, ssp = torch.split(ints[:sum(sizes)], sizes)
         return _Tables(cnt=cnt, tab=tab, recv=recv, srp=srp, ssp=ssp)
 
