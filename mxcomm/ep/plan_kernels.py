@@ -369,6 +369,21 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
 
 
 @dataclass(frozen=True)
+class PlanLaunch:
+    """How :func:`plan_kernel` is launched for a world: warps a program, rows per block of the row-origin maps."""
+
+    warps: int
+    origin_rows: int
+
+
+def plan_launch(world: int, num_experts: int) -> PlanLaunch:
+    """The launch of :func:`plan_kernel` for ``world`` ranks and ``num_experts`` experts (8 warps for counts tiles
+    above 2048 values)."""
+    tile = next_pow2(world) ** 2 * next_pow2(num_experts // world)
+    return PlanLaunch(warps=4 if tile <= 2048 else 8, origin_rows=_ORIGIN_ROWS)
+
+
+@dataclass(frozen=True)
 class _Tables:
     """The int32 tables :func:`plan_kernel`'s program 0 writes (views of one buffer): ``cnt [W, E]``, ``tab [2, E]``,
     ``recv [2 El + 2 W + 3]``, ``srp`` / ``ssp`` ``[W, El]``."""
@@ -454,14 +469,14 @@ def _launch_plan(counts: torch.Tensor, t: _Tables, rank: int, align: int, osrc: 
     if slots is None:
         slots = osrc.new_empty(4, 0)
     n_orig = osrc.numel()
+    how = plan_launch(W, E)
     slot_programs = min(n_blocks, _MAX_PROGRAMS) if n_slots else 0
-    origin_programs = min(cdiv(n_orig, _ORIGIN_ROWS), _MAX_PROGRAMS)
-    w2, el2 = next_pow2(W), next_pow2(El)
+    origin_programs = min(cdiv(n_orig, how.origin_rows), _MAX_PROGRAMS)
     fast_kernel(plan_kernel)[(max(1, slot_programs + origin_programs),)](
         counts, counts.stride(0), osrc if idx is None else idx, osrc if prefix is None else prefix, t.cnt, t.tab,
         t.recv, t.srp, t.ssp, slots[0], slots[1], slots[2], slots[3], osrc, opos, n_slots, n_orig, slot_programs,
-        rank, align, W, El, W_POW2=w2, EL_POW2=el2, S=S, S_POW2=next_pow2(S), BLOCK=_ORIGIN_ROWS,
-        num_warps=4 if w2 * w2 * el2 <= 2048 else 8)
+        rank, align, W, El, W_POW2=next_pow2(W), EL_POW2=next_pow2(El), S=S, S_POW2=next_pow2(S),
+        BLOCK=how.origin_rows, num_warps=how.warps)
 
 
 def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
@@ -476,4 +491,4 @@ def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
 
 
 __all__ = ["triton_plan", "plan_row_origins", "check_and_count", "CheckedIds", "fits", "tokens_per_block", "slot_blocks",
-           "plan_kernel", "slot_check_hist_kernel", "slot_scan_kernel", "MAX_TABLE"]
+           "plan_kernel", "plan_launch", "PlanLaunch", "slot_check_hist_kernel", "slot_scan_kernel", "MAX_TABLE"]

@@ -65,3 +65,22 @@ def test_report_refuses_what_it_cannot_compile():
     env_run = subprocess.run([sys.executable, "-m", "mxcomm.bench.tools.kernel_report"], cwd=REPO,
                              env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
     assert env_run.returncode != 0 and "without TRITON_INTERPRET" in env_run.stdout + env_run.stderr
+
+
+def test_report_covers_the_plan_and_the_entry_kernel(tmp_path):
+    """The routing plan's kernels are in the report; the plan kernel stays off the register cap (a [rows, experts]
+    comparison for the row origins took all 255) and the entry kernel has no per-slot block reductions (49 barriers
+    before)."""
+    import triton.backends
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("triton has no nvidia backend here")
+    out = tmp_path / "report.json"
+    r = _run("--kernels", "plan_kernel,slot_check_hist,push_entries", "--world", "1", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    reps = {x["name"]: x for x in json.loads(out.read_text())["reports"]}
+    assert set(reps) == {"id check and counts", "routing plan", "pull-list entries"}
+    plan = reps["routing plan"]
+    assert plan["regs"] is None or plan["regs"] < 255, plan
+    assert plan["spill"] in (None, 0), plan
+    assert reps["pull-list entries"]["bar"] <= 8, reps["pull-list entries"]

@@ -1,5 +1,6 @@
-"""What the compiler makes of the EP data kernels, on any machine (no GPU needed): registers, spills, barriers and the
-widths of the global loads and stores of each kernel, compiled for sm_90 as the nvshmem backend launches it.
+"""What the compiler makes of the EP kernels, on any machine (no GPU needed): registers, spills, barriers and the
+widths of the global loads and stores of each kernel (the data kernels and the routing plan's), compiled for sm_90 as
+the nvshmem backend launches it.
 
     python -m mxcomm.bench.tools.kernel_report [--hidden 7168] [--topk 8] [--experts 256] [--world 4]
                                                [--kernels pack,reduce] [--json FILE]
@@ -39,9 +40,9 @@ _MEM = re.compile(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+?)*?(?:\.v(\d))?\.[bfsu]
 
 @dataclass(frozen=True)
 class Variant:
-    """One launch of a kernel: its name in the report, the kernel, argument types (``"*bf16"``, ``"i64"``, ...;
-    unnamed arguments are ``i32``), constexprs, warps and whether FMA contraction is on (the partial sums launch with
-    it off)."""
+    """One launch of a kernel: its name in the report, the kernel (a name in ``module``, under ``mxcomm.ep``),
+    argument types (``"*bf16"``, ``"i64"``, ...; unnamed arguments are ``i32``), constexprs, warps and whether FMA
+    contraction is on (the partial sums launch with it off)."""
 
     name: str
     kernel: str
@@ -49,6 +50,7 @@ class Variant:
     consts: dict
     warps: int = 4
     fusion: bool = True
+    module: str = "nvshmem_kernels"
 
 
 @dataclass
@@ -111,6 +113,7 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     with the default launch settings: chunks from the :class:`LaunchConfig` methods the backend calls; the constexprs
     of each launch site in :mod:`mxcomm.ep.nvshmem_paths` and :mod:`mxcomm.ep.nvshmem_backend` (the gather's and the
     zeroing chunks, the scale layout's tiles of ``NvshmemBackend._grouped_scales``) written out here."""
+    from mxcomm.ep import plan_kernels
     from mxcomm.ep.nvshmem_backend import LaunchConfig
     from mxcomm.ep.nvshmem_paths import PUSH_BLOCK
     from mxcomm.ep.plan import pull_entry_words
@@ -133,7 +136,16 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     rconst = dict(H=H, K=K, INT_ROUND=False, MODE=0)
     weighted = dict(dst_ptr=u8, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32, g_peers=i64, w_peers=i64,
                     table_ptr=i32, epoch_ptr=i64, out_ptr=bf16, gw_peers=i64, flags_peers=i64)
+    tok, how = plan_kernels.tokens_per_block(K), plan_kernels.plan_launch(W, E)
+    plan_ptrs = {n: i32 for n in plan_kernels.plan_kernel.arg_names if n.endswith("_ptr")}
     return [
+        Variant("id check and counts", "slot_check_hist_kernel",
+                dict(idx_ptr="*i64", out_ptr=i32, hist_ptr=i32, err_ptr=i64),
+                dict(K=K, K_POW2=next_pow2(K), TOK=tok, CHECK=True, ZERO_BLOCK=min(1024, next_pow2(E + 1))),
+                module="plan_kernels"),
+        Variant("routing plan", "plan_kernel", plan_ptrs,
+                dict(W_POW2=next_pow2(W), EL_POW2=next_pow2(E // W), S=tok * K, S_POW2=next_pow2(tok * K),
+                     BLOCK=how.origin_rows), how.warps, module="plan_kernels"),
         Variant("dispatch, one rank", "dispatch_kernel", disp, dict(local, CHUNK=row_chunk, WEIGHTED=False),
                 L.dispatch_warps),
         Variant("combine backward rows, one rank", "dispatch_kernel", disp, dict(local, CHUNK=qdq, WEIGHTED=True),
@@ -180,9 +192,10 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
 
 def report(v: Variant) -> Report:
     """Compile one variant and read its figures."""
-    from mxcomm.ep import nvshmem_kernels
+    import importlib
 
-    k = compile_sm90(getattr(nvshmem_kernels, v.kernel), v.types, v.warps, v.fusion, **v.consts)
+    kernel = getattr(importlib.import_module(f"mxcomm.ep.{v.module}"), v.kernel)
+    k = compile_sm90(kernel, v.types, v.warps, v.fusion, **v.consts)
     regs, spill = _resources(k.asm["cubin"])
     loads, stores = memory_widths(k.asm["ptx"])
     return Report(v.name, regs, spill, k.asm["ptx"].count("bar.sync"), loads, stores)
