@@ -302,5 +302,17 @@ def main() -> int:
     return 0
 
 
+def _destroy_group() -> None:
+    """Destroy the process group (as the other rank workers do) rather than leave it to the interpreter's exit: left
+    to it, a gloo rank once aborted at exit after its result was saved ("terminate called without an active
+    exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    _destroy_group()
+    sys.exit(code)
