@@ -327,8 +327,9 @@ class NvshmemBackend:
 
     def note_refusals(self) -> None:
         """After the counts exchange (inside a dispatch's middle): this rank's refusal word for its peers, and
-        ``status[3]`` = 1 + the lowest rank that refused (read at the call's host sync). Exact-size mode only: in the
-        no-sync mode bad ids are dropped and the call goes on."""
+        ``status[3]`` = 1 + the lowest rank that refused (read at the call's host sync), for the torch plan (the
+        Triton plan's tables program writes it). Exact-size mode only: in the no-sync mode bad ids are dropped and the
+        call goes on."""
         from .nvshmem_kernels import first_refusal_kernel
 
         if self.config.exact_sizes:
@@ -365,26 +366,43 @@ class NvshmemBackend:
         self.input_err.add_(bad.any().to(torch.int64))
         return torch.where(bad, torch.full_like(idx, -1), idx).to(topk_idx.dtype)
 
-    def checked_ids(self, topk_idx: torch.Tensor, sync: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def checked_ids(self, topk_idx: torch.Tensor, sync: bool = True, store: Optional[torch.Tensor] = None,
+                    counts_out: Optional[torch.Tensor] = None, refusal_word: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, counts)``: the expert ids checked on the device (bad ids and repeats within a token become
-        -1: nothing is sent for them, ``input_err`` records them) and this rank's int32 ``[E]`` counts.
+        -1: nothing is sent for them, ``input_err`` records them) and this rank's int32 ``[E]`` counts (into
+        ``counts_out``, else the head of ``counts_in``, which is returned).
+
+        ``store``: :meth:`plan_store`'s buffer of this call (the ids go to its head). ``refusal_word``: also copy
+        ``input_err`` into ``counts_in[E]``, the refusal word the counts exchange publishes.
 
         Exact-size mode: one small host sync reads ``input_err`` and raises the detailed ValueError of
         :func:`mxcomm.ep.ids.check_expert_ids` before anything is sent (``sync=False``: the caller reads it at its
         own next sync, before it writes any output - the local path). No-sync mode: a later call raises it
         (see :meth:`_check_async`)."""
         E = self.config.num_experts
+        counts = self.counts_in[:E] if counts_out is None else counts_out
+        word = self.counts_in[E:E + 1] if refusal_word else None
         if self.plan_impl == "triton":
-            c = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True, prefix_buf=self._slot_prefix,
-                                             counts_out=self.counts_in[:E])
-            ids, counts = c.ids, c.counts
+            ids = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True, prefix_buf=self._slot_prefix,
+                                               counts_out=counts, ids_out=store, err_word_out=word).ids
         else:
             ids = self._sanitize(topk_idx)
-            counts = local_counts(ids, E)
-            self.counts_in[:E].copy_(counts)
+            counts.copy_(local_counts(ids, E))
+            if word is not None:
+                word.copy_(self.input_err)
         if sync and self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
             self._raise_bad_ids(topk_idx)
-        return ids, self.counts_in
+        return ids, (self.counts_in if counts_out is None else counts_out)
+
+    def plan_store(self, topk_idx: torch.Tensor) -> Optional[torch.Tensor]:
+        """A fresh int32 buffer for this call's checked ids and Triton plan (:func:`plan_kernels.plan_storage`;
+        None for the torch plan): the outputs of a captured middle in one storage."""
+        if self.plan_impl != "triton":
+            return None
+        T, k = topk_idx.shape
+        return plan_kernels.plan_storage(self.world, self.config.num_experts, T, k, 0 if self.local else self.R_max,
+                                         self.device)
 
     def capturing(self) -> bool:
         """True while the current stream is being captured into a CUDA graph."""
@@ -453,18 +471,26 @@ class NvshmemBackend:
         o = row_origins(plan, self.R_max)
         return {"origin_src": o.src, "origin_pos": o.pos}
 
-    def compute_plan(self, counts: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
-        """The plan (and row origins) from the counts matrix, with ``self.plan_impl``'s kernels."""
+    def compute_plan(self, counts: torch.Tensor, topk_idx: torch.Tensor, refusals: bool = False,
+                     store: Optional[torch.Tensor] = None) -> PlanOutputs:
+        """The plan (and row origins) from the counts matrix, with ``self.plan_impl``'s kernels; in exact-size mode
+        also the status words read at the call's host sync: the output's row count and (``refusals``: after a counts
+        exchange that carried every rank's refusal word) the lowest refusing rank (the Triton plan writes both from
+        its tables program). ``store``: :meth:`plan_store`'s buffer of this call (the plan goes after its ids)."""
         T, k = topk_idx.shape
+        exact = self.config.exact_sizes
         if self.plan_impl == "triton" and T:
             # the table check_and_count wrote for these ids (this call's, at a fixed address)
             pre = self._slot_prefix[:plan_kernels.slot_blocks(T, k) * (counts.shape[1] + 1)].view(-1, counts.shape[1] + 1)
             out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max, prefix=pre,
-                                           origins=not self.local)
-            po = PlanOutputs(plan=out["plan"], extra={n: v for n, v in out.items() if n != "plan"})
-        else:
-            po = compute_plan(counts.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
-        if self.config.exact_sizes:  # the output size, read at the call's one host sync with the error words
+                                           origins=not self.local, status=self.status if exact else None,
+                                           refusals=self.refusal_words if refusals else None,
+                                           out=None if store is None else store[T * k:])
+            return PlanOutputs(plan=out["plan"], extra={n: v for n, v in out.items() if n != "plan"})
+        if refusals:
+            self.note_refusals()
+        po = compute_plan(counts.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
+        if exact:  # the output size, read at the call's one host sync with the error words
             self._rows_word.copy_(po.plan.num_rows)
         return po
 

@@ -310,10 +310,10 @@ class LocalPath(EnginePath):
         call's one host sync), epoch += 1, the counts as the counts matrix, the plan of the checked ids on it.
         ``extra["ids"]``: the checked ids."""
         e = self.e
-        ids, my_counts = e.checked_ids(topk_idx, sync=False)
+        store = e.plan_store(topk_idx)
+        ids, _ = e.checked_ids(topk_idx, sync=False, store=store, counts_out=counts_buf[0])
         e.d_epoch.add_(1)
-        counts_buf[0].copy_(my_counts[:e.config.num_experts])
-        po = e.compute_plan(counts_buf, ids)
+        po = e.compute_plan(counts_buf, ids, store=store)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
     def _out(self, x: torch.Tensor, plan: RoutingPlan, R: int, mx: bool, w: torch.Tensor, weighted: bool):
@@ -387,16 +387,16 @@ class PullPath(EnginePath):
         the plan of the checked ids on the exchanged ``counts_buf``, the pull-list entries and the bounded wait for
         every source's; the refusals into the status words. ``extra["ids"]``: the checked ids."""
         e = self.e
-        ids, _ = e.checked_ids(topk_idx, sync=False)  # writes counts_in[:E]
+        store = e.plan_store(topk_idx)
+        # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]
+        ids, _ = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True)
         e.d_epoch.add_(1)
-        e.counts_in[e.config.num_experts:].copy_(e.input_err)  # the refusal word: bad ids seen by the id check
         self.exchange(e.counts_in, wait=False)
         # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q), and
         # no peer reads it before this rank's entries, pushed after it in stream order
         self._pack(ids.shape[0])
         self.wait_for_counts()
-        e.note_refusals()
-        po = e.compute_plan(counts_buf, ids)
+        po = e.compute_plan(counts_buf, ids, refusals=True, store=store)  # (and the refusals into the status words)
         self._entries_and_wait(po.plan)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 

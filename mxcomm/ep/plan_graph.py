@@ -91,11 +91,12 @@ class OutputCopier:
 
     def copy(self) -> dict:
         """name -> a copy of that output as of the last :meth:`fill` (aux) / now (main storage), owned by the
-        caller (two clones, then views)."""
+        caller (a clone of the main storage and one of the aux buffer if it is used, then views)."""
         if self.main_bytes is None:
             self.main_bytes = torch.empty(0, dtype=torch.uint8, device=self._main.device).set_(
                 self._main.untyped_storage())
-        main, aux = self.main_bytes.clone(), self.aux.clone()
+        main = self.main_bytes.clone()
+        aux = self.aux.clone() if self.aux_names else self.aux  # (nothing to copy when every output is in main)
         typed, vals = {}, {}
         for p in self.pieces:
             if p.main:
@@ -121,8 +122,9 @@ class PlanGraph:
             must already have run eagerly for this shape, so nothing compiles during the capture).
 
     :meth:`replay` runs it (its outputs stay in the graph's own memory, overwritten by the next replay),
-    :meth:`snapshot` copies them into tensors the caller owns (:class:`OutputCopier`: two clones; the graph itself
-    copies only the outputs outside the plan's main buffer); calling the object does both.
+    :meth:`snapshot` copies them into tensors the caller owns (:class:`OutputCopier`: one clone when the outputs
+    share one storage, as the nvshmem backend's do; the graph itself copies only the outputs outside the plan's main
+    buffer); calling the object does both.
     """
 
     def __init__(self, counts_buf: torch.Tensor, T: int, k: int, idx_dtype: torch.dtype,

@@ -103,12 +103,17 @@ def slot_check_hist_kernel(idx_ptr, out_ptr, hist_ptr, err_ptr, T, E, K: tl.cons
 
 
 @triton.jit
-def slot_scan_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
+def slot_scan_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, err_ptr, word_ptr, n_words,
+                     BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
     """In place over ``hist`` int32 ``[n_blocks, n_keys]``: each entry becomes the sum of its column over
     the lower rows (exclusive prefix over blocks, per key); each column's total goes to ``counts[key]`` for
     ``key < n_keys - 1`` (int32 ``[E]``: the slots sent to each expert; the last key, dropped slots, is not
-    stored). One program per ``BLOCK_K`` keys, grid ``cdiv(n_keys, BLOCK_K)``; a loop over the blocks,
-    ``BLOCK_B`` rows at a time."""
+    stored). With ``n_words`` = 1 program 0 also copies the id check's int64 error word ``err[0]`` (final: the
+    check kernel ran before) into the int32 ``word[0]``. One program per ``BLOCK_K`` keys, grid
+    ``cdiv(n_keys, BLOCK_K)``; a loop over the blocks, ``BLOCK_B`` rows at a time."""
+    if n_words > 0:
+        if tl.program_id(0) == 0:
+            tl.store(word_ptr, tl.load(err_ptr).to(tl.int32))
     k1 = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kk = k1[None, :]
     rows = tl.arange(0, BLOCK_B)[:, None]
@@ -143,31 +148,31 @@ def _send_excl(c):
 
 
 @triton.jit
-def _send_tables(c, me, align, W_POW2: tl.constexpr):
-    """Sender tables of rank ``me`` from the counts tile ``c`` ``[Ws, Wd, El]``: ``(dst_base, send_base)``, each
-    ``[Wd, El]`` - the first row of ``me``'s rows in each expert's group on its rank, and ``me``'s send position
-    base per expert (rows ``me`` sends to experts before it in global order)."""
+def _send_tables(c, se, me, align, W_POW2: tl.constexpr):
+    """Sender tables of rank ``me`` from the counts tile ``c`` ``[Ws, Wd, El]`` and its :func:`_send_excl` ``se``:
+    ``(dst_base, send_base)``, each ``[Wd, El]`` - the first row of ``me``'s rows in each expert's group on its rank,
+    and ``me``'s send position base per expert (rows ``me`` sends to experts before it in global order)."""
     mine = tl.arange(0, W_POW2)[:, None, None] == me                                # [Ws, 1, 1]
+    lower = tl.arange(0, W_POW2)[:, None, None] < me
     n = tl.sum(c, axis=0)                                                            # [Wd, El] rows per expert
     p = (n + align - 1) // align * align                                             # padded group rows
     gstart = tl.cumsum(p, axis=1) - p                                                # group start on rank d
-    src_excl = tl.cumsum(c, axis=0) - c                                              # rows of lower sources
-    return (gstart + tl.sum(tl.where(mine, src_excl, 0), axis=0),
-            tl.sum(tl.where(mine, _send_excl(c), 0), axis=0))
+    return (gstart + tl.sum(tl.where(lower, c, 0), axis=0),                          # + rows of lower sources
+            tl.sum(tl.where(mine, se, 0), axis=0))
 
 
 @triton.jit
-def _recv_tables(c, me, align, W_POW2: tl.constexpr):
-    """Receiver tables of rank ``me`` from the counts tile ``c`` ``[Ws, Wd, El]``: ``(offs, rows_me, c_me, srp,
-    ssp)`` - group ends ``[El]`` (padded), rows per local expert ``[El]``, and per (source, local expert) ``[Ws,
-    El]``: rows received, src_row_start, src_send_pos."""
+def _recv_tables(c, se, me, align, W_POW2: tl.constexpr):
+    """Receiver tables of rank ``me`` from the counts tile ``c`` ``[Ws, Wd, El]`` and its :func:`_send_excl` ``se``:
+    ``(offs, rows_me, c_me, srp, ssp)`` - group ends ``[El]`` (padded), rows per local expert ``[El]``, and per
+    (source, local expert) ``[Ws, El]``: rows received, src_row_start, src_send_pos."""
     dsel = tl.arange(0, W_POW2)[None, :, None] == me                                # [1, Wd, 1]
     c_me = tl.sum(tl.where(dsel, c, 0), axis=1)                                      # [Ws, El]
     n_me = tl.sum(c_me, axis=0)                                                      # [El]
     p_me = (n_me + align - 1) // align * align
     offs = tl.cumsum(p_me, axis=0)
     srp = (offs - p_me)[None, :] + tl.cumsum(c_me, axis=0) - c_me
-    return offs, n_me, c_me, srp, tl.sum(tl.where(dsel, _send_excl(c), 0), axis=1)
+    return offs, n_me, c_me, srp, tl.sum(tl.where(dsel, se, 0), axis=1)
 
 
 @triton.jit
@@ -177,12 +182,13 @@ def _flat(t, N: tl.constexpr):
 
 
 @triton.jit
-def _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, me, align, W, El,
-                  W_POW2: tl.constexpr, EL_POW2: tl.constexpr):
-    """Every table of the plan into its tensor (see :func:`plan_kernel`)."""
+def _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align, W,
+                  El, W_POW2: tl.constexpr, EL_POW2: tl.constexpr, STATUS: tl.constexpr):
+    """Every table of the plan into its tensor (see :func:`plan_kernel`); with ``STATUS`` the status words too."""
     E = W * El
-    dst_base, send_base = _send_tables(c, me, align, W_POW2)
-    offs, n_me, c_me, srp, ssp = _recv_tables(c, me, align, W_POW2)
+    se = _send_excl(c)
+    dst_base, send_base = _send_tables(c, se, me, align, W_POW2)
+    offs, n_me, c_me, srp, ssp = _recv_tables(c, se, me, align, W_POW2)
     w2 = tl.arange(0, W_POW2)[:, None]
     l2 = tl.arange(0, EL_POW2)[None, :]
     ok2 = (w2 < W) & (l2 < El)
@@ -205,9 +211,16 @@ def _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, me, align, W,
     tl.store(recv_ptr + 2 * El + w1, recv_splits, mask=wm)
     tl.store(recv_ptr + 2 * El + W + w1, send_splits, mask=wm)
     tail = recv_ptr + 2 * El + 2 * W
-    tl.store(tail + 0, tl.max(tl.where(lm, offs, 0), axis=0))                       # num_rows (= offs[-1])
+    num_rows = tl.max(tl.where(lm, offs, 0), axis=0)                                 # offs[-1]
+    tl.store(tail + 0, num_rows)
     tl.store(tail + 1, tl.sum(recv_splits, axis=0))                                  # num_recv
     tl.store(tail + 2, tl.sum(send_splits, axis=0))                                  # num_send
+    if STATUS:
+        tl.store(status_ptr + 2, num_rows.to(tl.int64))
+        if n_refusal > 0:
+            ref = tl.load(refusal_ptr + w1, mask=w1 < n_refusal, other=0)
+            first = tl.min(tl.where(ref != 0, w1, W_POW2), axis=0)
+            tl.store(status_ptr + 3, tl.where(first < n_refusal, first + 1, 0).to(tl.int64))
 
 
 @triton.jit
@@ -269,51 +282,57 @@ def _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W,
 
 # sizes, rank and strides are not specialized (equal to 1, multiples of 16): one compile per tile shape, not one per
 # call size or rank
-@triton.jit(do_not_specialize=["c_stride", "n_slots", "n_rows", "slot_programs", "me", "align", "W", "El"])
+@triton.jit(do_not_specialize=["c_stride", "n_slots", "n_rows", "table_programs", "slot_programs", "n_refusal", "me",
+                               "align", "W", "El"])
 def plan_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr,
-                dest_rank_ptr, dest_row_ptr, send_pos_ptr, order_ptr, src_ptr, pos_ptr,
-                n_slots, n_rows, slot_programs, me, align, W, El,
+                dest_rank_ptr, dest_row_ptr, send_pos_ptr, order_ptr, src_ptr, pos_ptr, status_ptr, refusal_ptr,
+                n_slots, n_rows, table_programs, slot_programs, n_refusal, me, align, W, El,
                 W_POW2: tl.constexpr, EL_POW2: tl.constexpr, S: tl.constexpr, S_POW2: tl.constexpr,
-                BLOCK: tl.constexpr):
+                BLOCK: tl.constexpr, STATUS: tl.constexpr):
     """The routing plan of rank ``me`` after the counts exchange, in one launch. Every program loads the counts
     matrix ``[W, E]`` (int32, rows ``c_stride`` apart, ``E = W * El``) as a ``[W_src, W_dst, El]`` tile and derives
-    the tables it needs from it (cumulative sums along each axis; the same values in every program), so no program
-    waits for another:
+    the tables its job needs from it (cumulative sums along each axis; the same values in every program), so no
+    program waits for another. Three groups of programs, by ``program_id``:
 
-    * program 0 also writes the tables (int32): ``cnt [W, E]`` a copy of the counts; ``tab [2, E]`` per global
-      expert the first row of this rank's rows in the expert's group on its rank, and this rank's send position
-      base; ``recv [2 El + 2 W + 3]``: offs, expert_counts, recv_splits, send_splits, num_rows, num_recv, num_send;
-      ``srp`` / ``ssp`` ``[W, El]`` src_row_start / src_send_pos (the fields of :func:`triton_plan`'s plan);
-    * programs ``[0, slot_programs)`` place the slots, over blocks of ``S`` slots (those of
+    * ``[0, table_programs)`` (0 or 1 program) writes the tables (int32): ``cnt [W, E]`` a copy of the counts;
+      ``tab [2, E]`` per global expert the first row of this rank's rows in the expert's group on its rank, and this
+      rank's send position base; ``recv [2 El + 2 W + 3]``: offs, expert_counts, recv_splits, send_splits, num_rows,
+      num_recv, num_send; ``srp`` / ``ssp`` ``[W, El]`` src_row_start / src_send_pos (the fields of
+      :func:`triton_plan`'s plan). With ``STATUS`` also the int64 status words of the nvshmem backend:
+      ``status[2]`` = num_rows, and (``n_refusal`` > 0) ``status[3]`` = 1 + the lowest of the ``n_refusal`` ranks
+      whose int32 word at ``refusal_ptr`` is non-zero (0: none);
+    * the next ``slot_programs`` place the slots, over blocks of ``S`` slots (those of
       :func:`slot_check_hist_kernel`; ``pre`` its scanned table ``[blocks, E + 1]``, ``idx`` the checked ids
       ``[n_slots]``): ``dest_rank``, ``dest_row``, ``send_pos`` ``[n_slots]`` (-1 for a dropped slot) and
       ``order [n_slots]``;
-    * the other programs write the row-origin maps ``src`` / ``pos`` ``[n_rows]`` over blocks of ``BLOCK`` rows.
+    * the others write the row-origin maps ``src`` / ``pos`` ``[n_rows]`` over blocks of ``BLOCK`` rows.
 
-    Grid: ``max(1, slot_programs + origin programs)``; both groups loop over their blocks.
+    Grid: ``table_programs + slot_programs + origin programs`` (at least 1); the last two groups loop over their
+    blocks.
     """
     pid = tl.program_id(0)
     c = _counts_tile(counts_ptr, c_stride, W, El, W_POW2, EL_POW2)
-    if pid == 0:
-        _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, me, align, W, El, W_POW2, EL_POW2)
     N: tl.constexpr = W_POW2 * EL_POW2
-    if pid < slot_programs:
-        dst_base, send_base = _send_tables(c, me, align, W_POW2)
+    if pid < table_programs:
+        _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align,
+                      W, El, W_POW2, EL_POW2, STATUS)
+    elif pid < table_programs + slot_programs:
+        dst_base, send_base = _send_tables(c, _send_excl(c), me, align, W_POW2)
         dst_base = _flat(dst_base, N)
         send_base = _flat(send_base, N)
         num_send = tl.sum(tl.where(tl.arange(0, W_POW2)[:, None, None] == me, c, 0))
-        b = pid
+        b = pid - table_programs
         while b * S < n_slots:
             _place_slots(dst_base, send_base, num_send, idx_ptr, pre_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr,
                          order_ptr, b, n_slots, W * El, El, EL_POW2, S, S_POW2)
             b += slot_programs
     else:
-        offs, n_me, c_me, srp, ssp = _recv_tables(c, me, align, W_POW2)
+        offs, n_me, c_me, srp, ssp = _recv_tables(c, _send_excl(c), me, align, W_POW2)
         c_me = _flat(c_me, N)
         srp = _flat(srp, N)
         ssp = _flat(ssp, N)
-        rb = pid - slot_programs
-        step = tl.num_programs(0) - slot_programs
+        rb = pid - table_programs - slot_programs
+        step = tl.num_programs(0) - table_programs - slot_programs
         while rb * BLOCK < n_rows:
             _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W, W_POW2, EL_POW2, BLOCK)
             rb += step
@@ -334,7 +353,8 @@ class CheckedIds:
 
 
 def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor, *, check: bool,
-                    prefix_buf: Optional[torch.Tensor] = None, counts_out: Optional[torch.Tensor] = None) -> CheckedIds:
+                    prefix_buf: Optional[torch.Tensor] = None, counts_out: Optional[torch.Tensor] = None,
+                    ids_out: Optional[torch.Tensor] = None, err_word_out: Optional[torch.Tensor] = None) -> CheckedIds:
     """The routing with bad slots dropped (``check``; each dropped slot adds 1 to the int64 ``err[0]``), the rows
     this rank sends to each expert and the slot kernels' block table, in two kernels (the torch path:
     ``_sanitize`` + :func:`mxcomm.ep.plan.local_counts`).
@@ -343,12 +363,15 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
         topk_idx: ``[T, k]`` ids of any integer dtype. err: int64 ``[1]``.
         prefix_buf: int32 with at least ``slot_blocks(T, k) * (E + 1)`` values to hold ``slot_prefix`` (a fixed
             address a captured plan reads), else a fresh one. counts_out: int32 ``[E]`` to write the counts into.
+        ids_out: int32 with ``T * k`` values to write the checked ids into (e.g. the head of :func:`plan_storage`),
+            else a fresh ``[T, k]``. err_word_out: int32 ``[1]`` that receives ``err[0]`` after the check (the refusal
+            word a dispatch publishes with its counts).
     """
     T, k = topk_idx.shape
     E = num_experts
     dev = topk_idx.device
     idx = topk_idx.contiguous()
-    ids = torch.empty(T, k, dtype=torch.int32, device=dev)
+    ids = torch.empty(T, k, dtype=torch.int32, device=dev) if ids_out is None else ids_out.view(-1)[:T * k].view(T, k)
     nb = slot_blocks(T, k)
     n_hist = nb * (E + 1)
     if prefix_buf is None:
@@ -362,9 +385,12 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
                                                    TOK=tokens_per_block(k), CHECK=check,
                                                    ZERO_BLOCK=min(1024, next_pow2(E + 1)))
         fast_kernel(slot_scan_kernel)[(cdiv(E + 1, _SCAN_KEYS),)](
-            pre, counts, nb, E + 1, BLOCK_B=min(_SCAN_ROWS, next_pow2(nb)), BLOCK_K=_SCAN_KEYS)
+            pre, counts, nb, E + 1, err, counts if err_word_out is None else err_word_out,
+            0 if err_word_out is None else 1, BLOCK_B=min(_SCAN_ROWS, next_pow2(nb)), BLOCK_K=_SCAN_KEYS)
     else:
         counts.zero_()
+        if err_word_out is not None:
+            err_word_out.copy_(err)
     return CheckedIds(ids=ids, counts=counts, slot_prefix=pre)
 
 
@@ -412,8 +438,21 @@ class _Tables:
         return _Tables(cnt=cnt, tab=tab, recv=recv, srp=srp, ssp=ssp)
 
 
+def plan_numel(W: int, E: int, T: int, k: int, n_orig: int) -> int:
+    """int32 values :func:`triton_plan` writes for ``T`` tokens, top-``k``, ``n_orig`` row-origin rows."""
+    return _Tables.numel(W, E) + 4 * T * k + 2 * n_orig
+
+
+def plan_storage(W: int, E: int, T: int, k: int, n_orig: int, device) -> torch.Tensor:
+    """One fresh int32 buffer for a dispatch's checked ids (the first ``T * k`` values: ``check_and_count(...,
+    ids_out=)``) and its plan (the rest: ``triton_plan(..., out=)``), so that every output of a captured middle shares
+    one storage (one copy per replay, :class:`mxcomm.ep.plan_graph.OutputCopier`)."""
+    return torch.empty(T * k + plan_numel(W, E, T, k, n_orig), dtype=torch.int32, device=device)
+
+
 def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int, n_rows: int,
-                prefix: Optional[torch.Tensor] = None, origins: bool = True) -> dict:
+                prefix: Optional[torch.Tensor] = None, origins: bool = True, status: Optional[torch.Tensor] = None,
+                refusals: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> dict:
     """The plan with the Triton kernels: ``{"plan": RoutingPlan, "origin_src", "origin_pos"}`` (the row origins
     only with ``origins``; see :func:`plan_row_origins` for computing them later).
 
@@ -422,6 +461,9 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
             ``[-1, E)``, no repeats within a token; other integer dtypes are converted).
         rank, align: as :func:`build_plan`. n_rows: rows of the row-origin maps (``R_max`` of the backend).
         prefix: :attr:`CheckedIds.slot_prefix` of these ids (:func:`check_and_count`), else computed here.
+        status: int64 ``[4]`` status words to write ``status[2]`` (the row count) into, and ``status[3]`` from
+            ``refusals`` (int32 ``[W]`` refusal words of the counts exchange): see :func:`plan_kernel`.
+        out: int32 with at least :func:`plan_numel` values to hold the plan (else a fresh buffer).
     """
     W, E = counts.shape
     El = E // W
@@ -432,21 +474,27 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
     if n and prefix is None:
         prefix = check_and_count(idx, E, torch.zeros(1, dtype=torch.int64, device=dev), check=False).slot_prefix
     n_orig = n_rows if origins else 0
-    ints = torch.empty(_Tables.numel(W, E) + 4 * n + 2 * n_orig, dtype=torch.int32, device=dev)
+    numel = plan_numel(W, E, T, k, n_orig)
+    if out is None:
+        ints = torch.empty(numel, dtype=torch.int32, device=dev)
+    elif out.numel() < numel:
+        raise ValueError(f"out holds {out.numel()} values, {numel} needed for the plan")
+    else:
+        ints = out.view(-1)[:numel]
     t = _Tables.views(ints, W, E)
     rest = ints[_Tables.numel(W, E):]
     slots, osrc, opos = rest[:4 * n].view(4, n), rest[4 * n:4 * n + n_orig], rest[4 * n + n_orig:]
-    _launch_plan(counts, t, rank, align, osrc, opos, idx=idx, prefix=prefix, slots=slots,
-                 n_blocks=slot_blocks(T, k) if n else 0, S=tokens_per_block(k) * k)
-    cnt, tab, recv, srp, ssp = t.cnt, t.tab, t.recv, t.srp, t.ssp
+    _launch_plan(counts, rank, align, osrc, opos, tables=t, idx=idx, prefix=prefix, slots=slots,
+                 n_blocks=slot_blocks(T, k) if n else 0, S=tokens_per_block(k) * k, status=status, refusals=refusals)
+    recv = t.recv
     plan = RoutingPlan(
         rank=rank, world_size=W, num_experts=E, num_local_experts=El, align=align, topk=k, num_tokens=T,
-        counts=cnt.view(W, E),
+        counts=t.cnt.view(W, E),
         dest_rank=slots[0].view(T, k), dest_row=slots[1].view(T, k), send_pos=slots[2].view(T, k),
         send_order=slots[3],
         send_splits=recv[2 * El + W:2 * El + 2 * W], num_send=recv[2 * El + 2 * W + 2:2 * El + 2 * W + 3],
         recv_splits=recv[2 * El:2 * El + W], expert_counts=recv[El:2 * El], offs=recv[:El],
-        src_row_start=srp.view(W, El), src_send_pos=ssp.view(W, El),
+        src_row_start=t.srp.view(W, El), src_send_pos=t.ssp.view(W, El),
         num_rows=recv[2 * El + 2 * W:2 * El + 2 * W + 1], num_recv=recv[2 * El + 2 * W + 1:2 * El + 2 * W + 2],
     )
     out = {"plan": plan}
@@ -455,12 +503,15 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
     return out
 
 
-def _launch_plan(counts: torch.Tensor, t: _Tables, rank: int, align: int, osrc: torch.Tensor, opos: torch.Tensor, *,
-                 idx: Optional[torch.Tensor] = None, prefix: Optional[torch.Tensor] = None,
-                 slots: Optional[torch.Tensor] = None, n_blocks: int = 0, S: int = 1) -> None:
-    """:func:`plan_kernel`: the tables into ``t``; with ``slots`` (int32 ``[4, n]``: dest_rank, dest_row, send_pos,
-    send_order) the ``n`` slots of ``idx`` over ``n_blocks`` blocks of ``S`` (``prefix``: their scanned table);
-    the ``osrc.numel()`` rows of the row-origin maps ``osrc`` / ``opos``."""
+def _launch_plan(counts: torch.Tensor, rank: int, align: int, osrc: torch.Tensor, opos: torch.Tensor, *,
+                 tables: Optional[_Tables] = None, idx: Optional[torch.Tensor] = None,
+                 prefix: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None, n_blocks: int = 0,
+                 S: int = 1, status: Optional[torch.Tensor] = None, refusals: Optional[torch.Tensor] = None) -> None:
+    """:func:`plan_kernel`: the tables into ``tables`` (none without); with ``slots`` (int32 ``[4, n]``: dest_rank,
+    dest_row, send_pos, send_order) the ``n`` slots of ``idx`` over ``n_blocks`` blocks of ``S`` (``prefix``: their
+    scanned table); the ``osrc.numel()`` rows of the row-origin maps ``osrc`` / ``opos``; ``status`` / ``refusals``
+    (with tables only): the status words (see :func:`plan_kernel`). An absent tensor argument is passed as ``osrc``
+    (never written)."""
     W, E = counts.shape
     El = E // W
     if counts.stride(1) != 1:
@@ -470,25 +521,29 @@ def _launch_plan(counts: torch.Tensor, t: _Tables, rank: int, align: int, osrc: 
         slots = osrc.new_empty(4, 0)
     n_orig = osrc.numel()
     how = plan_launch(W, E)
+    table_programs = 0 if tables is None else 1
     slot_programs = min(n_blocks, _MAX_PROGRAMS) if n_slots else 0
     origin_programs = min(cdiv(n_orig, how.origin_rows), _MAX_PROGRAMS)
-    fast_kernel(plan_kernel)[(max(1, slot_programs + origin_programs),)](
+    t = tables if tables is not None else _Tables(cnt=osrc, tab=osrc, recv=osrc, srp=osrc, ssp=osrc)
+    write_status = tables is not None and status is not None
+    fast_kernel(plan_kernel)[(max(1, table_programs + slot_programs + origin_programs),)](
         counts, counts.stride(0), osrc if idx is None else idx, osrc if prefix is None else prefix, t.cnt, t.tab,
-        t.recv, t.srp, t.ssp, slots[0], slots[1], slots[2], slots[3], osrc, opos, n_slots, n_orig, slot_programs,
-        rank, align, W, El, W_POW2=next_pow2(W), EL_POW2=next_pow2(El), S=S, S_POW2=next_pow2(S),
-        BLOCK=how.origin_rows, num_warps=how.warps)
+        t.recv, t.srp, t.ssp, slots[0], slots[1], slots[2], slots[3], osrc, opos,
+        status if write_status else osrc, refusals if refusals is not None and write_status else osrc, n_slots,
+        n_orig, table_programs, slot_programs, W if refusals is not None and write_status else 0, rank, align, W, El,
+        W_POW2=next_pow2(W), EL_POW2=next_pow2(El), S=S, S_POW2=next_pow2(S), BLOCK=how.origin_rows,
+        STATUS=write_status, num_warps=how.warps)
 
 
 def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
     """``{"origin_src", "origin_pos"}`` int32 ``[n_rows]`` of ``plan`` (what :func:`triton_plan` returns with
-    ``origins``), computed from the plan's counts matrix by :func:`plan_kernel` (its tables go to scratch)."""
-    W, E = plan.world_size, plan.num_experts
-    ints = torch.empty(2 * n_rows + _Tables.numel(W, E), dtype=torch.int32, device=plan.counts.device)
-    osrc, opos = ints[:n_rows], ints[n_rows:2 * n_rows]
+    ``origins``), computed from the plan's counts matrix by :func:`plan_kernel` (its row-origin programs alone)."""
+    ints = torch.empty(2 * n_rows, dtype=torch.int32, device=plan.counts.device)
+    osrc, opos = ints[:n_rows], ints[n_rows:]
     if n_rows:
-        _launch_plan(plan.counts, _Tables.views(ints[2 * n_rows:], W, E), plan.rank, plan.align, osrc, opos)
+        _launch_plan(plan.counts, plan.rank, plan.align, osrc, opos)
     return {"origin_src": osrc, "origin_pos": opos}
 
 
-__all__ = ["triton_plan", "plan_row_origins", "check_and_count", "CheckedIds", "fits", "tokens_per_block", "slot_blocks",
+__all__ = ["triton_plan", "plan_numel", "plan_storage", "plan_row_origins", "check_and_count", "CheckedIds", "fits", "tokens_per_block", "slot_blocks",
            "plan_kernel", "plan_launch", "PlanLaunch", "slot_check_hist_kernel", "slot_scan_kernel", "MAX_TABLE"]

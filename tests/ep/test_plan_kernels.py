@@ -135,6 +135,28 @@ def test_plan_row_origins_from_the_plan_alone(monkeypatch, W, E, k, tokens, alig
         assert torch.equal(got["origin_pos"].cpu(), want.pos), f"rank {rank}: origin positions"
 
 
+@pytest.mark.parametrize("W,E,k,tokens,align,drop_p,mode", [CASES[0], CASES[3], CASES[5]])
+def test_plan_writes_the_status_words(W, E, k, tokens, align, drop_p, mode):
+    """With ``status`` the tables program also writes ``status[2]`` = the plan's row count and, given the refusal
+    words, ``status[3]`` = 1 + the lowest refusing rank (0 when none refused); the error words ``status[:2]`` and,
+    without refusal words, ``status[3]`` stay as they were; without ``status`` nothing is written there."""
+    counts, idxs = _case(W, E, k, tokens, align, drop_p, mode, seed=W + 3 * E)
+    R = sum(tokens) * k + (E // W) * align
+    for rank in range(W):
+        want_rows = int(build_plan(counts, idxs[rank], rank, align).num_rows)
+        patterns = [[0] * W, [0] * (W - 1) + [9]] + ([[0, 5, 0, -1][:W], [1] * W] if W > 1 else [])
+        for words in [None] + patterns:
+            status = torch.tensor([11, 22, 33, 44], dtype=torch.int64, device=DEV)
+            refusals = None if words is None else torch.tensor(words, dtype=torch.int32, device=DEV)
+            out = pk.triton_plan(counts.to(DEV), idxs[rank].to(DEV), rank, align, R, status=status, refusals=refusals)
+            first = 44 if words is None else next((i + 1 for i, v in enumerate(words) if v), 0)
+            assert status.tolist() == [11, 22, want_rows, first], (rank, words, status.tolist())
+            assert int(out["plan"].num_rows) == want_rows
+        status = torch.tensor([11, 22, 33, 44], dtype=torch.int64, device=DEV)
+        pk.triton_plan(counts.to(DEV), idxs[rank].to(DEV), rank, align, R, refusals=torch.ones(W, dtype=torch.int32))
+        assert status.tolist() == [11, 22, 33, 44]
+
+
 def test_fits_limits_the_counts_tile():
     assert pk.fits(8, 256) and pk.fits(64, 256) and not pk.fits(64, 4096)
 
@@ -179,19 +201,19 @@ from mxcomm.ep import plan_kernels as pk
 def compile(fn, **consts):
     names = list(fn.arg_names)
     sig = {n: ("constexpr" if n in consts else ("*i32" if n.endswith("_ptr") else "i32")) for n in names}
-    sig.update({n: "*i64" for n in names if n == "err_ptr"})
+    sig.update({n: "*i64" for n in names if n in ("err_ptr", "status_ptr")})
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
 
 compile(pk.slot_check_hist_kernel, K=8, K_POW2=8, TOK=16, CHECK=True, ZERO_BLOCK=512)
 compile(pk.slot_check_hist_kernel, K=6, K_POW2=8, TOK=16, CHECK=False, ZERO_BLOCK=512)
 compile(pk.slot_scan_kernel, BLOCK_B=256, BLOCK_K=8)
-compile(pk.plan_kernel, W_POW2=8, EL_POW2=32, S=128, S_POW2=128, BLOCK=128)
-compile(pk.plan_kernel, W_POW2=4, EL_POW2=64, S=96, S_POW2=128, BLOCK=128)
-compile(pk.plan_kernel, W_POW2=1, EL_POW2=256, S=128, S_POW2=128, BLOCK=128)
+compile(pk.plan_kernel, W_POW2=8, EL_POW2=32, S=128, S_POW2=128, BLOCK=128, STATUS=True)
+compile(pk.plan_kernel, W_POW2=4, EL_POW2=64, S=96, S_POW2=128, BLOCK=128, STATUS=False)
+compile(pk.plan_kernel, W_POW2=1, EL_POW2=256, S=128, S_POW2=128, BLOCK=128, STATUS=True)
 # a launch specializes ints equal to 1 as constants (one rank, one expert, one slot, rank 1)
-compile(pk.plan_kernel, W_POW2=1, EL_POW2=1, S=16, S_POW2=16, BLOCK=128, me=1, W=1, El=1, align=1, n_slots=1,
-        n_rows=1, slot_programs=1, c_stride=1)
+compile(pk.plan_kernel, W_POW2=1, EL_POW2=1, S=16, S_POW2=16, BLOCK=128, STATUS=True, me=1, W=1, El=1, align=1,
+        n_slots=1, n_rows=1, table_programs=1, slot_programs=1, n_refusal=1, c_stride=1)
 print("ok")
 '''
 
@@ -269,3 +291,30 @@ def test_check_and_count_writes_the_given_buffers():
     assert torch.equal(counts.cpu(), local_counts(idx, E))
     with pytest.raises(ValueError, match="prefix_buf holds 8 values"):
         pk.check_and_count(idx.to(DEV), E, err, check=True, prefix_buf=buf[:8])
+
+
+@pytest.mark.parametrize("T", [3, 0])
+def test_check_and_count_ids_and_error_word_into_given_buffers(T):
+    """``ids_out`` receives the checked ids (the head of a plan storage; the rest untouched) and ``err_word_out``
+    the error word as int32 after the check (this call's bad slots added to what ``err`` held); the plan written
+    after the ids in the same storage equals the torch plan."""
+    E, k = 16, 2
+    idx = torch.tensor([[3, 1], [1, 1], [15, 16]], dtype=torch.int64)[:T]
+    store = pk.plan_storage(1, E, T, k, 0, DEV).fill_(-7)
+    word = torch.full((1,), -7, dtype=torch.int32, device=DEV)
+    err = torch.full((1,), 5, dtype=torch.int64, device=DEV)
+    got = pk.check_and_count(idx.to(DEV), E, err, check=True, ids_out=store, err_word_out=word)
+    want_ids, want_counts, nbad = _check_reference(idx, E)
+    assert got.ids.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
+    assert torch.equal(got.ids.cpu(), want_ids.to(torch.int32))
+    assert int(err) == 5 + nbad and int(word) == 5 + nbad
+    assert (store[T * k:] == -7).all()
+    out = pk.triton_plan(got.counts.view(1, E), got.ids, 0, 32, 0, prefix=got.slot_prefix, origins=False,
+                         out=store[T * k:])
+    assert out["plan"].offs.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
+    want = build_plan(want_counts.view(1, E), want_ids.to(torch.int32), 0, 32)
+    for f in PLAN_TENSORS:
+        assert torch.equal(getattr(out["plan"], f).cpu(), getattr(want, f)), f
+    with pytest.raises(ValueError, match="out holds"):
+        pk.triton_plan(got.counts.view(1, E), got.ids, 0, 32, 0, prefix=got.slot_prefix, origins=False,
+                       out=store[:3])

@@ -137,7 +137,8 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     weighted = dict(dst_ptr=u8, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32, g_peers=i64, w_peers=i64,
                     table_ptr=i32, epoch_ptr=i64, out_ptr=bf16, gw_peers=i64, flags_peers=i64)
     tok, how = plan_kernels.tokens_per_block(K), plan_kernels.plan_launch(W, E)
-    plan_ptrs = {n: i32 for n in plan_kernels.plan_kernel.arg_names if n.endswith("_ptr")}
+    plan_ptrs = {n: "*i64" if n == "status_ptr" else i32 for n in plan_kernels.plan_kernel.arg_names
+                 if n.endswith("_ptr")}
     return [
         Variant("id check and counts", "slot_check_hist_kernel",
                 dict(idx_ptr="*i64", out_ptr=i32, hist_ptr=i32, err_ptr=i64),
@@ -145,7 +146,7 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
                 module="plan_kernels"),
         Variant("routing plan", "plan_kernel", plan_ptrs,
                 dict(W_POW2=next_pow2(W), EL_POW2=next_pow2(E // W), S=tok * K, S_POW2=next_pow2(tok * K),
-                     BLOCK=how.origin_rows), how.warps, module="plan_kernels"),
+                     BLOCK=how.origin_rows, STATUS=True), how.warps, module="plan_kernels"),
         Variant("dispatch, one rank", "dispatch_kernel", disp, dict(local, CHUNK=row_chunk, WEIGHTED=False),
                 L.dispatch_warps),
         Variant("combine backward rows, one rank", "dispatch_kernel", disp, dict(local, CHUNK=qdq, WEIGHTED=True),
