@@ -305,7 +305,8 @@ def plan_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr, recv_p
       :func:`slot_check_hist_kernel`; ``pre`` its scanned table ``[blocks, E + 1]``, ``idx`` the checked ids
       ``[n_slots]``): ``dest_rank``, ``dest_row``, ``send_pos`` ``[n_slots]`` (-1 for a dropped slot) and
       ``order [n_slots]``;
-    * the others write the row-origin maps ``src`` / ``pos`` ``[n_rows]`` over blocks of ``BLOCK`` rows.
+    * the others write the row-origin maps ``src`` / ``pos`` ``[n_rows]`` over blocks of ``BLOCK`` rows (-1 without a
+      lookup for the blocks past the last group: most of the worst-case ``n_rows``).
 
     Grid: ``table_programs + slot_programs + origin programs`` (at least 1); the last two groups loop over their
     blocks.
@@ -331,10 +332,16 @@ def plan_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr, recv_p
         c_me = _flat(c_me, N)
         srp = _flat(srp, N)
         ssp = _flat(ssp, N)
+        real_rows = tl.max(tl.where(tl.arange(0, EL_POW2) < El, offs, 0), axis=0)     # offs[-1]
         rb = pid - table_programs - slot_programs
         step = tl.num_programs(0) - table_programs - slot_programs
         while rb * BLOCK < n_rows:
-            _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W, W_POW2, EL_POW2, BLOCK)
+            if rb * BLOCK < real_rows:
+                _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W, W_POW2, EL_POW2, BLOCK)
+            else:  # past the last group (the worst-case tail of the maps): no group to look up
+                r = rb * BLOCK + tl.arange(0, BLOCK)
+                tl.store(src_ptr + r, tl.full((BLOCK,), -1, tl.int32), mask=r < n_rows)
+                tl.store(pos_ptr + r, tl.full((BLOCK,), -1, tl.int32), mask=r < n_rows)
             rb += step
 
 
