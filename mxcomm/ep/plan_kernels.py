@@ -14,9 +14,10 @@ slots), through a table ``hist [blocks, E + 1]`` (key = expert id, ``E`` for a d
       the lower blocks, and the key's total is this rank's count for that expert.
 2. :func:`plan_kernel` (after the exchange, one launch): every program derives the per-expert and per-source tables
    from the exchanged counts matrix ``[W, E]``, held as a ``[W_src, W_dst, El]`` tile (cumulative sums along each
-   axis); program 0 writes them; one group of programs places the slots, block by block (each slot's occurrence
-   index among the slots of its key in ``(t, j)`` order: lower blocks + its rank in the block, a ``[BLOCK, BLOCK]``
-   comparison; hence its send position, destination rank/row, and ``send_order``); the other writes the row
+   axis); one program writes them (and the nvshmem backend's status words); one group places the slots, block by
+   block (each slot's occurrence index among the slots of its key in ``(t, j)`` order: lower blocks + its rank in the
+   block, a ``[BLOCK, BLOCK]`` comparison; hence its send position, destination rank/row, and ``send_order``); the
+   other writes the row
    origins (for each expert-major receive row, its origin rank and position in that origin's send order; -1 for
    padding rows and rows past the last group). Deriving the tables in every program (a few thousand values) costs
    less than the launch and the wait a separate tables kernel would put between them.
@@ -418,7 +419,8 @@ def plan_launch(world: int, num_experts: int) -> PlanLaunch:
 
 @dataclass(frozen=True)
 class _Tables:
-    """The int32 tables :func:`plan_kernel`'s program 0 writes (views of one buffer): ``cnt [W, E]``, ``tab [2, E]``,
+    """The int32 tables :func:`plan_kernel`'s table program writes (views of one buffer): ``cnt [W, E]``, ``tab [2,
+    E]``,
     ``recv [2 El + 2 W + 3]``, ``srp`` / ``ssp`` ``[W, El]``."""
 
     cnt: torch.Tensor
