@@ -16,8 +16,8 @@ on the current CUDA stream:
    once, quantized once, into this rank's send copy) while they arrive, ``wait_published_kernel`` (the wait for
    every peer's counts), the routing plan on the exchanged counts
    plus each received row's origin, ``push_entries_kernel`` (one pull-list entry per (token, destination rank)) and
-   the bounded wait for every source's entries; the copies of the plan the handle keeps are enqueued right after
-   it, while the device still runs it;
+   the bounded wait for every source's entries; the copy of the plan the handle keeps (the checked ids and the plan
+   share one buffer) is enqueued right after it, while the device still runs it;
 2. exact sizes: the call's ONE host sync (:meth:`NvshmemBackend._check`): the output size, the error words and the
    refusals, one transfer; a rank with bad ids raises the detailed ValueError, the others PeerTimeout naming it,
    before anything is gathered;

@@ -17,10 +17,9 @@ slots), through a table ``hist [blocks, E + 1]`` (key = expert id, ``E`` for a d
    axis); one program writes them (and the nvshmem backend's status words); one group places the slots, block by
    block (each slot's occurrence index among the slots of its key in ``(t, j)`` order: lower blocks + its rank in the
    block, a ``[BLOCK, BLOCK]`` comparison; hence its send position, destination rank/row, and ``send_order``); the
-   other writes the row
-   origins (for each expert-major receive row, its origin rank and position in that origin's send order; -1 for
-   padding rows and rows past the last group). Deriving the tables in every program (a few thousand values) costs
-   less than the launch and the wait a separate tables kernel would put between them.
+   other writes the row origins (for each expert-major receive row, its origin rank and position in that origin's
+   send order; -1 for padding rows and rows past the last group). Deriving the tables in every program (a few
+   thousand values) costs less than the launch and the wait a separate tables kernel would put between them.
 
 :func:`triton_plan` runs 2 (and 1 without the check when it is not given step 1's table).
 
