@@ -10,7 +10,7 @@ Per op (dispatch, combine, combine_bwd, dispatch_bwd; the calls of ``mxcomm benc
 2. timeline of one call under ``torch.profiler`` (no Python tracer): every CUDA runtime/driver call on the host
    (launches, syncs, copies) and every kernel on the GPU, in µs from the call's start - the host's gaps between
    launches are Python work, and the GPU idles where no kernel runs;
-3. ``cProfile`` of 20 calls, sorted by cumulative time (the Python functions behind those gaps);
+3. ``cProfile`` of 200 calls, sorted by cumulative time, in µs per call (the Python functions behind those gaps);
 4. with ``--conditions``: the whole call again after an L2 flush, after 2 ms of host sleep, after both (what
    ``mxcomm bench`` does before each timed call: flush, sync, barrier).
 
@@ -115,7 +115,27 @@ def _timeline(name, fn, out_dir):
         print(f"    {s:8.1f} {d:7.1f}  {where:4s} {n[:90]}")
 
 
-def _cprofile(fn, n=20, lines=40):
+def profile_rows(stats: pstats.Stats, calls: int, lines: int = 40) -> list[str]:
+    """The ``lines`` functions of ``stats`` with the most cumulative time, as text rows in µs per profiled call
+    (``calls`` calls of the op): cumulative time, own time, how many times each ran per call, and where it is
+    (``file:line(function)``, paths shortened to their package part). pstats' own table prints seconds with three
+    decimals, which rounds away what one call of a few hundred µs spends in most functions."""
+    rows = []
+    for (path, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        short = path
+        for mark in ("/mxcomm/", "/torch/", "/triton/"):
+            if mark in path:
+                short = path[path.rindex(mark) + 1:]
+                break
+        rows.append((cumtime, tottime, ncalls, f"{short}:{line}({func})"))
+    rows.sort(key=lambda r: -r[0])
+    out = [f"    {'cum us/call':>11s} {'own us/call':>11s} {'runs/call':>9s}  function"]
+    for cum, own, ncalls, where in rows[:lines]:
+        out.append(f"    {cum * 1e6 / calls:11.1f} {own * 1e6 / calls:11.1f} {ncalls / calls:9.2f}  {where[:100]}")
+    return out
+
+
+def _cprofile(fn, n=200, lines=40):
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(n):
@@ -124,8 +144,8 @@ def _cprofile(fn, n=20, lines=40):
     pr.disable()
     if dist.get_rank():
         return
-    st = pstats.Stats(pr)
-    st.sort_stats("cumulative").print_stats(lines)
+    print(f"  cProfile of {n} calls (µs per call; the profiler adds its own cost to every Python call):")
+    print("\n".join(profile_rows(pstats.Stats(pr), n, lines)), flush=True)
 
 
 def main():
