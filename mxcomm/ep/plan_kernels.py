@@ -534,11 +534,12 @@ def _launch_plan(counts: torch.Tensor, rank: int, align: int, osrc: torch.Tensor
     origin_programs = min(cdiv(n_orig, how.origin_rows), _MAX_PROGRAMS)
     t = tables if tables is not None else _Tables(cnt=osrc, tab=osrc, recv=osrc, srp=osrc, ssp=osrc)
     write_status = tables is not None and status is not None
+    read_refusals = write_status and refusals is not None
     fast_kernel(plan_kernel)[(max(1, table_programs + slot_programs + origin_programs),)](
         counts, counts.stride(0), osrc if idx is None else idx, osrc if prefix is None else prefix, t.cnt, t.tab,
         t.recv, t.srp, t.ssp, slots[0], slots[1], slots[2], slots[3], osrc, opos,
-        status if write_status else osrc, refusals if refusals is not None and write_status else osrc, n_slots,
-        n_orig, table_programs, slot_programs, W if refusals is not None and write_status else 0, rank, align, W, El,
+        status if write_status else osrc, refusals if read_refusals else osrc, n_slots, n_orig, table_programs,
+        slot_programs, W if read_refusals else 0, rank, align, W, El,
         W_POW2=next_pow2(W), EL_POW2=next_pow2(El), S=S, S_POW2=next_pow2(S), BLOCK=how.origin_rows,
         STATUS=write_status, num_warps=how.warps)
 
