@@ -82,6 +82,9 @@ class LaunchConfig:
             arrived (its loads of a token's partials are issued together: registers bound its occupancy).
         route_grad_per_sm: ``route_weight_grad`` (4 warps per program; one rank).
         push_per_sm: ``push_entries_kernel``.
+        wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
+            peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
+            cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
     """
 
     dispatch_per_sm: int = 16
@@ -97,6 +100,7 @@ class LaunchConfig:
     reduce_warps: int = 4
     route_grad_per_sm: int = 8
     push_per_sm: int = 1
+    wait_warps: int = 1
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
@@ -200,6 +204,8 @@ class NvshmemBackend:
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
+        self._status_host = None  # (pinned host copy of status, event): made once, for the exact-size sync
+        self._status_started = False  # a copy of status was enqueued at the end of a dispatch's middle
         self._plan_graphs: dict = {}  # ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph, LRU first
         self._seen_keys: dict = {}  # keys of run_middle seen once and not captured yet, oldest first
         # this call's counts (check_and_count writes them here) and, in the last word, whether this rank refused its
@@ -299,20 +305,47 @@ class NvshmemBackend:
         return dict(backend_state=NvshmemState(origins=RowOrigins(src=src, pos=pos), num_rows_dev=nrd,
                                                table=table[0] if table else None))
 
-    def _check(self, what: str, ids: torch.Tensor | None = None) -> int:
+    def _check(self, what: str, ids: torch.Tensor | None = None, started: bool = False) -> int:
         """Raise now if a bounded wait (or the device-side input check) recorded an error: ONE host sync, which
         reads the status words (one transfer). Returns the row count of the last plan (``status[2]``: written by
         :meth:`compute_plan`, so after a dispatch's plan it is that dispatch's ``num_rows``). ``ids``: the caller's
         ``topk_idx`` of this call, whose id check was deferred to this sync (bad ids raise the detailed error of
-        :func:`mxcomm.ep.ids.check_expert_ids`)."""
+        :func:`mxcomm.ep.ids.check_expert_ids`). ``started``: a dispatch's own sync, which reads the copy its middle
+        enqueued (:meth:`start_status_read`) where there is one."""
         self._pending = None
-        words = self.status.tolist()
+        words = self._status_words(started)
         if ids is not None and words[1]:
             self._raise_bad_ids(ids)
         if words[3] and self.config.exact_sizes:
             self._raise_refusal(words[3] - 1, what)
         self._raise_errors(words, what)
         return words[2]
+
+    def start_status_read(self) -> None:
+        """Enqueue the copy of the status words into pinned host memory now (the end of an exact-size dispatch's
+        middle, where they are final for its sync), so that the host's remaining work before the sync (the plan's
+        copies and views) overlaps the device's middle and the transfer; :meth:`_check` of the same call reads it.
+        No-op off CUDA, in the no-sync mode and inside a capture."""
+        if self.device.type != "cuda" or not self.config.exact_sizes or self.capturing():
+            return
+        if self._status_host is None:  # made once: pinned allocations cost milliseconds
+            self._status_host = (torch.empty(4, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        host, ev = self._status_host
+        host.copy_(self.status, non_blocking=True)
+        ev.record()
+        self._status_started = True
+
+    def _status_words(self, started: bool) -> list:
+        """The status words as host ints: the copy :meth:`start_status_read` enqueued (``started``: the dispatch's
+        own sync, right after its middle), else a copy made now. A started copy not consumed by that sync (an error
+        between the two) is dropped: every other read copies afresh."""
+        use = started and self._status_started
+        self._status_started = False
+        if not use:
+            return self.status.tolist()
+        host, ev = self._status_host
+        ev.synchronize()
+        return host.tolist()
 
     def _raise_refusal(self, peer: int, what: str) -> None:
         """A peer refused its input of this dispatch (its device id check found bad expert ids; it raises the
@@ -530,10 +563,12 @@ class NvshmemBackend:
         path's, and ``counts_in``). Eager on the interpreter, for T = 0, and inside an outer capture (which records
         its kernels). Returns outputs the caller owns (a replay's are copied, :meth:`PlanGraph.snapshot`: the copies
         are enqueued at once, so an exact-size dispatch makes them while the device runs the middle, before its
-        host sync)."""
+        host sync). The status words' copy for that sync is enqueued before them (:meth:`start_status_read`)."""
         T, k = topk_idx.shape
         if self.device.type != "cuda" or T == 0 or self.capturing():
-            return middle(self.counts_mat, topk_idx)
+            po = middle(self.counts_mat, topk_idx)
+            self.start_status_read()
+            return po
         key = (self.path, T, topk_idx.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:
@@ -544,12 +579,14 @@ class NvshmemBackend:
                 while len(self._seen_keys) >= 8 * _MAX_PLAN_GRAPHS:
                     self._seen_keys.pop(next(iter(self._seen_keys)))
                 self._seen_keys[key] = True
-                return po
-            g = PlanGraph(self.counts_mat, T, k, topk_idx.dtype, middle, warmup=False)
-            self._remember_graph(key, g)
+            else:
+                self._remember_graph(key, PlanGraph(self.counts_mat, T, k, topk_idx.dtype, middle, warmup=False))
+            self.start_status_read()
             return po
         self._remember_graph(key, g)
-        return g(topk_idx)
+        g.replay(topk_idx)
+        self.start_status_read()  # before the snapshot's host work, which then overlaps the transfer
+        return g.snapshot()
 
     def _remember_graph(self, key, g: PlanGraph) -> None:
         """Keep ``g`` as the most recently used captured graph (at most ``_MAX_PLAN_GRAPHS``: varying token
@@ -563,7 +600,7 @@ class NvshmemBackend:
         words (:meth:`_check`; ``ids``: the caller's ids whose check was deferred to it); no-sync mode: the worst case
         ``R_max``, errors raised by a later call."""
         if self.config.exact_sizes:
-            return self._check(what, ids=ids)
+            return self._check(what, ids=ids, started=True)
         self._check_async(what)
         return self.R_max
 

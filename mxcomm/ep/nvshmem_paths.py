@@ -139,7 +139,7 @@ class EnginePath:
 
         e = self.e
         fast_kernel(wait_published_kernel)[(e.world,)](e.flags.local, _ROW_FLAGS["counts"], e.world, e.d_epoch, e.err,
-                                                       e.timeout_ns)
+                                                       e.timeout_ns, num_warps=e.launch.wait_warps)
 
     def publish_weights(self, w: Optional[torch.Tensor]) -> None:
         """Combine's route weights (fp32 ``[T, k]``) into row ``me`` of every rank's ``comb_w``, then wait (bounded)
@@ -164,7 +164,8 @@ class EnginePath:
         e = self.e
         self._partials(payload, in_scales, handle, mx, passthrough, weighted, e.comb[0].peer_ptrs,
                        e.comb[1].peer_ptrs, staged=False)
-        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[2], e.expect_rows[2], e.programs, e.err, e.timeout_ns)
+        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[2], e.expect_rows[2], e.programs, e.err, e.timeout_ns,
+                                                      num_warps=e.launch.wait_warps)
 
     def _partials(self, payload, in_scales, handle, mx, passthrough, weighted, q_ptrs, s_ptrs, staged):
         from .nvshmem_kernels import combine_partials_kernel
@@ -242,7 +243,8 @@ class EnginePath:
         from .nvshmem_kernels import wait_arrivals_kernel
 
         e = self.e
-        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[4], e.expect_rows[4], e.programs, e.err, e.timeout_ns)
+        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[4], e.expect_rows[4], e.programs, e.err, e.timeout_ns,
+                                                      num_warps=e.launch.wait_warps)
         return self._gather_route_grads(plan, T)
 
     def _gather_route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
@@ -378,7 +380,7 @@ class PullPath(EnginePath):
         e = self.e
         self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
         fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.push_programs, e.err,
-                                                      e.timeout_ns)
+                                                      e.timeout_ns, num_warps=e.launch.wait_warps)
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
         """Everything before the receivers' gather: the id check of the caller's ``topk_idx`` and this rank's counts
@@ -460,7 +462,8 @@ class PushPath(EnginePath):
                               mx, arrive=True)
         self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
         fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[1], e.expect_rows[1],
-                                                      e.sender_programs + e.push_programs, e.err, e.timeout_ns)
+                                                      e.sender_programs + e.push_programs, e.err, e.timeout_ns,
+                                                      num_warps=e.launch.wait_warps)
 
     def _dispatch_kernel(self, kernel, x, plan, rows, q_ptrs, s_ptrs, mx, arrive):
         e = self.e
