@@ -16,8 +16,9 @@ on the current CUDA stream:
    once, quantized once, into this rank's send copy) while they arrive, ``wait_published_kernel`` (the wait for
    every peer's counts), the routing plan on the exchanged counts
    plus each received row's origin, ``push_entries_kernel`` (one pull-list entry per (token, destination rank)) and
-   the bounded wait for every source's entries; the copy of the plan the handle keeps (the checked ids and the plan
-   share one buffer) is enqueued right after it, while the device still runs it;
+   the bounded wait for every source's entries; the copy of the status words the host sync reads and the copy of the
+   plan the handle keeps (the checked ids and the plan share one buffer) are enqueued right after it, while the
+   device still runs it;
 2. exact sizes: the call's ONE host sync (:meth:`NvshmemBackend._check`): the output size, the error words and the
    refusals, one transfer; a rank with bad ids raises the detailed ValueError, the others PeerTimeout naming it,
    before anything is gathered;
@@ -400,11 +401,10 @@ class NvshmemBackend:
         return torch.where(bad, torch.full_like(idx, -1), idx).to(topk_idx.dtype)
 
     def checked_ids(self, topk_idx: torch.Tensor, sync: bool = True, store: Optional[torch.Tensor] = None,
-                    counts_out: Optional[torch.Tensor] = None, refusal_word: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids, counts)``: the expert ids checked on the device (bad ids and repeats within a token become
-        -1: nothing is sent for them, ``input_err`` records them) and this rank's int32 ``[E]`` counts (into
-        ``counts_out``, else the head of ``counts_in``, which is returned).
+                    counts_out: Optional[torch.Tensor] = None, refusal_word: bool = False) -> torch.Tensor:
+        """The expert ids checked on the device (bad ids and repeats within a token become -1: nothing is sent for
+        them, ``input_err`` records them); this rank's int32 ``[E]`` counts go into ``counts_out``, else into the head
+        of ``counts_in`` (whose last word is the refusal word the counts exchange publishes).
 
         ``store``: :meth:`plan_store`'s buffer of this call (the ids go to its head). ``refusal_word``: also copy
         ``input_err`` into ``counts_in[E]``, the refusal word the counts exchange publishes.
@@ -426,7 +426,7 @@ class NvshmemBackend:
                 word.copy_(self.input_err)
         if sync and self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
             self._raise_bad_ids(topk_idx)
-        return ids, (self.counts_in if counts_out is None else counts_out)
+        return ids
 
     def plan_store(self, topk_idx: torch.Tensor) -> Optional[torch.Tensor]:
         """A fresh int32 buffer for this call's checked ids and Triton plan (:func:`plan_kernels.plan_storage`;

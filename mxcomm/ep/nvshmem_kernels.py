@@ -98,13 +98,20 @@ def wait_arrivals_kernel(flags_row_ptr, expect_row_ptr, per_call, err_ptr, timeo
 
 
 @triton.jit
+def _arrive(flags_peers, p, row, me, W):
+    """Add 1 to ``flags[row, me]`` on rank ``p`` (release, sys; ``flags_peers``: int64 ``[W]`` base pointers of the
+    int64 ``flags`` on every rank). Call after ``tl.debug_barrier()`` when several threads stored the payload."""
+    fb = tl.load(flags_peers + p).to(tl.pointer_type(tl.int64))
+    tl.atomic_add(fb + row * W + me, 1, sem="release", scope="sys")
+
+
+@triton.jit
 def _arrive_all(flags_peers, row, me, W):
     """After this program's stores: add 1 to ``flags[row, me]`` on every rank (release, sys)."""
     tl.debug_barrier()
     p = 0
     while p < W:
-        fb = tl.load(flags_peers + p).to(tl.pointer_type(tl.int64))
-        tl.atomic_add(fb + row * W + me, 1, sem="release", scope="sys")
+        _arrive(flags_peers, p, row, me, W)
         p += 1
 
 
@@ -331,8 +338,7 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers,
         tl.store(entry + jj, tl.where(jj < 2, head, rows), mask=listed)
         b += P * BLOCK
     tl.debug_barrier()
-    flags = tl.load(flags_peers + d).to(tl.pointer_type(tl.int64))
-    tl.atomic_add(flags + 1 * W + me, 1, sem="release", scope="sys")  # flags[1, me] on d
+    _arrive(flags_peers, d, 1, me, W)  # flags[1, me] on d
 
 
 @triton.jit

@@ -309,12 +309,11 @@ class LocalPath(EnginePath):
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
         """Everything before the output kernel: the id check of the caller's ``topk_idx`` and the counts (read at the
-        call's one host sync), epoch += 1, the counts as the counts matrix, the plan of the checked ids on it.
-        ``extra["ids"]``: the checked ids."""
+        call's one host sync), the counts as the counts matrix, the plan of the checked ids on it (no epoch: nothing
+        on one rank waits for a flag). ``extra["ids"]``: the checked ids."""
         e = self.e
         store = e.plan_store(topk_idx)
-        ids, _ = e.checked_ids(topk_idx, sync=False, store=store, counts_out=counts_buf[0])
-        e.d_epoch.add_(1)
+        ids = e.checked_ids(topk_idx, sync=False, store=store, counts_out=counts_buf[0])
         po = e.compute_plan(counts_buf, ids, store=store)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
@@ -391,7 +390,7 @@ class PullPath(EnginePath):
         e = self.e
         store = e.plan_store(topk_idx)
         # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]
-        ids, _ = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True)
+        ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True)
         e.d_epoch.add_(1)
         self.exchange(e.counts_in, wait=False)
         # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q), and
@@ -492,9 +491,9 @@ class PushPath(EnginePath):
 
     def dispatch(self, x, topk_idx):
         e = self.e
-        ids, my_counts = e.checked_ids(topk_idx)
+        ids = e.checked_ids(topk_idx)  # (its counts into counts_in)
         e.d_epoch.add_(1)
-        self.exchange(my_counts)
+        self.exchange(e.counts_in)
         po = e.plan_from_counts(ids)
         self._send_to_experts(x, po.plan, mx=e.mx)
         table = self._table_from_list()
