@@ -312,7 +312,7 @@ class NvshmemBackend:
         :meth:`compute_plan`, so after a dispatch's plan it is that dispatch's ``num_rows``). ``ids``: the caller's
         ``topk_idx`` of this call, whose id check was deferred to this sync (bad ids raise the detailed error of
         :func:`mxcomm.ep.ids.check_expert_ids`). ``started``: a dispatch's own sync, which reads the copy its middle
-        enqueued (:meth:`start_status_read`) where there is one."""
+        enqueued (:meth:`_start_status_read`) where there is one."""
         self._pending = None
         words = self._status_words(started)
         if ids is not None and words[1]:
@@ -322,7 +322,7 @@ class NvshmemBackend:
         self._raise_errors(words, what)
         return words[2]
 
-    def start_status_read(self) -> None:
+    def _start_status_read(self) -> None:
         """Enqueue the copy of the status words into pinned host memory now (the end of an exact-size dispatch's
         middle, where they are final for its sync), so that the host's remaining work before the sync (the plan's
         copies and views) overlaps the device's middle and the transfer; :meth:`_check` of the same call reads it.
@@ -337,7 +337,7 @@ class NvshmemBackend:
         self._status_started = True
 
     def _status_words(self, started: bool) -> list:
-        """The status words as host ints: the copy :meth:`start_status_read` enqueued (``started``: the dispatch's
+        """The status words as host ints: the copy :meth:`_start_status_read` enqueued (``started``: the dispatch's
         own sync, right after its middle), else a copy made now. A started copy not consumed by that sync (an error
         between the two) is dropped: every other read copies afresh."""
         use = started and self._status_started
@@ -563,11 +563,11 @@ class NvshmemBackend:
         path's, and ``counts_in``). Eager on the interpreter, for T = 0, and inside an outer capture (which records
         its kernels). Returns outputs the caller owns (a replay's are copied, :meth:`PlanGraph.snapshot`: the copies
         are enqueued at once, so an exact-size dispatch makes them while the device runs the middle, before its
-        host sync). The status words' copy for that sync is enqueued before them (:meth:`start_status_read`)."""
+        host sync). The status words' copy for that sync is enqueued before them (:meth:`_start_status_read`)."""
         T, k = topk_idx.shape
         if self.device.type != "cuda" or T == 0 or self.capturing():
             po = middle(self.counts_mat, topk_idx)
-            self.start_status_read()
+            self._start_status_read()
             return po
         key = (self.path, T, topk_idx.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
@@ -581,11 +581,11 @@ class NvshmemBackend:
                 self._seen_keys[key] = True
             else:
                 self._remember_graph(key, PlanGraph(self.counts_mat, T, k, topk_idx.dtype, middle, warmup=False))
-            self.start_status_read()
+            self._start_status_read()
             return po
         self._remember_graph(key, g)
         g.replay(topk_idx)
-        self.start_status_read()  # before the snapshot's host work, which then overlaps the transfer
+        self._start_status_read()  # before the snapshot's host work, which then overlaps the transfer
         return g.snapshot()
 
     def _remember_graph(self, key, g: PlanGraph) -> None:

@@ -141,6 +141,15 @@ class EnginePath:
         fast_kernel(wait_published_kernel)[(e.world,)](e.flags.local, _ROW_FLAGS["counts"], e.world, e.d_epoch, e.err,
                                                        e.timeout_ns, num_warps=e.launch.wait_warps)
 
+    def _wait_arrivals(self, row: int, per_call: int) -> None:
+        """The bounded wait for every source's ``per_call`` arrivals of this call on flag row ``row``
+        (``wait_arrivals_kernel``; each source's programs add 1 there when done)."""
+        from .nvshmem_kernels import wait_arrivals_kernel
+
+        e = self.e
+        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[row], e.expect_rows[row], per_call, e.err,
+                                                      e.timeout_ns, num_warps=e.launch.wait_warps)
+
     def publish_weights(self, w: Optional[torch.Tensor]) -> None:
         """Combine's route weights (fp32 ``[T, k]``) into row ``me`` of every rank's ``comb_w``, then wait (bounded)
         for every rank's: the expert side weights its partial sums with them. ``None``: no weights (dispatch backward;
@@ -159,13 +168,10 @@ class EnginePath:
         source's published weights when ``weighted``, rounded once (MXFP8 when ``mx``, else BF16) into the origin's
         ``comb_q`` at the send position of the token's leading slot (copy ``c_epoch % 2``); then wait (bounded) for
         every rank's partials."""
-        from .nvshmem_kernels import wait_arrivals_kernel
-
         e = self.e
         self._partials(payload, in_scales, handle, mx, passthrough, weighted, e.comb[0].peer_ptrs,
                        e.comb[1].peer_ptrs, staged=False)
-        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[2], e.expect_rows[2], e.programs, e.err, e.timeout_ns,
-                                                      num_warps=e.launch.wait_warps)
+        self._wait_arrivals(2, e.programs)
 
     def _partials(self, payload, in_scales, handle, mx, passthrough, weighted, q_ptrs, s_ptrs, staged):
         from .nvshmem_kernels import combine_partials_kernel
@@ -240,11 +246,7 @@ class EnginePath:
 
     def _route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
         """Wait (bounded) for every rank's route-weight gradients, then gather this rank's fp32 ``[T, k]``."""
-        from .nvshmem_kernels import wait_arrivals_kernel
-
-        e = self.e
-        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[4], e.expect_rows[4], e.programs, e.err, e.timeout_ns,
-                                                      num_warps=e.launch.wait_warps)
+        self._wait_arrivals(4, self.e.programs)
         return self._gather_route_grads(plan, T)
 
     def _gather_route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
@@ -374,12 +376,9 @@ class PullPath(EnginePath):
         self.x_slot = torch.zeros(1, dtype=torch.int64, device=engine.device)
 
     def _entries_and_wait(self, plan: RoutingPlan) -> None:
-        from .nvshmem_kernels import wait_arrivals_kernel
-
         e = self.e
         self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
-        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[1], e.expect_rows[1], e.push_programs, e.err,
-                                                      e.timeout_ns, num_warps=e.launch.wait_warps)
+        self._wait_arrivals(1, e.push_programs)
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
         """Everything before the receivers' gather: the id check of the caller's ``topk_idx`` and this rank's counts
@@ -454,15 +453,13 @@ class PushPath(EnginePath):
     def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, mx: bool) -> None:
         """Each row of ``x`` (bf16 ``[T, H]``) to its slots' expert-major rows on the destinations (MXFP8 when
         ``mx``) and one pull-list entry per (token, destination); then wait for every source's."""
-        from .nvshmem_kernels import dispatch_kernel, wait_arrivals_kernel
+        from .nvshmem_kernels import dispatch_kernel
 
         e = self.e
         self._dispatch_kernel(dispatch_kernel, x, plan, plan.dest_row, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs,
                               mx, arrive=True)
         self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
-        fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[1], e.expect_rows[1],
-                                                      e.sender_programs + e.push_programs, e.err, e.timeout_ns,
-                                                      num_warps=e.launch.wait_warps)
+        self._wait_arrivals(1, e.sender_programs + e.push_programs)
 
     def _dispatch_kernel(self, kernel, x, plan, rows, q_ptrs, s_ptrs, mx, arrive):
         e = self.e
