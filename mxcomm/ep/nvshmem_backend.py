@@ -404,7 +404,7 @@ class NvshmemBackend:
                     counts_out: Optional[torch.Tensor] = None, refusal_word: bool = False) -> torch.Tensor:
         """The expert ids checked on the device (bad ids and repeats within a token become -1: nothing is sent for
         them, ``input_err`` records them); this rank's int32 ``[E]`` counts go into ``counts_out``, else into the head
-        of ``counts_in`` (whose last word is the refusal word the counts exchange publishes).
+        of ``counts_in``.
 
         ``store``: :meth:`plan_store`'s buffer of this call (the ids go to its head). ``refusal_word``: also copy
         ``input_err`` into ``counts_in[E]``, the refusal word the counts exchange publishes.
@@ -565,22 +565,20 @@ class NvshmemBackend:
         are enqueued at once, so an exact-size dispatch makes them while the device runs the middle, before its
         host sync). The status words' copy for that sync is enqueued before them (:meth:`_start_status_read`)."""
         T, k = topk_idx.shape
-        if self.device.type != "cuda" or T == 0 or self.capturing():
-            po = middle(self.counts_mat, topk_idx)
-            self._start_status_read()
-            return po
+        graphs = self.device.type == "cuda" and T > 0 and not self.capturing()
         key = (self.path, T, topk_idx.dtype, self.plan_impl)
-        g = self._plan_graphs.pop(key, None)
+        g = self._plan_graphs.pop(key, None) if graphs else None
         if g is None:
             # eager (the first call with a key compiles every kernel); captured at the key's second call, so a token
             # count seen once (a last, smaller batch) costs no capture
             po = middle(self.counts_mat, topk_idx)
-            if self._seen_keys.pop(key, None) is None:
-                while len(self._seen_keys) >= 8 * _MAX_PLAN_GRAPHS:
-                    self._seen_keys.pop(next(iter(self._seen_keys)))
-                self._seen_keys[key] = True
-            else:
-                self._remember_graph(key, PlanGraph(self.counts_mat, T, k, topk_idx.dtype, middle, warmup=False))
+            if graphs:
+                if self._seen_keys.pop(key, None) is None:
+                    while len(self._seen_keys) >= 8 * _MAX_PLAN_GRAPHS:
+                        self._seen_keys.pop(next(iter(self._seen_keys)))
+                    self._seen_keys[key] = True
+                else:
+                    self._remember_graph(key, PlanGraph(self.counts_mat, T, k, topk_idx.dtype, middle, warmup=False))
             self._start_status_read()
             return po
         self._remember_graph(key, g)

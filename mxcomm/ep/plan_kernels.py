@@ -176,6 +176,13 @@ def _recv_tables(c, se, me, align, W_POW2: tl.constexpr):
 
 
 @triton.jit
+def _groups_end(offs, El, EL_POW2: tl.constexpr):
+    """``offs[El - 1]`` of the group ends ``offs`` ``[EL_POW2]``: where the last group ends (the plan's
+    ``num_rows``)."""
+    return tl.max(tl.where(tl.arange(0, EL_POW2) < El, offs, 0), axis=0)
+
+
+@triton.jit
 def _flat(t, N: tl.constexpr):
     """A 2-D tile as its ``N`` values in row-major order (what ``tl.gather`` indexes)."""
     return tl.reshape(t, (N,))
@@ -211,7 +218,7 @@ def _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, r
     tl.store(recv_ptr + 2 * El + w1, recv_splits, mask=wm)
     tl.store(recv_ptr + 2 * El + W + w1, send_splits, mask=wm)
     tail = recv_ptr + 2 * El + 2 * W
-    num_rows = tl.max(tl.where(lm, offs, 0), axis=0)                                 # offs[-1]
+    num_rows = _groups_end(offs, El, EL_POW2)
     tl.store(tail + 0, num_rows)
     tl.store(tail + 1, tl.sum(recv_splits, axis=0))                                  # num_recv
     tl.store(tail + 2, tl.sum(send_splits, axis=0))                                  # num_send
@@ -332,7 +339,7 @@ def plan_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr, recv_p
         c_me = _flat(c_me, N)
         srp = _flat(srp, N)
         ssp = _flat(ssp, N)
-        real_rows = tl.max(tl.where(tl.arange(0, EL_POW2) < El, offs, 0), axis=0)     # offs[-1]
+        real_rows = _groups_end(offs, El, EL_POW2)
         rb = pid - table_programs - slot_programs
         step = tl.num_programs(0) - table_programs - slot_programs
         while rb * BLOCK < n_rows:
@@ -418,9 +425,8 @@ def plan_launch(world: int, num_experts: int) -> PlanLaunch:
 
 @dataclass(frozen=True)
 class _Tables:
-    """The int32 tables :func:`plan_kernel`'s table program writes (views of one buffer): ``cnt [W, E]``, ``tab [2,
-    E]``,
-    ``recv [2 El + 2 W + 3]``, ``srp`` / ``ssp`` ``[W, El]``."""
+    """The int32 tables :func:`plan_kernel`'s table program writes (views of one buffer): ``cnt [W, E]``,
+    ``tab [2, E]``, ``recv [2 El + 2 W + 3]``, ``srp`` / ``ssp`` ``[W, El]``."""
 
     cnt: torch.Tensor
     tab: torch.Tensor
@@ -554,5 +560,6 @@ def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
     return {"origin_src": osrc, "origin_pos": opos}
 
 
-__all__ = ["triton_plan", "plan_numel", "plan_storage", "plan_row_origins", "check_and_count", "CheckedIds", "fits", "tokens_per_block", "slot_blocks",
-           "plan_kernel", "plan_launch", "PlanLaunch", "slot_check_hist_kernel", "slot_scan_kernel", "MAX_TABLE"]
+__all__ = ["triton_plan", "plan_numel", "plan_storage", "plan_row_origins", "check_and_count", "CheckedIds", "fits",
+           "tokens_per_block", "slot_blocks", "plan_kernel", "plan_launch", "PlanLaunch", "slot_check_hist_kernel",
+           "slot_scan_kernel", "MAX_TABLE"]
