@@ -53,10 +53,11 @@ class EPConfig:
             :data:`PATHS`, which ``EPGroup.path`` reports, plus ``"auto"``). ``"auto"``: ``"local"`` on one rank,
             ``"pull"`` when every peer has a peer pointer (one node, NVLink), ``"put"`` otherwise.
             ``"local"`` (one rank only): nothing leaves the GPU; dispatch quantizes each token row once and
-            stores it straight into its output rows. ``"pull"`` (several ranks): each rank quantizes its token
-            rows once into its own symmetric send buffer, the sources tell each receiver which token fills
-            each of its rows, and the receiver reads them through peer pointers straight into its fresh output;
-            combine and combine backward store into the peers' buffers. ``"push"``: peer-pointer stores for
+            stores it straight into its output rows. ``"pull"``: each rank quantizes its token rows once into its
+            own symmetric send buffer, the sources tell each receiver which token fills each of its rows, and the
+            receiver reads them through peer pointers straight into its fresh output; combine and combine backward
+            store into the peers' buffers (forced on one rank, it runs through the rank's own buffers: a test of
+            that path on one GPU or in the interpreter). ``"push"``: peer-pointer stores for
             dispatch too (quantized rows stored into the receivers' symmetric buffers, then copied out on the
             receiver). ``"put"``: NVSHMEM put-with-signal (``csrc/put_signal.cu``: kernels write into a local
             staging buffer, NVSHMEM puts one block per (destination, expert) and signals), what peers on other
@@ -121,8 +122,6 @@ class EPConfig:
             errs.append(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         elif self.transport == "local" and _is_int(world_size) and world_size != 1:
             errs.append(f"transport 'local' moves nothing between ranks: it needs a group of 1 rank, not {world_size}")
-        elif self.transport == "pull" and world_size == 1:
-            errs.append("transport 'pull' reads from peers: a group of 1 rank uses 'local' (or 'auto')")
         if errs:
             raise ValueError("invalid EPConfig: " + "; ".join(errs))
 

@@ -55,7 +55,7 @@ from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from .ids import check_expert_ids
 from .plan import FLAG_ROWS, RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
-from .nvshmem_paths import PATHS, PUSH_BLOCK
+from .nvshmem_paths import PATHS, PUSH_BLOCK, fp32_weights
 from .nvshmem_state import NvshmemState, RowOrigins, handle_origins, row_origins
 
 _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently used dropped)
@@ -612,14 +612,15 @@ class NvshmemBackend:
             raise ValueError(f"x is on {x.device}, the nvshmem backend runs on {self.device}")
         self.impl.refuse_capture()
         T = x.shape[0]
-        rows = self.impl.dispatch(x.contiguous(), topk_idx)
+        rows = self.impl.dispatch(x.contiguous(), topk_idx, topk_weights)
         plan, R = rows.kept.plan, rows.num_rows
         out_x = self._received(plan, R, self.mx, rows.q, rows.scale_rows)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
             config=cfg, group_id=self.group_id, plan=plan, topk_idx=rows.ids, topk_weights=topk_weights,
             weights_version=topk_weights._version, num_tokens=T, num_rows=R, device=x.device,
-            backend_state=NvshmemState(origins=rows.origins, num_rows_dev=plan.num_rows, table=rows.table),
+            backend_state=NvshmemState(origins=rows.origins, num_rows_dev=plan.num_rows, table=rows.table,
+                                       weights=rows.weights),
         )
         return result, handle
 
@@ -628,9 +629,10 @@ class NvshmemBackend:
                    what: str) -> torch.Tensor:
         """One row per (token, rank) back to the origins, then the sum of a token's partials there.
 
-        ``rows``: bf16 ``[R, H]`` or an ``MXTensor`` (decoded before the sum); ``weights``: fp32-able ``[T, k]`` route
+        ``rows``: bf16 ``[R, H]`` or an ``MXTensor`` (decoded before the sum); ``weights``: float ``[T, k]`` route
         weights (combine) or None (every weight 1: dispatch backward). Each expert rank forms the partial sum of a
-        token's rows on it (weighted, fp32, ``j`` ascending), rounds it once (MXFP8 when ``quantize_rows``, else BF16)
+        token's rows on it (weighted, fp32, ``j`` ascending; the weights that came with the dispatch, or every rank's
+        exchanged: :meth:`EnginePath.combine_weights`), rounds it once (MXFP8 when ``quantize_rows``, else BF16)
         and sends it to the origin, which sums the token's partials in fp32 (ranks in the order of
         their first slot). One rank: the reduce forms the one partial from the rows in place. Returns bf16 ``[T, H]``.
         """
@@ -647,17 +649,16 @@ class NvshmemBackend:
             in_scales = rows.row_scales().contiguous()
         else:
             payload, in_scales = rows.contiguous(), self.err  # in_scales unused
-        w = None
-        if weights is not None:
-            w = weights if weights.dtype == torch.float32 and weights.is_contiguous() else \
-                weights.to(torch.float32).contiguous()
         T = handle.num_tokens
         y = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         own = self.local
+        w = None  # the reduce's weights: one rank only (several: the partials come weighted)
+        if own and weights is not None:
+            w = fp32_weights(weights)
         if not own:
             self.c_epoch.add_(1)  # picks the comb_q copy (parity); tags the weights
-            self.impl.publish_weights(w)
-            self.impl.send_partials(payload, in_scales, handle, mx, passthrough, weighted=w is not None)
+            w_src = self.impl.combine_weights(weights, handle)
+            self.impl.send_partials(payload, in_scales, handle, mx, passthrough, w_src)
         if T:
             comb = (None, None) if own else self.comb
             chunk = self.launch.reduce_row_chunk(H, own, mx)
@@ -697,8 +698,7 @@ class NvshmemBackend:
                 f"dispatch buffers sized for precision={cfg.precision!r}); quantize={quantize_rows} is not supported"
             )
         plan = handle.plan
-        w = handle.topk_weights
-        w = w if w.dtype == torch.float32 and w.is_contiguous() else w.to(torch.float32).contiguous()
+        w = fp32_weights(handle.topk_weights)
         expert_out = None if saved is None else saved.rows.contiguous()
         rows = self.impl.combine_backward(grad_y.contiguous(), w, handle, quantize_rows, expert_out)
         self.after_call("combine-backward rows", waited=not self.local)

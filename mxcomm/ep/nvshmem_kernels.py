@@ -258,9 +258,9 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
             rows); row ``t`` of copy ``par`` starts at element ``par * copy_elems + t * H``.
         send_s_ptr: uint8 ``[2, T_max, H/32]`` row-major scales (MX only).
         epoch_ptr: int64 epoch of this call (already advanced).
-        w_ptr / send_w_ptr (``WEIGHTS``, combine backward): fp32 ``[T, K]`` route weights, copied to this rank's
-            ``send_w`` (fp32 ``[2, T_max, K]``) at row ``t`` of copy ``par``; unused otherwise. ``K_POW2``:
-            ``next_pow2(K)``.
+        w_ptr / send_w_ptr (``WEIGHTS``): fp32 ``[T, K]`` route weights (the dispatch's, which the receivers keep
+            for combine, or combine backward's), copied to this rank's ``send_w`` (fp32 ``[2, T_max, K]``) at row ``t``
+            of copy ``par``; unused otherwise. ``K_POW2``: ``next_pow2(K)``.
     Grid: any; persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -357,6 +357,16 @@ def _keep_entry(e, ok, table_ptr, i, K: tl.constexpr, K_POW2: tl.constexpr):
 
 
 @triton.jit
+def _keep_weights(w_peers, s, srow, ok, wtab_ptr, i, K: tl.constexpr, K_POW2: tl.constexpr):
+    """Row ``i`` of the dispatch's weights table: source ``s``'s ``K`` fp32 route weights at row ``srow`` of its
+    ``send_w`` (through its peer pointer) when the entry belongs to this call (``ok``), else zeros."""
+    kk = tl.arange(0, K_POW2)
+    wb = tl.load(w_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.float32)) + srow * K
+    wv = tl.load(wb + kk, mask=ok & (kk < K), other=0.0)
+    tl.store(wtab_ptr + i.to(tl.int64) * K + kk, wv, mask=kk < K)
+
+
+@triton.jit
 def entries_table_kernel(list_ptr, table_ptr, epoch_ptr, n_entries, K: tl.constexpr, K_POW2: tl.constexpr,
                          EW: tl.constexpr):
     """The dispatch's table from this rank's pull list (push and put paths; the pull path's gather writes it itself):
@@ -376,28 +386,33 @@ def entries_table_kernel(list_ptr, table_ptr, epoch_ptr, n_entries, K: tl.conste
 
 @triton.jit
 def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers,
-                     list_ptr, table_ptr, epoch_ptr, T_max, W, copy_words, ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                     w_peers, list_ptr, table_ptr, wtab_ptr, epoch_ptr, T_max, W, copy_words,
+                     ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr,
                      C: tl.constexpr, C_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, EW: tl.constexpr,
                      MX: tl.constexpr):
     """Pull dispatch, receiver: every token listed in this rank's pull list for this epoch is read ONCE from
     its source's send copy (through the peer pointer) and stored at each of its expert-major rows here: the
     payload into the fresh output ``dst``, the scale row (MX) into ``dst_s`` (row-major at the payload row;
     ``scale_rows_to_grouped_kernel`` then builds the blocked matrix). The entry's rows are kept in the dispatch's
-    table (combine answers one row per entry). Then the padding rows of every group are zeroed (rows past
-    ``n_rows``, the worst-case tail of the no-sync mode, are left as they are).
+    table (combine answers one row per entry), the source's route weights of the token in the weights table (combine
+    weights its partial sums with them unless it is given other weights). Then the padding rows of every group are
+    zeroed (rows past ``n_rows``, the worst-case tail of the no-sync mode, are left as they are).
 
     Args:
         dst_ptr: int64 view of the fresh ``[R_out, ROW_WORDS]`` output (row bytes / 8).
         dst_s_ptr: uint8 ``[>= n_rows, C]`` row-major scale rows (MX only).
         offs_ptr / counts_ptr: int32 ``[n_groups]`` group end offsets / real rows (the plan's); n_rows_ptr: int32
             scalar, ``offs[-1]``.
-        q_peers / s_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as int64 rows of
-            ``ROW_WORDS``; copy 1 starts ``copy_words`` words after copy 0) / ``send_s`` (uint8 rows of ``C``).
+        q_peers / s_peers / w_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as int64 rows of
+            ``ROW_WORDS``; copy 1 starts ``copy_words`` words after copy 0) / ``send_s`` (uint8 rows of ``C``) /
+            ``send_w`` (fp32 rows of ``K``: the route weights the source packed with its rows).
         list_ptr: this rank's ``pull_list``, int32 ``[W, T_max, EW]``; entry ``[s, t]`` belongs to this call
             when its words 0-1 hold the epoch (others are older: skipped); words 2.. are its K rows.
-        table_ptr: int32 ``[W * T_max, K]``, the dispatch's table (see :func:`entries_table_kernel`).
+        table_ptr: int32 ``[W * T_max, K]``, the dispatch's table (see :func:`entries_table_kernel`); wtab_ptr: fp32
+            ``[W * T_max, K]``, its weights: entry ``s * T_max + t`` = source ``s``'s weights of token ``t`` (0 for an
+            entry of another call).
         epoch_ptr: int64 dispatch epoch; the rows are in send copy ``par = epoch % 2`` (payload word
-            ``par * copy_words + t * ROW_WORDS``, scale row ``par * T_max + t``).
+            ``par * copy_words + t * ROW_WORDS``, scale and weight row ``par * T_max + t``).
     Grid: any; persistent over entries, then over groups.
     """
     pid = tl.program_id(0)
@@ -416,6 +431,7 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
         _keep_entry(e, ok, table_ptr, i, K, K_POW2)
         s = i // T_max
         srow = (row0 + i % T_max).to(tl.int64)
+        _keep_weights(w_peers, s, srow, ok, wtab_ptr, i, K, K_POW2)
         sbase = (tl.load(q_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.int64)) + copy0
                  + (i % T_max).to(tl.int64) * ROW_WORDS)
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
@@ -643,8 +659,8 @@ def _bf16_saturated(v):
 
 
 @triton.jit
-def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptrs, q_peers, s_peers, flags_peers,
-                            me, W, T_max, epoch_ptr, nslot,
+def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr, q_peers, s_peers, flags_peers,
+                            me, W, T_max, epoch_ptr, nslot, err_ptr,
                             H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                             MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr,
                             INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False, ROWS: tl.constexpr = 2):
@@ -653,7 +669,10 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
     ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then added: launch with
     ``enable_fp_fusion=False``), rounded once for transport (MX: quantized, payload + row scales; else BF16) and stored
     into the origin's combine buffer at the send position of the token's leading slot (its first slot on this rank);
-    then every program adds 1 to ``flags[2, me]`` on every rank.
+    then every program adds 1 to ``flags[2, me]`` on every rank. A call that starts with the error word set (a wait
+    of this call, such as the weights' exchange, or of an earlier one timed out) sends nothing and raises no flag: its
+    weights may not have arrived, and the origins' bounded waits then fail instead of summing partials formed with
+    other weights.
 
     Args:
         out_ptr: the expert rows ``[R, H]``: bf16, or (``PASS``) uint8 E4M3 payload with ``out_s_ptr`` uint8 ``[R,
@@ -661,8 +680,9 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         table_ptr: int32 ``[W * T_max, K]``: entry ``s * T_max + t`` = the rows here of source ``s``'s token ``t``
             per slot, -1 for slots elsewhere (every row -1: not received).
         origin_pos_ptr: int32 ``[R]`` send position of each row's slot at its origin.
-        w_ptrs: int64 ``[W]`` addresses of each source's fp32 ``[T_max, K]`` route weights (``WEIGHTED``; else every
-            weight is 1: dispatch backward).
+        w_ptr: fp32 ``[W * T_max, K]`` route weights by table entry (``WEIGHTED``; else every weight is 1: dispatch
+            backward): the weights that came with the dispatch (the handle's), or ``comb_w`` after their exchange.
+        err_ptr: int64 error word of this rank's waits (read once, at the start).
         q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags`` per rank.
         epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * K`` slots per copy.
         STAGED (put path): every ``*_peers`` entry is this rank's staging buffer; the partial goes to the leading
@@ -685,15 +705,16 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
     if STAGED:
         slot0 = slot0 * 0
+    failed = tl.load(err_ptr, volatile=True) != 0
+    n_entries = tl.where(failed, 0, W * T_max)
     i = pid
-    while i < W * T_max:
+    while i < n_entries:
         e = table_ptr + i.to(tl.int64) * K
         listed = _listed_slots(e, K)
         if listed != 0:
             lead = tl.load(e + _nth_slot(listed, 0, K))
             n_listed = _bit_count(listed, K)
             s = i // T_max
-            t = (i % T_max).to(tl.int64)
             if STAGED:
                 pos = lead.to(tl.int64)
             else:
@@ -703,8 +724,8 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
             else:
                 qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.bfloat16))
             sbase = tl.load(s_peers + s).to(tl.pointer_type(tl.uint8))
-            if WEIGHTED:  # the source's weights of token t, fp32 [K]
-                wbase = tl.load(w_ptrs + s).to(tl.pointer_type(tl.float32)) + t * K
+            if WEIGHTED:  # the source's weights of this token, fp32 [K]
+                wbase = w_ptr + i.to(tl.int64) * K
             for c0 in tl.static_range(0, H, CHUNK):
                 m = (c0 + offs) < H
                 cols = c0 // 32 + bcols
@@ -725,7 +746,8 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
                 _store_partial(acc, qbase, sbase, slot0 + pos, c0, offs, cols, m, cm, H, NB, MX, MODE, INT_ROUND)
         i += G
     if not STAGED:
-        _arrive_all(flags_peers, 2, me, W)
+        if not failed:
+            _arrive_all(flags_peers, 2, me, W)
 
 
 @triton.jit

@@ -25,8 +25,9 @@ origin. What a path does per call:
   keeps, the row origins, the table);
 * :meth:`EnginePath.combine_backward` -> :class:`BackwardRows` (the weighted gradient rows at the expert ranks, the
   route-weight gradient at the origin);
-* :meth:`EnginePath.publish_weights` and :meth:`EnginePath.send_partials`: combine's route weights to every rank, and
-  the partials of combine / dispatch backward to their origins' ``comb_q`` (then wait for every rank's);
+* :meth:`EnginePath.combine_weights` and :meth:`EnginePath.send_partials`: the route weights combine weights the
+  partial sums with (those that came with the dispatch on the pull path, else exchanged: every rank's to every rank),
+  and the partials of combine / dispatch backward to their origins' ``comb_q`` (then wait for every rank's);
 * :meth:`EnginePath.exchange`: the counts exchange or the "ready" handshake.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..kernels.launch import cdiv, fast_kernel, next_pow2
 from . import put_path
 from .handle import EPHandle
 from .plan import FLAG_ROWS, RoutingPlan
-from .nvshmem_state import RowOrigins
+from .nvshmem_state import DeliveredWeights, RowOrigins
 from .plan_graph import PlanOutputs
 
 PUSH_BLOCK = 64  # tokens per block of push_entries_kernel
@@ -49,12 +50,19 @@ _PUBLISH_BLOCK = 1024  # int32 words per step of publish_kernel
 _ROW_FLAGS = {name: i for i, name in enumerate(FLAG_ROWS)}  # rows of ep.flags
 
 
+def fp32_weights(w: torch.Tensor) -> torch.Tensor:
+    """Route weights ``w`` (float ``[T, k]``) as the contiguous fp32 tensor the kernels read (``w`` itself when it
+    is one)."""
+    return w if w.dtype == torch.float32 and w.is_contiguous() else w.to(torch.float32).contiguous()
+
+
 @dataclass(frozen=True)
 class DispatchRows:
     """What a path's dispatch produced: ``q`` fresh uint8 ``[R, H]`` (MX payload) / ``[R, 2H]`` (bf16 bytes) rows,
     ``scale_rows`` their row-major uint8 ``[>= R, H/32]`` scale rows (MX), ``kept`` the plan outputs the handle keeps,
     ``ids`` the checked expert ids ``[T, k]``, ``num_rows`` R, ``origins`` the row origins and ``table`` the dispatch's
-    table (both None on the local path)."""
+    table (both None on the local path), ``weights`` the sources' route weights that came with the rows (the pull
+    path only)."""
 
     q: torch.Tensor
     scale_rows: torch.Tensor
@@ -63,6 +71,7 @@ class DispatchRows:
     num_rows: int
     origins: Optional[RowOrigins]
     table: Optional[torch.Tensor] = None
+    weights: Optional[DeliveredWeights] = None
 
 
 @dataclass(frozen=True)
@@ -93,10 +102,9 @@ class EnginePath:
         self.comb_w, self.comb_gw = bufs["ep.comb_w"], bufs["ep.comb_gw"]
         self.send_q, self.send_w = bufs["ep.send_q"], bufs["ep.send_w"]
         self.pull_list = bufs["ep.pull_list"]
-        # by source rank: where its published weights are read (this rank's comb_w rows), where its BF16 gradient
-        # rows and weights are read in combine backward (its send copies; copy 1 starts g_copy / w_copy values after
-        # copy 0), and where the route-weight gradients formed here go (this rank's row of its comb_gw)
-        self.w_local = self._rows_of(self.comb_w.local, T * k * 4)
+        # by source rank: where its BF16 gradient rows and weights are read in combine backward (its send copies; copy
+        # 1 starts g_copy / w_copy values after copy 0), and where the route-weight gradients formed here go (this
+        # rank's row of its comb_gw)
         self.g_src, self.w_src = self.send_q.peer_ptrs, self.send_w.peer_ptrs
         self.g_copy, self.w_copy = T * e.config.hidden, T * k
         self.gw_dst = self.comb_gw.peer_ptrs + e.rank * T * k * 4
@@ -160,29 +168,40 @@ class EnginePath:
         T_max, k = e.config.max_tokens_per_rank, e.config.topk
         self._publish(w.view(torch.int32), w.numel(), self.comb_w.peer_ptrs, e.rank * T_max * k, "weights", e.c_epoch)
 
+    def combine_weights(self, w: Optional[torch.Tensor], handle: EPHandle) -> Optional[torch.Tensor]:
+        """The route weights the expert side weights its partial sums with, fp32 ``[W * T_max, k]`` by table entry:
+        here every rank's weights ``w`` (float ``[T, k]``) exchanged (:meth:`publish_weights`, bounded) into
+        ``comb_w``. ``None`` (dispatch backward): None, after the path's handshake for it (the put path's "ready")."""
+        if w is None:
+            self.publish_weights(None)
+            return None
+        self.publish_weights(fp32_weights(w))
+        return self.comb_w.local.view(-1, self.e.config.topk)
+
     # -- combine direction ------------------------------------------------------------------
     def send_partials(self, payload: torch.Tensor, in_scales: torch.Tensor, handle: EPHandle, mx: bool,
-                      passthrough: bool, weighted: bool) -> None:
+                      passthrough: bool, weights: Optional[torch.Tensor]) -> None:
         """For every (source, token) entry of the handle's table, the partial sum of its rows of ``payload`` (bf16
         ``[R, H]``; or MXFP8 bytes ``[R, H]`` with row scales ``in_scales`` when ``passthrough``), weighted with the
-        source's published weights when ``weighted``, rounded once (MXFP8 when ``mx``, else BF16) into the origin's
-        ``comb_q`` at the send position of the token's leading slot (copy ``c_epoch % 2``); then wait (bounded) for
-        every rank's partials."""
+        entry's ``weights`` (fp32 ``[W * T_max, k]``, :meth:`combine_weights`; None: every weight 1), rounded once
+        (MXFP8 when ``mx``, else BF16) into the origin's ``comb_q`` at the send position of the token's leading slot
+        (copy ``c_epoch % 2``); then wait (bounded) for every rank's partials."""
         e = self.e
-        self._partials(payload, in_scales, handle, mx, passthrough, weighted, e.comb[0].peer_ptrs,
+        self._partials(payload, in_scales, handle, mx, passthrough, weights, e.comb[0].peer_ptrs,
                        e.comb[1].peer_ptrs, staged=False)
         self._wait_arrivals(2, e.programs)
 
-    def _partials(self, payload, in_scales, handle, mx, passthrough, weighted, q_ptrs, s_ptrs, staged):
+    def _partials(self, payload, in_scales, handle, mx, passthrough, weights, q_ptrs, s_ptrs, staged):
         from .nvshmem_kernels import combine_partials_kernel
 
         e = self.e
         H = e.config.hidden
         st = handle.backend_state
         fast_kernel(combine_partials_kernel)[(e.programs,)](
-            payload, in_scales, st.table, st.origins.pos, self.w_local, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank,
-            e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, H=H, K=e.config.topk,
-            CHUNK=e.launch.partials_row_chunk(H), MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=e.mode_id,
+            payload, in_scales, st.table, st.origins.pos, e.err if weights is None else weights, q_ptrs, s_ptrs,
+            e.flags.peer_ptrs, e.rank, e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, e.err, H=H,
+            K=e.config.topk, CHUNK=e.launch.partials_row_chunk(H), MX=mx, PASS=passthrough,
+            WEIGHTED=weights is not None, MODE=e.mode_id,
             INT_ROUND=e.int_round, STAGED=staged, ROWS=e.launch.partials_rows, num_warps=e.launch.weighted_warps,
             enable_fp_fusion=False,
         )
@@ -190,8 +209,8 @@ class EnginePath:
     # -- combine backward (the dispatch direction) -------------------------------------------
     def _pack(self, T: int, g: Optional[torch.Tensor] = None, w: Optional[torch.Tensor] = None) -> None:
         """Into this epoch's send copy, either this rank's ``T`` token rows (bf16 ``[T, H]`` at the address in
-        ``x_slot``), quantized once (MX), or (combine backward) the BF16 gradient rows ``g`` ``[T, H]`` as they are
-        with their fp32 route weights ``w`` ``[T, k]`` (into ``send_w``)."""
+        ``x_slot``), quantized once (MX), or (combine backward) the BF16 gradient rows ``g`` ``[T, H]`` as they are;
+        with ``w`` their fp32 route weights (rows ``[:T]`` of ``[>= T, k]``) into ``send_w``."""
         from .nvshmem_kernels import pack_rows_kernel
 
         e = self.e
@@ -268,7 +287,9 @@ class EnginePath:
         return torch.empty(R, e.config.hidden // 32, dtype=torch.uint8, device=e.device)
 
     # -- per path ----------------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> DispatchRows:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchRows:
+        """Dispatch ``x`` (bf16 ``[T, H]``) by ``topk_idx`` (``[T, k]``); ``topk_weights`` (float ``[T, k]``) travel
+        with the rows where the path can carry them (:class:`PullPath`)."""
         raise NotImplementedError
 
     def _push_entries(self, plan: RoutingPlan, list_ptrs: torch.Tensor, flags_ptrs: torch.Tensor) -> None:
@@ -338,7 +359,7 @@ class LocalPath(EnginePath):
             )
         return out
 
-    def dispatch(self, x, topk_idx):
+    def dispatch(self, x, topk_idx, topk_weights):
         e = self.e
         po = e.run_middle(self._middle, topk_idx)  # sends nothing: the id check is read at the output size sync
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
@@ -360,20 +381,36 @@ class LocalPath(EnginePath):
 class PullPath(EnginePath):
     """Several ranks with peer pointers (the default). Dispatch, captured once per token count and replayed: the id
     check and counts, epoch += 1, the counts exchange (with every rank's refusal word; ``pack_rows_kernel``, each
-    token row read once, quantized once, into this rank's send copy ``epoch % 2``, runs while the peers' counts
-    arrive), the routing plan, ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the
-    destination) and the bounded wait for every source's entries; then, after the call's one host sync,
+    token row read once, quantized once, into this rank's send copy ``epoch % 2`` with its route weights, runs while
+    the peers' counts arrive), the routing plan, ``push_entries_kernel`` (one pull-list entry per (token, destination
+    rank) on the destination) and the bounded wait for every source's entries; then, after the call's one host sync,
     ``pull_rows_kernel`` reads each listed token's row once from its source's send copy into the fresh output at all
-    its rows and keeps the entries as the handle's table. Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``,
-    ``ep.pull_list`` and the combine buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
+    its rows and keeps the entries, and their route weights, as the handle's table. Combine weights its partial sums
+    with those weights and exchanges none when it is given the tensor this rank dispatched with (unchanged; see
+    :meth:`combine_weights`). Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine
+    buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
 
     name = "pull"
 
     def __init__(self, engine, bufs):
         super().__init__(engine, bufs)
         self.send_s = bufs["ep.send_s"]
-        # the captured middle reads this call's x by address (a fixed-address input of the graph)
+        # the captured middle reads this call's x by address and its route weights from w_in (fixed-address inputs
+        # of the graph; the weights are copied there as fp32)
         self.x_slot = torch.zeros(1, dtype=torch.int64, device=engine.device)
+        self.w_in = torch.zeros(engine.config.max_tokens_per_rank, engine.config.topk, dtype=torch.float32,
+                                device=engine.device)
+
+    def combine_weights(self, w, handle):
+        """The weights that came with the dispatch (the handle's table, nothing exchanged) when ``w`` is the tensor
+        this rank dispatched with, unchanged (:meth:`DeliveredWeights.sent`), else the exchange of every rank's.
+        Every rank must decide alike; when one does not, the ranks that exchange wait for weights that are never
+        published, their bounded wait fails and they send no partials, so every rank's combine fails (PeerTimeout)
+        rather than sum partials formed with other weights."""
+        d = handle.backend_state.weights
+        if w is not None and d is not None and d.sent(w):
+            return d.table
+        return super().combine_weights(w, handle)
 
     def _entries_and_wait(self, plan: RoutingPlan) -> None:
         e = self.e
@@ -394,17 +431,17 @@ class PullPath(EnginePath):
         self.exchange(e.counts_in, wait=False)
         # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q), and
         # no peer reads it before this rank's entries, pushed after it in stream order
-        self._pack(ids.shape[0])
+        self._pack(ids.shape[0], w=self.w_in)
         self.wait_for_counts()
         po = e.compute_plan(counts_buf, ids, refusals=True, store=store)  # (and the refusals into the status words)
         self._entries_and_wait(po.plan)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
-    def _pull_out(self, plan: RoutingPlan, R: int, row_bytes: int, table: torch.Tensor):
+    def _pull_out(self, plan: RoutingPlan, R: int, row_bytes: int, table: torch.Tensor, wtab: torch.Tensor):
         """``(rows, scale_rows)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read once
         from its source's send copy and stored at all its rows, padding rows zero; (MX) a fresh uint8 ``[R, H/32]``
         of their scale rows, row-major (unfilled rows undefined). The pull list's entries go to ``table`` (int32
-        ``[W * T_max, k]``: the dispatch's table)."""
+        ``[W * T_max, k]``: the dispatch's table), their sources' route weights to ``wtab`` (fp32, the same shape)."""
         from .nvshmem_kernels import pull_rows_kernel
 
         e = self.e
@@ -413,26 +450,30 @@ class PullPath(EnginePath):
         C, k, T_max = e.config.hidden // 32, e.config.topk, e.config.max_tokens_per_rank
         srows = self._scale_rows(R, e.mx)
         fast_kernel(pull_rows_kernel)[(e.dispatch_programs,)](
-            out.view(torch.int64), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
-            self.send_q.peer_ptrs, self.send_s.peer_ptrs, self.pull_list.local, table, e.d_epoch, T_max, e.world,
+            out.view(torch.int64), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R, self.send_q.peer_ptrs,
+            self.send_s.peer_ptrs, self.send_w.peer_ptrs, self.pull_list.local, table, wtab, e.d_epoch, T_max, e.world,
             T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), C=C,
             C_POW2=next_pow2(C), K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx,
             num_warps=4,
         )
         return out, srows
 
-    def dispatch(self, x, topk_idx):
+    def dispatch(self, x, topk_idx, topk_weights):
         e = self.e
         if x.data_ptr() % 16:  # the pack reads x by address in 16-byte vectors (pack_rows_kernel, X_SLOT)
             x = x.clone()
         self.x_slot.fill_(x.data_ptr())
+        self.w_in[:x.shape[0]].copy_(topk_weights)
         po = e.run_middle(self._middle, topk_idx)  # (copies of a replay's outputs: made before the sync)
-        table = torch.empty(e.world * e.config.max_tokens_per_rank, e.config.topk, dtype=torch.int32,
-                            device=e.device)
+        # the table and its weights in one allocation (int32 [2, W * T_max, k]; plane 1 holds fp32)
+        pair = torch.empty(2, e.world * e.config.max_tokens_per_rank, e.config.topk, dtype=torch.int32,
+                           device=e.device)
+        table, wtab = pair[0], pair[1].view(torch.float32)
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
-        q, srows = self._pull_out(po.plan, R, e.config.hidden * (1 if e.mx else 2), table)
+        q, srows = self._pull_out(po.plan, R, e.config.hidden * (1 if e.mx else 2), table, wtab)
         return DispatchRows(q=q, scale_rows=srows, kept=po, ids=po.extra["ids"], num_rows=R,
-                            origins=e.origins_from(po, R), table=table)
+                            origins=e.origins_from(po, R), table=table,
+                            weights=DeliveredWeights.of(wtab, topk_weights))
 
 
 class PushPath(EnginePath):
@@ -486,7 +527,7 @@ class PushPath(EnginePath):
             )
         return out
 
-    def dispatch(self, x, topk_idx):
+    def dispatch(self, x, topk_idx, topk_weights):
         e = self.e
         ids = e.checked_ids(topk_idx)  # (its counts into counts_in)
         e.d_epoch.add_(1)
@@ -603,12 +644,12 @@ class PutPath(PushPath):
         self._wait("dispatch", self._dispatch_signals)
         self.puts.quiet()
 
-    def send_partials(self, payload, in_scales, handle, mx, passthrough, weighted):
+    def send_partials(self, payload, in_scales, handle, mx, passthrough, weights):
         """The partials into staging at their leading row's index, then one put per (source, expert) block into the
         origins' ``comb_q`` / ``comb_s`` and the signal wait."""
         e = self.e
         H = e.config.hidden
-        self._partials(payload, in_scales, handle, mx, passthrough, weighted, self._stage_ptrs, self._stage_s_ptrs,
+        self._partials(payload, in_scales, handle, mx, passthrough, weights, self._stage_ptrs, self._stage_s_ptrs,
                        staged=True)
         slot0 = (e.c_epoch % 2) * e.nslot
         blocks = put_path.combine_blocks(handle.plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
@@ -648,4 +689,5 @@ class PutPath(PushPath):
 
 PATHS = {"local": LocalPath, "pull": PullPath, "push": PushPath, "put": PutPath}
 
-__all__ = ["EnginePath", "LocalPath", "PullPath", "PushPath", "PutPath", "DispatchRows", "BackwardRows", "PATHS", "PUSH_BLOCK"]
+__all__ = ["EnginePath", "LocalPath", "PullPath", "PushPath", "PutPath", "DispatchRows", "BackwardRows", "PATHS",
+           "PUSH_BLOCK", "fp32_weights"]

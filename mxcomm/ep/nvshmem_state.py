@@ -50,16 +50,47 @@ def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
 
 
 @dataclass(frozen=True)
+class DeliveredWeights:
+    """Route weights that travelled with a dispatch (the pull path): ``table`` fp32 ``[W * T_max, k]``, entry ``s *
+    T_max + t`` = source ``s``'s weights of token ``t`` as its dispatch read them (rows of the dispatch's table), and
+    what identifies the tensor this rank's dispatch read its own from: storage address, shape, strides, dtype and
+    version counter (in-place changes advance it; the handle keeps the tensor alive, so the address is not reused).
+    """
+
+    table: torch.Tensor
+    ptr: int
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    version: int
+
+    @staticmethod
+    def of(table: torch.Tensor, w: torch.Tensor) -> "DeliveredWeights":
+        """The weights ``table`` received by a dispatch that was given ``w`` (float ``[T, k]``)."""
+        return DeliveredWeights(table=table, ptr=w.data_ptr(), shape=tuple(w.shape), stride=tuple(w.stride()),
+                                dtype=w.dtype, version=w._version)
+
+    def sent(self, w: torch.Tensor) -> bool:
+        """True when ``w`` holds the values this rank's dispatch sent: the same storage, layout and dtype, unchanged
+        since (an alias such as ``w.detach()`` counts; a copy does not)."""
+        return (w.data_ptr() == self.ptr and tuple(w.shape) == self.shape and tuple(w.stride()) == self.stride
+                and w.dtype == self.dtype and w._version == self.version)
+
+
+@dataclass(frozen=True)
 class NvshmemState:
     """Backend part of an :class:`EPHandle`: row origins of the dispatch output (None on the local path, whose
     dispatch does not need them: :func:`handle_origins` computes them when a later op does), its real row count on
     the device, and (several ranks) the dispatch's table: int32 ``[W * T_max, k]``, entry ``s * T_max + t`` = the
     expert-major rows here of source ``s``'s token ``t`` per slot (-1 for slots on other ranks; all -1 when the token
-    did not come here). Combine and combine backward move one row per entry with a row."""
+    did not come here). Combine and combine backward move one row per entry with a row. ``weights``: the sources'
+    route weights that came with the dispatch (the pull path; None elsewhere and in a handle rebuilt by the compiled
+    ops), which combine uses instead of exchanging the weights when every rank combines with what it dispatched."""
 
     origins: Optional[RowOrigins]
     num_rows_dev: torch.Tensor  # int32 [1] real rows (offs[-1])
     table: Optional[torch.Tensor] = None
+    weights: Optional[DeliveredWeights] = None
 
 
 def handle_origins(handle: EPHandle) -> RowOrigins:
@@ -75,4 +106,4 @@ def handle_origins(handle: EPHandle) -> RowOrigins:
     return row_origins(plan, R)
 
 
-__all__ = ["RowOrigins", "row_origins", "NvshmemState", "handle_origins"]
+__all__ = ["RowOrigins", "row_origins", "NvshmemState", "DeliveredWeights", "handle_origins"]

@@ -255,17 +255,17 @@ def dispatch_path(config: EPConfig, world_size: int, put_path: bool | None = Non
     * ``"put"``: put-with-signal (``put_path``; default ``config.transport == "put"``);
     * ``"local"``: one rank (``transport`` ``"auto"`` or ``"local"``): nothing leaves the GPU, so the sending kernel
       quantizes each token row once and stores it straight into the fresh output at every selection's row;
-    * ``"pull"``: several ranks (``transport`` ``"auto"`` or ``"pull"``): receivers read packed rows through peer
-      pointers;
+    * ``"pull"``: several ranks (``transport`` ``"auto"`` or ``"local"``), or ``transport="pull"`` (also on one rank,
+      through its own buffers): receivers read packed rows through peer pointers;
     * ``"push"``: ``transport="push"``: senders store into the receivers' ``recv_q``.
     """
     if put_path is None:
         put_path = config.transport == "put"
     if put_path:
         return "put"
-    if config.transport in ("auto", "local", "pull"):
+    if config.transport in ("auto", "local"):
         return "local" if world_size == 1 else "pull"
-    return "push"
+    return "pull" if config.transport == "pull" else "push"
 
 
 def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = None) -> list[BufferRegion]:

@@ -285,7 +285,7 @@ def each_case(rank: int, world: int, cases: list, fails: list, run) -> dict:
                 groups[cfg] = EPGroup(cfg)
                 auto = "local" if world == 1 else "pull"
                 want = {"torch": "all_to_all"}.get(
-                    cfg.backend, {"put": "put", "push": "push"}.get(cfg.transport, auto))
+                    cfg.backend, {"put": "put", "push": "push", "pull": "pull"}.get(cfg.transport, auto))
                 if groups[cfg].path != want:  # one node: "auto" means the pull dispatch (one rank: local)
                     fails.append(f"{case.name}[rank {rank}]: group path {groups[cfg].path!r}, expected {want!r}")
             run(groups[cfg], case)

@@ -145,6 +145,11 @@ def _comb_w(rk: Ranks, ws, g):
     return bufs
 
 
+def _no_error() -> torch.Tensor:
+    """A clear int64 error word (the partials kernel sends only when its rank's waits have not failed)."""
+    return torch.zeros(1, dtype=torch.int64)
+
+
 CASES = [  # W, E, k, H, tokens per rank, transport MX, weighted, MX input rows (PASS), hot expert
     pytest.param(2, 8, 3, 96, (0, 7), True, True, False, None, id="w2-mx-combine-h96"),
     pytest.param(2, 8, 3, 64, (5, 6), False, True, False, None, id="w2-bf16-combine"),
@@ -183,10 +188,9 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
     ep = torch.tensor([epoch])
     G, chunk = 3, 64 if H % 64 else 32  # H = 96: a masked second chunk; H = 64: two chunks
     for d in range(W):
-        w_ptrs = torch.tensor([comb_w[d][s].data_ptr() for s in range(W)], dtype=torch.int64)
         combine_partials_kernel[(G,)](
-            ins[d], scs[d], rk.tables[d], rk.origins[d].pos, w_ptrs, ptrs(comb_q), ptrs(comb_s), ptrs(flags), d, W,
-            T_max, ep, nslot, H=H, K=k, CHUNK=chunk, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0,
+            ins[d], scs[d], rk.tables[d], rk.origins[d].pos, comb_w[d], ptrs(comb_q), ptrs(comb_s), ptrs(flags), d, W,
+            T_max, ep, nslot, _no_error(), H=H, K=k, CHUNK=chunk, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0,
             INT_ROUND=True, STAGED=False, enable_fp_fusion=False)
     for d in range(W):  # every program of every sender raised the combine flag once
         assert flags[d][2].tolist() == [G] * W, d
@@ -267,10 +271,9 @@ def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
     flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
     ep = torch.tensor([epoch])
     for d in range(W):
-        w_ptrs = torch.tensor([comb_w[d][s].data_ptr() for s in range(W)], dtype=torch.int64)
         combine_partials_kernel[(2,)](
-            outs[d], torch.zeros(1, dtype=torch.uint8), rk.tables[d], rk.origins[d].pos, w_ptrs, ptrs(comb_q),
-            ptrs(comb_s), ptrs(flags), d, W, T_max, ep, nslot, H=H, K=k, CHUNK=32, MX=mx, PASS=False,
+            outs[d], torch.zeros(1, dtype=torch.uint8), rk.tables[d], rk.origins[d].pos, comb_w[d], ptrs(comb_q),
+            ptrs(comb_s), ptrs(flags), d, W, T_max, ep, nslot, _no_error(), H=H, K=k, CHUNK=32, MX=mx, PASS=False,
             WEIGHTED=weighted, MODE=0, INT_ROUND=True, STAGED=False, enable_fp_fusion=False)
     saturated = 0
     for s in range(W):
@@ -293,6 +296,41 @@ def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
         assert_bf16_same(y, want, f"origin {s}")
         saturated += int((y.float().abs() == BF16_MAX).sum())  # near-max sums that stayed finite
     assert saturated  # the case reaches the BF16 range
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_partials_send_nothing_after_a_failed_wait(staged):
+    """A rank whose error word is set when its combine's partials start (a wait of the call - the weights' exchange -
+    or of an earlier call timed out) writes no partial and raises no arrival flag, so that its peers' bounded waits
+    fail instead of summing partials formed with weights that may not have arrived; with a clear word the same launch
+    writes every listed token's partial and raises the flags (the control)."""
+    from mxcomm.ep.nvshmem_kernels import combine_partials_kernel
+
+    W, E, k, H, Ts = 3, 9, 3, 64, [5, 4, 6]
+    g = torch.Generator().manual_seed(11 + staged)
+    rk = Ranks(W, E, k, Ts, g)
+    T_max, nslot, C = rk.T_max, rk.T_max * k, H // 32
+    ins, scs, _, _ = _expert_rows(rk, H, g, False, poison=False)
+    comb_w = _comb_w(rk, _weights(rk, g), g)
+    ep = torch.tensor([2])
+    for err in (torch.tensor([(1 << 32) | 2]), _no_error()):
+        comb_q = [torch.zeros(2, nslot, 2 * H, dtype=torch.uint8) for _ in range(W)]
+        comb_s = [torch.zeros(2, nslot, C, dtype=torch.uint8) for _ in range(W)]
+        flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
+        stage = torch.zeros(2 * nslot, 2 * H, dtype=torch.uint8)
+        q_ptrs = torch.full((W,), stage.data_ptr()) if staged else ptrs(comb_q)
+        combine_partials_kernel[(2,)](
+            ins[1], scs[1], rk.tables[1], rk.origins[1].pos, comb_w[1], q_ptrs, ptrs(comb_s), ptrs(flags), 1, W, T_max,
+            ep, nslot, err, H=H, K=k, CHUNK=32, MX=False, PASS=False, WEIGHTED=True, MODE=0, INT_ROUND=True,
+            STAGED=staged, enable_fp_fusion=False)
+        sent = int(stage.any(dim=1).sum()) if staged else sum(int(q.view(-1, 2 * H).any(dim=1).sum()) for q in comb_q)
+        raised = [int(f[2, 1]) for f in flags]
+        if int(err):
+            assert sent == 0 and raised == [0] * W, (sent, raised)
+        else:  # every (source, token) with a slot on rank 1 got its partial
+            listed = int((rk.tables[1] >= 0).any(dim=1).sum())
+            assert listed > 0 and sent == listed, (sent, listed)
+            assert raised == ([0] * W if staged else [2] * W), raised
 
 
 @pytest.mark.parametrize("W,E,k,H,Ts,mx,passthrough", [
@@ -324,11 +362,10 @@ def test_staged_partials_with_block_puts_match_the_peer_pointer_result(W, E, k, 
     for d in range(W):
         stage_q = torch.randint(0, 256, (max(rk.R[d], 1), 2 * H), dtype=torch.uint8, generator=g)
         stage_s = torch.randint(0, 256, (max(rk.R[d], 1), C), dtype=torch.uint8, generator=g)
-        w_ptrs = torch.tensor([comb_w[d][s].data_ptr() for s in range(W)], dtype=torch.int64)
         sq, ss = torch.full((W,), stage_q.data_ptr()), torch.full((W,), stage_s.data_ptr())
         combine_partials_kernel[(2,)](
-            ins[d], scs[d], rk.tables[d], rk.origins[d].pos, w_ptrs, sq, ss, ptrs(flags), d, W, T_max, ep, nslot, H=H,
-            K=k, CHUNK=32, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0, INT_ROUND=True, STAGED=True,
+            ins[d], scs[d], rk.tables[d], rk.origins[d].pos, comb_w[d], sq, ss, ptrs(flags), d, W, T_max, ep, nslot,
+            _no_error(), H=H, K=k, CHUNK=32, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0, INT_ROUND=True, STAGED=True,
             enable_fp_fusion=False)
         b = combine_blocks(rk.plans[d], slot0, 2 * H, row_bytes, C if mx else 0)
         for batch, src, dsts in ((b.payload, stage_q, comb_q), (b.scales, stage_s, comb_s)):

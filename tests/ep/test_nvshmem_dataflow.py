@@ -16,9 +16,10 @@ import triton
 
 from heap_fakes import FakeBuf, FakeCtx
 from mxcomm.ep import EPConfig, EPGroup
+from mxcomm.ep.handle import with_weights
 from mxcomm.ep.nvshmem_backend import LaunchConfig, _qdq_chunk, row_origins
 from mxcomm.ep.reference.oracle import oracle_dispatch
-from mxcomm.ep.plan import build_plan, local_counts
+from mxcomm.ep.plan import FLAG_ROWS, build_plan, local_counts
 
 
 def _routing(W, T, E, k, g, drop=0.1):
@@ -116,9 +117,10 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     rank's tensors): every sender writes one entry per (token, receiving rank) listing that token's rows there;
     each receiver's gather puts the sender's send-copy row (and scale row) at exactly those rows, zeroes the padding
     rows inside its groups, leaves the rows past ``n_rows`` (the worst-case tail of the no-sync mode) as they were,
-    keeps each entry's rows as the dispatch's table (all -1 for a (source, token) not received), and ignores entries
-    of an older epoch (pre-filled garbage with an old tag, some with the same low 32 bits as this epoch). Ranks with
-    zero tokens, dropped slots, tokens with several experts on one rank; the odd epoch reads copy 1."""
+    keeps each entry's rows as the dispatch's table (all -1 for a (source, token) not received) and the source's
+    route weights of the token from its ``send_w`` copy as the table's weights (0 for one not received), and ignores
+    entries of an older epoch (pre-filled garbage with an old tag, some with the same low 32 bits as this epoch).
+    Ranks with zero tokens, dropped slots, tokens with several experts on one rank; the odd epoch reads copy 1."""
     from mxcomm.ep.nvshmem_kernels import pull_rows_kernel, push_entries_kernel
     from mxcomm.ep.plan import FLAG_ROWS, pull_entry_words
 
@@ -133,6 +135,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     send_q = [torch.randint(0, 256, (2, T_max, 2 * H), dtype=torch.uint8, generator=g) for _ in range(W)]
     copy_bytes = T_max * 2 * H  # copy 1 starts here; MX rows are H bytes apart from a copy's start
     send_s = [torch.randint(0, 256, (2, T_max, C), dtype=torch.uint8, generator=g) for _ in range(W)]
+    send_w = [torch.randn(2, T_max, k, generator=g) for _ in range(W)]
     lists = [torch.randint(-1, 50, (W, T_max, EW), dtype=torch.int32, generator=g) for _ in range(W)]
     for lst in lists:  # entries of earlier dispatches, garbage rows: must be skipped
         lst[:, :, 0], lst[:, :, 1] = epoch - 2, 0
@@ -152,17 +155,22 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
         recv_s = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)
         out0, recv_s0 = out.clone(), recv_s.clone()
         table = torch.full((W * T_max, k), 77, dtype=torch.int32)
+        wtab = torch.full((W * T_max, k), float("nan"))
         words = H * B // 8
         pull_rows_kernel[(3,)](out.view(torch.int64), recv_s, p.offs, p.expert_counts, p.num_rows, E // W, R,
-                               ptrs(send_q), ptrs(send_s), lists[d], table, ep, T_max, W, copy_bytes // 8,
+                               ptrs(send_q), ptrs(send_s), ptrs(send_w), lists[d], table, wtab, ep, T_max, W,
+                               copy_bytes // 8,
                                ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
                                C_POW2=triton.next_power_of_2(C), K=k, K_POW2=triton.next_power_of_2(k), EW=EW, MX=mx)
         want = torch.zeros(R, H * B, dtype=torch.uint8)
         want[n_rows:] = out0[n_rows:]  # the tail is left as it was
         want_table = torch.full((W * T_max, k), -1, dtype=torch.int32)
+        want_w = torch.zeros(W * T_max, k)
         real = torch.zeros(R, dtype=torch.bool)
         for s in range(W):  # row dest_row[t, j] of every slot going to d holds token t of source s (copy 1)
             for t in range(Ts[s]):
+                if (plans[s].dest_rank[t] == d).any():
+                    want_w[s * T_max + t] = send_w[s][1, t]
                 for j in range(k):
                     if int(plans[s].dest_rank[t, j]) == d:
                         r = int(plans[s].dest_row[t, j])
@@ -174,6 +182,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
         assert int(real.sum()) == int(p.num_recv)
         assert torch.equal(out, want)
         assert torch.equal(table, want_table)
+        assert torch.equal(wtab, want_w)
         if mx:  # scale rows are written at the real rows only (the swizzle zeroes padding from the group counts)
             assert torch.equal(recv_s[~real], recv_s0[~real])
         # one entry per (source, token) received here, however many of d's experts the token picked
@@ -391,7 +400,7 @@ def _loopback_backend(cfg, launch=None):
     puts = LoopbackPuts() if cfg.transport == "put" else None
     be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(), puts=puts, launch=launch)
     assert be.put_mode == (cfg.transport == "put")
-    assert be.path == {"auto": "local", "push": "push", "put": "put"}[cfg.transport]  # one rank
+    assert be.path == {"auto": "local", "pull": "pull", "push": "push", "put": "put"}[cfg.transport]  # one rank
     assert be.memory_bytes == EPGroup.buffer_bytes(cfg, 1, put_path=be.put_mode)  # the report is what it allocates
     return be
 
@@ -402,6 +411,7 @@ def _in_group_tile_rows(offs: torch.Tensor) -> int:
     return int(((offs - starts + 127) // 128 * 128).sum())
 
 
+_WEIGHTS_ROW = FLAG_ROWS.index("weights")  # the flag row the weights' exchange raises
 _POISON_INT, _POISON_FLOAT = 0x5A, 0xFF  # bytes torch.empty fills its result with under _poisoned_empty
 
 
@@ -455,17 +465,34 @@ def _check_grad_rows(ge, plan, w, gy, mx, n):
     assert (q[n:] == _POISON_INT).all()
 
 
+def test_delivered_weights_are_the_dispatched_tensor_unchanged():
+    """Combine uses the weights that came with a dispatch only for the tensor that dispatch was given, unchanged: an
+    alias (``detach``, a full view) counts; a copy with the same values, another layout or dtype, or the same tensor
+    after an in-place change (its version counter moved) does not."""
+    from mxcomm.ep.nvshmem_state import DeliveredWeights
+
+    w = torch.rand(6, 4)
+    d = DeliveredWeights.of(torch.zeros(12, 4), w)
+    assert d.sent(w) and d.sent(w.detach()) and d.sent(w[:]) and d.sent(w.view(6, 4))
+    assert not d.sent(w.clone()) and not d.sent(w.t().contiguous().t()) and not d.sent(w.to(torch.float64))
+    assert not d.sent(w[:3]) and not d.sent(w.view(4, 6))
+    w.add_(0)  # values unchanged, version moved: the tensor may have been written
+    assert not d.sent(w)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
-@pytest.mark.parametrize("transport", ["auto", "push", "put"])
+@pytest.mark.parametrize("transport", ["auto", "pull", "push", "put"])
 def test_loopback_end_to_end_matches_spec(transport, precision, exact):
-    """One rank through ``NvshmemBackend`` (local, push and put paths over the loopback heap and puts), exact and
-    no-sync sizes, a sequence of calls with 7, 0, 5 and 8 tokens (both epoch parities of every copy; the last call
+    """One rank through ``NvshmemBackend`` (local, pull, push and put paths over the loopback heap and puts), exact
+    and no-sync sizes, a sequence of calls with 7, 0, 5 and 8 tokens (both epoch parities of every copy; the last call
     sends every token's first slot to one expert): dispatch equals the oracle (payload and the groups' scale tiles;
-    the no-sync tail is not written); combine (MXFP8 and BF16 transport of the partials) and dispatch backward (a dense
-    gradient, and with MXFP8 the MX gradient combine backward made) equal the spec bit for bit (zeros' signs
-    included), never reading a padding or tail row (NaN there) nor the weight of a dropped slot (NaN); combine
+    the no-sync tail is not written); combine (MXFP8 and BF16 transport of the partials; with the dispatch's weights,
+    which the pull path brought with the rows, and with other weights, which every path exchanges) and dispatch
+    backward (a dense gradient, and with MXFP8 the MX gradient combine backward made) equal the spec bit for bit
+    (zeros' signs included), never reading a padding or tail row (NaN there) nor the weight of a dropped slot (NaN);
+    combine
     backward's rows are the per-slot quantization of ``w * grad_y`` and its route-weight gradient the dot with the
     expert output (float64 reference, fp32 tolerance) when the forward kept ``CombineSaved(rows=expert_out)``, None
     without. Every fresh tensor starts as garbage (``_poisoned_empty``)."""
@@ -515,6 +542,8 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
         out = (torch.randn(R, H, generator=g) * 2).to(torch.bfloat16)
         out[~real] = float("nan")  # padding rows and the tail: never read
         dr, drow = h.plan.dest_rank, h.plan.dest_row
+        w2 = torch.rand(T, k, generator=g).to(torch.bfloat16)  # other weights (combine's topk_weights=)
+        flag_before = int(be.flags.local[_WEIGHTS_ROW, 0])
         for q in ([True, False] if mx and T != 8 else [mx]):
             with _poisoned_empty():
                 if q == mx:
@@ -522,9 +551,24 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
                     assert saved.rows is out
                 else:
                     y = be.combine(out, h, q)
+                flag = [int(be.flags.local[_WEIGHTS_ROW, 0])]  # what the weights' exchange raises, after each
+                y2 = be.combine(out, with_weights(h, w2), q)
+                flag.append(int(be.flags.local[_WEIGHTS_ROW, 0]))
                 gx = be.dispatch_backward(out, h, q)
+            published = [flag[0] != flag_before, flag[1] != flag[0]]
+            flag_before = flag[1]
+            # the pull path exchanges only other weights; push and put every combine's; the local path none
+            assert published == {"pull": [False, True], "auto": [False, False]}.get(transport, [True, True]), T
             assert_bf16_same(y, spec_combine(dr, drow, [out.float()], w, q), f"combine T={T} q={q}", sz)
+            assert_bf16_same(y2, spec_combine(dr, drow, [out.float()], w2.float(), q), f"other w T={T} q={q}", sz)
             assert_bf16_same(gx, spec_combine(dr, drow, [out.float()], None, q), f"dispatch bwd T={T} q={q}", sz)
+        if T == 5:  # the dispatch's weights changed in place since: what came with the rows is stale, combine exchanges
+            w_before = w.clone()
+            w.mul_(-2)
+            with _poisoned_empty():
+                y3 = be.combine(out, h, mx)
+            assert_bf16_same(y3, spec_combine(dr, drow, [out.float()], w, mx), f"changed w T={T}", sz)
+            w.copy_(w_before)
         gy = (torch.randn(T, H, generator=g) * 2).to(torch.bfloat16)
         for keep in (True, False) if T in (0, 5) else (True,):
             with _poisoned_empty():
@@ -746,8 +790,8 @@ for arrive in (True, False):  # peer-pointer path, put path
             # without the alignment hints every peer store over NVLink would be a single byte
             assert "st.global.v4.b32" in ptx, (arrive, weighted, mx)
 # combine and dispatch backward, expert side: one partial per (token, rank), to the origins' comb_q or (put path) staged
-part = dict(out_ptr="*bf16", out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptrs=i64, q_peers=i64, s_peers=i64,
-            flags_peers=i64, epoch_ptr=i64)
+part = dict(out_ptr="*bf16", out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptr="*fp32", q_peers=i64,
+            s_peers=i64, flags_peers=i64, epoch_ptr=i64, err_ptr=i64)
 for staged, mx, weighted in ((False, True, True), (False, False, False), (True, True, False), (True, False, True)):
     # the partial's payload store (MXFP8 bytes or BF16 values, through _store_partial to a pointer read from the peer
     # table) stays a 16-byte vector store where a thread holds 16 bytes of the chunk: MXFP8 needs a 2048-value chunk
@@ -807,15 +851,17 @@ for weighted in (False, True):  # local path: straight into the output; the unfi
             assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("weighted scales", ptx.count("bar.sync"))
 for mx in (True, False):
     ptx = compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32,
-                  q_peers=i64, s_peers=i64, list_ptr=i32, table_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792,
+                  q_peers=i64, s_peers=i64, w_peers=i64, list_ptr=i32, table_ptr=i32, wtab_ptr="*fp32", epoch_ptr=i64),
+                  ROW_WORDS=896 if mx else 1792,
                   CHUNK=512, C=224, C_POW2=256, K=8, K_POW2=8, EW=16, MX=mx)
     # the rows read through the peer table in 16-byte loads, as they are stored (8-byte loads without the hint)
     assert "ld.global.v2.b64" in ptx, ("pull rows' loads", mx)
 for mx in (True, False):
-    for slot in (True, False):  # x by address (the backend), x as a tensor (the kernel lab)
+    for slot in (True, False):  # x by address with the weights (the backend), x as a tensor (the kernel lab)
         ptx = compile(nk.pack_rows_kernel, dict(x_ptr=i64 if slot else "*bf16", send_q_ptr=u8 if mx else "*bf16",
                       send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32", send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=mx,
-                      MODE=0, INT_ROUND=False, X_SLOT=slot, K=1, K_POW2=1, WEIGHTS=False)
+                      MODE=0, INT_ROUND=False, X_SLOT=slot, K=8 if slot else 1, K_POW2=8 if slot else 1,
+                      WEIGHTS=slot)
         assert "st.global.v4.b32" in ptx, ("pack", mx, slot)
         # x by address too: 16-byte loads (without the alignment hint, one load per value)
         assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx, ("pack's loads", mx, slot)

@@ -127,8 +127,8 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
                 offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32)
     local = dict(H=H, K=K, MX=True, MODE=0, INT_ROUND=False, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True)
     pack = dict(x_ptr=i64, send_q_ptr=u8, send_s_ptr=u8, epoch_ptr=i64, w_ptr=f32, send_w_ptr=f32)
-    part = dict(out_ptr=bf16, out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptrs=i64, q_peers=i64, s_peers=i64,
-                flags_peers=i64, epoch_ptr=i64)
+    part = dict(out_ptr=bf16, out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptr=f32, q_peers=i64, s_peers=i64,
+                flags_peers=i64, epoch_ptr=i64, err_ptr=i64)
     pconst = dict(H=H, K=K, CHUNK=L.partials_row_chunk(H), MODE=0, INT_ROUND=False, STAGED=False,
                   ROWS=L.partials_rows)
     red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_ptr=f32, y_ptr=bf16,
@@ -151,9 +151,9 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
                 L.dispatch_warps),
         Variant("combine backward rows, one rank", "dispatch_kernel", disp, dict(local, CHUNK=qdq, WEIGHTED=True),
                 L.weighted_warps),
-        Variant("pack, x by address", "pack_rows_kernel", pack,
-                dict(H=H, CHUNK=row_chunk, MX=True, MODE=0, INT_ROUND=False, X_SLOT=True, K=1, K_POW2=1,
-                     WEIGHTS=False), L.dispatch_warps),
+        Variant("pack, x by address + weights", "pack_rows_kernel", pack,
+                dict(H=H, CHUNK=row_chunk, MX=True, MODE=0, INT_ROUND=False, X_SLOT=True, K=K, K_POW2=next_pow2(K),
+                     WEIGHTS=True), L.dispatch_warps),
         Variant("pack, gradient rows + weights", "pack_rows_kernel", dict(pack, x_ptr=bf16, send_q_ptr=bf16),
                 dict(H=H, CHUNK=row_chunk, MX=False, MODE=0, INT_ROUND=False, X_SLOT=False, K=K, K_POW2=next_pow2(K),
                      WEIGHTS=True), L.dispatch_warps),
@@ -162,7 +162,7 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
                 dict(K=K, EW=pull_entry_words(K), BLOCK=PUSH_BLOCK)),
         Variant("gather (pull)", "pull_rows_kernel",
                 dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32, q_peers=i64,
-                     s_peers=i64, list_ptr=i32, table_ptr=i32, epoch_ptr=i64),
+                     s_peers=i64, w_peers=i64, list_ptr=i32, table_ptr=i32, wtab_ptr=f32, epoch_ptr=i64),
                 dict(ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), C=C, C_POW2=next_pow2(C), K=K,
                      K_POW2=next_pow2(K), EW=pull_entry_words(K), MX=True)),
         Variant("scale layout", "scale_rows_to_grouped_kernel",
