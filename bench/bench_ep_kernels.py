@@ -317,7 +317,9 @@ class Lab:
         epoch = torch.ones(1, dtype=torch.int64, device=dev)  # tag 1, parity 1: send copy 1
         send_q = torch.zeros(2, T, H, dtype=torch.uint8, device=dev)
         send_s = torch.zeros(2, T, C, dtype=torch.uint8, device=dev)
-        sqp, ssp = self.ptrs(send_q), self.ptrs(send_s)
+        send_w = torch.zeros(2, T, self.k, dtype=torch.float32, device=dev)  # the route weights packed with the rows
+        w_in = torch.rand(T, self.k, device=dev)
+        sqp, ssp, swp = self.ptrs(send_q), self.ptrs(send_s), self.ptrs(send_w)
         ew = pull_entry_words(self.k)
         plist = torch.zeros(1, T, ew, dtype=torch.int32, device=dev)
         out_q = torch.empty(R, H, dtype=torch.uint8, device=dev)
@@ -333,14 +335,16 @@ class Lab:
 
         def pack(programs=progs, warps=4, chunk=chunk0):
             mod.pack_rows_kernel[(min(T, programs),)](
-                x_slot, T, send_q, send_s, epoch, T, T * H, send_s, send_s, H=H, CHUNK=chunk, MX=True, MODE=0,
-                INT_ROUND=self.interp, X_SLOT=True, num_warps=warps)
+                x_slot, T, send_q, send_s, epoch, T, T * H, w_in, send_w, H=H, CHUNK=chunk, MX=True, MODE=0,
+                INT_ROUND=self.interp, X_SLOT=True, K=self.k, K_POW2=triton.next_power_of_2(self.k), WEIGHTS=True,
+                num_warps=warps)
 
         # the pull list of this plan (one entry per token; the entry kernel is part of the plan step, not timed)
         mod.push_entries_kernel[(self.sms,)](self.plan.dest_rank, self.plan.dest_row, T, self.ptrs(plist), fp, epoch,
                                              0, 1, T, K=self.k, EW=ew, BLOCK=64, num_warps=4)
 
         table = torch.empty(T, self.k, dtype=torch.int32, device=dev)  # the dispatch's table (one rank: T entries)
+        wtab = torch.empty(T, self.k, dtype=torch.float32, device=dev)  # and its route weights
 
         def copy_rows():
             mod.copy_out_rows_kernel[(min(R, self.sms * 16),)](
@@ -350,7 +354,7 @@ class Lab:
         def pull_rows(programs=progs, warps=4, chunk=512):
             mod.pull_rows_kernel[(min(max(R, T), programs),)](
                 out_q.view(torch.int64), s, self.plan.offs, self.plan.expert_counts, self.plan.num_rows, E, R, sqp,
-                ssp, plist, table, epoch, T, 1, T * H // 8, ROW_WORDS=words,
+                ssp, swp, plist, table, wtab, epoch, T, 1, T * H // 8, ROW_WORDS=words,
                 CHUNK=min(chunk, triton.next_power_of_2(words)), C=C, C_POW2=triton.next_power_of_2(C), K=self.k,
                 K_POW2=triton.next_power_of_2(self.k), EW=ew, MX=True, num_warps=warps)
 
@@ -672,11 +676,12 @@ class Lab:
         comb_s = [torch.zeros(2, nslot, C, dtype=torch.uint8, device=dev) for _ in range(W)]
         flags = [torch.zeros(6, W, dtype=torch.int64, device=dev) for _ in range(W)]
         ptrs = {name: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
-                for name, ts in (("q", comb_q), ("s", comb_s), ("f", flags), ("w", list(ws)))}
+                for name, ts in (("q", comb_q), ("s", comb_s), ("f", flags))}
         return SimpleNamespace(table=table, R=R, origin_pos=origin_pos, out=out, nslot=nslot, listed=listed, ref=ref,
                                ref_pos=(listed % T) * k + lead_slot, ref_src=listed // T, comb_q=comb_q,
-                               comb_s=comb_s, flags=flags, ptrs=ptrs, ws=ws,  # (ptrs["w"] points into ws)
-                               epoch=torch.zeros(1, dtype=torch.int64, device=dev))
+                               comb_s=comb_s, flags=flags, ptrs=ptrs, ws=ws,  # ws: fp32 [W, T, k], by table entry
+                               epoch=torch.zeros(1, dtype=torch.int64, device=dev),
+                               err=torch.zeros(1, dtype=torch.int64, device=dev))
 
     def bench_partials_ranks(self, mod, impl: str) -> None:
         """``partials_ranks`` (see the module doc): the expert side of a ``W``-rank world, one MXFP8 partial per
@@ -709,8 +714,8 @@ class Lab:
                 for chunk in _ints(a.chunks):
                     for rows in _ints(a.rows):
                         fn = (lambda programs=programs, warps=warps, chunk=chunk, rows=rows: kern[(programs,)](
-                            out, comb_s[0], table, origin_pos, ptrs["w"], ptrs["q"], ptrs["s"], ptrs["f"], 0, W, T,
-                            epoch, nslot, H=H, K=k, CHUNK=chunk, MX=True, PASS=False, WEIGHTED=True, MODE=0,
+                            out, comb_s[0], table, origin_pos, v.ws, ptrs["q"], ptrs["s"], ptrs["f"], 0, W, T,
+                            epoch, nslot, v.err, H=H, K=k, CHUNK=chunk, MX=True, PASS=False, WEIGHTED=True, MODE=0,
                             INT_ROUND=self.interp, STAGED=False, ROWS=rows, num_warps=warps, enable_fp_fusion=False))
                         self.record("partials_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk,
                                                                  rows=rows, world=W, expert_rows=R),
