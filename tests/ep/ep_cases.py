@@ -267,6 +267,12 @@ def run_case(group: EPGroup, case: Case, rank: int, fails: list, exact: list) ->
         y = group.combine(outs[rank].to(dev), handle, quantize=qmode)
         y_exp = oracle_combine(config, outs, routes, ws, quantize_rows=q)[rank]
         check_combine(f"{tag} combine(quantize={qmode})", y, y_exp, fails, exact)
+    # other weights than the dispatch's, on every rank (the nvshmem pull path exchanges these; the dispatch's came
+    # with its rows): -w / 2, exact in the weights' dtype
+    ws2 = [w * -0.5 for w in ws]
+    y = group.combine(outs[rank].to(dev), handle, topk_weights=ws2[rank].to(dev))
+    y_exp = oracle_combine(config, outs, routes, ws2, quantize_rows=config.precision == "mxfp8")[rank]
+    check_combine(f"{tag} combine(topk_weights=other)", y, y_exp, fails, exact)
 
 
 def each_case(rank: int, world: int, cases: list, fails: list, run) -> dict:

@@ -93,9 +93,9 @@ class RecordingGroup:
             _feed(h, res.x)
         return res
 
-    def combine(self, expert_out, handle, *, quantize=None):
-        y = self.group.combine(expert_out, handle, quantize=quantize)
-        self.hash.update(f"combine q={quantize};".encode())
+    def combine(self, expert_out, handle, *, quantize=None, topk_weights=None):
+        y = self.group.combine(expert_out, handle, quantize=quantize, topk_weights=topk_weights)
+        self.hash.update(f"combine q={quantize} w={'other' if topk_weights is not None else 'dispatch'};".encode())
         _feed(self.hash, y)
         return y
 
