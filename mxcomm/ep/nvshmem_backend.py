@@ -249,9 +249,17 @@ class NvshmemBackend:
 
     @property
     def dispatch_programs(self) -> int:
-        """Programs of dispatch_kernel / pack_rows_kernel / pull_rows_kernel / the reduce (no cap: the output kernels
-        also zero the padding rows, whose number does not follow the tokens)."""
+        """Programs of dispatch_kernel / pack_rows_kernel / pull_rows_kernel / the reduce, at most: a launch takes no
+        more than its work units (:meth:`output_programs`; the pack, tokens; the reduce, :meth:`_reduce_grid`)."""
         return self.sms * self.launch.dispatch_per_sm
+
+    def output_programs(self, units: int) -> int:
+        """Grid of the kernels that write a fresh expert-major output (the local path's ``dispatch_kernel``,
+        ``pull_rows_kernel``): their programs take ``units`` work items (tokens, or pull-list entries) and then the
+        groups' padding rows, a group each, so programs past both counts would only start and exit (four ranks,
+        ``max_tokens_per_rank`` 128, 132 SMs: 512 programs of 2112). No receiver counts them (they signal nothing),
+        so the grid may follow the call."""
+        return max(1, min(self.dispatch_programs, max(units, self.El)))
 
     @property
     def sender_programs(self) -> int:

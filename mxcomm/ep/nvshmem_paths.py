@@ -351,7 +351,7 @@ class LocalPath(EnginePath):
         T, H = x.shape
         out = torch.empty(R, H if mx else 2 * H, dtype=torch.uint8, device=e.device)
         if R:
-            fast_kernel(dispatch_kernel)[(e.dispatch_programs,)](
+            fast_kernel(dispatch_kernel)[(e.output_programs(T),)](
                 x, T, plan.dest_rank, plan.dest_row, out if mx else out.view(torch.bfloat16), self.recv_s.peer_ptrs,
                 e.flags.peer_ptrs, 0, 1, w, plan.offs, plan.expert_counts, plan.num_rows, R, e.El, H=H,
                 K=e.config.topk, CHUNK=e.launch.row_chunk(H, weighted), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
@@ -449,7 +449,7 @@ class PullPath(EnginePath):
         words = row_bytes // 8
         C, k, T_max = e.config.hidden // 32, e.config.topk, e.config.max_tokens_per_rank
         srows = self._scale_rows(R, e.mx)
-        fast_kernel(pull_rows_kernel)[(e.dispatch_programs,)](
+        fast_kernel(pull_rows_kernel)[(e.output_programs(e.world * T_max),)](
             out.view(torch.int64), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R, self.send_q.peer_ptrs,
             self.send_s.peer_ptrs, self.send_w.peer_ptrs, self.pull_list.local, table, wtab, e.d_epoch, T_max, e.world,
             T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), C=C,
