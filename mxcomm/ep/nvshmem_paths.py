@@ -425,9 +425,8 @@ class PullPath(EnginePath):
         every source's; the refusals into the status words. ``extra["ids"]``: the checked ids."""
         e = self.e
         store = e.plan_store(topk_idx)
-        # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]
-        ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True)
-        e.d_epoch.add_(1)
+        # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]; epoch += 1
+        ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True, new_epoch=True)
         self.exchange(e.counts_in, wait=False)
         # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q), and
         # no peer reads it before this rank's entries, pushed after it in stream order
@@ -529,7 +528,7 @@ class PushPath(EnginePath):
 
     def dispatch(self, x, topk_idx, topk_weights):
         e = self.e
-        ids = e.checked_ids(topk_idx)  # (its counts into counts_in)
+        ids = e.checked_ids(topk_idx)  # (its counts into counts_in; a refusal raises here, before the epoch moves)
         e.d_epoch.add_(1)
         self.exchange(e.counts_in)
         po = e.plan_from_counts(ids)

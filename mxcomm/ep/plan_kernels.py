@@ -103,17 +103,20 @@ def slot_check_hist_kernel(idx_ptr, out_ptr, hist_ptr, err_ptr, T, E, K: tl.cons
 
 
 @triton.jit
-def slot_scan_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, err_ptr, word_ptr, n_words,
+def slot_scan_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, err_ptr, word_ptr, n_words, epoch_ptr, n_epochs,
                      BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
     """In place over ``hist`` int32 ``[n_blocks, n_keys]``: each entry becomes the sum of its column over
     the lower rows (exclusive prefix over blocks, per key); each column's total goes to ``counts[key]`` for
     ``key < n_keys - 1`` (int32 ``[E]``: the slots sent to each expert; the last key, dropped slots, is not
     stored). With ``n_words`` = 1 program 0 also copies the id check's int64 error word ``err[0]`` (final: the
-    check kernel ran before) into the int32 ``word[0]``. One program per ``BLOCK_K`` keys, grid
-    ``cdiv(n_keys, BLOCK_K)``; a loop over the blocks, ``BLOCK_B`` rows at a time."""
-    if n_words > 0:
-        if tl.program_id(0) == 0:
+    check kernel ran before) into the int32 ``word[0]``, and with ``n_epochs`` = 1 it advances the int64 counter
+    ``epoch[0]`` by one (the nvshmem backend's dispatch epoch, which nothing in this launch reads). One program per
+    ``BLOCK_K`` keys, grid ``cdiv(n_keys, BLOCK_K)``; a loop over the blocks, ``BLOCK_B`` rows at a time."""
+    if tl.program_id(0) == 0:
+        if n_words > 0:
             tl.store(word_ptr, tl.load(err_ptr).to(tl.int32))
+        if n_epochs > 0:
+            tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
     k1 = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kk = k1[None, :]
     rows = tl.arange(0, BLOCK_B)[:, None]
@@ -368,7 +371,8 @@ class CheckedIds:
 
 def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor, *, check: bool,
                     prefix_buf: Optional[torch.Tensor] = None, counts_out: Optional[torch.Tensor] = None,
-                    ids_out: Optional[torch.Tensor] = None, err_word_out: Optional[torch.Tensor] = None) -> CheckedIds:
+                    ids_out: Optional[torch.Tensor] = None, err_word_out: Optional[torch.Tensor] = None,
+                    epoch: Optional[torch.Tensor] = None) -> CheckedIds:
     """The routing with bad slots dropped (``check``; each dropped slot adds 1 to the int64 ``err[0]``), the rows
     this rank sends to each expert and the slot kernels' block table, in two kernels (the torch path:
     ``_sanitize`` + :func:`mxcomm.ep.plan.local_counts`).
@@ -379,7 +383,8 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
             address a captured plan reads), else a fresh one. counts_out: int32 ``[E]`` to write the counts into.
         ids_out: int32 with ``T * k`` values to write the checked ids into (e.g. the head of :func:`plan_storage`),
             else a fresh ``[T, k]``. err_word_out: int32 ``[1]`` that receives ``err[0]`` after the check (the refusal
-            word a dispatch publishes with its counts).
+            word a dispatch publishes with its counts). epoch: int64 ``[1]`` advanced by one in the same launch (a
+            dispatch's epoch: one kernel fewer than a separate add).
     """
     T, k = topk_idx.shape
     E = num_experts
@@ -400,11 +405,14 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
                                                    ZERO_BLOCK=min(1024, next_pow2(E + 1)))
         fast_kernel(slot_scan_kernel)[(cdiv(E + 1, _SCAN_KEYS),)](
             pre, counts, nb, E + 1, err, counts if err_word_out is None else err_word_out,
-            0 if err_word_out is None else 1, BLOCK_B=min(_SCAN_ROWS, next_pow2(nb)), BLOCK_K=_SCAN_KEYS)
+            0 if err_word_out is None else 1, err if epoch is None else epoch, 0 if epoch is None else 1,
+            BLOCK_B=min(_SCAN_ROWS, next_pow2(nb)), BLOCK_K=_SCAN_KEYS)
     else:
         counts.zero_()
         if err_word_out is not None:
             err_word_out.copy_(err)
+        if epoch is not None:
+            epoch.add_(1)
     return CheckedIds(ids=ids, counts=counts, slot_prefix=pre)
 
 
