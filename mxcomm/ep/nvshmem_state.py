@@ -52,29 +52,27 @@ def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
 @dataclass(frozen=True)
 class DeliveredWeights:
     """Route weights that travelled with a dispatch (the pull path): ``table`` fp32 ``[W * T_max, k]``, entry ``s *
-    T_max + t`` = source ``s``'s weights of token ``t`` as its dispatch read them (rows of the dispatch's table), and
-    what identifies the tensor this rank's dispatch read its own from: storage address, shape, strides, dtype and
-    version counter (in-place changes advance it; the handle keeps the tensor alive, so the address is not reused).
-    """
+    T_max + t`` = source ``s``'s weights of token ``t`` as its dispatch read them (rows of the dispatch's table);
+    ``source`` the tensor this rank's dispatch read its own from (kept, so that its storage is not reused while the
+    handle lives) and ``version`` its version counter then (in-place changes advance it)."""
 
     table: torch.Tensor
-    ptr: int
-    shape: tuple
-    stride: tuple
-    dtype: torch.dtype
+    source: torch.Tensor
     version: int
 
     @staticmethod
     def of(table: torch.Tensor, w: torch.Tensor) -> "DeliveredWeights":
         """The weights ``table`` received by a dispatch that was given ``w`` (float ``[T, k]``)."""
-        return DeliveredWeights(table=table, ptr=w.data_ptr(), shape=tuple(w.shape), stride=tuple(w.stride()),
-                                dtype=w.dtype, version=w._version)
+        return DeliveredWeights(table=table, source=w, version=w._version)
 
     def sent(self, w: torch.Tensor) -> bool:
-        """True when ``w`` holds the values this rank's dispatch sent: the same storage, layout and dtype, unchanged
-        since (an alias such as ``w.detach()`` counts; a copy does not)."""
-        return (w.data_ptr() == self.ptr and tuple(w.shape) == self.shape and tuple(w.stride()) == self.stride
-                and w.dtype == self.dtype and w._version == self.version)
+        """True when ``w`` holds the values this rank's dispatch sent: the same storage (an alias such as
+        ``w.detach()`` or a full view counts; a copy, even an empty one, does not), offset, shape, strides and dtype,
+        unchanged since."""
+        s = self.source
+        return (w.dtype == s.dtype and w.shape == s.shape and w.stride() == s.stride()
+                and w.storage_offset() == s.storage_offset() and w._version == self.version
+                and w.untyped_storage()._cdata == s.untyped_storage()._cdata)
 
 
 @dataclass(frozen=True)

@@ -467,17 +467,21 @@ def _check_grad_rows(ge, plan, w, gy, mx, n):
 
 def test_delivered_weights_are_the_dispatched_tensor_unchanged():
     """Combine uses the weights that came with a dispatch only for the tensor that dispatch was given, unchanged: an
-    alias (``detach``, a full view) counts; a copy with the same values, another layout or dtype, or the same tensor
-    after an in-place change (its version counter moved) does not."""
+    alias (``detach``, a full view) counts; a copy with the same values (an empty one too: empty tensors share the
+    address 0), another layout, offset or dtype, or the same tensor after an in-place change (its version counter
+    moved) does not."""
     from mxcomm.ep.nvshmem_state import DeliveredWeights
 
     w = torch.rand(6, 4)
     d = DeliveredWeights.of(torch.zeros(12, 4), w)
     assert d.sent(w) and d.sent(w.detach()) and d.sent(w[:]) and d.sent(w.view(6, 4))
     assert not d.sent(w.clone()) and not d.sent(w.t().contiguous().t()) and not d.sent(w.to(torch.float64))
-    assert not d.sent(w[:3]) and not d.sent(w.view(4, 6))
+    assert not d.sent(w[:3]) and not d.sent(w.view(4, 6)) and not d.sent(torch.rand(7, 4)[1:])
     w.add_(0)  # values unchanged, version moved: the tensor may have been written
     assert not d.sent(w)
+    e = torch.empty(0, 4)
+    d0 = DeliveredWeights.of(torch.zeros(12, 4), e)
+    assert d0.sent(e.detach()) and not d0.sent(torch.empty(0, 4)) and e.data_ptr() == torch.empty(0, 4).data_ptr()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")

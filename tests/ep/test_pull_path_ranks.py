@@ -1,0 +1,218 @@
+"""The nvshmem backend's pull path with several ranks on CPU: one process per rank, each running the real
+``NvshmemBackend`` (its Triton kernels under the interpreter) over a symmetric heap that is one shared-memory file
+mapped at the same address in every process (``heap_fakes.SharedHeap``), so peer pointers are plain addresses and
+the kernels' loads, stores, flags and bounded waits go between the processes as they go between GPUs. Nothing is
+replaced but the heap: the counts exchange, the pack with the route weights, the plan, the pull list and its wait,
+the gather, the combine without and with the weights' exchange, both backward passes. Dispatch and combine
+backward's rows are compared with the single-process oracle, combine and dispatch backward with the plain-torch spec
+of one row per (token, rank) (tests/ep/combine_spec.py), all bit-exact. The CUDA kernels themselves run in the GPU
+tests."""
+import os
+
+import pytest
+import torch
+
+from _dist import run_world
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU tests run this path")
+
+_PER_RANK = 64 << 20  # bytes of heap per rank (sparse: only what the buffers use is touched)
+_BASES = (0x3E0000000000, 0x2E0000000000, 0x1E0000000000)  # addresses tried for the mapping, the same in every rank
+
+
+def _heap_file(tmp_path, world: int) -> str:
+    """A zeroed shared-memory file of ``world`` heaps (``/dev/shm`` where there is one)."""
+    d = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    path = os.path.join(d, f"mxcomm-test-heap-{os.getpid()}-{world}-{id(tmp_path)}")
+    with open(path, "wb") as f:
+        f.truncate(world * _PER_RANK)
+    return path
+
+
+def _inputs(W, T, E, k, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for r in range(W):
+        t = T[r]
+        xs.append((torch.randn(t, H, generator=g) * 3).to(torch.bfloat16))
+        idx = torch.argsort(torch.rand(t, E, generator=g), dim=1)[:, :k] if t else torch.zeros(0, k, dtype=torch.int64)
+        if t:
+            idx[torch.rand(t, k, generator=g) < 0.15] = -1
+        idxs.append(idx)
+        ws.append(torch.rand(t, k, generator=g) * 2 - 0.5)
+    return xs, idxs, ws
+
+
+def _real_rows(want) -> torch.Tensor:
+    offs, counts = want.offs.tolist(), want.counts.tolist()
+    rows, start = [], 0
+    for end, c in zip(offs, counts):
+        rows += range(start, start + c)
+        start = end
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _in_group_tile_rows(offs: torch.Tensor) -> int:
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    return int(((offs - starts + 127) // 128 * 128).sum())
+
+
+def _backend(rank, world, path, base, cfg):
+    import torch.distributed as dist
+
+    from heap_fakes import SharedHeap
+    from mxcomm.ep.nvshmem_backend import LaunchConfig, NvshmemBackend
+
+    heap = SharedHeap(path, base, rank, world, _PER_RANK)
+    # a few programs per kernel (the interpreter runs them one by one), uneven counts
+    be = NvshmemBackend(cfg, None, rank, world, heap=heap,
+                        launch=LaunchConfig(dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2))
+    assert be.path == "pull", be.path
+    dist.barrier()  # every rank's buffers exist before any rank writes into them
+    return be
+
+
+def _pull_worker(rank, world, path, base, cfg, T, seed):
+    """Two rounds of dispatch, combine (the dispatch's weights: nothing exchanged; other weights: exchanged), both
+    backward passes on this rank, checked against the oracle and the spec. Returns the failures."""
+    from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
+    from mxcomm.ep.handle import with_weights
+    from mxcomm.ep.plan import FLAG_ROWS
+    from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch
+
+    be = _backend(rank, world, path, base, cfg)
+    E, k, H, mx, exact = cfg.num_experts, cfg.topk, cfg.hidden, cfg.precision == "mxfp8", cfg.exact_sizes
+    wrow = FLAG_ROWS.index("weights")
+    for it in range(2):  # buffers, epochs, copies and flags reused
+        xs, idxs, ws = _inputs(world, T, E, k, H, seed + it)
+        wants, routes = oracle_dispatch(cfg, xs, idxs)
+        g = torch.Generator().manual_seed(seed + 100 + it)
+        gys = [torch.randn(T[r], H, generator=g).to(torch.bfloat16) for r in range(world)]
+        outs = []
+        for r in range(world):  # every rank's expert output, NaN in the rows no slot fills
+            go = torch.Generator().manual_seed(seed + 1000 * it + r)
+            rows = wants[r].num_rows if exact else be.R_max
+            o = (torch.randn(rows, H, generator=go) * 2).to(torch.bfloat16)
+            real = torch.zeros(rows, dtype=torch.bool)
+            real[_real_rows(wants[r])] = True
+            o[~real] = float("nan")
+            outs.append(o)
+        tag = f"round {it} rank {rank}"
+        d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])
+        n = int(wants[rank].offs[-1])
+        assert d.num_rows == (n if exact else be.R_max), tag
+        assert torch.equal(d.offs, wants[rank].offs) and torch.equal(d.counts, wants[rank].counts), tag
+        if mx:
+            assert torch.equal(d.x.qdata.view(torch.uint8)[:n], wants[rank].x.qdata.view(torch.uint8)[:n]), tag
+            rows = _in_group_tile_rows(d.offs)
+            assert torch.equal(d.x.scales[:rows], wants[rank].x.scales[:rows]), tag
+        else:
+            assert torch.equal(d.x.view(torch.int16)[:n], wants[rank].x.view(torch.int16)[:n]), tag
+        out = outs[rank]
+        vals = [o.float() for o in outs]
+        dr, drow = h.plan.dest_rank, h.plan.dest_row
+        # combine with the weights the dispatch brought: no exchange (the weights' flag this rank raises on itself,
+        # like on every rank, stays where it was)
+        flag0 = int(be.flags.local[wrow, rank])
+        y, saved = be.combine_for_backward(out, h, mx)
+        assert int(be.flags.local[wrow, rank]) == flag0, f"{tag}: the dispatch's weights were exchanged"
+        assert_bf16_same(y, spec_combine(dr, drow, vals, ws[rank], mx), f"{tag} combine")
+        # other weights on every rank: exchanged, and used
+        ws2 = [w * -0.5 for w in ws]
+        y2 = be.combine(out, with_weights(h, ws2[rank]), False)
+        assert int(be.flags.local[wrow, rank]) > flag0, f"{tag}: other weights were not exchanged"
+        assert_bf16_same(y2, spec_combine(dr, drow, vals, ws2[rank], False), f"{tag} combine, other weights")
+        cb = be.combine_backward(gys[rank], h, saved, mx)
+        gx = be.dispatch_backward(out, h, mx)
+        assert_bf16_same(gx, spec_combine(dr, drow, vals, None, mx), f"{tag} dispatch backward")
+        cbs = oracle_combine_backward(cfg, gys, routes, ws, [o[: wants[r].num_rows] for r, o in enumerate(outs)],
+                                      wants, mx)
+        if mx:
+            assert torch.equal(cb.grad_expert_out.qdata.view(torch.uint8)[:n],
+                               cbs[rank].grad_expert_out.qdata.view(torch.uint8)[:n]), tag
+        else:
+            assert torch.equal(cb.grad_expert_out.view(torch.int16)[:n],
+                               cbs[rank].grad_expert_out.view(torch.int16)[:n]), tag
+        want_gw = torch.zeros(T[rank], k, dtype=torch.float64)
+        for p in range(world):
+            want_gw = torch.where(dr == p, route_grad(torch.where(dr == p, drow, -1), gys[rank], outs[p]), want_gw)
+        torch.testing.assert_close(cb.grad_weights, want_gw.float(), rtol=1e-5, atol=1e-4, msg=tag)
+    assert int(be.err[0]) == 0
+    return "ok"
+
+
+def _mismatch_worker(rank, world, path, base, cfg, T, seed):
+    """Rank 0 combines with other weights (it exchanges), the others with the dispatch's (they do not): every rank's
+    combine must fail with a PeerTimeout, none may return partial sums formed with weights it was not given."""
+    from mxcomm.ep.handle import with_weights
+    from mxcomm.transport.errors import PeerTimeout
+
+    be = _backend(rank, world, path, base, cfg)
+    xs, idxs, ws = _inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
+    d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])
+    out = torch.randn(d.num_rows, cfg.hidden).to(torch.bfloat16)
+    hw = with_weights(h, ws[rank] * 2) if rank == 0 else h
+    try:
+        be.combine(out, hw, False)
+    except PeerTimeout as e:
+        return e.rank, e.peer
+    return None
+
+
+@pytest.mark.parametrize("W,E,k,H,T,precision,exact", [
+    (2, 4, 2, 64, (9, 6), "mxfp8", True),
+    (3, 6, 3, 96, (5, 0, 7), "mxfp8", False),
+    (2, 4, 3, 64, (7, 8), "bf16", True),
+])
+def test_pull_path_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision, exact):
+    """Dispatch bit-exact to the oracle (payload, the groups' scale tiles, offs, counts); combine with the dispatch's
+    weights (which came with the rows: the weights' flag does not move) and with other weights on every rank (which
+    are exchanged) bit-exact to the spec's one row per (token, rank) sums; dispatch backward likewise; combine
+    backward's rows bit-exact to the oracle's, its route-weight gradient within fp32 rounding of a float64 dot.
+    Two rounds (epochs, send copies, combine copies); a rank with no tokens; no wait fails."""
+    from mxcomm.ep import EPConfig
+
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), precision=precision,
+                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport="pull", exact_sizes=exact)
+    path = _heap_file(tmp_path, W)
+    try:
+        out = _run_mapped(W, _pull_worker, path, cfg, T, 31 * W + E, timeout=600)
+    finally:
+        os.unlink(path)
+    assert out == ["ok"] * W
+
+
+def test_combine_weights_decided_unlike_fails_on_every_rank(tmp_path):
+    """The ranks must agree on whether combine's weights are the dispatch's: when rank 0 exchanges other weights and
+    rank 1 uses the ones that came with the dispatch, rank 0's wait for rank 1's weights fails, it sends no partial
+    sums, and rank 1's wait for them fails too: both raise PeerTimeout naming the other, neither returns."""
+    from mxcomm.ep import EPConfig
+
+    cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
+                   num_sms=1, timeout_s=3.0, transport="pull")
+    path = _heap_file(tmp_path, 2)
+    try:
+        out = _run_mapped(2, _mismatch_worker, path, cfg, (6, 5), 5, timeout=300)
+    finally:
+        os.unlink(path)
+    assert out == [(0, 1), (1, 0)], out
+
+
+def _mapped_entry(rank, world, fn, path, bases, *args):
+    """In a rank process: the first of ``bases`` every rank could map (agreed over the process group), then
+    ``fn(rank, world, path, base, *args)``."""
+    import torch.distributed as dist
+
+    from heap_fakes import SharedHeap
+
+    ok = torch.tensor([SharedHeap.free(b, world * _PER_RANK) for b in bases], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    free = [b for b, f in zip(bases, ok.tolist()) if f]
+    if not free:
+        raise RuntimeError(f"no address of {[hex(b) for b in bases]} is free in every rank's process")
+    return fn(rank, world, path, free[0], *args)
+
+
+def _run_mapped(world, fn, path, *args, timeout):
+    return run_world(world, _mapped_entry, fn, path, _BASES, *args, timeout=timeout,
+                     env={"TRITON_INTERPRET": "1"})
