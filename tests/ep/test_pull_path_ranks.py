@@ -8,6 +8,7 @@ backward's rows are compared with the single-process oracle, combine and dispatc
 of one row per (token, rank) (tests/ep/combine_spec.py), all bit-exact. The CUDA kernels themselves run in the GPU
 tests."""
 import os
+import time
 
 import pytest
 import torch
@@ -141,6 +142,41 @@ def _pull_worker(rank, world, path, base, cfg, T, seed):
     return "ok"
 
 
+def _fault_worker(rank, world, path, base, cfg, T, seed):
+    """Three rounds on every rank: (a) rank 1's ids hold an expert id out of range; (b) a clean dispatch and combine;
+    (c) rank 1 stays away. Returns what each round raised (or the check of the clean round)."""
+    from mxcomm.ep.reference.oracle import oracle_dispatch
+    from mxcomm.transport.errors import PeerTimeout
+
+    be = _backend(rank, world, path, base, cfg)
+    got = []
+    xs, idxs, ws = _inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
+    bad = idxs[1].clone()
+    bad[0, 0] = cfg.num_experts
+    try:
+        be.dispatch(xs[rank], bad if rank == 1 else idxs[rank], ws[rank])
+        got.append("returned")
+    except ValueError as e:
+        got.append(("ValueError", "expert id" in str(e)))
+    except PeerTimeout as e:
+        got.append(("PeerTimeout", e.peer, "refused" in str(e)))
+    d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])  # (b): the group is still usable
+    want = oracle_dispatch(cfg, xs, idxs)[0][rank]
+    n = int(want.offs[-1])
+    y = be.combine(torch.ones(d.num_rows, cfg.hidden, dtype=torch.bfloat16), h, False)
+    got.append(bool(torch.equal(d.x.view(torch.int16)[:n], want.x.view(torch.int16)[:n])) and tuple(y.shape) ==
+               (T[rank], cfg.hidden))
+    if rank == 1:  # (c): away; the others' waits are bounded and name it
+        return got
+    start = time.monotonic()
+    try:
+        be.dispatch(xs[rank], idxs[rank], ws[rank])
+        got.append("returned")
+    except PeerTimeout as e:
+        got.append(("PeerTimeout", e.peer, time.monotonic() - start < 4 * cfg.timeout_s))
+    return got
+
+
 def _mismatch_worker(rank, world, path, base, cfg, T, seed):
     """Rank 0 combines with other weights (it exchanges), the others with the dispatch's (they do not): every rank's
     combine must fail with a PeerTimeout, none may return partial sums formed with weights it was not given."""
@@ -196,6 +232,24 @@ def test_combine_weights_decided_unlike_fails_on_every_rank(tmp_path):
     finally:
         os.unlink(path)
     assert out == [(0, 1), (1, 0)], out
+
+
+def test_refusal_then_clean_call_then_absent_peer(tmp_path):
+    """Bad input and a missing peer on the pull path across processes: a rank whose ids hold an expert id out of range
+    raises the detailed ValueError and its peer a PeerTimeout saying that rank refused, both before any row is
+    gathered; the next dispatch and combine on both ranks are exact (the group stays usable); then a rank that never
+    enters the dispatch makes the other's bounded wait raise PeerTimeout naming it, within its timeout."""
+    from mxcomm.ep import EPConfig
+
+    cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
+                   num_sms=1, timeout_s=3.0, transport="pull")
+    path = _heap_file(tmp_path, 2)
+    try:
+        out = _run_mapped(2, _fault_worker, path, cfg, (6, 5), 9, timeout=300)
+    finally:
+        os.unlink(path)
+    assert out[0] == [("PeerTimeout", 1, True), True, ("PeerTimeout", 1, True)], out
+    assert out[1] == [("ValueError", True), True], out
 
 
 def _mapped_entry(rank, world, fn, path, bases, *args):
