@@ -1,9 +1,10 @@
-"""The nvshmem backend's pull path with several ranks on CPU: one process per rank, each running the real
-``NvshmemBackend`` (its Triton kernels under the interpreter) over a symmetric heap that is one shared-memory file
-mapped at the same address in every process (``heap_fakes.SharedHeap``), so peer pointers are plain addresses and
-the kernels' loads, stores, flags and bounded waits go between the processes as they go between GPUs. Nothing is
-replaced but the heap: the counts exchange, the pack with the route weights, the plan, the pull list and its wait,
-the gather, the combine without and with the weights' exchange, both backward passes. Dispatch and combine
+"""The nvshmem backend's peer-pointer paths (pull, and push) with several ranks on CPU: one process per rank, each
+running the real ``NvshmemBackend`` (its Triton kernels under the interpreter) over a symmetric heap that is one
+shared-memory file mapped at the same address in every process (``heap_fakes.SharedHeap``), so peer pointers are
+plain addresses and the kernels' loads, stores, flags and bounded waits go between the processes as they go between
+GPUs. Nothing is replaced but the heap: the counts exchange, the pack with the route weights, the plan, the pull list
+and its wait, the gather, the combine without and with the weights' exchange, both backward passes, a refusal and an
+absent peer. Dispatch and combine
 backward's rows are compared with the single-process oracle, combine and dispatch backward with the plain-torch spec
 of one row per (token, rank) (tests/ep/combine_spec.py), all bit-exact. The CUDA kernels themselves run in the GPU
 tests."""
@@ -68,7 +69,7 @@ def _backend(rank, world, path, base, cfg):
     # a few programs per kernel (the interpreter runs them one by one), uneven counts
     be = NvshmemBackend(cfg, None, rank, world, heap=heap,
                         launch=LaunchConfig(dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2))
-    assert be.path == "pull", be.path
+    assert be.path == cfg.transport, be.path
     dist.barrier()  # every rank's buffers exist before any rank writes into them
     return be
 
@@ -112,11 +113,13 @@ def _pull_worker(rank, world, path, base, cfg, T, seed):
         out = outs[rank]
         vals = [o.float() for o in outs]
         dr, drow = h.plan.dest_rank, h.plan.dest_row
-        # combine with the weights the dispatch brought: no exchange (the weights' flag this rank raises on itself,
-        # like on every rank, stays where it was)
+        # combine with the dispatch's weights: on the pull path they came with the rows, no exchange (the weights'
+        # flag this rank raises on itself, like on every rank, stays where it was); the push path exchanges them
         flag0 = int(be.flags.local[wrow, rank])
         y, saved = be.combine_for_backward(out, h, mx)
-        assert int(be.flags.local[wrow, rank]) == flag0, f"{tag}: the dispatch's weights were exchanged"
+        moved = int(be.flags.local[wrow, rank]) != flag0
+        assert moved == (cfg.transport != "pull"), f"{tag}: the dispatch's weights exchanged: {moved}"
+        flag0 = int(be.flags.local[wrow, rank])
         assert_bf16_same(y, spec_combine(dr, drow, vals, ws[rank], mx), f"{tag} combine")
         # other weights on every rank: exchanged, and used
         ws2 = [w * -0.5 for w in ws]
@@ -195,21 +198,23 @@ def _mismatch_worker(rank, world, path, base, cfg, T, seed):
     return None
 
 
-@pytest.mark.parametrize("W,E,k,H,T,precision,exact", [
-    (2, 4, 2, 64, (9, 6), "mxfp8", True),
-    (3, 6, 3, 96, (5, 0, 7), "mxfp8", False),
-    (2, 4, 3, 64, (7, 8), "bf16", True),
+@pytest.mark.parametrize("W,E,k,H,T,precision,exact,transport", [
+    (2, 4, 2, 64, (9, 6), "mxfp8", True, "pull"),
+    (3, 6, 3, 96, (5, 0, 7), "mxfp8", False, "pull"),
+    (2, 4, 3, 64, (7, 8), "bf16", True, "pull"),
+    (3, 6, 2, 64, (4, 6, 0), "mxfp8", True, "push"),
 ])
-def test_pull_path_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision, exact):
-    """Dispatch bit-exact to the oracle (payload, the groups' scale tiles, offs, counts); combine with the dispatch's
-    weights (which came with the rows: the weights' flag does not move) and with other weights on every rank (which
-    are exchanged) bit-exact to the spec's one row per (token, rank) sums; dispatch backward likewise; combine
-    backward's rows bit-exact to the oracle's, its route-weight gradient within fp32 rounding of a float64 dot.
-    Two rounds (epochs, send copies, combine copies); a rank with no tokens; no wait fails."""
+def test_peer_paths_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision, exact, transport):
+    """The pull path (and the push path) across processes. Dispatch bit-exact to the oracle (payload, the groups'
+    scale tiles, offs, counts); combine with the dispatch's weights (on the pull path they came with the rows: the
+    weights' flag does not move) and with other weights on every rank (exchanged) bit-exact to the spec's one row per
+    (token, rank) sums; dispatch backward likewise; combine backward's rows bit-exact to the oracle's, its route-weight
+    gradient within fp32 rounding of a float64 dot. Two rounds (epochs, send copies, combine copies); a rank with no
+    tokens; no wait fails."""
     from mxcomm.ep import EPConfig
 
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), precision=precision,
-                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport="pull", exact_sizes=exact)
+                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport=transport, exact_sizes=exact)
     path = _heap_file(tmp_path, W)
     try:
         out = _run_mapped(W, _pull_worker, path, cfg, T, 31 * W + E, timeout=600)
