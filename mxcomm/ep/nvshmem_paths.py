@@ -462,7 +462,7 @@ class PullPath(EnginePath):
         if x.data_ptr() % 16:  # the pack reads x by address in 16-byte vectors (pack_rows_kernel, X_SLOT)
             x = x.clone()
         self.x_slot.fill_(x.data_ptr())
-        self.w_in[:x.shape[0]].copy_(topk_weights)
+        self.w_in[:x.shape[0]].copy_(topk_weights.detach())  # (no autograd history into the fixed buffer)
         po = e.run_middle(self._middle, topk_idx)  # (copies of a replay's outputs: made before the sync)
         # the table and its weights in one allocation (int32 [2, W * T_max, k]; plane 1 holds fp32)
         pair = torch.empty(2, e.world * e.config.max_tokens_per_rank, e.config.topk, dtype=torch.int32,

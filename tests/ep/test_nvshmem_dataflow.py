@@ -595,6 +595,28 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
         assert be.puts.calls["wait"] > 0 and be.puts.calls["quiet"] > 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU suite runs the pull path for real")
+def test_pull_dispatch_keeps_no_autograd_history_of_the_weights():
+    """The pull dispatch copies the route weights into a fixed buffer for its captured middle; weights that require
+    grad (the low-level API takes them as they are) leave no autograd history there, and the combine that uses the
+    weights the dispatch brought still gives the spec's result."""
+    from combine_spec import assert_bf16_same, combine as spec_combine
+
+    E, k, T, H = 8, 2, 5, 64
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=8, precision="bf16", backend="nvshmem",
+                   num_sms=1, timeout_s=5.0, transport="pull")
+    be = _loopback_backend(cfg)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = _routing(1, T, E, k, g, drop=0.0)
+    w = torch.rand(T, k, generator=g).requires_grad_(True)
+    res, h = be.dispatch(x, idx, w)
+    assert not be.impl.w_in.requires_grad and be.impl.w_in.grad_fn is None
+    out = torch.randn(res.num_rows, H, generator=g).to(torch.bfloat16)
+    y = be.combine(out, h, False)
+    assert_bf16_same(y, spec_combine(h.plan.dest_rank, h.plan.dest_row, [out.float()], w.detach(), False), "combine")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
 @pytest.mark.parametrize("transport", ["auto", "push", "put"])
 def test_exact_dispatch_scale_matrix_is_fully_written(transport):
