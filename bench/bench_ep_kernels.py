@@ -317,9 +317,8 @@ class Lab:
         epoch = torch.ones(1, dtype=torch.int64, device=dev)  # tag 1, parity 1: send copy 1
         send_q = torch.zeros(2, T, H, dtype=torch.uint8, device=dev)
         send_s = torch.zeros(2, T, C, dtype=torch.uint8, device=dev)
-        send_w = torch.zeros(2, T, self.k, dtype=torch.float32, device=dev)  # the route weights packed with the rows
-        w_in = torch.rand(T, self.k, device=dev)
-        sqp, ssp, swp = self.ptrs(send_q), self.ptrs(send_s), self.ptrs(send_w)
+        w_in = torch.rand(T, self.k, device=dev)  # the route weights the entries carry
+        sqp, ssp = self.ptrs(send_q), self.ptrs(send_s)
         ew = pull_entry_words(self.k)
         plist = torch.zeros(1, T, ew, dtype=torch.int32, device=dev)
         out_q = torch.empty(R, H, dtype=torch.uint8, device=dev)
@@ -335,16 +334,15 @@ class Lab:
 
         def pack(programs=progs, warps=4, chunk=chunk0):
             mod.pack_rows_kernel[(min(T, programs),)](
-                x_slot, T, send_q, send_s, epoch, T, T * H, w_in, send_w, H=H, CHUNK=chunk, MX=True, MODE=0,
-                INT_ROUND=self.interp, X_SLOT=True, K=self.k, K_POW2=triton.next_power_of_2(self.k), WEIGHTS=True,
-                num_warps=warps)
+                x_slot, T, send_q, send_s, epoch, T, T * H, send_s, send_s, H=H, CHUNK=chunk, MX=True, MODE=0,
+                INT_ROUND=self.interp, X_SLOT=True, num_warps=warps)
 
         # the pull list of this plan (one entry per token; the entry kernel is part of the plan step, not timed)
-        mod.push_entries_kernel[(self.sms,)](self.plan.dest_rank, self.plan.dest_row, T, self.ptrs(plist), fp, epoch,
-                                             0, 1, T, K=self.k, EW=ew, BLOCK=64, num_warps=4)
+        mod.push_entries_kernel[(self.sms,)](self.plan.dest_rank, self.plan.dest_row, w_in, T, self.ptrs(plist), fp,
+                                             epoch, 0, 1, T, K=self.k, EW=ew, BLOCK=64, num_warps=4)
 
         table = torch.empty(T, self.k, dtype=torch.int32, device=dev)  # the dispatch's table (one rank: T entries)
-        wtab = torch.empty(T, self.k, dtype=torch.float32, device=dev)  # and its route weights
+        wtab = torch.empty(T, self.k, dtype=torch.int32, device=dev)  # and its route weights (fp32 bits)
 
         def copy_rows():
             mod.copy_out_rows_kernel[(min(R, self.sms * 16),)](
@@ -354,7 +352,7 @@ class Lab:
         def pull_rows(programs=progs, warps=4, chunk=512):
             mod.pull_rows_kernel[(min(max(R, T), programs),)](
                 out_q.view(torch.int64), s, self.plan.offs, self.plan.expert_counts, self.plan.num_rows, E, R, sqp,
-                ssp, swp, plist, table, wtab, epoch, T, 1, T * H // 8, ROW_WORDS=words,
+                ssp, plist, table, wtab, epoch, T, 1, T * H // 8, ROW_WORDS=words,
                 CHUNK=min(chunk, triton.next_power_of_2(words)), C=C, C_POW2=triton.next_power_of_2(C), K=self.k,
                 K_POW2=triton.next_power_of_2(self.k), EW=ew, MX=True, num_warps=warps)
 

@@ -258,9 +258,9 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
             rows); row ``t`` of copy ``par`` starts at element ``par * copy_elems + t * H``.
         send_s_ptr: uint8 ``[2, T_max, H/32]`` row-major scales (MX only).
         epoch_ptr: int64 epoch of this call (already advanced).
-        w_ptr / send_w_ptr (``WEIGHTS``): fp32 ``[T, K]`` route weights (the dispatch's, which the receivers keep
-            for combine, or combine backward's), copied to this rank's ``send_w`` (fp32 ``[2, T_max, K]``) at row ``t``
-            of copy ``par``; unused otherwise. ``K_POW2``: ``next_pow2(K)``.
+        w_ptr / send_w_ptr (``WEIGHTS``, combine backward): fp32 ``[T, K]`` route weights, copied to this rank's
+            ``send_w`` (fp32 ``[2, T_max, K]``) at row ``t`` of copy ``par``; unused otherwise. ``K_POW2``:
+            ``next_pow2(K)``.
     Grid: any; persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -299,23 +299,24 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
 
 
 @triton.jit
-def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers, epoch_ptr, me, W, T_max,
+def push_entries_kernel(dest_rank_ptr, dest_row_ptr, w_ptr, T, list_peers, flags_peers, epoch_ptr, me, W, T_max,
                         K: tl.constexpr, EW: tl.constexpr, BLOCK: tl.constexpr):
-    """Pull dispatch, sender: for each token ``t`` and each rank ``d`` that receives it, one pull-list entry
-    ``[s, t]`` (``s = me``) on ``d``: ``[tag_lo, tag_hi, row_0, ..., row_{K-1}, -1, ...]`` (``EW`` words) with
-    ``row_j = dest_row[t, j]`` for the slots going to ``d`` and -1 for the others; the tag is the 64-bit dispatch
-    epoch (an entry can never be mistaken for one of another call, however many calls ago it was written). One entry
-    per (token, rank): the receiver reads the row once, however many of its experts the token selected.
+    """Sender: for each token ``t`` and each rank ``d`` that receives it, one pull-list entry ``[s, t]`` (``s = me``)
+    on ``d``: ``[tag_lo, tag_hi, row_0, ..., row_{K-1}, w_0, ..., w_{K-1}, ...]`` (``EW`` words) with ``row_j =
+    dest_row[t, j]`` for the slots going to ``d`` and -1 for the others, and the token's route weights (fp32 bits, every
+    slot's: combine weights the receiver's partial sums with them); the tag is the 64-bit dispatch epoch (an entry can
+    never be mistaken for one of another call, however many calls ago it was written). One entry per (token, rank):
+    the receiver reads the row once, however many of its experts the token selected.
 
     Program ``(p, i)`` writes the entries of destination ``d = (me + i) % W`` for blocks ``p, p + P, ...`` of
     ``BLOCK`` tokens, then adds 1 to ``flags[1, me]`` on ``d`` (release, sys): each rank receives ``P`` arrivals
     from every source, one release per program.
 
     Args:
-        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan; rank -1 = dropped slot).
+        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan; rank -1 = dropped slot); w_ptr: fp32 ``[T, K]``.
         list_peers / flags_peers: int64 ``[W]`` base pointers of ``pull_list`` (int32 ``[W, T_max, EW]``) /
             ``flags``. epoch_ptr: int64 dispatch epoch (already advanced for this call).
-        EW: int32 words per entry (a power of two >= K + 2).
+        EW: int32 words per entry (a power of two >= 2 K + 2).
     Grid: ``(P, W)``, ``P`` identical on every rank (receivers count their arrivals).
     """
     pid = tl.program_id(0)
@@ -323,7 +324,8 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers,
     d = (me + tl.program_id(1)) % W
     ep = tl.load(epoch_ptr)
     jj = tl.arange(0, EW)[None, :]
-    slot = (jj >= 2) & (jj <= K + 1)  # entry word 2 + j holds slot j's row
+    slot = (jj >= 2) & (jj <= K + 1)  # entry word 2 + j holds slot j's row, word 2 + K + j its weight
+    wslot = (jj >= K + 2) & (jj <= 2 * K + 1)
     head = tl.where(jj == 0, ep.to(tl.int32), (ep >> 32).to(tl.int32))  # the tag, in words 0-1
     lst = tl.load(list_peers + d).to(tl.pointer_type(tl.int32))
     b = pid * BLOCK
@@ -333,9 +335,11 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, T, list_peers, flags_peers,
         sidx = t.to(tl.int64) * K + (jj - 2)
         to_d = tl.load(dest_rank_ptr + sidx, mask=m2, other=-1) == d                 # [BLOCK, EW]
         rows = tl.load(dest_row_ptr + sidx, mask=m2 & to_d, other=-1)
+        wts = tl.load(w_ptr + t.to(tl.int64) * K + (jj - 2 - K), mask=(t < T) & wslot, other=0.0)
         listed = tl.max(to_d.to(tl.int32), axis=1)[:, None] > 0                      # the token goes to d
         entry = lst + (me * T_max + t).to(tl.int64) * EW                            # entry [me, t] on d
-        tl.store(entry + jj, tl.where(jj < 2, head, rows), mask=listed)
+        words = tl.where(jj < 2, head, tl.where(wslot, wts.to(tl.int32, bitcast=True), rows))
+        tl.store(entry + jj, words, mask=listed & (jj < 2 * K + 2))
         b += P * BLOCK
     tl.debug_barrier()
     _arrive(flags_peers, d, 1, me, W)  # flags[1, me] on d
@@ -348,30 +352,24 @@ def _entry_ok(e, tag_lo, tag_hi):
 
 
 @triton.jit
-def _keep_entry(e, ok, table_ptr, i, K: tl.constexpr, K_POW2: tl.constexpr):
-    """Row ``i`` of the dispatch's table: the ``K`` rows of pull-list entry ``e`` when it belongs to this call
-    (``ok``), else ``K`` times -1 (the token was not received)."""
+def _keep_entry(e, ok, table_ptr, wtab_ptr, i, K: tl.constexpr, K_POW2: tl.constexpr):
+    """Row ``i`` of the dispatch's table and of its weights: the ``K`` rows and the ``K`` route weights (fp32 bits,
+    int32 here) of pull-list entry ``e`` when it belongs to this call (``ok``), else ``K`` times -1 and 0 (the token
+    was not received)."""
     kk = tl.arange(0, K_POW2)
     rows = tl.load(e + 2 + kk, mask=ok & (kk < K), other=-1)
     tl.store(table_ptr + i.to(tl.int64) * K + kk, rows, mask=kk < K)
+    wbits = tl.load(e + 2 + K + kk, mask=ok & (kk < K), other=0)
+    tl.store(wtab_ptr + i.to(tl.int64) * K + kk, wbits, mask=kk < K)
 
 
 @triton.jit
-def _keep_weights(w_peers, s, srow, ok, wtab_ptr, i, K: tl.constexpr, K_POW2: tl.constexpr):
-    """Row ``i`` of the dispatch's weights table: source ``s``'s ``K`` fp32 route weights at row ``srow`` of its
-    ``send_w`` (through its peer pointer) when the entry belongs to this call (``ok``), else zeros."""
-    kk = tl.arange(0, K_POW2)
-    wb = tl.load(w_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.float32)) + srow * K
-    wv = tl.load(wb + kk, mask=ok & (kk < K), other=0.0)
-    tl.store(wtab_ptr + i.to(tl.int64) * K + kk, wv, mask=kk < K)
-
-
-@triton.jit
-def entries_table_kernel(list_ptr, table_ptr, epoch_ptr, n_entries, K: tl.constexpr, K_POW2: tl.constexpr,
+def entries_table_kernel(list_ptr, table_ptr, wtab_ptr, epoch_ptr, n_entries, K: tl.constexpr, K_POW2: tl.constexpr,
                          EW: tl.constexpr):
     """The dispatch's table from this rank's pull list (push and put paths; the pull path's gather writes it itself):
     int32 ``[n_entries, K]``, entry ``s * T_max + t`` = the rows here of source ``s``'s token ``t`` per slot (-1 for
-    slots elsewhere; all -1 when the pull-list entry is of another call). Grid: any; persistent."""
+    slots elsewhere; all -1 when the pull-list entry is of another call), and into ``wtab`` (int32 ``[n_entries, K]``,
+    fp32 bits) that token's route weights (0 when not received). Grid: any; persistent."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     ep = tl.load(epoch_ptr)
@@ -380,13 +378,13 @@ def entries_table_kernel(list_ptr, table_ptr, epoch_ptr, n_entries, K: tl.conste
     i = pid
     while i < n_entries:
         e = list_ptr + i.to(tl.int64) * EW
-        _keep_entry(e, _entry_ok(e, tag_lo, tag_hi), table_ptr, i, K, K_POW2)
+        _keep_entry(e, _entry_ok(e, tag_lo, tag_hi), table_ptr, wtab_ptr, i, K, K_POW2)
         i += G
 
 
 @triton.jit
 def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers,
-                     w_peers, list_ptr, table_ptr, wtab_ptr, epoch_ptr, T_max, W, copy_words,
+                     list_ptr, table_ptr, wtab_ptr, epoch_ptr, T_max, W, copy_words,
                      ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr,
                      C: tl.constexpr, C_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, EW: tl.constexpr,
                      MX: tl.constexpr):
@@ -394,8 +392,8 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
     its source's send copy (through the peer pointer) and stored at each of its expert-major rows here: the
     payload into the fresh output ``dst``, the scale row (MX) into ``dst_s`` (row-major at the payload row;
     ``scale_rows_to_grouped_kernel`` then builds the blocked matrix). The entry's rows are kept in the dispatch's
-    table (combine answers one row per entry), the source's route weights of the token in the weights table (combine
-    weights its partial sums with them unless it is given other weights). Then the padding rows of every group are
+    table (combine answers one row per entry), the entry's route weights in the table's weights (combine weights its
+    partial sums with them unless it is given other weights). Then the padding rows of every group are
     zeroed (rows past ``n_rows``, the worst-case tail of the no-sync mode, are left as they are).
 
     Args:
@@ -403,16 +401,15 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
         dst_s_ptr: uint8 ``[>= n_rows, C]`` row-major scale rows (MX only).
         offs_ptr / counts_ptr: int32 ``[n_groups]`` group end offsets / real rows (the plan's); n_rows_ptr: int32
             scalar, ``offs[-1]``.
-        q_peers / s_peers / w_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as int64 rows of
-            ``ROW_WORDS``; copy 1 starts ``copy_words`` words after copy 0) / ``send_s`` (uint8 rows of ``C``) /
-            ``send_w`` (fp32 rows of ``K``: the route weights the source packed with its rows).
+        q_peers / s_peers: int64 ``[W]`` base pointers of the sources' ``send_q`` (read as int64 rows of
+            ``ROW_WORDS``; copy 1 starts ``copy_words`` words after copy 0) / ``send_s`` (uint8 rows of ``C``).
         list_ptr: this rank's ``pull_list``, int32 ``[W, T_max, EW]``; entry ``[s, t]`` belongs to this call
-            when its words 0-1 hold the epoch (others are older: skipped); words 2.. are its K rows.
-        table_ptr: int32 ``[W * T_max, K]``, the dispatch's table (see :func:`entries_table_kernel`); wtab_ptr: fp32
-            ``[W * T_max, K]``, its weights: entry ``s * T_max + t`` = source ``s``'s weights of token ``t`` (0 for an
-            entry of another call).
+            when its words 0-1 hold the epoch (others are older: skipped); words 2.. are its K rows, then its K
+            weights (see :func:`push_entries_kernel`).
+        table_ptr / wtab_ptr: int32 ``[W * T_max, K]`` each, the dispatch's table and its weights (fp32 bits; see
+            :func:`entries_table_kernel`).
         epoch_ptr: int64 dispatch epoch; the rows are in send copy ``par = epoch % 2`` (payload word
-            ``par * copy_words + t * ROW_WORDS``, scale and weight row ``par * T_max + t``).
+            ``par * copy_words + t * ROW_WORDS``, scale row ``par * T_max + t``).
     Grid: any; persistent over entries, then over groups.
     """
     pid = tl.program_id(0)
@@ -428,10 +425,9 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
     while i < W * T_max:
         e = list_ptr + i.to(tl.int64) * EW
         ok = _entry_ok(e, tag_lo, tag_hi)
-        _keep_entry(e, ok, table_ptr, i, K, K_POW2)
+        _keep_entry(e, ok, table_ptr, wtab_ptr, i, K, K_POW2)
         s = i // T_max
         srow = (row0 + i % T_max).to(tl.int64)
-        _keep_weights(w_peers, s, srow, ok, wtab_ptr, i, K, K_POW2)
         sbase = (tl.load(q_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.int64)) + copy0
                  + (i % T_max).to(tl.int64) * ROW_WORDS)
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):

@@ -168,13 +168,27 @@ class EnginePath:
         T_max, k = e.config.max_tokens_per_rank, e.config.topk
         self._publish(w.view(torch.int32), w.numel(), self.comb_w.peer_ptrs, e.rank * T_max * k, "weights", e.c_epoch)
 
+    # the peer-pointer paths weight combine's partial sums with the weights that came with the dispatch's entries when
+    # they can (combine_weights); the put path always exchanges them (PutPath)
+    keeps_dispatch_weights = True
+
     def combine_weights(self, w: Optional[torch.Tensor], handle: EPHandle) -> Optional[torch.Tensor]:
-        """The route weights the expert side weights its partial sums with, fp32 ``[W * T_max, k]`` by table entry:
-        here every rank's weights ``w`` (float ``[T, k]``) exchanged (:meth:`publish_weights`, bounded) into
-        ``comb_w``. ``None`` (dispatch backward): None, after the path's handshake for it (the put path's "ready")."""
+        """The route weights the expert side weights its partial sums with, fp32 ``[W * T_max, k]`` by table entry.
+        ``w`` (float ``[T, k]``) is the tensor this rank dispatched with, unchanged (:meth:`DeliveredWeights.sent`):
+        the weights that came with the dispatch's entries (the handle's, nothing exchanged). Other weights: every
+        rank's exchanged (:meth:`publish_weights`, bounded) into ``comb_w``. ``None`` (dispatch backward): None, after
+        the path's handshake for it (the put path's "ready").
+
+        Every rank must decide alike (the same tensor on every rank, as with any collective argument); when one does
+        not, the ranks that exchange wait for weights that are never published, their bounded wait fails and they
+        send no partials, so every rank's combine fails (PeerTimeout) rather than sum partials formed with other
+        weights."""
         if w is None:
             self.publish_weights(None)
             return None
+        d = handle.backend_state.weights
+        if self.keeps_dispatch_weights and d is not None and d.sent(w):
+            return d.table
         self.publish_weights(fp32_weights(w))
         return self.comb_w.local.view(-1, self.e.config.topk)
 
@@ -292,28 +306,41 @@ class EnginePath:
         with the rows where the path can carry them (:class:`PullPath`)."""
         raise NotImplementedError
 
-    def _push_entries(self, plan: RoutingPlan, list_ptrs: torch.Tensor, flags_ptrs: torch.Tensor) -> None:
-        """One pull-list entry per (token, destination rank) into ``list_ptrs[d]`` (the destinations' pull lists):
-        ``push_programs`` programs per destination, each then raising ``flags[1, me]`` on its destination."""
+    def _push_entries(self, plan: RoutingPlan, w: torch.Tensor, list_ptrs: torch.Tensor,
+                      flags_ptrs: torch.Tensor) -> None:
+        """One pull-list entry per (token, destination rank) into ``list_ptrs[d]`` (the destinations' pull lists),
+        with the token's rows there and its route weights (fp32, rows ``[:T]`` of ``w``): ``push_programs`` programs
+        per destination, each then raising ``flags[1, me]`` on its destination."""
         from .nvshmem_kernels import push_entries_kernel
 
         e = self.e
         fast_kernel(push_entries_kernel)[(e.push_programs, e.world)](
-            plan.dest_rank, plan.dest_row, plan.dest_rank.shape[0], list_ptrs, flags_ptrs,
+            plan.dest_rank, plan.dest_row, w, plan.dest_rank.shape[0], list_ptrs, flags_ptrs,
             e.d_epoch, e.rank, e.world, e.config.max_tokens_per_rank, K=e.config.topk,
             EW=self.pull_list.local.shape[-1], BLOCK=PUSH_BLOCK, num_warps=4,
         )
 
-    def _table_from_list(self) -> torch.Tensor:
-        """The dispatch's table from this rank's pull list (entries of this epoch)."""
+    def _new_table(self) -> tuple:
+        """``(table, weights)``: a fresh int32 ``[W * T_max, k]`` for the dispatch's table and an fp32 one for the
+        route weights that come with its entries, in one allocation (planes of ``[2, W * T_max, k]``)."""
+        e = self.e
+        pair = torch.empty(2, e.world * e.config.max_tokens_per_rank, e.config.topk, dtype=torch.int32,
+                           device=e.device)
+        return pair[0], pair[1].view(torch.float32)
+
+    def _table_from_list(self) -> tuple:
+        """The dispatch's table and its weights (:meth:`_new_table`) from this rank's pull list (entries of this
+        epoch)."""
         from .nvshmem_kernels import entries_table_kernel
 
         e = self.e
-        k, n = e.config.topk, e.world * e.config.max_tokens_per_rank
-        table = torch.empty(n, k, dtype=torch.int32, device=e.device)
+        k = e.config.topk
+        table, wtab = self._new_table()
+        n = table.shape[0]
         fast_kernel(entries_table_kernel)[(min(n, e.dispatch_programs),)](
-            self.pull_list.local, table, e.d_epoch, n, K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1])
-        return table
+            self.pull_list.local, table, wtab.view(torch.int32), e.d_epoch, n, K=k, K_POW2=next_pow2(k),
+            EW=self.pull_list.local.shape[-1])
+        return table, wtab
 
 
 class LocalPath(EnginePath):
@@ -381,13 +408,13 @@ class LocalPath(EnginePath):
 class PullPath(EnginePath):
     """Several ranks with peer pointers (the default). Dispatch, captured once per token count and replayed: the id
     check and counts, epoch += 1, the counts exchange (with every rank's refusal word; ``pack_rows_kernel``, each
-    token row read once, quantized once, into this rank's send copy ``epoch % 2`` with its route weights, runs while
-    the peers' counts arrive), the routing plan, ``push_entries_kernel`` (one pull-list entry per (token, destination
-    rank) on the destination) and the bounded wait for every source's entries; then, after the call's one host sync,
-    ``pull_rows_kernel`` reads each listed token's row once from its source's send copy into the fresh output at all
-    its rows and keeps the entries, and their route weights, as the handle's table. Combine weights its partial sums
-    with those weights and exchanges none when it is given the tensor this rank dispatched with (unchanged; see
-    :meth:`combine_weights`). Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine
+    token row read once, quantized once, into this rank's send copy ``epoch % 2``, runs while the peers' counts
+    arrive), the routing plan, ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the
+    destination, with the token's route weights) and the bounded wait for every source's entries; then, after the
+    call's one host sync, ``pull_rows_kernel`` reads each listed token's row once from its source's send copy into the
+    fresh output at all its rows and keeps the entries, and their route weights, as the handle's table. Combine
+    weights its partial sums with those weights and exchanges none when it is given the tensor this rank dispatched
+    with (unchanged; see :meth:`EnginePath.combine_weights`). Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine
     buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
 
     name = "pull"
@@ -396,25 +423,14 @@ class PullPath(EnginePath):
         super().__init__(engine, bufs)
         self.send_s = bufs["ep.send_s"]
         # the captured middle reads this call's x by address and its route weights from w_in (fixed-address inputs
-        # of the graph; the weights are copied there as fp32)
+        # of the graph; the weights are copied there as fp32: the entries carry them)
         self.x_slot = torch.zeros(1, dtype=torch.int64, device=engine.device)
         self.w_in = torch.zeros(engine.config.max_tokens_per_rank, engine.config.topk, dtype=torch.float32,
                                 device=engine.device)
 
-    def combine_weights(self, w, handle):
-        """The weights that came with the dispatch (the handle's table, nothing exchanged) when ``w`` is the tensor
-        this rank dispatched with, unchanged (:meth:`DeliveredWeights.sent`), else the exchange of every rank's.
-        Every rank must decide alike; when one does not, the ranks that exchange wait for weights that are never
-        published, their bounded wait fails and they send no partials, so every rank's combine fails (PeerTimeout)
-        rather than sum partials formed with other weights."""
-        d = handle.backend_state.weights
-        if w is not None and d is not None and d.sent(w):
-            return d.table
-        return super().combine_weights(w, handle)
-
     def _entries_and_wait(self, plan: RoutingPlan) -> None:
         e = self.e
-        self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
+        self._push_entries(plan, self.w_in, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
         self._wait_arrivals(1, e.push_programs)
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
@@ -430,7 +446,7 @@ class PullPath(EnginePath):
         self.exchange(e.counts_in, wait=False)
         # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q), and
         # no peer reads it before this rank's entries, pushed after it in stream order
-        self._pack(ids.shape[0], w=self.w_in)
+        self._pack(ids.shape[0])
         self.wait_for_counts()
         po = e.compute_plan(counts_buf, ids, refusals=True, store=store)  # (and the refusals into the status words)
         self._entries_and_wait(po.plan)
@@ -440,7 +456,7 @@ class PullPath(EnginePath):
         """``(rows, scale_rows)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read once
         from its source's send copy and stored at all its rows, padding rows zero; (MX) a fresh uint8 ``[R, H/32]``
         of their scale rows, row-major (unfilled rows undefined). The pull list's entries go to ``table`` (int32
-        ``[W * T_max, k]``: the dispatch's table), their sources' route weights to ``wtab`` (fp32, the same shape)."""
+        ``[W * T_max, k]``: the dispatch's table), their route weights to ``wtab`` (fp32, the same shape)."""
         from .nvshmem_kernels import pull_rows_kernel
 
         e = self.e
@@ -450,7 +466,7 @@ class PullPath(EnginePath):
         srows = self._scale_rows(R, e.mx)
         fast_kernel(pull_rows_kernel)[(e.output_programs(e.world * T_max),)](
             out.view(torch.int64), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R, self.send_q.peer_ptrs,
-            self.send_s.peer_ptrs, self.send_w.peer_ptrs, self.pull_list.local, table, wtab, e.d_epoch, T_max, e.world,
+            self.send_s.peer_ptrs, self.pull_list.local, table, wtab.view(torch.int32), e.d_epoch, T_max, e.world,
             T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), C=C,
             C_POW2=next_pow2(C), K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx,
             num_warps=4,
@@ -464,10 +480,7 @@ class PullPath(EnginePath):
         self.x_slot.fill_(x.data_ptr())
         self.w_in[:x.shape[0]].copy_(topk_weights.detach())  # (no autograd history into the fixed buffer)
         po = e.run_middle(self._middle, topk_idx)  # (copies of a replay's outputs: made before the sync)
-        # the table and its weights in one allocation (int32 [2, W * T_max, k]; plane 1 holds fp32)
-        pair = torch.empty(2, e.world * e.config.max_tokens_per_rank, e.config.topk, dtype=torch.int32,
-                           device=e.device)
-        table, wtab = pair[0], pair[1].view(torch.float32)
+        table, wtab = self._new_table()
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
         q, srows = self._pull_out(po.plan, R, e.config.hidden * (1 if e.mx else 2), table, wtab)
         return DispatchRows(q=q, scale_rows=srows, kept=po, ids=po.extra["ids"], num_rows=R,
@@ -490,15 +503,16 @@ class PushPath(EnginePath):
         super().__init__(engine, bufs)
         self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
 
-    def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, mx: bool) -> None:
+    def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, mx: bool) -> None:
         """Each row of ``x`` (bf16 ``[T, H]``) to its slots' expert-major rows on the destinations (MXFP8 when
-        ``mx``) and one pull-list entry per (token, destination); then wait for every source's."""
+        ``mx``) and one pull-list entry per (token, destination) with its route weights ``w`` (fp32 ``[T, k]``); then
+        wait for every source's."""
         from .nvshmem_kernels import dispatch_kernel
 
         e = self.e
         self._dispatch_kernel(dispatch_kernel, x, plan, plan.dest_row, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs,
                               mx, arrive=True)
-        self._push_entries(plan, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
+        self._push_entries(plan, w, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
         self._wait_arrivals(1, e.sender_programs + e.push_programs)
 
     def _dispatch_kernel(self, kernel, x, plan, rows, q_ptrs, s_ptrs, mx, arrive):
@@ -532,12 +546,13 @@ class PushPath(EnginePath):
         e.d_epoch.add_(1)
         self.exchange(e.counts_in)
         po = e.plan_from_counts(ids)
-        self._send_to_experts(x, po.plan, mx=e.mx)
-        table = self._table_from_list()
+        self._send_to_experts(x, po.plan, fp32_weights(topk_weights.detach()), mx=e.mx)
+        table, wtab = self._table_from_list()
         R = e.output_rows("dispatch arrivals")
         o = e.origins_from(po, R)
         q = self._copy_out(po.plan, o, R, e.config.hidden * (1 if e.mx else 2))
-        return DispatchRows(q=q, scale_rows=self.recv_s.local, kept=po, ids=ids, num_rows=R, origins=o, table=table)
+        return DispatchRows(q=q, scale_rows=self.recv_s.local, kept=po, ids=ids, num_rows=R, origins=o, table=table,
+                            weights=DeliveredWeights.of(wtab, topk_weights))
 
 
 class PutPath(PushPath):
@@ -588,6 +603,9 @@ class PutPath(PushPath):
         self.gw_dst = self._rows_of(self.stage_gw.local, T * k * 4)
 
     gw_arrive = False
+    # combine here always exchanges the weights (one put and signal wait per rank, as dispatch backward's "ready"
+    # put): the entries carry them, but this path's combine has not been changed to use them
+    keeps_dispatch_weights = False
 
     def refuse_capture(self) -> None:
         if self.e.capturing():
@@ -622,16 +640,17 @@ class PutPath(PushPath):
         self.puts.put(self.comb_w.local, self.comb_w.local, batch, e.flag_rows[3], e.rank, e.err, 1)
         self._wait("weights", 1)
 
-    def _send_to_experts(self, x, plan, mx):
-        """The rows into staging at their send positions and the entries into the staging list, then one put per
-        (destination, expert) block and one per destination's entries, then the signal wait."""
+    def _send_to_experts(self, x, plan, w, mx):
+        """The rows into staging at their send positions and the entries (with the route weights ``w``) into the
+        staging list, then one put per (destination, expert) block and one per destination's entries, then the signal
+        wait."""
         from .nvshmem_kernels import dispatch_kernel
 
         e = self.e
         H, T, C = x.shape[1], x.shape[0], self.put_chunks
         self._dispatch_kernel(dispatch_kernel, x, plan, plan.send_pos, self._stage_ptrs, self._stage_s_ptrs, mx,
                               arrive=False)
-        self._push_entries(plan, self._stage_list_ptrs, self._scratch_ptrs)
+        self._push_entries(plan, w, self._stage_list_ptrs, self._scratch_ptrs)
         blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0)
         sig = e.flag_rows[1]
         self.puts.put(self.recv_q.local, self.stage_q.local, blocks.payload, sig, e.rank, e.err, C)

@@ -51,8 +51,8 @@ def row_origins(plan: RoutingPlan, n_rows: int) -> RowOrigins:
 
 @dataclass(frozen=True)
 class DeliveredWeights:
-    """Route weights that travelled with a dispatch (the pull path): ``table`` fp32 ``[W * T_max, k]``, entry ``s *
-    T_max + t`` = source ``s``'s weights of token ``t`` as its dispatch read them (rows of the dispatch's table);
+    """Route weights that travelled with a dispatch's pull-list entries: ``table`` fp32 ``[W * T_max, k]``, entry
+    ``s * T_max + t`` = source ``s``'s weights of token ``t`` as its dispatch read them (rows of the dispatch's table);
     ``source`` the tensor this rank's dispatch read its own from (kept, so that its storage is not reused while the
     handle lives) and ``version`` its version counter then (in-place changes advance it)."""
 
@@ -82,8 +82,9 @@ class NvshmemState:
     the device, and (several ranks) the dispatch's table: int32 ``[W * T_max, k]``, entry ``s * T_max + t`` = the
     expert-major rows here of source ``s``'s token ``t`` per slot (-1 for slots on other ranks; all -1 when the token
     did not come here). Combine and combine backward move one row per entry with a row. ``weights``: the sources'
-    route weights that came with the dispatch (the pull path; None elsewhere and in a handle rebuilt by the compiled
-    ops), which combine uses instead of exchanging the weights when every rank combines with what it dispatched."""
+    route weights that came with the dispatch's entries (several ranks; None on the local path and in a handle rebuilt
+    by the compiled ops), which combine on the peer-pointer paths uses instead of exchanging the weights when every
+    rank combines with what it dispatched."""
 
     origins: Optional[RowOrigins]
     num_rows_dev: torch.Tensor  # int32 [1] real rows (offs[-1])

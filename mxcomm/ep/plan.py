@@ -244,8 +244,9 @@ class BufferRegion:
 
 
 def pull_entry_words(topk: int) -> int:
-    """int32 words of one pull-list entry: a 64-bit epoch tag and ``topk`` rows, padded to a power of two."""
-    return 1 << (topk + 1).bit_length()  # smallest power of two >= topk + 2
+    """int32 words of one pull-list entry: a 64-bit epoch tag, ``topk`` rows and the token's ``topk`` route weights
+    (fp32 bits), padded to a power of two."""
+    return 1 << (2 * topk + 1).bit_length()  # smallest power of two >= 2 * topk + 2
 
 
 def dispatch_path(config: EPConfig, world_size: int, put_path: bool | None = None) -> str:
@@ -292,9 +293,10 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
       combine backward's BF16 gradient rows; receivers read them through peer pointers;
     * ``ep.send_w`` float32 ``[2, T_max, k]``: combine backward's route weights of those rows;
     * ``ep.pull_list`` int32 ``[W, T_max, pull_entry_words(k)]``: one entry per (source token, this rank) of each
-      dispatch, ``[epoch (2 words), row of slot 0, ..., row of slot k-1]`` (expert-major rows here, -1 for slots
-      going elsewhere); the dispatch keeps its rows as the handle's table (combine and combine backward move one row
-      per entry).
+      dispatch, ``[epoch (2 words), row of slot 0, ..., row of slot k-1, weight of slot 0, ..., weight of slot k-1]``
+      (expert-major rows here, -1 for slots going elsewhere; the token's route weights, fp32 bits); the dispatch keeps
+      its rows and weights as the handle's table (combine and combine backward move one row per entry; combine
+      weights its partial sums with those weights when it is given the dispatch's).
 
     The pull path (the default with several ranks on one node) adds ``ep.send_s`` uint8 ``[2, T_max, H/32]`` (the
     MXFP8 rows' scale bytes); it has no receive buffer: receivers read what they need into fresh tensors, so none of

@@ -108,8 +108,9 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert push.combine_payload == comb
     # every path with a pull list (all but local): two send copies of 2H bytes per token row (the pull dispatch's MXFP8
     # rows, combine backward's BF16 gradient rows) + their fp32 route weights, and the pull list (per source and token:
-    # a 2-word epoch tag + 8 rows, padded to 16 int32 words); the pull path adds the MXFP8 rows' scale bytes
-    send = 2 * 4096 * 2 * 7168 + 2 * 4096 * 8 * 4 + world * 4096 * 16 * 4
+    # a 2-word epoch tag + 8 rows + 8 route weights, padded to 32 int32 words); the pull path adds the MXFP8 rows'
+    # scale bytes
+    send = 2 * 4096 * 2 * 7168 + 2 * 4096 * 8 * 4 + world * 4096 * 32 * 4
     pull = send + (2 * 4096 * 224 if precision == "mxfp8" else 1)
     assert b.pull_send == (0 if world == 1 else pull)
     assert push.pull_send == send
@@ -348,7 +349,7 @@ def test_put_path_buffers_are_counted_in_the_memory_report():
 
     auto, put = buffer_sizes(BASE, 2), buffer_sizes(replace(BASE, transport="put"), 2)
     R, H, T, k = max_recv_rows(BASE, 2), BASE.hidden, BASE.max_tokens_per_rank, BASE.topk
-    EW = 4  # pull-list entry words: 2 tag words + k = 2 rows
+    EW = 8  # pull-list entry words: 2 tag words + k = 2 rows + 2 route weights, a power of two
     assert auto.put_staging == 0
     # stage rows, stage scales, the staged pull-list entries per destination, the staged route-weight gradients per
     # origin, and combine backward's received route weights per source

@@ -23,9 +23,10 @@ P2 = triton.next_power_of_2
 
 
 class Ranks:
-    """``W`` simulated ranks after a dispatch: routing, plans, row origins, and each rank's table built the way the
-    push and put paths build it (``push_entries_kernel`` on every source into the receivers' pull lists, pre-filled
-    with entries of older calls, then ``entries_table_kernel`` on every receiver)."""
+    """``W`` simulated ranks after a dispatch: routing, plans, row origins, and each rank's table and its route weights
+    built the way the push and put paths build them (``push_entries_kernel`` on every source into the receivers' pull
+    lists, pre-filled with entries of older calls, then ``entries_table_kernel`` on every receiver; the weights of
+    ``dispatch_weights``, by source)."""
 
     def __init__(self, W, E, k, Ts, g, *, T_max=None, align=4, drop=0.2, hot=None, one_rank_token=True,
                  epoch=5):
@@ -46,7 +47,8 @@ class Ranks:
         self.R = [int(p.num_rows) for p in self.plans]
         self.origins = [row_origins(p, R) for p, R in zip(self.plans, self.R)]
         self.epoch = epoch
-        self.tables = self._tables(g)
+        self.dispatch_weights = [torch.randn(T, k, generator=g) for T in Ts]
+        self.tables, self.weight_tables = self._tables(g)
 
     def expected_table(self, d):
         t = torch.full((self.W * self.T_max, self.k), -1, dtype=torch.int32)
@@ -67,16 +69,25 @@ class Ranks:
         flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
         for s in range(W):
             p = self.plans[s]
-            push_entries_kernel[(2, W)](p.dest_rank, p.dest_row, self.Ts[s], ptrs(lists), ptrs(flags), ep, s, W, T_max,
-                                      K=k, EW=EW, BLOCK=4)
-        tables = []
+            push_entries_kernel[(2, W)](p.dest_rank, p.dest_row, self.dispatch_weights[s], self.Ts[s], ptrs(lists),
+                                      ptrs(flags), ep, s, W, T_max, K=k, EW=EW, BLOCK=4)
+        tables, wtabs = [], []
         for d in range(W):
             assert flags[d][1].tolist() == [2] * W  # every source's push programs arrived
             table = torch.full((W * T_max, k), 77, dtype=torch.int32)
-            entries_table_kernel[(3,)](lists[d], table, ep, W * T_max, K=k, K_POW2=P2(k), EW=EW)
-            assert torch.equal(table, self.expected_table(d)), d
+            wtab = torch.full((W * T_max, k), float("nan"))
+            entries_table_kernel[(3,)](lists[d], table, wtab.view(torch.int32), ep, W * T_max, K=k, K_POW2=P2(k),
+                                       EW=EW)
+            want = self.expected_table(d)
+            assert torch.equal(table, want), d
+            want_w = torch.zeros(W * T_max, k)  # a received token's weights, every slot; 0 for the others
+            for s_ in range(W):
+                got_t = (want[s_ * T_max:s_ * T_max + self.Ts[s_]] >= 0).any(dim=1)
+                want_w[s_ * T_max:s_ * T_max + self.Ts[s_]][got_t] = self.dispatch_weights[s_][got_t]
+            assert torch.equal(wtab, want_w), d
             tables.append(table)
-        return tables
+            wtabs.append(wtab)
+        return tables, wtabs
 
     def lead_slot(self, s, t, d):
         """The token's first slot on rank ``d``."""

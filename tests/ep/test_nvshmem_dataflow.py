@@ -117,9 +117,9 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     rank's tensors): every sender writes one entry per (token, receiving rank) listing that token's rows there;
     each receiver's gather puts the sender's send-copy row (and scale row) at exactly those rows, zeroes the padding
     rows inside its groups, leaves the rows past ``n_rows`` (the worst-case tail of the no-sync mode) as they were,
-    keeps each entry's rows as the dispatch's table (all -1 for a (source, token) not received) and the source's
-    route weights of the token from its ``send_w`` copy as the table's weights (0 for one not received), and ignores
-    entries of an older epoch (pre-filled garbage with an old tag, some with the same low 32 bits as this epoch).
+    keeps each entry's rows as the dispatch's table (all -1 for a (source, token) not received) and the token's route
+    weights the entry carries as the table's weights (0 for one not received), and ignores entries of an older epoch
+    (pre-filled garbage with an old tag, some with the same low 32 bits as this epoch).
     Ranks with zero tokens, dropped slots, tokens with several experts on one rank; the odd epoch reads copy 1."""
     from mxcomm.ep.nvshmem_kernels import pull_rows_kernel, push_entries_kernel
     from mxcomm.ep.plan import FLAG_ROWS, pull_entry_words
@@ -135,7 +135,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     send_q = [torch.randint(0, 256, (2, T_max, 2 * H), dtype=torch.uint8, generator=g) for _ in range(W)]
     copy_bytes = T_max * 2 * H  # copy 1 starts here; MX rows are H bytes apart from a copy's start
     send_s = [torch.randint(0, 256, (2, T_max, C), dtype=torch.uint8, generator=g) for _ in range(W)]
-    send_w = [torch.randn(2, T_max, k, generator=g) for _ in range(W)]
+    ws = [torch.randn(T, k, generator=g) for T in Ts]  # the route weights each sender's entries carry
     lists = [torch.randint(-1, 50, (W, T_max, EW), dtype=torch.int32, generator=g) for _ in range(W)]
     for lst in lists:  # entries of earlier dispatches, garbage rows: must be skipped
         lst[:, :, 0], lst[:, :, 1] = epoch - 2, 0
@@ -144,8 +144,8 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     ep = torch.tensor([epoch], dtype=torch.int64)
     for s in range(W):
-        push_entries_kernel[(2, W)](plans[s].dest_rank, plans[s].dest_row, Ts[s], ptrs(lists), ptrs(flags), ep, s, W,
-                                  T_max, K=k, EW=EW, BLOCK=4)
+        push_entries_kernel[(2, W)](plans[s].dest_rank, plans[s].dest_row, ws[s], Ts[s], ptrs(lists), ptrs(flags), ep,
+                                  s, W, T_max, K=k, EW=EW, BLOCK=4)
     for d in range(W):
         assert flags[d][1].tolist() == [2] * W  # every sender's programs arrived
         p = plans[d]
@@ -158,7 +158,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
         wtab = torch.full((W * T_max, k), float("nan"))
         words = H * B // 8
         pull_rows_kernel[(3,)](out.view(torch.int64), recv_s, p.offs, p.expert_counts, p.num_rows, E // W, R,
-                               ptrs(send_q), ptrs(send_s), ptrs(send_w), lists[d], table, wtab, ep, T_max, W,
+                               ptrs(send_q), ptrs(send_s), lists[d], table, wtab.view(torch.int32), ep, T_max, W,
                                copy_bytes // 8,
                                ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
                                C_POW2=triton.next_power_of_2(C), K=k, K_POW2=triton.next_power_of_2(k), EW=EW, MX=mx)
@@ -170,7 +170,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
         for s in range(W):  # row dest_row[t, j] of every slot going to d holds token t of source s (copy 1)
             for t in range(Ts[s]):
                 if (plans[s].dest_rank[t] == d).any():
-                    want_w[s * T_max + t] = send_w[s][1, t]
+                    want_w[s * T_max + t] = ws[s][t]
                 for j in range(k):
                     if int(plans[s].dest_rank[t, j]) == d:
                         r = int(plans[s].dest_row[t, j])
@@ -493,13 +493,12 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
     and no-sync sizes, a sequence of calls with 7, 0, 5 and 8 tokens (both epoch parities of every copy; the last call
     sends every token's first slot to one expert): dispatch equals the oracle (payload and the groups' scale tiles;
     the no-sync tail is not written); combine (MXFP8 and BF16 transport of the partials; with the dispatch's weights,
-    which the pull path brought with the rows, and with other weights, which every path exchanges) and dispatch
-    backward (a dense gradient, and with MXFP8 the MX gradient combine backward made) equal the spec bit for bit
-    (zeros' signs included), never reading a padding or tail row (NaN there) nor the weight of a dropped slot (NaN);
-    combine
-    backward's rows are the per-slot quantization of ``w * grad_y`` and its route-weight gradient the dot with the
-    expert output (float64 reference, fp32 tolerance) when the forward kept ``CombineSaved(rows=expert_out)``, None
-    without. Every fresh tensor starts as garbage (``_poisoned_empty``)."""
+    which the peer-pointer paths take from its entries, and with other weights, which every path exchanges) and
+    dispatch backward (a dense gradient, and with MXFP8 the MX gradient combine backward made) equal the spec bit for
+    bit (zeros' signs included), never reading a padding or tail row (NaN there) nor the weight of a dropped slot
+    (NaN); combine backward's rows are the per-slot quantization of ``w * grad_y`` and its route-weight gradient the
+    dot with the expert output (float64 reference, fp32 tolerance) when the forward kept
+    ``CombineSaved(rows=expert_out)``, None without. Every fresh tensor starts as garbage (``_poisoned_empty``)."""
     from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
     from mxcomm.ep.handle import CombineSaved
 
@@ -561,8 +560,10 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
                 gx = be.dispatch_backward(out, h, q)
             published = [flag[0] != flag_before, flag[1] != flag[0]]
             flag_before = flag[1]
-            # the pull path exchanges only other weights; push and put every combine's; the local path none
-            assert published == {"pull": [False, True], "auto": [False, False]}.get(transport, [True, True]), T
+            # the peer-pointer paths exchange only other weights (the dispatch's came with its entries); the put path
+            # every combine's; the local path none
+            assert published == {"pull": [False, True], "push": [False, True], "auto": [False, False]}.get(
+                transport, [True, True]), T
             assert_bf16_same(y, spec_combine(dr, drow, [out.float()], w, q), f"combine T={T} q={q}", sz)
             assert_bf16_same(y2, spec_combine(dr, drow, [out.float()], w2.float(), q), f"other w T={T} q={q}", sz)
             assert_bf16_same(gx, spec_combine(dr, drow, [out.float()], None, q), f"dispatch bwd T={T} q={q}", sz)
@@ -858,7 +859,8 @@ for wait in (True, False):
 compile(nk.wait_published_kernel, dict(flags_local=i64, epoch_ptr=i64, err_ptr=i64, timeout_ns="i64"))
 compile(nk.wait_arrivals_kernel, dict(flags_row_ptr=i64, expect_row_ptr=i64, err_ptr=i64, timeout_ns="i64"))
 compile(nk.first_refusal_kernel, dict(words_ptr=i32, out_ptr=i64), W_POW2=8)
-compile(nk.entries_table_kernel, dict(list_ptr=i32, table_ptr=i32, epoch_ptr=i64), K=8, K_POW2=8, EW=16)
+compile(nk.entries_table_kernel, dict(list_ptr=i32, table_ptr=i32, wtab_ptr=i32, epoch_ptr=i64), K=8, K_POW2=8,
+        EW=32)
 compile(nk.gather_route_grad_kernel, dict(gw_ptr="*fp32", dest_rank_ptr=i32, out_ptr="*fp32"), BLOCK=1024)
 sc = dict(offs_ptr=i32, n_rows_ptr=i32, counts_ptr=i32)
 for tail in (False, True):  # no-sync tail left alone; exact sizes: the matrix's own padding tile-rows zeroed
@@ -877,17 +879,16 @@ for weighted in (False, True):  # local path: straight into the output; the unfi
             assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("weighted scales", ptx.count("bar.sync"))
 for mx in (True, False):
     ptx = compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32,
-                  q_peers=i64, s_peers=i64, w_peers=i64, list_ptr=i32, table_ptr=i32, wtab_ptr="*fp32", epoch_ptr=i64),
+                  q_peers=i64, s_peers=i64, list_ptr=i32, table_ptr=i32, wtab_ptr=i32, epoch_ptr=i64),
                   ROW_WORDS=896 if mx else 1792,
                   CHUNK=512, C=224, C_POW2=256, K=8, K_POW2=8, EW=16, MX=mx)
     # the rows read through the peer table in 16-byte loads, as they are stored (8-byte loads without the hint)
     assert "ld.global.v2.b64" in ptx, ("pull rows' loads", mx)
 for mx in (True, False):
-    for slot in (True, False):  # x by address with the weights (the backend), x as a tensor (the kernel lab)
+    for slot in (True, False):  # x by address (the backend), x as a tensor (the kernel lab)
         ptx = compile(nk.pack_rows_kernel, dict(x_ptr=i64 if slot else "*bf16", send_q_ptr=u8 if mx else "*bf16",
                       send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32", send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=mx,
-                      MODE=0, INT_ROUND=False, X_SLOT=slot, K=8 if slot else 1, K_POW2=8 if slot else 1,
-                      WEIGHTS=slot)
+                      MODE=0, INT_ROUND=False, X_SLOT=slot, K=1, K_POW2=1, WEIGHTS=False)
         assert "st.global.v4.b32" in ptx, ("pack", mx, slot)
         # x by address too: 16-byte loads (without the alignment hint, one load per value)
         assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx, ("pack's loads", mx, slot)
@@ -909,8 +910,8 @@ for mx, route_grad, arrive in ((True, True, True), (False, True, False), (True, 
     if mx:  # scale bytes stored where they are held: not 2 barriers per (chunk, slot) (2 x 2 x 8 = 32 before)
         assert ptx.count("bar.sync") <= 8, ("pull weighted scale stores", route_grad, ptx.count("bar.sync"))
 for one in ({}, dict(me=1), dict(me=1, T_max=1, T=1)):  # a launch specializes ints equal to 1 as constants
-    compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, list_peers=i64, flags_peers=i64,
-            epoch_ptr=i64), K=8, EW=16, BLOCK=64, **one)
+    compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, w_ptr="*fp32", list_peers=i64,
+            flags_peers=i64, epoch_ptr=i64), K=8, EW=32, BLOCK=64, **one)
 print("ok")
 '''
 

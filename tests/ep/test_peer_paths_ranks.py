@@ -113,13 +113,11 @@ def _pull_worker(rank, world, path, base, cfg, T, seed):
         out = outs[rank]
         vals = [o.float() for o in outs]
         dr, drow = h.plan.dest_rank, h.plan.dest_row
-        # combine with the dispatch's weights: on the pull path they came with the rows, no exchange (the weights'
-        # flag this rank raises on itself, like on every rank, stays where it was); the push path exchanges them
+        # combine with the dispatch's weights: they came with its entries, no exchange (the weights' flag this rank
+        # raises on itself, like on every rank, stays where it was)
         flag0 = int(be.flags.local[wrow, rank])
         y, saved = be.combine_for_backward(out, h, mx)
-        moved = int(be.flags.local[wrow, rank]) != flag0
-        assert moved == (cfg.transport != "pull"), f"{tag}: the dispatch's weights exchanged: {moved}"
-        flag0 = int(be.flags.local[wrow, rank])
+        assert int(be.flags.local[wrow, rank]) == flag0, f"{tag}: the dispatch's weights were exchanged"
         assert_bf16_same(y, spec_combine(dr, drow, vals, ws[rank], mx), f"{tag} combine")
         # other weights on every rank: exchanged, and used
         ws2 = [w * -0.5 for w in ws]
@@ -205,9 +203,9 @@ def _mismatch_worker(rank, world, path, base, cfg, T, seed):
     (3, 6, 2, 64, (4, 6, 0), "mxfp8", True, "push"),
 ])
 def test_peer_paths_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision, exact, transport):
-    """The pull path (and the push path) across processes. Dispatch bit-exact to the oracle (payload, the groups'
-    scale tiles, offs, counts); combine with the dispatch's weights (on the pull path they came with the rows: the
-    weights' flag does not move) and with other weights on every rank (exchanged) bit-exact to the spec's one row per
+    """The pull and push paths across processes. Dispatch bit-exact to the oracle (payload, the groups' scale tiles,
+    offs, counts); combine with the dispatch's weights (they came with its entries: the weights' flag does not move)
+    and with other weights on every rank (exchanged) bit-exact to the spec's one row per
     (token, rank) sums; dispatch backward likewise; combine backward's rows bit-exact to the oracle's, its route-weight
     gradient within fp32 rounding of a float64 dot. Two rounds (epochs, send copies, combine copies); a rank with no
     tokens; no wait fails."""
