@@ -15,6 +15,7 @@ import torch
 import triton
 
 from heap_fakes import FakeBuf, FakeCtx
+from rank_inputs import in_group_tile_rows
 from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.handle import with_weights
 from mxcomm.ep.nvshmem_backend import LaunchConfig, _qdq_chunk, row_origins
@@ -405,12 +406,6 @@ def _loopback_backend(cfg, launch=None):
     return be
 
 
-def _in_group_tile_rows(offs: torch.Tensor) -> int:
-    """Rows of a grouped-along-M blocked scale matrix that belong to its groups (each padded to 128 rows)."""
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
-    return int(((offs - starts + 127) // 128 * 128).sum())
-
-
 _WEIGHTS_ROW = FLAG_ROWS.index("weights")  # the flag row the weights' exchange raises
 _POISON_INT, _POISON_FLOAT = 0x5A, 0xFF  # bytes torch.empty fills its result with under _poisoned_empty
 
@@ -537,7 +532,7 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
         assert torch.equal(got_q[:n], want_q[:n]), T
         assert (got_q[n:] == _POISON_INT).all(), T  # the no-sync tail: not written
         if mx:  # (the tile-rows past the groups: test_exact_dispatch_scale_matrix_is_fully_written)
-            rows = _in_group_tile_rows(res.offs)
+            rows = in_group_tile_rows(res.offs)
             assert torch.equal(res.x.scales[:rows], want.x.scales[:rows]), T
         R = res.num_rows
         real = torch.zeros(R, dtype=torch.bool)
@@ -635,7 +630,7 @@ def test_exact_dispatch_scale_matrix_is_fully_written(transport):
         with _poisoned_empty():
             res, _ = be.dispatch(x, idx, torch.ones(idx.shape[0], k))
         want = oracle_dispatch(cfg, [x], [idx])[0][0]
-        rows = _in_group_tile_rows(res.offs)
+        rows = in_group_tile_rows(res.offs)
         assert res.x.scales.shape == want.x.scales.shape and rows < want.x.scales.shape[0]
         assert torch.equal(res.x.scales[:rows], want.x.scales[:rows])
         assert torch.equal(res.x.scales[rows:], want.x.scales[rows:]), (
@@ -708,7 +703,7 @@ def test_exact_mode_bad_ids_raise_the_detailed_error(transport):
     res, _ = be.dispatch(x, good, torch.ones(3, 2))
     want, _ = oracle_dispatch(cfg, [x], [good])
     assert torch.equal(res.x.qdata.view(torch.uint8), want[0].x.qdata.view(torch.uint8))
-    rows = _in_group_tile_rows(res.offs)  # (past the groups: test_exact_dispatch_scale_matrix_is_fully_written)
+    rows = in_group_tile_rows(res.offs)  # (past the groups: test_exact_dispatch_scale_matrix_is_fully_written)
     assert torch.equal(res.x.scales[:rows], want[0].x.scales[:rows])
 
 
@@ -748,7 +743,7 @@ def test_weighted_dispatch_edge_weights_and_rows_bit_exact(transport):
     out = torch.randn(res.num_rows, H, generator=g).to(torch.bfloat16)
     got = be.combine_backward(gy, handle, None, True)
     want = oracle_combine_backward(cfg, [gy], routes, [w], [out], wants, True)[0]
-    rows = _in_group_tile_rows(res.offs)  # (past the groups: test_exact_dispatch_scale_matrix_is_fully_written)
+    rows = in_group_tile_rows(res.offs)  # (past the groups: test_exact_dispatch_scale_matrix_is_fully_written)
     assert torch.equal(got.grad_expert_out.scales[:rows], want.grad_expert_out.scales[:rows])
     assert torch.equal(got.grad_expert_out.qdata.view(torch.uint8), want.grad_expert_out.qdata.view(torch.uint8))
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _dist import run_world
+from rank_inputs import in_group_tile_rows, rank_inputs, real_rows
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU tests run this path")
 
@@ -29,34 +30,6 @@ def _heap_file(tmp_path, world: int) -> str:
     with open(path, "wb") as f:
         f.truncate(world * _PER_RANK)
     return path
-
-
-def _inputs(W, T, E, k, H, seed):
-    g = torch.Generator().manual_seed(seed)
-    xs, idxs, ws = [], [], []
-    for r in range(W):
-        t = T[r]
-        xs.append((torch.randn(t, H, generator=g) * 3).to(torch.bfloat16))
-        idx = torch.argsort(torch.rand(t, E, generator=g), dim=1)[:, :k] if t else torch.zeros(0, k, dtype=torch.int64)
-        if t:
-            idx[torch.rand(t, k, generator=g) < 0.15] = -1
-        idxs.append(idx)
-        ws.append(torch.rand(t, k, generator=g) * 2 - 0.5)
-    return xs, idxs, ws
-
-
-def _real_rows(want) -> torch.Tensor:
-    offs, counts = want.offs.tolist(), want.counts.tolist()
-    rows, start = [], 0
-    for end, c in zip(offs, counts):
-        rows += range(start, start + c)
-        start = end
-    return torch.tensor(rows, dtype=torch.int64)
-
-
-def _in_group_tile_rows(offs: torch.Tensor) -> int:
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
-    return int(((offs - starts + 127) // 128 * 128).sum())
 
 
 def _backend(rank, world, path, base, cfg):
@@ -74,7 +47,7 @@ def _backend(rank, world, path, base, cfg):
     return be
 
 
-def _pull_worker(rank, world, path, base, cfg, T, seed):
+def _paths_worker(rank, world, path, base, cfg, T, seed):
     """Two rounds of dispatch, combine (the dispatch's weights: nothing exchanged; other weights: exchanged), both
     backward passes on this rank, checked against the oracle and the spec. Returns the failures."""
     from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
@@ -86,7 +59,7 @@ def _pull_worker(rank, world, path, base, cfg, T, seed):
     E, k, H, mx, exact = cfg.num_experts, cfg.topk, cfg.hidden, cfg.precision == "mxfp8", cfg.exact_sizes
     wrow = FLAG_ROWS.index("weights")
     for it in range(2):  # buffers, epochs, copies and flags reused
-        xs, idxs, ws = _inputs(world, T, E, k, H, seed + it)
+        xs, idxs, ws = rank_inputs(world, T, E, k, H, seed + it)
         wants, routes = oracle_dispatch(cfg, xs, idxs)
         g = torch.Generator().manual_seed(seed + 100 + it)
         gys = [torch.randn(T[r], H, generator=g).to(torch.bfloat16) for r in range(world)]
@@ -96,7 +69,7 @@ def _pull_worker(rank, world, path, base, cfg, T, seed):
             rows = wants[r].num_rows if exact else be.R_max
             o = (torch.randn(rows, H, generator=go) * 2).to(torch.bfloat16)
             real = torch.zeros(rows, dtype=torch.bool)
-            real[_real_rows(wants[r])] = True
+            real[real_rows(wants[r])] = True
             o[~real] = float("nan")
             outs.append(o)
         tag = f"round {it} rank {rank}"
@@ -106,7 +79,7 @@ def _pull_worker(rank, world, path, base, cfg, T, seed):
         assert torch.equal(d.offs, wants[rank].offs) and torch.equal(d.counts, wants[rank].counts), tag
         if mx:
             assert torch.equal(d.x.qdata.view(torch.uint8)[:n], wants[rank].x.qdata.view(torch.uint8)[:n]), tag
-            rows = _in_group_tile_rows(d.offs)
+            rows = in_group_tile_rows(d.offs)
             assert torch.equal(d.x.scales[:rows], wants[rank].x.scales[:rows]), tag
         else:
             assert torch.equal(d.x.view(torch.int16)[:n], wants[rank].x.view(torch.int16)[:n]), tag
@@ -151,7 +124,7 @@ def _fault_worker(rank, world, path, base, cfg, T, seed):
 
     be = _backend(rank, world, path, base, cfg)
     got = []
-    xs, idxs, ws = _inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
+    xs, idxs, ws = rank_inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
     bad = idxs[1].clone()
     bad[0, 0] = cfg.num_experts
     try:
@@ -185,7 +158,7 @@ def _mismatch_worker(rank, world, path, base, cfg, T, seed):
     from mxcomm.transport.errors import PeerTimeout
 
     be = _backend(rank, world, path, base, cfg)
-    xs, idxs, ws = _inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
+    xs, idxs, ws = rank_inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
     d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])
     out = torch.randn(d.num_rows, cfg.hidden).to(torch.bfloat16)
     hw = with_weights(h, ws[rank] * 2) if rank == 0 else h
@@ -205,19 +178,15 @@ def _mismatch_worker(rank, world, path, base, cfg, T, seed):
 def test_peer_paths_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision, exact, transport):
     """The pull and push paths across processes. Dispatch bit-exact to the oracle (payload, the groups' scale tiles,
     offs, counts); combine with the dispatch's weights (they came with its entries: the weights' flag does not move)
-    and with other weights on every rank (exchanged) bit-exact to the spec's one row per
-    (token, rank) sums; dispatch backward likewise; combine backward's rows bit-exact to the oracle's, its route-weight
-    gradient within fp32 rounding of a float64 dot. Two rounds (epochs, send copies, combine copies); a rank with no
-    tokens; no wait fails."""
+    and with other weights on every rank (exchanged) bit-exact to the spec's one row per (token, rank) sums; dispatch
+    backward likewise; combine backward's rows bit-exact to the oracle's, its route-weight gradient within fp32
+    rounding of a float64 dot. Two rounds (epochs, send copies, combine copies); a rank with no tokens; no wait
+    fails."""
     from mxcomm.ep import EPConfig
 
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), precision=precision,
                    backend="nvshmem", num_sms=1, timeout_s=60.0, transport=transport, exact_sizes=exact)
-    path = _heap_file(tmp_path, W)
-    try:
-        out = _run_mapped(W, _pull_worker, path, cfg, T, 31 * W + E, timeout=600)
-    finally:
-        os.unlink(path)
+    out = _run_mapped(tmp_path, W, _paths_worker, cfg, T, 31 * W + E, timeout=600)
     assert out == ["ok"] * W
 
 
@@ -229,11 +198,7 @@ def test_combine_weights_decided_unlike_fails_on_every_rank(tmp_path):
 
     cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
                    num_sms=1, timeout_s=3.0, transport="pull")
-    path = _heap_file(tmp_path, 2)
-    try:
-        out = _run_mapped(2, _mismatch_worker, path, cfg, (6, 5), 5, timeout=300)
-    finally:
-        os.unlink(path)
+    out = _run_mapped(tmp_path, 2, _mismatch_worker, cfg, (6, 5), 5, timeout=300)
     assert out == [(0, 1), (1, 0)], out
 
 
@@ -246,11 +211,7 @@ def test_refusal_then_clean_call_then_absent_peer(tmp_path):
 
     cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
                    num_sms=1, timeout_s=3.0, transport="pull")
-    path = _heap_file(tmp_path, 2)
-    try:
-        out = _run_mapped(2, _fault_worker, path, cfg, (6, 5), 9, timeout=300)
-    finally:
-        os.unlink(path)
+    out = _run_mapped(tmp_path, 2, _fault_worker, cfg, (6, 5), 9, timeout=300)
     assert out[0] == [("PeerTimeout", 1, True), True, ("PeerTimeout", 1, True)], out
     assert out[1] == [("ValueError", True), True], out
 
@@ -270,6 +231,12 @@ def _mapped_entry(rank, world, fn, path, bases, *args):
     return fn(rank, world, path, free[0], *args)
 
 
-def _run_mapped(world, fn, path, *args, timeout):
-    return run_world(world, _mapped_entry, fn, path, _BASES, *args, timeout=timeout,
-                     env={"TRITON_INTERPRET": "1"})
+def _run_mapped(tmp_path, world, fn, *args, timeout):
+    """``fn(rank, world, path, base, *args)`` in ``world`` rank processes over one shared heap file (made, and
+    removed afterwards, here); their results by rank."""
+    path = _heap_file(tmp_path, world)
+    try:
+        return run_world(world, _mapped_entry, fn, path, _BASES, *args, timeout=timeout,
+                         env={"TRITON_INTERPRET": "1"})
+    finally:
+        os.unlink(path)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from heap_fakes import FakeBuf, FakeCtx
+from rank_inputs import in_group_tile_rows, rank_inputs, real_rows
 from mxcomm.ep import EPConfig
 from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch
 
@@ -129,21 +130,6 @@ def one_kernel_at_a_time(monkeypatch):
     monkeypatch.setattr(InterpretedFunction, "run", locked)
 
 
-def _inputs(W, T, E, k, H, seed):
-    g = torch.Generator().manual_seed(seed)
-    xs, idxs, ws = [], [], []
-    for r in range(W):
-        t = T[r]
-        x = (torch.randn(t, H, generator=g) * 3).to(torch.bfloat16)
-        idx = torch.argsort(torch.rand(t, E, generator=g), dim=1)[:, :k] if t else torch.zeros(0, k, dtype=torch.int64)
-        if t:
-            idx[torch.rand(t, k, generator=g) < 0.15] = -1
-        xs.append(x)
-        idxs.append(idx)
-        ws.append(torch.rand(t, k, generator=g))
-    return xs, idxs, ws
-
-
 def _run_ranks(world: ThreadWorld, fn, W: int, timeout_s: float = 240.0) -> list:
     out, errs = [None] * W, [None] * W
 
@@ -188,7 +174,7 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
     world = ThreadWorld(W)
     calls = []  # two rounds: buffers, epochs and combine copies reused
     for it in range(2):
-        xs, idxs, ws = _inputs(W, T, E, k, H, seed=100 * W + it + 10 * exact)
+        xs, idxs, ws = rank_inputs(W, T, E, k, H, seed=100 * W + it + 10 * exact)
         wants, routes = oracle_dispatch(cfg, xs, idxs)
         g = torch.Generator().manual_seed(7 + it)
         gys = [torch.randn(T[r], H, generator=g).to(torch.bfloat16) for r in range(W)]
@@ -200,7 +186,7 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
         g = torch.Generator().manual_seed(1000 * it + r)
         out = (torch.randn(num_rows, H, generator=g) * 2).to(torch.bfloat16)
         real = torch.zeros(num_rows, dtype=torch.bool)
-        real[_real_rows(want)] = True
+        real[real_rows(want)] = True
         out[~real] = float("nan")
         return out
 
@@ -233,7 +219,7 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
             n = int(wants[r].offs[-1])  # the real rows (no-sync outputs have R_max rows, the tail not written)
             assert d.num_rows == (n if exact else backends[r].R_max), tag
             assert torch.equal(d.offs, wants[r].offs) and torch.equal(d.counts, wants[r].counts), tag
-            rows = _in_group_tile_rows(d.offs)  # (the tile-rows past the groups: see test_nvshmem_dataflow)
+            rows = in_group_tile_rows(d.offs)  # (the tile-rows past the groups: see test_nvshmem_dataflow)
             if mx:
                 assert torch.equal(d.x.qdata.view(torch.uint8)[:n], wants[r].x.qdata.view(torch.uint8)[:n]), tag
                 assert torch.equal(d.x.scales[:rows], wants[r].x.scales[:rows]), tag
@@ -255,19 +241,3 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
             torch.testing.assert_close(cb.grad_weights, want_gw.float(), rtol=1e-5, atol=1e-4, msg=tag)
     for be in backends:  # every wait was satisfied: no error word set
         assert int(be.err[0]) == 0
-
-
-def _real_rows(want) -> torch.Tensor:
-    """The real rows of an oracle dispatch result (the first ``counts[e]`` rows of each group)."""
-    offs, counts = want.offs.tolist(), want.counts.tolist()
-    rows, start = [], 0
-    for end, c in zip(offs, counts):
-        rows += range(start, start + c)
-        start = end
-    return torch.tensor(rows, dtype=torch.int64)
-
-
-def _in_group_tile_rows(offs: torch.Tensor) -> int:
-    """Rows of a grouped-along-M blocked scale matrix that belong to its groups (each padded to 128 rows)."""
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
-    return int(((offs - starts + 127) // 128 * 128).sum())

@@ -1,0 +1,36 @@
+"""Inputs and row bookkeeping shared by the tests that run the nvshmem backend's multi-rank paths on CPU
+(``test_put_path_ranks``: threads; ``test_peer_paths_ranks``: processes) and its one-rank loopback tests."""
+import torch
+
+
+def rank_inputs(W: int, T, E: int, k: int, H: int, seed: int):
+    """Every rank's ``(x, topk_idx, topk_weights)`` for ``T[r]`` tokens: bf16 ``[T, H]``, distinct experts per token
+    with about 15 % of the slots dropped (-1), fp32 weights in ``[0, 1)``. Returns three lists, by rank."""
+    g = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for r in range(W):
+        t = T[r]
+        x = (torch.randn(t, H, generator=g) * 3).to(torch.bfloat16)
+        idx = torch.argsort(torch.rand(t, E, generator=g), dim=1)[:, :k] if t else torch.zeros(0, k, dtype=torch.int64)
+        if t:
+            idx[torch.rand(t, k, generator=g) < 0.15] = -1
+        xs.append(x)
+        idxs.append(idx)
+        ws.append(torch.rand(t, k, generator=g))
+    return xs, idxs, ws
+
+
+def real_rows(want) -> torch.Tensor:
+    """The real rows of an oracle dispatch result (the first ``counts[e]`` rows of each group), int64."""
+    offs, counts = want.offs.tolist(), want.counts.tolist()
+    rows, start = [], 0
+    for end, c in zip(offs, counts):
+        rows += range(start, start + c)
+        start = end
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def in_group_tile_rows(offs: torch.Tensor) -> int:
+    """Rows of a grouped-along-M blocked scale matrix that belong to its groups (each padded to 128 rows)."""
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    return int(((offs - starts + 127) // 128 * 128).sum())
