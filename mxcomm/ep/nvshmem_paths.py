@@ -604,7 +604,9 @@ class PutPath(PushPath):
 
     gw_arrive = False
     # combine here always exchanges the weights (one put and signal wait per rank, as dispatch backward's "ready"
-    # put): the entries carry them, but this path's combine has not been changed to use them
+    # put), although the entries carry them: the partials' block puts are issued by the host whatever the kernel
+    # found, so a rank whose weights wait failed (its peers decided otherwise) would still deliver stale partials -
+    # the exchange keeps every rank on the same weights
     keeps_dispatch_weights = False
 
     def refuse_capture(self) -> None:
