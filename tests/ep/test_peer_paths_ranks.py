@@ -47,9 +47,10 @@ def _backend(rank, world, path, base, cfg):
     return be
 
 
-def _paths_worker(rank, world, path, base, cfg, T, seed):
-    """Two rounds of dispatch, combine (the dispatch's weights: nothing exchanged; other weights: exchanged), both
-    backward passes on this rank, checked against the oracle and the spec. Returns the failures."""
+def _paths_worker(rank, world, path, base, cfg, rounds, seed):
+    """One round per entry of ``rounds`` (every rank's token count) of dispatch, combine (the dispatch's weights:
+    nothing exchanged; other weights: exchanged), both backward passes on this rank, checked against the oracle and
+    the spec. Returns "ok" (a failed check raises)."""
     from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
     from mxcomm.ep.handle import with_weights
     from mxcomm.ep.plan import FLAG_ROWS
@@ -58,7 +59,7 @@ def _paths_worker(rank, world, path, base, cfg, T, seed):
     be = _backend(rank, world, path, base, cfg)
     E, k, H, mx, exact = cfg.num_experts, cfg.topk, cfg.hidden, cfg.precision == "mxfp8", cfg.exact_sizes
     wrow = FLAG_ROWS.index("weights")
-    for it in range(2):  # buffers, epochs, copies and flags reused
+    for it, T in enumerate(rounds):  # buffers, epochs, copies and flags reused
         xs, idxs, ws = rank_inputs(world, T, E, k, H, seed + it)
         wants, routes = oracle_dispatch(cfg, xs, idxs)
         g = torch.Generator().manual_seed(seed + 100 + it)
@@ -186,7 +187,24 @@ def test_peer_paths_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision,
 
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), precision=precision,
                    backend="nvshmem", num_sms=1, timeout_s=60.0, transport=transport, exact_sizes=exact)
-    out = _run_mapped(tmp_path, W, _paths_worker, cfg, T, 31 * W + E, timeout=600)
+    out = _run_mapped(tmp_path, W, _paths_worker, cfg, [T, T], 31 * W + E, timeout=600)
+    assert out == ["ok"] * W
+
+
+def test_pull_path_token_counts_vary_from_call_to_call(tmp_path):
+    """Seven calls on one group of three ranks with every rank's token count drawn anew each time (0 to
+    ``max_tokens_per_rank``; one call with no tokens anywhere, one with a single token on one rank): each call's
+    dispatch, combines and backward passes exact as above - the epochs, send copies, combine copies and the fixed
+    weights buffer carry nothing over from a call of another size."""
+    from mxcomm.ep import EPConfig
+
+    W, T_max = 3, 9
+    g = torch.Generator().manual_seed(1234)
+    rounds = [tuple(int(t) for t in torch.randint(0, T_max + 1, (W,), generator=g)) for _ in range(5)]
+    rounds[2:2] = [(0, 0, 0), (0, 1, 0)]
+    cfg = EPConfig(num_experts=6, hidden=64, topk=3, max_tokens_per_rank=T_max, precision="mxfp8", backend="nvshmem",
+                   num_sms=1, timeout_s=60.0, transport="pull", exact_sizes=True)
+    out = _run_mapped(tmp_path, W, _paths_worker, cfg, rounds, 77, timeout=600)
     assert out == ["ok"] * W
 
 
