@@ -26,7 +26,8 @@ origin. What a path does per call:
 * :meth:`EnginePath.combine_backward` -> :class:`BackwardRows` (the weighted gradient rows at the expert ranks, the
   route-weight gradient at the origin);
 * :meth:`EnginePath.combine_weights` and :meth:`EnginePath.send_partials`: the route weights combine weights the
-  partial sums with (those that came with the dispatch on the pull path, else exchanged: every rank's to every rank),
+  partial sums with (those that came with the dispatch's entries on the pull and push paths, else exchanged: every
+  rank's to every rank),
   and the partials of combine / dispatch backward to their origins' ``comb_q`` (then wait for every rank's);
 * :meth:`EnginePath.exchange`: the counts exchange or the "ready" handshake.
 """
@@ -61,8 +62,8 @@ class DispatchRows:
     """What a path's dispatch produced: ``q`` fresh uint8 ``[R, H]`` (MX payload) / ``[R, 2H]`` (bf16 bytes) rows,
     ``scale_rows`` their row-major uint8 ``[>= R, H/32]`` scale rows (MX), ``kept`` the plan outputs the handle keeps,
     ``ids`` the checked expert ids ``[T, k]``, ``num_rows`` R, ``origins`` the row origins and ``table`` the dispatch's
-    table (both None on the local path), ``weights`` the sources' route weights that came with the rows (the pull
-    path only)."""
+    table (both None on the local path), ``weights`` the sources' route weights that came with the pull-list entries
+    (None on the local path)."""
 
     q: torch.Tensor
     scale_rows: torch.Tensor
@@ -224,7 +225,7 @@ class EnginePath:
     def _pack(self, T: int, g: Optional[torch.Tensor] = None, w: Optional[torch.Tensor] = None) -> None:
         """Into this epoch's send copy, either this rank's ``T`` token rows (bf16 ``[T, H]`` at the address in
         ``x_slot``), quantized once (MX), or (combine backward) the BF16 gradient rows ``g`` ``[T, H]`` as they are;
-        with ``w`` their fp32 route weights (rows ``[:T]`` of ``[>= T, k]``) into ``send_w``."""
+        with ``w`` their fp32 route weights ``[T, k]`` into ``send_w``."""
         from .nvshmem_kernels import pack_rows_kernel
 
         e = self.e
@@ -303,7 +304,7 @@ class EnginePath:
     # -- per path ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchRows:
         """Dispatch ``x`` (bf16 ``[T, H]``) by ``topk_idx`` (``[T, k]``); ``topk_weights`` (float ``[T, k]``) travel
-        with the rows where the path can carry them (:class:`PullPath`)."""
+        in the pull-list entries (every path but the local one)."""
         raise NotImplementedError
 
     def _push_entries(self, plan: RoutingPlan, w: torch.Tensor, list_ptrs: torch.Tensor,
@@ -414,8 +415,8 @@ class PullPath(EnginePath):
     call's one host sync, ``pull_rows_kernel`` reads each listed token's row once from its source's send copy into the
     fresh output at all its rows and keeps the entries, and their route weights, as the handle's table. Combine
     weights its partial sums with those weights and exchanges none when it is given the tensor this rank dispatched
-    with (unchanged; see :meth:`EnginePath.combine_weights`). Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine
-    buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
+    with (unchanged; see :meth:`EnginePath.combine_weights`). Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``,
+    ``ep.pull_list`` and the combine buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
 
     name = "pull"
 

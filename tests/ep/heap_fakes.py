@@ -1,5 +1,6 @@
 """Stand-ins for mxcomm.transport's NVSHMEM context and symmetric buffers, for CPU runs of the nvshmem
 backend's kernels under the Triton interpreter (tests/ep)."""
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,20 @@ class SharedHeap:
     starts the first call only after every rank built its backend (a barrier), as NVSHMEM's collective allocation
     does."""
 
-    PROT_RW, MAP_SHARED, MAP_FIXED_NOREPLACE = 0x3, 0x01, 0x100000
+    PROT_RW, MAP_SHARED, MAP_PRIVATE_ANON, MAP_FIXED_NOREPLACE = 0x3, 0x01, 0x22, 0x100000
+
+    @staticmethod
+    def _mmap(base: int, size: int, flags: int, fd: int) -> int:
+        """libc ``mmap(base, size, PROT_READ | PROT_WRITE, flags | MAP_FIXED_NOREPLACE, fd, 0)``: the address it
+        returned (``base`` when the range was free)."""
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        got = libc.mmap(base, size, SharedHeap.PROT_RW, flags | SharedHeap.MAP_FIXED_NOREPLACE, fd, 0)
+        return -1 if got is None or got == ctypes.c_void_p(-1).value else got
 
     def __init__(self, path: str, base: int, rank: int, world: int, per_rank: int):
         import ctypes
@@ -44,11 +58,7 @@ class SharedHeap:
         size = world * per_rank
         fd = os.open(path, os.O_RDWR)
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mmap.restype = ctypes.c_void_p
-            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_long]
-            got = libc.mmap(base, size, self.PROT_RW, self.MAP_SHARED | self.MAP_FIXED_NOREPLACE, fd, 0)
+            got = self._mmap(base, size, self.MAP_SHARED, fd)
         finally:
             os.close(fd)
         if got != base:  # (-1: the range is taken; another address: a kernel without MAP_FIXED_NOREPLACE)
@@ -61,22 +71,16 @@ class SharedHeap:
         """True when ``[base, base + size)`` is unmapped in this process (probed with an anonymous mapping)."""
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        got = libc.mmap(base, size, SharedHeap.PROT_RW, 0x22 | SharedHeap.MAP_FIXED_NOREPLACE, -1, 0)  # private|anon
-        if got is None or got == ctypes.c_void_p(-1).value:
+        got = SharedHeap._mmap(base, size, SharedHeap.MAP_PRIVATE_ANON, -1)
+        if got == -1:
             return False
+        libc = ctypes.CDLL(None)
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.munmap(got, size)
         return got == base
 
     def alloc(self, name, shape, dtype):
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(int(d) for d in shape) * torch.empty(0, dtype=dtype).element_size()
         off = (self._used + 255) // 256 * 256
         if off + nbytes > self.per_rank:
             raise MemoryError(f"shared heap: {name} needs {nbytes} bytes, {self.per_rank - off} left")
