@@ -9,16 +9,16 @@ launching its kernels (:mod:`mxcomm.ep.nvshmem_kernels`). docs/design.md describ
 One call of :meth:`NvshmemBackend.dispatch` with the default pull dispatch (``transport="auto"`` on one node), all
 on the current CUDA stream:
 
-1. the middle, replayed from a CUDA graph captured per token count (:meth:`NvshmemBackend.run_middle`): the
-   device-side id check, this rank's per-expert counts and the plan's per-block slot table in two kernels
-   (:func:`mxcomm.ep.plan_kernels.check_and_count`; torch ops with ``plan_impl="torch"``), epoch += 1,
-   ``publish_kernel`` (the counts and a refusal word into every peer), ``pack_rows_kernel`` (each token row read
-   once, quantized once, into this rank's send copy) while they arrive, ``wait_published_kernel`` (the wait for
-   every peer's counts), the routing plan on the exchanged counts
-   plus each received row's origin, ``push_entries_kernel`` (one pull-list entry per (token, destination rank)) and
-   the bounded wait for every source's entries; the copy of the status words the host sync reads and the copy of the
-   plan the handle keeps (the checked ids and the plan share one buffer) are enqueued right after it, while the
-   device still runs it;
+1. the middle, replayed from a CUDA graph captured per token count (:meth:`NvshmemBackend.run_middle`), four
+   launches: ``pull_head_kernel`` (the device-side id check and this rank's per-expert counts; its last program
+   advances the epoch and publishes the counts and a refusal word into every peer; every program packs token rows,
+   each read once and quantized once, into this rank's send copy while the counts travel),
+   ``scan_and_wait_kernel`` (the plan's per-block slot table; its last program waits for every peer's counts), the
+   routing plan on the exchanged counts plus each received row's origin (``plan_kernel``), ``push_entries_kernel``
+   (one pull-list entry per (token, destination rank); its last program waits for every source's entries); with
+   ``plan_impl="torch"`` (tables too large for the Triton plan) the same steps in separate launches and torch ops.
+   The copy of the status words the host sync reads and the copy of the plan the handle keeps (the checked ids and
+   the plan share one buffer) are enqueued right after it, while the device still runs it;
 2. exact sizes: the call's ONE host sync (:meth:`NvshmemBackend._check`): the output size, the error words and the
    refusals, one transfer; a rank with bad ids raises the detailed ValueError, the others PeerTimeout naming it,
    before anything is gathered;
@@ -169,7 +169,7 @@ class NvshmemBackend:
         self.plan_impl = "triton" if plan_kernels.fits(W, config.num_experts) else "torch"
         # the per-block slot table of this call's ids (check_and_count writes it, the plan reads it): a fixed
         # address, so the captured plan reads the current call's table
-        self._slot_prefix = (torch.empty(plan_kernels.slot_blocks(config.max_tokens_per_rank, config.topk)
+        self.slot_prefix = (torch.empty(plan_kernels.slot_blocks(config.max_tokens_per_rank, config.topk)
                                          * (config.num_experts + 1), dtype=torch.int32, device=self.device)
                              if self.plan_impl == "triton" else None)
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
@@ -212,6 +212,11 @@ class NvshmemBackend:
         # this call's counts (check_and_count writes them here) and, in the last word, whether this rank refused its
         # input (bad expert ids): a fixed-address input of the captured middle of a dispatch (see run_middle)
         self.counts_in = torch.zeros(E + 1, dtype=torch.int32, device=self.device)
+        # the tickets of kernels whose last program finishes the launch's work (mxcomm.transport.flags.last_to_arrive;
+        # each is 0 between launches): the pull dispatch's head, its scan with the wait for the counts, its pull-list
+        # entries with their wait; and the head's per-expert totals (zero between launches)
+        self.tickets = torch.zeros(3, dtype=torch.int32, device=self.device)
+        self.count_totals = torch.zeros(E + 1, dtype=torch.int32, device=self.device)
         # the path object: its buffers and kernels (mxcomm.ep.nvshmem_paths)
         impl = PATHS[self.path]
         self.impl = impl(self, bufs, puts) if self.path == "put" else impl(self, bufs)
@@ -427,7 +432,7 @@ class NvshmemBackend:
         counts = self.counts_in[:E] if counts_out is None else counts_out
         word = self.counts_in[E:E + 1] if refusal_word else None
         if self.plan_impl == "triton":
-            ids = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True, prefix_buf=self._slot_prefix,
+            ids = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True, prefix_buf=self.slot_prefix,
                                                counts_out=counts, ids_out=store, err_word_out=word,
                                                epoch=self.d_epoch if new_epoch else None).ids
         else:
@@ -527,7 +532,7 @@ class NvshmemBackend:
         exact = self.config.exact_sizes
         if self.plan_impl == "triton" and T:
             # the table check_and_count wrote for these ids (this call's, at a fixed address)
-            pre = self._slot_prefix[:plan_kernels.slot_blocks(T, k) * (counts.shape[1] + 1)].view(-1, counts.shape[1] + 1)
+            pre = self.slot_prefix[:plan_kernels.slot_blocks(T, k) * (counts.shape[1] + 1)].view(-1, counts.shape[1] + 1)
             out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max, prefix=pre,
                                            origins=not self.local, status=self.status if exact else None,
                                            refusals=self.refusal_words if refusals else None,

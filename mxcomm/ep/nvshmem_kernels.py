@@ -3,11 +3,13 @@ peers' symmetric buffers through NVSHMEM peer pointers, then signal with release
 system scope. Every wait is bounded (``mxcomm.transport.flags.wait_flag_geq``). Buffers: see
 :func:`mxcomm.ep.plan.buffer_regions` (the single source of their shapes) and docs/design.md.
 
-* towards the experts: ``pack_rows_kernel`` (each token row once into the send copy), ``push_entries_kernel`` (one
-  pull-list entry per (token, destination rank)), ``pull_rows_kernel`` (each listed row read once, fanned out to its
-  expert rows; the entries kept as the dispatch's table), ``dispatch_kernel`` (one rank, and the push/put paths),
-  ``pull_weighted_kernel`` (combine backward: each gradient row read once per (token, rank), weighted and quantized
-  per slot where it lands, the route-weight gradient formed there);
+* towards the experts: ``pull_head_kernel`` (the pull dispatch's id check, counts, counts publish and pack in one
+  launch) and ``scan_and_wait_kernel`` (its slot table, and the wait for every rank's counts), ``pack_rows_kernel``
+  (each token row once into the send copy), ``push_entries_kernel`` (one pull-list entry per (token, destination
+  rank); on the pull path with the wait for every source's), ``pull_rows_kernel`` (each listed row read once, fanned
+  out to its expert rows; the entries kept as the dispatch's table), ``dispatch_kernel`` (one rank, and the push/put
+  paths), ``pull_weighted_kernel`` (combine backward: each gradient row read once per (token, rank), weighted and
+  quantized per slot where it lands, the route-weight gradient formed there);
 * towards the origins: ``combine_partials_kernel`` (one row per (token, rank): the weighted partial sum of the
   token's rows on this rank, rounded once) and ``combine_reduce_kernel`` (the sum of a token's partials);
 * handshakes and layout: ``publish_kernel`` (counts + refusal word, "ready", route weights), ``wait_published_kernel``,
@@ -42,25 +44,17 @@ import triton.language as tl
 from ..kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, blocked_scale_offset,
                                  load_block_bytes, mx_decode_tile, mx_qdq_tile, mx_quantize_tile,
                                  mx_quantize_tile_amax, mx_saturate, store_block_bytes, to_fp32)
-from ..transport.flags import deadline_after, signal_peer, wait_flag_geq
+from ..transport.flags import deadline_after, last_to_arrive, signal_peer, wait_flag_geq
+from .plan_kernels import check_hist_block, scan_keys
 
 
 @triton.jit
-def publish_kernel(src_ptr, n_words, dst_peers, dst_word0, tail_word, flags_peers, flags_local, row, W, epoch_ptr,
-                   err_ptr, timeout_ns, me, BLOCK: tl.constexpr, WAIT: tl.constexpr = True):
-    """Program ``p``: copy my ``n_words`` int32 words into rank ``p``'s buffer at word ``dst_word0`` (and, when
-    ``tail_word >= 0``, word ``src[n_words]`` to word ``tail_word`` there), raise ``flags[row, me]`` there to the
-    epoch (release, sys), then (``WAIT``) wait (bounded) until rank ``p`` has published to me (``flags[row, p]``
-    here; without ``WAIT`` a later :func:`wait_published_kernel` does, so that work can run between the two). The
-    counts exchange (my ``[E]`` counts into every ``counts[me]``, my refusal word into every refusal row), the
-    "ready" handshake (``n_words = 0``) and combine's route weights (my ``[T, k]`` into every ``comb_w[me]``).
-
-    Args: src_ptr int32 words; dst_peers / flags_peers int64 ``[W]`` peer base pointers (the destination buffer
-    viewed as int32); flags_local this rank's int64 ``flags``; epoch_ptr int64 scalar; err_ptr int64 error word.
-    Grid: (W,).
-    """
-    p = tl.program_id(0)
-    epoch = tl.load(epoch_ptr)
+def publish_to(p, src_ptr, n_words, dst_peers, dst_word0, tail_word, flags_peers, row, W, me, epoch,
+               BLOCK: tl.constexpr):
+    """Copy my ``n_words`` int32 words into rank ``p``'s buffer at word ``dst_word0`` (and, when ``tail_word >= 0``,
+    word ``src[n_words]`` to word ``tail_word`` there), then raise ``flags[row, me]`` there to ``epoch`` (release,
+    sys). ``dst_peers`` / ``flags_peers``: int64 ``[W]`` peer base pointers (the destination buffer viewed as
+    int32; the int64 ``flags``)."""
     offs = tl.arange(0, BLOCK)
     base = tl.load(dst_peers + p).to(tl.pointer_type(tl.int32))
     db = base + dst_word0
@@ -74,6 +68,24 @@ def publish_kernel(src_ptr, n_words, dst_peers, dst_word0, tail_word, flags_peer
     tl.debug_barrier()
     fb = tl.load(flags_peers + p).to(tl.pointer_type(tl.int64))
     signal_peer(fb + row * W + me, epoch)
+
+
+@triton.jit
+def publish_kernel(src_ptr, n_words, dst_peers, dst_word0, tail_word, flags_peers, flags_local, row, W, epoch_ptr,
+                   err_ptr, timeout_ns, me, BLOCK: tl.constexpr, WAIT: tl.constexpr = True):
+    """Program ``p``: :func:`publish_to` rank ``p`` with this epoch, then (``WAIT``) wait (bounded) until rank ``p``
+    has published to me (``flags[row, p]`` here; without ``WAIT`` a later :func:`wait_published_kernel` does, so
+    that work can run between the two). The counts exchange (my ``[E]`` counts into every ``counts[me]``, my refusal
+    word into every refusal row), the "ready" handshake (``n_words = 0``) and combine's route weights (my ``[T, k]``
+    into every ``comb_w[me]``).
+
+    Args: src_ptr int32 words; dst_peers / flags_peers int64 ``[W]`` peer base pointers (the destination buffer
+    viewed as int32); flags_local this rank's int64 ``flags``; epoch_ptr int64 scalar; err_ptr int64 error word.
+    Grid: (W,).
+    """
+    p = tl.program_id(0)
+    epoch = tl.load(epoch_ptr)
+    publish_to(p, src_ptr, n_words, dst_peers, dst_word0, tail_word, flags_peers, row, W, me, epoch, BLOCK)
     if WAIT:
         wait_flag_geq(flags_local + row * W + p, epoch, deadline_after(timeout_ns), err_ptr, p)
 
@@ -244,12 +256,39 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
 
 
 @triton.jit
+def pack_row(x_ptr, t, send_q_ptr, send_s_ptr, drow, copy0, H: tl.constexpr, CHUNK: tl.constexpr,
+             MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr):
+    """Token row ``t`` of ``x`` read once and (MX) quantized once into a send copy: its values at element
+    ``copy0 + t * H`` of ``send_q``, its row-major scales (MX) at row ``drow`` of ``send_s``. Pointers as in
+    :func:`pack_rows_kernel` (``x_ptr`` already the tensor's; ``X_SLOT``: it was read from memory, so its
+    16-byte alignment is stated here)."""
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    for c0 in tl.static_range(0, H, CHUNK):
+        m = (c0 + offs) < H
+        xp = x_ptr + t.to(tl.int64) * H + c0 + offs
+        if X_SLOT:  # an address read from memory carries no alignment: without the hint, one load per value
+            xp = tl.max_contiguous(tl.multiple_of(xp, 16), 16)
+        x = tl.load(xp, mask=m, other=0.0)
+        dst = send_q_ptr + tl.multiple_of(copy0 + t.to(tl.int64) * H + c0, 16) + offs
+        if MX:
+            q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
+            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
+            cols = c0 // 32 + bcols
+            store_block_bytes(send_s_ptr + drow * C + cols, s, cols < C, INT_ROUND)
+        else:
+            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), x, mask=m)
+
+
+@triton.jit
 def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_elems, w_ptr, send_w_ptr,
                      H: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
                      INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr = False, K: tl.constexpr = 1,
                      K_POW2: tl.constexpr = 1, WEIGHTS: tl.constexpr = False):
     """Pull path, sender: every token row read once and (MX) quantized once into this rank's send copy
-    ``par = epoch % 2``, row ``t``; the receivers read the rows they need from there.
+    ``par = epoch % 2``, row ``t`` (:func:`pack_row`); the receivers read the rows they need from there.
 
     Args:
         x_ptr: bf16 ``[T, H]`` contiguous; with ``X_SLOT``, an int64 word holding that tensor's address (so a
@@ -265,10 +304,6 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    NB: tl.constexpr = CHUNK // 32
-    C: tl.constexpr = H // 32
-    offs = tl.arange(0, CHUNK)
-    bcols = tl.arange(0, NB)
     par = tl.load(epoch_ptr) % 2
     row0 = par * T_max
     copy0 = par * copy_elems
@@ -276,31 +311,103 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
         x_ptr = tl.load(x_ptr).to(tl.pointer_type(tl.bfloat16))
     t = pid
     while t < T:
-        drow = row0 + t
-        for c0 in tl.static_range(0, H, CHUNK):
-            m = (c0 + offs) < H
-            xp = x_ptr + t.to(tl.int64) * H + c0 + offs
-            if X_SLOT:  # an address read from memory carries no alignment: without the hint, one load per value
-                xp = tl.max_contiguous(tl.multiple_of(xp, 16), 16)
-            x = tl.load(xp, mask=m, other=0.0)
-            dst = send_q_ptr + tl.multiple_of(copy0 + t.to(tl.int64) * H + c0, 16) + offs
-            if MX:
-                q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
-                tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
-                cols = c0 // 32 + bcols
-                store_block_bytes(send_s_ptr + drow * C + cols, s, cols < C, INT_ROUND)
-            else:
-                tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), x, mask=m)
+        pack_row(x_ptr, t, send_q_ptr, send_s_ptr, row0 + t, copy0, H, CHUNK, MX, MODE, INT_ROUND, X_SLOT)
         if WEIGHTS:
             kk = tl.arange(0, K_POW2)
             wv = tl.load(w_ptr + t * K + kk, mask=kk < K, other=0.0)
-            tl.store(send_w_ptr + drow * K + kk, wv, mask=kk < K)
+            tl.store(send_w_ptr + (row0 + t) * K + kk, wv, mask=kk < K)
         t += G
 
 
 @triton.jit
+def pull_head_kernel(idx_ptr, ids_ptr, hist_ptr, input_err_ptr, T, E, totals_ptr, counts_ptr, ticket_ptr,
+                     counts_peers, flags_peers, row, W, me, epoch_ptr, x_slot, send_q_ptr, send_s_ptr, T_max,
+                     copy_elems, K: tl.constexpr, K_POW2: tl.constexpr, TOK: tl.constexpr, KEYS: tl.constexpr,
+                     PUB_BLOCK: tl.constexpr, H: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
+                     MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+    """Pull path, sender: the dispatch's steps up to the counts' publish, and the pack, in one launch, no program
+    waiting for another.
+
+    1. Every program checks and counts blocks ``pid, pid + G, ...`` of ``TOK`` tokens
+       (:func:`~mxcomm.ep.plan_kernels.check_hist_block`: the checked int32 ids into ``ids`` ``[T, K]``, bad ids
+       counted into the int64 ``input_err[0]``, each block's per-key counts into its row of ``hist`` int32
+       ``[cdiv(T, TOK), E + 1]``) and adds each block's counts into ``totals`` (int32 ``[E + 1]``, zero before the
+       launch).
+    2. The last program to get there (:func:`~mxcomm.transport.flags.last_to_arrive` on the int32 ``ticket``)
+       moves the totals into ``counts[:E]`` (this rank's counts per expert; ``totals`` back to zero) and the refusal
+       word (``input_err`` as int32) into ``counts[E]``, advances the int64 dispatch epoch by one and publishes the
+       ``E + 1`` words to every rank (``counts[me]`` and refusal word ``me`` of ``ep.counts``, ``flags[row, me]``
+       raised to the new epoch; :func:`publish_to`).
+    3. Every program packs tokens ``pid, pid + G, ...`` of ``x`` (its address in the int64 ``x_slot``) into send
+       copy ``(epoch + 1) % 2`` (:func:`pack_row`), while the counts travel.
+
+    ``hist`` is left as per-block counts: :func:`scan_and_wait_kernel` turns it into the plan's prefix table. Every
+    program reads the epoch before its ticket and the last one stores the new epoch after taking it, so all use the
+    same new epoch. The pack's copy is not being read (see this module's notes on ``send_q``). ``KEYS``: keys per
+    step of the zeroing and the totals (a power of two). Args as in :func:`pack_rows_kernel` and
+    :func:`publish_kernel` (``counts_peers``: int64 ``[W]`` base pointers of ``ep.counts``). Grid: any (at least 1);
+    the blocks and the tokens are shared out over it.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    epoch = tl.load(epoch_ptr) + 1
+    keys = tl.arange(0, KEYS)
+    b = pid
+    while b * TOK < T:
+        check_hist_block(idx_ptr, ids_ptr, hist_ptr, input_err_ptr, b, T, E, K, K_POW2, TOK, True, KEYS)
+        tl.debug_barrier()  # every thread's counts of the block in its row
+        k0 = 0
+        while k0 < E + 1:
+            h = tl.load(hist_ptr + b * (E + 1) + k0 + keys, mask=k0 + keys < E + 1, other=0, volatile=True)
+            tl.atomic_add(totals_ptr + k0 + keys, h, mask=(k0 + keys < E + 1) & (h != 0))
+            k0 += KEYS
+        b += G
+    if last_to_arrive(ticket_ptr, G):
+        k0 = 0
+        while k0 < E + 1:
+            m = k0 + keys < E + 1
+            tot = tl.load(totals_ptr + k0 + keys, mask=m, other=0, volatile=True)
+            tl.store(counts_ptr + k0 + keys, tot, mask=k0 + keys < E)
+            tl.store(totals_ptr + k0 + keys, tl.zeros((KEYS,), tl.int32), mask=m)
+            k0 += KEYS
+        tl.store(counts_ptr + E, tl.load(input_err_ptr, volatile=True).to(tl.int32))
+        tl.store(epoch_ptr, epoch)
+        tl.debug_barrier()  # the counts and the refusal word before the threads that publish them read them
+        p = 0
+        while p < W:
+            publish_to(p, counts_ptr, E, counts_peers, me * E, W * E + me, flags_peers, row, W, me, epoch, PUB_BLOCK)
+            p += 1
+    par = epoch % 2
+    xp = tl.load(x_slot).to(tl.pointer_type(tl.bfloat16))
+    t = pid
+    while t < T:
+        pack_row(xp, t, send_q_ptr, send_s_ptr, par * T_max + t, par * copy_elems, H, CHUNK, MX, MODE, INT_ROUND,
+                 True)
+        t += G
+
+
+@triton.jit
+def scan_and_wait_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, ticket_ptr, flags_local, row, W, epoch_ptr, err_ptr,
+                         timeout_ns, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pull path, after :func:`pull_head_kernel`: its per-block counts ``hist`` int32 ``[n_blocks, n_keys]`` become
+    the plan's prefix table (:func:`~mxcomm.ep.plan_kernels.scan_keys`, one program per ``BLOCK_K`` keys; the totals,
+    the head's ``counts[:E]`` again, into ``counts``), then the last program (the int32 ``ticket``, 0 between
+    launches) waits (bounded, one deadline) for every rank's counts of this epoch, as :func:`wait_published_kernel`
+    does: the plan's launch follows. Grid: ``cdiv(n_keys, BLOCK_K)``."""
+    scan_keys(hist_ptr, counts_ptr, n_blocks, n_keys, tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K), BLOCK_B)
+    if last_to_arrive(ticket_ptr, tl.num_programs(0)):
+        epoch = tl.load(epoch_ptr)
+        deadline = deadline_after(timeout_ns)
+        p = 0
+        while p < W:
+            wait_flag_geq(flags_local + row * W + p, epoch, deadline, err_ptr, p)
+            p += 1
+
+
+@triton.jit
 def push_entries_kernel(dest_rank_ptr, dest_row_ptr, w_ptr, T, list_peers, flags_peers, epoch_ptr, me, W, T_max,
-                        K: tl.constexpr, EW: tl.constexpr, BLOCK: tl.constexpr):
+                        K: tl.constexpr, EW: tl.constexpr, BLOCK: tl.constexpr, ticket_ptr=None, flags_row_ptr=None,
+                        expect_row_ptr=None, err_ptr=None, timeout_ns=0, WAIT: tl.constexpr = False):
     """Sender: for each token ``t`` and each rank ``d`` that receives it, one pull-list entry ``[s, t]`` (``s = me``)
     on ``d``: ``[tag_lo, tag_hi, row_0, ..., row_{K-1}, w_0, ..., w_{K-1}, ...]`` (``EW`` words) with ``row_j =
     dest_row[t, j]`` for the slots going to ``d`` and -1 for the others, and the token's route weights (fp32 bits, every
@@ -310,13 +417,19 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, w_ptr, T, list_peers, flags
 
     Program ``(p, i)`` writes the entries of destination ``d = (me + i) % W`` for blocks ``p, p + P, ...`` of
     ``BLOCK`` tokens, then adds 1 to ``flags[1, me]`` on ``d`` (release, sys): each rank receives ``P`` arrivals
-    from every source, one release per program.
+    from every source, one release per program. With ``WAIT`` the last program to get there
+    (:func:`~mxcomm.transport.flags.last_to_arrive` on the int32 ``ticket``) then does what
+    :func:`wait_arrivals_kernel` does with ``per_call = P`` for every source, one after the other under one deadline:
+    the wait for every source's entries to this rank, in the same launch.
 
     Args:
         dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan; rank -1 = dropped slot); w_ptr: fp32 ``[T, K]``.
         list_peers / flags_peers: int64 ``[W]`` base pointers of ``pull_list`` (int32 ``[W, T_max, EW]``) /
             ``flags``. epoch_ptr: int64 dispatch epoch (already advanced for this call).
         EW: int32 words per entry (a power of two >= 2 K + 2).
+        ticket_ptr, flags_row_ptr, expect_row_ptr, err_ptr, timeout_ns (``WAIT`` only): the int32 ticket (0 between
+            launches), this rank's ``flags[1]`` and ``expect[1]`` (int64 ``[W]``), the int64 error word, the wait's
+            timeout.
     Grid: ``(P, W)``, ``P`` identical on every rank (receivers count their arrivals).
     """
     pid = tl.program_id(0)
@@ -343,6 +456,15 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, w_ptr, T, list_peers, flags
         b += P * BLOCK
     tl.debug_barrier()
     _arrive(flags_peers, d, 1, me, W)  # flags[1, me] on d
+    if WAIT:
+        if last_to_arrive(ticket_ptr, P * tl.num_programs(1)):
+            deadline = deadline_after(timeout_ns)
+            s = 0
+            while s < W:
+                expected = tl.load(expect_row_ptr + s) + P
+                tl.store(expect_row_ptr + s, expected)
+                wait_flag_geq(flags_row_ptr + s, expected, deadline, err_ptr, s)
+                s += 1
 
 
 @triton.jit

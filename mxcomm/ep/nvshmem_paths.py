@@ -308,17 +308,22 @@ class EnginePath:
         raise NotImplementedError
 
     def _push_entries(self, plan: RoutingPlan, w: torch.Tensor, list_ptrs: torch.Tensor,
-                      flags_ptrs: torch.Tensor) -> None:
+                      flags_ptrs: torch.Tensor, wait_row: Optional[int] = None) -> None:
         """One pull-list entry per (token, destination rank) into ``list_ptrs[d]`` (the destinations' pull lists),
         with the token's rows there and its route weights (fp32, rows ``[:T]`` of ``w``): ``push_programs`` programs
-        per destination, each then raising ``flags[1, me]`` on its destination."""
+        per destination, each then raising ``flags[1, me]`` on its destination. ``wait_row``: the last program then
+        waits (bounded) for every source's ``push_programs`` arrivals on this rank's flag row ``wait_row`` (what
+        :meth:`_wait_arrivals` launches separately)."""
         from .nvshmem_kernels import push_entries_kernel
 
         e = self.e
+        waits = {} if wait_row is None else dict(
+            ticket_ptr=e.tickets[2:3], flags_row_ptr=e.flag_rows[wait_row], expect_row_ptr=e.expect_rows[wait_row],
+            err_ptr=e.err, timeout_ns=e.timeout_ns, WAIT=True)
         fast_kernel(push_entries_kernel)[(e.push_programs, e.world)](
             plan.dest_rank, plan.dest_row, w, plan.dest_rank.shape[0], list_ptrs, flags_ptrs,
             e.d_epoch, e.rank, e.world, e.config.max_tokens_per_rank, K=e.config.topk,
-            EW=self.pull_list.local.shape[-1], BLOCK=PUSH_BLOCK, num_warps=4,
+            EW=self.pull_list.local.shape[-1], BLOCK=PUSH_BLOCK, num_warps=4, **waits,
         )
 
     def _new_table(self) -> tuple:
@@ -408,10 +413,12 @@ class LocalPath(EnginePath):
 
 class PullPath(EnginePath):
     """Several ranks with peer pointers (the default). Dispatch, captured once per token count and replayed: the id
-    check and counts, epoch += 1, the counts exchange (with every rank's refusal word; ``pack_rows_kernel``, each
-    token row read once, quantized once, into this rank's send copy ``epoch % 2``, runs while the peers' counts
-    arrive), the routing plan, ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the
-    destination, with the token's route weights) and the bounded wait for every source's entries; then, after the
+    check and counts, epoch += 1, the counts exchange (with every rank's refusal word; the pack, each token row read
+    once, quantized once, into this rank's send copy ``epoch % 2``, runs while the peers' counts arrive), the
+    routing plan, ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the destination,
+    with the token's route weights) and the bounded wait for every source's entries - four launches with the Triton
+    plan (:meth:`_head`: check to pack, then the slot table and the counts wait; the plan; the entries and their
+    wait); then, after the
     call's one host sync, ``pull_rows_kernel`` reads each listed token's row once from its source's send copy into the
     fresh output at all its rows and keeps the entries, and their route weights, as the handle's table. Combine
     weights its partial sums with those weights and exchanges none when it is given the tensor this rank dispatched
@@ -430,25 +437,60 @@ class PullPath(EnginePath):
                                 device=engine.device)
 
     def _entries_and_wait(self, plan: RoutingPlan) -> None:
+        """The pull-list entries and, in the same launch, the bounded wait for every source's."""
         e = self.e
-        self._push_entries(plan, self.w_in, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
-        self._wait_arrivals(1, e.push_programs)
+        self._push_entries(plan, self.w_in, self.pull_list.peer_ptrs, e.flags.peer_ptrs, wait_row=1)
+
+    def _head(self, topk_idx: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+        """Triton plan: ``pull_head_kernel`` (the id check and this rank's counts, into ``counts_in[:E]``; the
+        refusal word into ``counts_in[E]``; epoch += 1; the publish of both to every rank; the pack of ``x``, from
+        ``x_slot``, into this epoch's send copy), then ``scan_and_wait_kernel`` (the per-block counts into the plan's
+        table, the engine's ``slot_prefix``; the bounded wait for every rank's counts): two launches. Returns the
+        checked int32 ids ``[T, k]`` (the head of ``store``)."""
+        from .nvshmem_kernels import pull_head_kernel, scan_and_wait_kernel
+        from .plan_kernels import scan_tile, slot_blocks, tokens_per_block
+
+        e = self.e
+        T, k = topk_idx.shape
+        E, H, T_max = e.config.num_experts, e.config.hidden, e.config.max_tokens_per_rank
+        ids = store.view(-1)[:T * k].view(T, k)
+        q = self.send_q.local if e.mx else self.send_q.local.view(torch.bfloat16)
+        row = _ROW_FLAGS["counts"]
+        fast_kernel(pull_head_kernel)[(max(1, min(T, e.dispatch_programs)),)](
+            topk_idx.contiguous(), ids, e.slot_prefix, e.input_err, T, E, e.count_totals, e.counts_in, e.tickets[0:1],
+            e.counts.peer_ptrs, e.flags.peer_ptrs, row, e.world, e.rank, e.d_epoch, self.x_slot, q,
+            self.send_s.local if e.mx else e.err, T_max, T_max * 2 * H if e.mx else T_max * H,
+            K=k, K_POW2=next_pow2(k), TOK=tokens_per_block(k), KEYS=min(1024, next_pow2(E + 1)),
+            PUB_BLOCK=_PUBLISH_BLOCK, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id,
+            INT_ROUND=e.int_round, num_warps=e.launch.dispatch_warps,
+        )
+        nb = slot_blocks(T, k)
+        tile = scan_tile(nb, E + 1)
+        fast_kernel(scan_and_wait_kernel)[(cdiv(E + 1, tile.keys),)](
+            e.slot_prefix, e.counts_in, nb, E + 1, e.tickets[1:2], e.flags.local, row, e.world, e.d_epoch, e.err,
+            e.timeout_ns, BLOCK_B=tile.blocks, BLOCK_K=tile.keys,
+        )
+        return ids
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
         """Everything before the receivers' gather: the id check of the caller's ``topk_idx`` and this rank's counts
         (into the engine's ``counts_in``; a refusal is read at the call's one host sync), epoch += 1, the counts
         exchange (counts and refusal word) with the pack (``x`` from ``x_slot``) between its publish and its wait,
         the plan of the checked ids on the exchanged ``counts_buf``, the pull-list entries and the bounded wait for
-        every source's; the refusals into the status words. ``extra["ids"]``: the checked ids."""
+        every source's; the refusals into the status words. ``extra["ids"]``: the checked ids. With the Triton plan
+        the steps before the wait for the counts are one launch (:meth:`_head`), the entries and their wait another."""
         e = self.e
         store = e.plan_store(topk_idx)
-        # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]; epoch += 1
-        ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True, new_epoch=True)
-        self.exchange(e.counts_in, wait=False)
-        # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q), and
-        # no peer reads it before this rank's entries, pushed after it in stream order
-        self._pack(ids.shape[0])
-        self.wait_for_counts()
+        if store is not None:
+            ids = self._head(topk_idx, store)
+        else:
+            # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]; epoch += 1
+            ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True, new_epoch=True)
+            self.exchange(e.counts_in, wait=False)
+            # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q),
+            # and no peer reads it before this rank's entries, pushed after it in stream order
+            self._pack(ids.shape[0])
+            self.wait_for_counts()
         po = e.compute_plan(counts_buf, ids, refusals=True, store=store)  # (and the refusals into the status words)
         self._entries_and_wait(po.plan)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})

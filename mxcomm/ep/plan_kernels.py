@@ -12,6 +12,9 @@ slots), through a table ``hist [blocks, E + 1]`` (key = expert id, ``E`` for a d
       and each key's count in the block (atomics into the block's own row: no contention);
    b. :func:`slot_scan_kernel` (one program per ``_SCAN_KEYS`` keys): per key, the counts become the count in
       the lower blocks, and the key's total is this rank's count for that expert.
+   Their bodies are the device functions :func:`check_hist_block` and :func:`scan_keys`, which the nvshmem backend's
+   pull dispatch runs in its own two launches, with its counts exchange and pack (``pull_head_kernel``,
+   ``scan_and_wait_kernel``).
 2. :func:`plan_kernel` (after the exchange, one launch): every program derives the per-expert and per-source tables
    from the exchanged counts matrix ``[W, E]``, held as a ``[W_src, W_dst, El]`` tile (cumulative sums along each
    axis); one program writes them (and the nvshmem backend's status words); one group places the slots, block by
@@ -60,29 +63,43 @@ def slot_blocks(T: int, k: int) -> int:
     return cdiv(T, tokens_per_block(k))
 
 
+@dataclass(frozen=True)
+class ScanTile:
+    """The tile of a scan of the block table (:func:`scan_keys`): ``blocks`` rows x ``keys`` keys, one program per
+    ``keys`` keys."""
+
+    blocks: int
+    keys: int
+
+
+def scan_tile(n_blocks: int, n_keys: int) -> ScanTile:
+    """The scan tile for a table of ``n_blocks`` rows (``n_keys`` keys): all rows at once up to ``_SCAN_ROWS``."""
+    return ScanTile(blocks=min(_SCAN_ROWS, next_pow2(max(1, n_blocks))), keys=_SCAN_KEYS)
+
+
 def fits(world: int, num_experts: int) -> bool:
     """True when the tables of ``world`` ranks x ``num_experts`` experts fit the one-program kernel."""
     return next_pow2(world) ** 2 * next_pow2(num_experts // world) <= MAX_TABLE
 
 
 @triton.jit
-def slot_check_hist_kernel(idx_ptr, out_ptr, hist_ptr, err_ptr, T, E, K: tl.constexpr, K_POW2: tl.constexpr,
-                           TOK: tl.constexpr, CHECK: tl.constexpr, ZERO_BLOCK: tl.constexpr):
-    """Per block of ``TOK`` tokens (one program each, grid ``cdiv(T, TOK)``): with ``CHECK``, ids outside
-    ``[-1, E)`` and repeats of an id within a token (every occurrence after the first) become -1 and are counted
-    into the int64 ``err[0]``; the checked ids go to ``out`` (int32 ``[T, K]``); then how many of the block's
-    slots go to each key (expert id, ``E`` = dropped) into its row of ``hist`` int32 ``[blocks, E + 1]`` (zeroed
-    here, ``ZERO_BLOCK`` entries at a time, then one atomic add per slot into this program's own row).
+def check_hist_block(idx_ptr, out_ptr, hist_ptr, err_ptr, blk, T, E, K: tl.constexpr, K_POW2: tl.constexpr,
+                     TOK: tl.constexpr, CHECK: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+    """Block ``blk`` of ``TOK`` tokens: with ``CHECK``, ids outside ``[-1, E)`` and repeats of an id within a token
+    (every occurrence after the first) become -1 and are counted into the int64 ``err[0]``; the checked ids go to
+    ``out`` (int32 ``[T, K]``); then how many of the block's slots go to each key (expert id, ``E`` = dropped) into
+    row ``blk`` of ``hist`` int32 ``[blocks, E + 1]`` (zeroed here, ``ZERO_BLOCK`` entries at a time, then one
+    atomic add per slot).
 
     idx_ptr: ``[T, K]`` ids of any integer dtype (checked before narrowing to int32)."""
-    row = hist_ptr + tl.program_id(0) * (E + 1)
+    row = hist_ptr + blk * (E + 1)
     offs = tl.arange(0, ZERO_BLOCK)
     zero = tl.zeros((ZERO_BLOCK,), tl.int32)
     k0 = 0
     while k0 < E + 1:  # (a while: the interpreter rejects range() over a runtime bound)
         tl.store(row + k0 + offs, zero, mask=k0 + offs < E + 1)
         k0 += ZERO_BLOCK
-    t = tl.program_id(0) * TOK + tl.arange(0, TOK)[:, None]
+    t = blk * TOK + tl.arange(0, TOK)[:, None]
     j = tl.arange(0, K_POW2)[None, :]
     m = (t < T) & (j < K)
     idx = tl.load(idx_ptr + t * K + j, mask=m, other=-1)
@@ -103,33 +120,48 @@ def slot_check_hist_kernel(idx_ptr, out_ptr, hist_ptr, err_ptr, T, E, K: tl.cons
 
 
 @triton.jit
+def slot_check_hist_kernel(idx_ptr, out_ptr, hist_ptr, err_ptr, T, E, K: tl.constexpr, K_POW2: tl.constexpr,
+                           TOK: tl.constexpr, CHECK: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+    """:func:`check_hist_block` for every block of ``TOK`` tokens, one program each (grid ``cdiv(T, TOK)``)."""
+    check_hist_block(idx_ptr, out_ptr, hist_ptr, err_ptr, tl.program_id(0), T, E, K, K_POW2, TOK, CHECK, ZERO_BLOCK)
+
+
+@triton.jit
+def scan_keys(hist_ptr, counts_ptr, n_blocks, n_keys, k1, BLOCK_B: tl.constexpr):
+    """For the keys ``k1`` (int32 ``[BLOCK_K]``, those ``>= n_keys`` ignored), in place over ``hist`` int32
+    ``[n_blocks, n_keys]``: each entry becomes the sum of its column over the lower rows (exclusive prefix over
+    blocks), ``BLOCK_B`` rows at a time; each column's total goes to ``counts[key]`` for ``key < n_keys - 1`` (the
+    last key, dropped slots, is not stored). The loads are volatile (the rows may have been counted by other
+    programs of the same launch)."""
+    kk = k1[None, :]
+    rows = tl.arange(0, BLOCK_B)[:, None]
+    carry = tl.zeros(k1.shape, tl.int32)
+    b = 0
+    while b < n_blocks:
+        m = (kk < n_keys) & (b + rows < n_blocks)
+        ptr = hist_ptr + (b + rows) * n_keys + kk
+        h = tl.load(ptr, mask=m, other=0, volatile=True)
+        tl.store(ptr, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=m)
+        carry += tl.sum(h, axis=0)
+        b += BLOCK_B
+    tl.store(counts_ptr + k1, carry, mask=k1 < n_keys - 1)
+
+
+@triton.jit
 def slot_scan_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, err_ptr, word_ptr, n_words, epoch_ptr, n_epochs,
                      BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
-    """In place over ``hist`` int32 ``[n_blocks, n_keys]``: each entry becomes the sum of its column over
-    the lower rows (exclusive prefix over blocks, per key); each column's total goes to ``counts[key]`` for
-    ``key < n_keys - 1`` (int32 ``[E]``: the slots sent to each expert; the last key, dropped slots, is not
-    stored). With ``n_words`` = 1 program 0 also copies the id check's int64 error word ``err[0]`` (final: the
-    check kernel ran before) into the int32 ``word[0]``, and with ``n_epochs`` = 1 it advances the int64 counter
-    ``epoch[0]`` by one (the nvshmem backend's dispatch epoch, which nothing in this launch reads). One program per
-    ``BLOCK_K`` keys, grid ``cdiv(n_keys, BLOCK_K)``; a loop over the blocks, ``BLOCK_B`` rows at a time."""
+    """:func:`scan_keys` over ``hist`` int32 ``[n_blocks, n_keys]`` (the per-block counts of
+    :func:`check_hist_block`; each entry becomes the slots of its key in the lower blocks) and the per-key totals
+    into ``counts`` (int32 ``[E]``: the slots sent to each expert). With ``n_words`` = 1 program 0 also copies the
+    id check's int64 error word ``err[0]`` (final: the check kernel ran before) into the int32 ``word[0]``, and with
+    ``n_epochs`` = 1 it advances the int64 counter ``epoch[0]`` by one (the nvshmem backend's dispatch epoch, which
+    nothing in this launch reads). One program per ``BLOCK_K`` keys, grid ``cdiv(n_keys, BLOCK_K)``."""
     if tl.program_id(0) == 0:
         if n_words > 0:
             tl.store(word_ptr, tl.load(err_ptr).to(tl.int32))
         if n_epochs > 0:
             tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
-    k1 = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    kk = k1[None, :]
-    rows = tl.arange(0, BLOCK_B)[:, None]
-    carry = tl.zeros((BLOCK_K,), tl.int32)
-    b = 0
-    while b < n_blocks:
-        m = (kk < n_keys) & (b + rows < n_blocks)
-        ptr = hist_ptr + (b + rows) * n_keys + kk
-        h = tl.load(ptr, mask=m, other=0)
-        tl.store(ptr, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=m)
-        carry += tl.sum(h, axis=0)
-        b += BLOCK_B
-    tl.store(counts_ptr + k1, carry, mask=k1 < n_keys - 1)
+    scan_keys(hist_ptr, counts_ptr, n_blocks, n_keys, tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K), BLOCK_B)
 
 
 @triton.jit
@@ -403,10 +435,11 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
         fast_kernel(slot_check_hist_kernel)[(nb,)](idx, ids, pre, err, T, E, K=k, K_POW2=next_pow2(k),
                                                    TOK=tokens_per_block(k), CHECK=check,
                                                    ZERO_BLOCK=min(1024, next_pow2(E + 1)))
-        fast_kernel(slot_scan_kernel)[(cdiv(E + 1, _SCAN_KEYS),)](
+        tile = scan_tile(nb, E + 1)
+        fast_kernel(slot_scan_kernel)[(cdiv(E + 1, tile.keys),)](
             pre, counts, nb, E + 1, err, counts if err_word_out is None else err_word_out,
             0 if err_word_out is None else 1, err if epoch is None else epoch, 0 if epoch is None else 1,
-            BLOCK_B=min(_SCAN_ROWS, next_pow2(nb)), BLOCK_K=_SCAN_KEYS)
+            BLOCK_B=tile.blocks, BLOCK_K=tile.keys)
     else:
         counts.zero_()
         if err_word_out is not None:
@@ -570,4 +603,4 @@ def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
 
 __all__ = ["triton_plan", "plan_numel", "plan_storage", "plan_row_origins", "check_and_count", "CheckedIds", "fits",
            "tokens_per_block", "slot_blocks", "plan_kernel", "plan_launch", "PlanLaunch", "slot_check_hist_kernel",
-           "slot_scan_kernel", "MAX_TABLE"]
+           "slot_scan_kernel", "check_hist_block", "scan_keys", "scan_tile", "ScanTile", "MAX_TABLE"]

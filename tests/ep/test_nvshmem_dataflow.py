@@ -193,6 +193,118 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
             assert fresh[: Ts[s]].tolist() == goes.tolist() and not fresh[Ts[s]:].any()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
+@pytest.mark.parametrize("arrived", [True, False])
+def test_pull_entries_wait_for_every_source_in_their_last_program(arrived):
+    """``push_entries_kernel`` with ``WAIT``: after every program listed its entries and arrived, the last one adds
+    the program count to the expected total of every source and waits for it (bounded), once per launch (its ticket
+    back at 0). Source 2's programs arrived (simulated) or not: then the error word names source 2, and the
+    expected totals still advanced (the next call waits for the next call's arrivals)."""
+    from mxcomm.ep.nvshmem_kernels import push_entries_kernel
+    from mxcomm.ep.plan import pull_entry_words
+    from mxcomm.transport.errors import TIMEOUT_CODE, error_word
+
+    W, me, E, k, T, T_max, P = 3, 1, 6, 2, 5, 8, 2
+    g = torch.Generator().manual_seed(3)
+    idx = _routing(W, T, E, k, g)
+    plan = build_plan(torch.stack([local_counts(idx, E)] * W), idx, me, 4)
+    lists = [torch.zeros(W, T_max, pull_entry_words(k), dtype=torch.int32) for _ in range(W)]
+    flags = [torch.zeros(len(FLAG_ROWS), W, dtype=torch.int64) for _ in range(W)]
+    expect = torch.tensor([P, P, P], dtype=torch.int64)  # one earlier call
+    flags[me][1] = torch.tensor([2 * P, P, 2 * P if arrived else P])  # sources 0 (and 2) already arrived, not me
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    err, ticket = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
+    push_entries_kernel[(P, W)](plan.dest_rank, plan.dest_row, torch.rand(T, k, generator=g), T, ptrs(lists),
+                                ptrs(flags), torch.tensor([1], dtype=torch.int64), me, W, T_max, K=k,
+                                EW=pull_entry_words(k), BLOCK=4, ticket_ptr=ticket, flags_row_ptr=flags[me][1],
+                                expect_row_ptr=expect, err_ptr=err, timeout_ns=50_000_000, WAIT=True)
+    assert int(ticket) == 0
+    assert expect.tolist() == [2 * P] * W
+    assert flags[me][1].tolist() == [2 * P] * W if arrived else [2 * P, 2 * P, P]
+    assert int(err) == (0 if arrived else error_word(TIMEOUT_CODE, 2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
+@pytest.mark.parametrize("T,G,epoch,mx,absent", [(0, 1, 4, True, None), (5, 3, 4, True, None),
+                                                 (37, 2, 7, True, None), (37, 64, 2, False, 2), (48, 5, 9, False, 0)])
+def test_pull_head_does_what_its_steps_do(T, G, epoch, mx, absent):
+    """The pull dispatch's two launches before its plan - ``pull_head_kernel`` (id check and counts; in its last
+    program the counts, the refusal word, epoch += 1 and the publish to every rank; the pack) and
+    ``scan_and_wait_kernel`` (the block table's scan; in its last program the bounded wait for every rank's counts)
+    - leave exactly what the separate kernels leave (``check_and_count`` with the epoch, ``publish_kernel`` without
+    its wait, ``pack_rows_kernel``, ``wait_published_kernel``): checked ids, block table, counts and refusal word, the
+    counts and refusal word on every rank with its flag raised to the new epoch, the send copy of the new epoch's
+    parity, the error word (a rank that never published: named); tickets and totals back at 0. Bad ids (out of
+    range, repeats), NaN/Inf rows, more blocks than programs and more programs than tokens, no tokens; the scan
+    in tiles smaller than the table (several row steps)."""
+    from mxcomm.ep.nvshmem_kernels import (pack_rows_kernel, publish_kernel, pull_head_kernel, scan_and_wait_kernel,
+                                           wait_published_kernel)
+    from mxcomm.ep.plan_kernels import check_and_count, slot_blocks, tokens_per_block
+
+    W, me, E, k, H, T_max = 3, 1, 16, 8, 64, 48
+    g = torch.Generator().manual_seed(T * 7 + G)
+    idx = _routing(W, T, E, k, g, drop=0.2)
+    if T:
+        idx[0, 1], idx[T - 1, 2] = E + 3, -5  # out of range
+        idx[T // 2, 3] = idx[T // 2, 0] = 2  # a repeat
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    if T > 3:
+        x[1, 5], x[2, :] = float("nan"), float("inf")
+    n_blk = slot_blocks(T, k)
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    row = FLAG_ROWS.index("counts")
+
+    def state():
+        st = dict(ids=torch.full((T, k), 99, dtype=torch.int32), hist=torch.full((n_blk + 1, E + 1), 55, dtype=torch.int32),
+                  err=torch.tensor([3], dtype=torch.int64), counts=torch.full((E + 1,), 66, dtype=torch.int32),
+                  epoch=torch.tensor([epoch], dtype=torch.int64), timeout=torch.zeros(1, dtype=torch.int64),
+                  peers=[torch.full((W * E + W,), 44, dtype=torch.int32) for _ in range(W)],
+                  flags=[torch.zeros(len(FLAG_ROWS), W, dtype=torch.int64) for _ in range(W)],
+                  send_q=torch.full((2, T_max, 2 * H), 33, dtype=torch.uint8),
+                  send_s=torch.full((2, T_max, H // 32), 22, dtype=torch.uint8),
+                  x_slot=torch.tensor([x.data_ptr()], dtype=torch.int64), tickets=torch.zeros(2, dtype=torch.int32),
+                  totals=torch.zeros(E + 1, dtype=torch.int32))
+        for p in range(W):  # the other ranks' counts of this epoch arrived here, but the absent one's
+            if p not in (me, absent):
+                st["flags"][me][row, p] = epoch + 1
+        return st
+
+    q_of = lambda st: st["send_q"] if mx else st["send_q"].view(torch.bfloat16)  # noqa: E731
+    copy_elems = T_max * 2 * H if mx else T_max * H
+    timeout = 20_000_000
+    want = state()
+    check_and_count(idx, E, want["err"], check=True, prefix_buf=want["hist"], counts_out=want["counts"][:E],
+                    ids_out=want["ids"], err_word_out=want["counts"][E:], epoch=want["epoch"])
+    publish_kernel[(W,)](want["counts"], E, ptrs(want["peers"]), me * E, W * E + me, ptrs(want["flags"]),
+                         want["flags"][me], row, W, want["epoch"], want["err"], 10 ** 9, me, BLOCK=8, WAIT=False)
+    if T:
+        pack_rows_kernel[(3,)](want["x_slot"], T, q_of(want), want["send_s"], want["epoch"], T_max, copy_elems,
+                               want["err"], want["err"], H=H, CHUNK=32, MX=mx, MODE=0, INT_ROUND=True, X_SLOT=True)
+    wait_published_kernel[(W,)](want["flags"][me], row, W, want["epoch"], want["timeout"], timeout)
+    got = state()
+    pull_head_kernel[(G,)](idx, got["ids"], got["hist"], got["err"], T, E, got["totals"], got["counts"],
+                           got["tickets"][0:1], ptrs(got["peers"]), ptrs(got["flags"]), row, W, me, got["epoch"],
+                           got["x_slot"], q_of(got), got["send_s"], T_max, copy_elems, K=k, K_POW2=k,
+                           TOK=tokens_per_block(k), KEYS=8, PUB_BLOCK=8, H=H, CHUNK=32, MX=mx, MODE=0,
+                           INT_ROUND=True)
+    scan_and_wait_kernel[(3,)](got["hist"], got["counts"], n_blk, E + 1, got["tickets"][1:2], got["flags"][me], row,
+                               W, got["epoch"], got["timeout"], timeout, BLOCK_B=2, BLOCK_K=8)
+    assert got["tickets"].tolist() == [0, 0] and not got["totals"].any()
+    assert int(got["epoch"]) == epoch + 1
+    # the bad slots (at least three with tokens) counted on top of the word's earlier value
+    assert int(got["err"]) == int(want["err"]) and (int(got["err"]) >= 3 + 3) == (T > 0)
+    for name in ("ids", "hist", "counts", "send_q", "send_s", "timeout"):
+        assert torch.equal(got[name], want[name]), name
+    for p in range(W):
+        assert torch.equal(got["peers"][p], want["peers"][p]), ("published", p)
+        assert torch.equal(got["flags"][p], want["flags"][p]), ("flag", p)
+    assert int(got["flags"][0][row, me]) == epoch + 1
+    if absent is not None:  # (the reference names it too: compared above)
+        from mxcomm.transport.errors import TIMEOUT_CODE, error_word
+
+        assert int(got["timeout"]) == error_word(TIMEOUT_CODE, absent)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through combine)")
 @pytest.mark.parametrize("E,k,mode,weighted,grid", [
     (8, 3, "quant", True, (3,)), (6, 4, "pass", False, (3, 2)), (4, 2, "bf16", True, (2, 3)),
@@ -904,9 +1016,27 @@ for mx, route_grad, arrive in ((True, True, True), (False, True, False), (True, 
     assert "ld.global.b16" not in ptx, ("pull weighted's loads", mx, route_grad)
     if mx:  # scale bytes stored where they are held: not 2 barriers per (chunk, slot) (2 x 2 x 8 = 32 before)
         assert ptx.count("bar.sync") <= 8, ("pull weighted scale stores", route_grad, ptx.count("bar.sync"))
+ent = dict(dest_rank_ptr=i32, dest_row_ptr=i32, w_ptr="*fp32", list_peers=i64, flags_peers=i64, epoch_ptr=i64)
 for one in ({}, dict(me=1), dict(me=1, T_max=1, T=1)):  # a launch specializes ints equal to 1 as constants
-    compile(nk.push_entries_kernel, dict(dest_rank_ptr=i32, dest_row_ptr=i32, w_ptr="*fp32", list_peers=i64,
-            flags_peers=i64, epoch_ptr=i64), K=8, EW=32, BLOCK=64, **one)
+    compile(nk.push_entries_kernel, ent, K=8, EW=32, BLOCK=64, **one)
+# the pull path's entries with the wait for every source's in the same launch (its last program: a ticket)
+ptx = compile(nk.push_entries_kernel, dict(ent, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64, err_ptr=i64,
+              timeout_ns="i64"), K=8, EW=32, BLOCK=64, WAIT=True)
+assert re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "entries' ticket"
+# the pull dispatch's head: the id check and counts, the scan and publish by the last program, the pack
+head = dict(idx_ptr=i64, ids_ptr=i32, hist_ptr=i32, input_err_ptr=i64, totals_ptr=i32, counts_ptr=i32,
+            ticket_ptr=i32, counts_peers=i64, flags_peers=i64, epoch_ptr=i64, x_slot=i64, send_q_ptr=u8, send_s_ptr=u8)
+for mx in (True, False):
+    ptx = compile(nk.pull_head_kernel, dict(head, send_q_ptr=u8 if mx else "*bf16"), K=8, K_POW2=8, TOK=16, KEYS=512,
+                  PUB_BLOCK=1024, H=7168, CHUNK=8192, MX=mx, MODE=0, INT_ROUND=False)
+    assert re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), ("head's ticket", mx)
+    # the pack's row loads and stores as pack_rows_kernel's: 16-byte vectors
+    assert "st.global.v4.b32" in ptx and "ld.global.v4.b32" in ptx, ("head's pack", mx)
+    # reads of counts other threads or programs added: volatile (not from a stale L1 line)
+    assert "ld.volatile.global" in ptx, ("head's counts", mx)
+ptx = compile(nk.scan_and_wait_kernel, dict(hist_ptr=i32, counts_ptr=i32, ticket_ptr=i32, flags_local=i64,
+              epoch_ptr=i64, err_ptr=i64, timeout_ns="i64"), BLOCK_B=256, BLOCK_K=8)
+assert re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "scan's ticket"
 print("ok")
 '''
 
