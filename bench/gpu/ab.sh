@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The EP engine of another git revision against this checkout's, alternating, in one call on one GPU (H200):
+#
+#   bash bench/gpu/ab.sh REV [ROUNDS]       e.g. bash bench/gpu/ab.sh HEAD~3 2   (ROUNDS: default 1)
+#
+# Each round runs the sweep tool (python -m mxcomm.bench.tools.sweep: CUDA events, median of the iterations, the
+# slowest rank; Triton plan, MXFP8) with REV's package, then with this checkout's: four ranks on the GPU under MPS at
+# 128 tokens (dispatch and combine, graph replays and eager) and at 4096 tokens (the four ops, graph replays).
+# REV's `mxcomm` package is extracted with `git archive` into a temporary folder put first on PYTHONPATH, and every
+# run starts in a neutral folder: `python -m` started from the repository root imports the checkout's package
+# whatever PYTHONPATH says, and both sides would then be this checkout.
+# Output: OUT (default ~/.cache/mxcomm/gpu-ab): a log per run and ab.txt, the SWEEP lines of every run in order.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+REV=${1:?usage: bash bench/gpu/ab.sh REV [ROUNDS]}
+ROUNDS=${2:-1}
+OUT=${OUT:-${XDG_CACHE_HOME:-$HOME/.cache}/mxcomm/gpu-ab}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+root=$PWD
+old=$(mktemp -d /tmp/mxcomm-ab.XXXXXX)
+git archive "$REV" mxcomm | tar -x -C "$old" || exit 1
+source bench/gpu/env.sh $((4 << 30)) || exit 1
+here=$PYTHONPATH
+mxcomm_mps_start 4 || exit 1
+trap 'mxcomm_mps_stop; rm -rf "$old"' EXIT
+sweep() {  # sweep NAME PYPATH ARGS...: one sweep run from a neutral folder
+  local name=$1 path=$2
+  shift 2
+  (cd /tmp && PYTHONPATH=$path timeout 240 torchrun --nproc-per-node 4 -m mxcomm.bench.tools.sweep \
+      --precision mxfp8 --plan-impl triton "$@") > "$OUT/$name.log" 2>&1
+  echo "=== $name rc=$?"
+  grep "^SWEEP" "$OUT/$name.log" | sed "s/^/$name /" | tee -a "$OUT/ab.txt"
+}
+: > "$OUT/ab.txt"
+for r in $(seq 1 "$ROUNDS"); do
+  for side in old new; do
+    if [[ $side == old ]]; then path="$old:$here"; else path="$root:$here"; fi
+    sweep "r${r}_${side}_t128_graph" "$path" --tokens 128 --ops dispatch,combine --iters 60 --graph
+    sweep "r${r}_${side}_t128" "$path" --tokens 128 --ops dispatch,combine --iters 60
+    sweep "r${r}_${side}_t4096_graph" "$path" --tokens 4096 --iters 20 --graph
+  done
+done
+echo "results in $OUT/ab.txt"
