@@ -523,20 +523,22 @@ class NvshmemBackend:
         return {"origin_src": o.src, "origin_pos": o.pos}
 
     def compute_plan(self, counts: torch.Tensor, topk_idx: torch.Tensor, refusals: bool = False,
-                     store: Optional[torch.Tensor] = None) -> PlanOutputs:
+                     store: Optional[torch.Tensor] = None,
+                     jobs: Optional[plan_kernels.PlanJobs] = None) -> PlanOutputs:
         """The plan (and row origins) from the counts matrix, with ``self.plan_impl``'s kernels; in exact-size mode
         also the status words read at the call's host sync: the output's row count and (``refusals``: after a counts
         exchange that carried every rank's refusal word) the lowest refusing rank (the Triton plan writes both from
-        its tables program). ``store``: :meth:`plan_store`'s buffer of this call (the plan goes after its ids)."""
+        its tables program). ``store``: :meth:`plan_store`'s buffer of this call (the plan goes after its ids).
+        ``jobs`` (Triton plan): the kernel to launch instead of ``plan_kernel`` (see :class:`plan_kernels.PlanJobs`)."""
         T, k = topk_idx.shape
         exact = self.config.exact_sizes
-        if self.plan_impl == "triton" and T:
+        if self.plan_impl == "triton" and (T or jobs is not None):  # (jobs: its launch must happen with no tokens too)
             # the table check_and_count wrote for these ids (this call's, at a fixed address)
             pre = self.slot_prefix[:plan_kernels.slot_blocks(T, k) * (counts.shape[1] + 1)].view(-1, counts.shape[1] + 1)
             out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max, prefix=pre,
                                            origins=not self.local, status=self.status if exact else None,
                                            refusals=self.refusal_words if refusals else None,
-                                           out=None if store is None else store[T * k:])
+                                           out=None if store is None else store[T * k:], jobs=jobs)
             return PlanOutputs(plan=out["plan"], extra={n: v for n, v in out.items() if n != "plan"})
         if refusals:
             self.note_refusals()

@@ -45,7 +45,8 @@ from ..kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, b
                                  load_block_bytes, mx_decode_tile, mx_qdq_tile, mx_quantize_tile,
                                  mx_quantize_tile_amax, mx_saturate, store_block_bytes, to_fp32)
 from ..transport.flags import deadline_after, last_to_arrive, signal_peer, wait_flag_geq
-from .plan_kernels import check_hist_block, scan_keys
+from .plan_kernels import (check_hist_block, counts_tile, origin_blocks, place_slots, scan_keys, slot_tables,
+                           store_tables)
 
 
 @triton.jit
@@ -396,18 +397,40 @@ def scan_and_wait_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, ticket_ptr, fla
     does: the plan's launch follows. Grid: ``cdiv(n_keys, BLOCK_K)``."""
     scan_keys(hist_ptr, counts_ptr, n_blocks, n_keys, tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K), BLOCK_B)
     if last_to_arrive(ticket_ptr, tl.num_programs(0)):
-        epoch = tl.load(epoch_ptr)
         deadline = deadline_after(timeout_ns)
+        epoch = tl.load(epoch_ptr)
         p = 0
-        while p < W:
+        while p < W:  # (one program: every rank in turn, under one deadline)
             wait_flag_geq(flags_local + row * W + p, epoch, deadline, err_ptr, p)
             p += 1
 
 
 @triton.jit
+def list_entries(dest_rank_ptr, dest_row_ptr, w_ptr, b, T, d, lst, me, T_max, ep, K: tl.constexpr, EW: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Tokens ``[b, b + BLOCK)`` (those below ``T``) of source ``me``: for each one with a slot going to rank ``d``,
+    its pull-list entry ``[me, t]`` into ``lst`` (``d``'s pull list, int32 ``[W, T_max, EW]``), laid out as
+    :func:`push_entries_kernel` says, tagged with the int64 epoch ``ep``. ``dest_rank`` / ``dest_row`` int32 ``[T,
+    K]`` (the plan), ``w`` fp32 ``[T, K]``."""
+    jj = tl.arange(0, EW)[None, :]
+    slot = (jj >= 2) & (jj <= K + 1)  # entry word 2 + j holds slot j's row, word 2 + K + j its weight
+    wslot = (jj >= K + 2) & (jj <= 2 * K + 1)
+    head = tl.where(jj == 0, ep.to(tl.int32), (ep >> 32).to(tl.int32))  # the tag, in words 0-1
+    t = b + tl.arange(0, BLOCK)[:, None]
+    m2 = (t < T) & slot
+    sidx = t.to(tl.int64) * K + (jj - 2)
+    to_d = tl.load(dest_rank_ptr + sidx, mask=m2, other=-1) == d                     # [BLOCK, EW]
+    rows = tl.load(dest_row_ptr + sidx, mask=m2 & to_d, other=-1)
+    wts = tl.load(w_ptr + t.to(tl.int64) * K + (jj - 2 - K), mask=(t < T) & wslot, other=0.0)
+    listed = tl.max(to_d.to(tl.int32), axis=1)[:, None] > 0                          # the token goes to d
+    entry = lst + (me * T_max + t).to(tl.int64) * EW                                # entry [me, t] on d
+    words = tl.where(jj < 2, head, tl.where(wslot, wts.to(tl.int32, bitcast=True), rows))
+    tl.store(entry + jj, words, mask=listed & (jj < 2 * K + 2))
+
+
+@triton.jit
 def push_entries_kernel(dest_rank_ptr, dest_row_ptr, w_ptr, T, list_peers, flags_peers, epoch_ptr, me, W, T_max,
-                        K: tl.constexpr, EW: tl.constexpr, BLOCK: tl.constexpr, ticket_ptr=None, flags_row_ptr=None,
-                        expect_row_ptr=None, err_ptr=None, timeout_ns=0, WAIT: tl.constexpr = False):
+                        K: tl.constexpr, EW: tl.constexpr, BLOCK: tl.constexpr):
     """Sender: for each token ``t`` and each rank ``d`` that receives it, one pull-list entry ``[s, t]`` (``s = me``)
     on ``d``: ``[tag_lo, tag_hi, row_0, ..., row_{K-1}, w_0, ..., w_{K-1}, ...]`` (``EW`` words) with ``row_j =
     dest_row[t, j]`` for the slots going to ``d`` and -1 for the others, and the token's route weights (fp32 bits, every
@@ -417,54 +440,86 @@ def push_entries_kernel(dest_rank_ptr, dest_row_ptr, w_ptr, T, list_peers, flags
 
     Program ``(p, i)`` writes the entries of destination ``d = (me + i) % W`` for blocks ``p, p + P, ...`` of
     ``BLOCK`` tokens, then adds 1 to ``flags[1, me]`` on ``d`` (release, sys): each rank receives ``P`` arrivals
-    from every source, one release per program. With ``WAIT`` the last program to get there
-    (:func:`~mxcomm.transport.flags.last_to_arrive` on the int32 ``ticket``) then does what
-    :func:`wait_arrivals_kernel` does with ``per_call = P`` for every source, one after the other under one deadline:
-    the wait for every source's entries to this rank, in the same launch.
+    from every source, one release per program (:func:`list_entries`; the pull path writes its entries in
+    :func:`plan_entries_kernel` instead).
 
     Args:
         dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan; rank -1 = dropped slot); w_ptr: fp32 ``[T, K]``.
         list_peers / flags_peers: int64 ``[W]`` base pointers of ``pull_list`` (int32 ``[W, T_max, EW]``) /
             ``flags``. epoch_ptr: int64 dispatch epoch (already advanced for this call).
         EW: int32 words per entry (a power of two >= 2 K + 2).
-        ticket_ptr, flags_row_ptr, expect_row_ptr, err_ptr, timeout_ns (``WAIT`` only): the int32 ticket (0 between
-            launches), this rank's ``flags[1]`` and ``expect[1]`` (int64 ``[W]``), the int64 error word, the wait's
-            timeout.
     Grid: ``(P, W)``, ``P`` identical on every rank (receivers count their arrivals).
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     d = (me + tl.program_id(1)) % W
     ep = tl.load(epoch_ptr)
-    jj = tl.arange(0, EW)[None, :]
-    slot = (jj >= 2) & (jj <= K + 1)  # entry word 2 + j holds slot j's row, word 2 + K + j its weight
-    wslot = (jj >= K + 2) & (jj <= 2 * K + 1)
-    head = tl.where(jj == 0, ep.to(tl.int32), (ep >> 32).to(tl.int32))  # the tag, in words 0-1
     lst = tl.load(list_peers + d).to(tl.pointer_type(tl.int32))
     b = pid * BLOCK
     while b < T:
-        t = b + tl.arange(0, BLOCK)[:, None]
-        m2 = (t < T) & slot
-        sidx = t.to(tl.int64) * K + (jj - 2)
-        to_d = tl.load(dest_rank_ptr + sidx, mask=m2, other=-1) == d                 # [BLOCK, EW]
-        rows = tl.load(dest_row_ptr + sidx, mask=m2 & to_d, other=-1)
-        wts = tl.load(w_ptr + t.to(tl.int64) * K + (jj - 2 - K), mask=(t < T) & wslot, other=0.0)
-        listed = tl.max(to_d.to(tl.int32), axis=1)[:, None] > 0                      # the token goes to d
-        entry = lst + (me * T_max + t).to(tl.int64) * EW                            # entry [me, t] on d
-        words = tl.where(jj < 2, head, tl.where(wslot, wts.to(tl.int32, bitcast=True), rows))
-        tl.store(entry + jj, words, mask=listed & (jj < 2 * K + 2))
+        list_entries(dest_rank_ptr, dest_row_ptr, w_ptr, b, T, d, lst, me, T_max, ep, K, EW, BLOCK)
         b += P * BLOCK
     tl.debug_barrier()
     _arrive(flags_peers, d, 1, me, W)  # flags[1, me] on d
-    if WAIT:
-        if last_to_arrive(ticket_ptr, P * tl.num_programs(1)):
-            deadline = deadline_after(timeout_ns)
-            s = 0
-            while s < W:
-                expected = tl.load(expect_row_ptr + s) + P
-                tl.store(expect_row_ptr + s, expected)
-                wait_flag_geq(flags_row_ptr + s, expected, deadline, err_ptr, s)
-                s += 1
+
+
+# the plan's sizes, rank and strides are not specialized (see plan_kernel)
+@triton.jit(do_not_specialize=["c_stride", "n_slots", "n_rows", "table_programs", "slot_programs", "n_refusal", "me",
+                               "align", "W", "El", "T_max"])
+def plan_entries_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr,
+                        dest_rank_ptr, dest_row_ptr, send_pos_ptr, order_ptr, src_ptr, pos_ptr, status_ptr,
+                        refusal_ptr, n_slots, n_rows, table_programs, slot_programs, n_refusal, me, align, W, El,
+                        w_ptr, list_peers, flags_peers, epoch_ptr, T_max, ticket_ptr, flags_row_ptr, expect_row_ptr,
+                        err_ptr, timeout_ns, W_POW2: tl.constexpr, EL_POW2: tl.constexpr, S: tl.constexpr,
+                        S_POW2: tl.constexpr, BLOCK: tl.constexpr, STATUS: tl.constexpr, K: tl.constexpr,
+                        EW: tl.constexpr):
+    """Pull path: :func:`~mxcomm.ep.plan_kernels.plan_kernel`'s jobs (same arguments first, same outputs) and the
+    pull-list entries in one launch. Each slot program, as soon as it has placed a block of ``S`` slots (``S // K``
+    whole tokens), writes those tokens' entries into every destination's pull list (:func:`list_entries`: rows there,
+    route weights from ``w`` fp32 ``[T, K]``, tagged with the int64 epoch). The last program of the launch
+    (:func:`~mxcomm.transport.flags.last_to_arrive` at system scope on the int32 ``ticket``, 0 between launches: every
+    program's entries in peers' memory are ordered before it) adds 1 to ``flags[1, me]`` on every rank (release, sys)
+    and then waits (bounded, one deadline) until every source's ``flags[1, s]`` here reaches ``expect[1, s] + 1``
+    (``flags_row`` / ``expect_row``: this rank's int64 ``[W]`` rows; ``expect`` advanced here). One arrival per
+    (source, destination) and call, whatever the token counts. Grid: as ``plan_kernel``'s."""
+    TOK: tl.constexpr = S // K
+    pid = tl.program_id(0)
+    c = counts_tile(counts_ptr, c_stride, W, El, W_POW2, EL_POW2)
+    if pid < table_programs:
+        store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align,
+                     W, El, W_POW2, EL_POW2, STATUS)
+    elif pid < table_programs + slot_programs:
+        dst_base, send_base, num_send = slot_tables(c, me, align, W_POW2, EL_POW2)
+        ep = tl.load(epoch_ptr)
+        T = n_slots // K
+        b = pid - table_programs
+        while b * S < n_slots:
+            place_slots(dst_base, send_base, num_send, idx_ptr, pre_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr,
+                        order_ptr, b, n_slots, W * El, El, EL_POW2, S, S_POW2)
+            tl.debug_barrier()  # the block's rows, stored by every thread, before the entries read them back
+            i = 0
+            while i < W:
+                d = (me + i) % W
+                lst = tl.load(list_peers + d).to(tl.pointer_type(tl.int32))
+                list_entries(dest_rank_ptr, dest_row_ptr, w_ptr, b * TOK, T, d, lst, me, T_max, ep, K, EW, TOK)
+                i += 1
+            b += slot_programs
+    else:
+        origin_blocks(c, src_ptr, pos_ptr, pid - table_programs - slot_programs,
+                      tl.num_programs(0) - table_programs - slot_programs, n_rows, me, align, W, El, W_POW2, EL_POW2,
+                      BLOCK)
+    if last_to_arrive(ticket_ptr, tl.num_programs(0), True):
+        p = 0
+        while p < W:
+            _arrive(flags_peers, p, 1, me, W)  # flags[1, me] on p
+            p += 1
+        deadline = deadline_after(timeout_ns)
+        s = 0
+        while s < W:
+            expected = tl.load(expect_row_ptr + s) + 1
+            tl.store(expect_row_ptr + s, expected)
+            wait_flag_geq(flags_row_ptr + s, expected, deadline, err_ptr, s)
+            s += 1
 
 
 @triton.jit

@@ -308,22 +308,17 @@ class EnginePath:
         raise NotImplementedError
 
     def _push_entries(self, plan: RoutingPlan, w: torch.Tensor, list_ptrs: torch.Tensor,
-                      flags_ptrs: torch.Tensor, wait_row: Optional[int] = None) -> None:
+                      flags_ptrs: torch.Tensor) -> None:
         """One pull-list entry per (token, destination rank) into ``list_ptrs[d]`` (the destinations' pull lists),
         with the token's rows there and its route weights (fp32, rows ``[:T]`` of ``w``): ``push_programs`` programs
-        per destination, each then raising ``flags[1, me]`` on its destination. ``wait_row``: the last program then
-        waits (bounded) for every source's ``push_programs`` arrivals on this rank's flag row ``wait_row`` (what
-        :meth:`_wait_arrivals` launches separately)."""
+        per destination, each then raising ``flags[1, me]`` on its destination."""
         from .nvshmem_kernels import push_entries_kernel
 
         e = self.e
-        waits = {} if wait_row is None else dict(
-            ticket_ptr=e.tickets[2:3], flags_row_ptr=e.flag_rows[wait_row], expect_row_ptr=e.expect_rows[wait_row],
-            err_ptr=e.err, timeout_ns=e.timeout_ns, WAIT=True)
         fast_kernel(push_entries_kernel)[(e.push_programs, e.world)](
             plan.dest_rank, plan.dest_row, w, plan.dest_rank.shape[0], list_ptrs, flags_ptrs,
             e.d_epoch, e.rank, e.world, e.config.max_tokens_per_rank, K=e.config.topk,
-            EW=self.pull_list.local.shape[-1], BLOCK=PUSH_BLOCK, num_warps=4, **waits,
+            EW=self.pull_list.local.shape[-1], BLOCK=PUSH_BLOCK, num_warps=4,
         )
 
     def _new_table(self) -> tuple:
@@ -436,10 +431,18 @@ class PullPath(EnginePath):
         self.w_in = torch.zeros(engine.config.max_tokens_per_rank, engine.config.topk, dtype=torch.float32,
                                 device=engine.device)
 
-    def _entries_and_wait(self, plan: RoutingPlan) -> None:
-        """The pull-list entries and, in the same launch, the bounded wait for every source's."""
+    def _plan_jobs(self):
+        """The pull-list entries and the wait for every source's as jobs of the plan's launch
+        (``plan_entries_kernel``, :class:`~mxcomm.ep.plan_kernels.PlanJobs`)."""
+        from .nvshmem_kernels import plan_entries_kernel
+        from .plan_kernels import PlanJobs
+
         e = self.e
-        self._push_entries(plan, self.w_in, self.pull_list.peer_ptrs, e.flags.peer_ptrs, wait_row=1)
+        return PlanJobs(kernel=plan_entries_kernel, extra=dict(
+            w_ptr=self.w_in, list_peers=self.pull_list.peer_ptrs, flags_peers=e.flags.peer_ptrs, epoch_ptr=e.d_epoch,
+            T_max=e.config.max_tokens_per_rank, ticket_ptr=e.tickets[2:3], flags_row_ptr=e.flag_rows[1],
+            expect_row_ptr=e.expect_rows[1], err_ptr=e.err, timeout_ns=e.timeout_ns, K=e.config.topk,
+            EW=self.pull_list.local.shape[-1]))
 
     def _head(self, topk_idx: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
         """Triton plan: ``pull_head_kernel`` (the id check and this rank's counts, into ``counts_in[:E]``; the
@@ -477,22 +480,26 @@ class PullPath(EnginePath):
         (into the engine's ``counts_in``; a refusal is read at the call's one host sync), epoch += 1, the counts
         exchange (counts and refusal word) with the pack (``x`` from ``x_slot``) between its publish and its wait,
         the plan of the checked ids on the exchanged ``counts_buf``, the pull-list entries and the bounded wait for
-        every source's; the refusals into the status words. ``extra["ids"]``: the checked ids. With the Triton plan
-        the steps before the wait for the counts are one launch (:meth:`_head`), the entries and their wait another."""
+        every source's; the refusals into the status words. ``extra["ids"]``: the checked ids. With the Triton plan,
+        three launches: :meth:`_head` (two: check to pack; the slot table and the counts wait), then the plan with the
+        entries and their wait (:meth:`_plan_jobs`)."""
         e = self.e
         store = e.plan_store(topk_idx)
         if store is not None:
             ids = self._head(topk_idx, store)
-        else:
-            # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]; epoch += 1
-            ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True, new_epoch=True)
-            self.exchange(e.counts_in, wait=False)
-            # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q),
-            # and no peer reads it before this rank's entries, pushed after it in stream order
-            self._pack(ids.shape[0])
-            self.wait_for_counts()
-        po = e.compute_plan(counts_buf, ids, refusals=True, store=store)  # (and the refusals into the status words)
-        self._entries_and_wait(po.plan)
+            # (and the refusals into the status words)
+            po = e.compute_plan(counts_buf, ids, refusals=True, store=store, jobs=self._plan_jobs())
+            return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
+        # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]; epoch += 1
+        ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True, new_epoch=True)
+        self.exchange(e.counts_in, wait=False)
+        # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q), and
+        # no peer reads it before this rank's entries, pushed after it in stream order
+        self._pack(ids.shape[0])
+        self.wait_for_counts()
+        po = e.compute_plan(counts_buf, ids, refusals=True, store=store)
+        self._push_entries(po.plan, self.w_in, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
+        self._wait_arrivals(1, e.push_programs)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
     def _pull_out(self, plan: RoutingPlan, R: int, row_bytes: int, table: torch.Tensor, wtab: torch.Tensor):

@@ -165,7 +165,7 @@ def slot_scan_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, err_ptr, word_ptr, 
 
 
 @triton.jit
-def _counts_tile(counts_ptr, c_stride, W, El, W_POW2: tl.constexpr, EL_POW2: tl.constexpr):
+def counts_tile(counts_ptr, c_stride, W, El, W_POW2: tl.constexpr, EL_POW2: tl.constexpr):
     """The counts matrix as a ``[W_src, W_dst, El]`` tile (zeros outside ``W x W x El``): ``c[s, d, l]`` = rows
     source ``s`` sends to local expert ``l`` of rank ``d`` (``counts[s, d * El + l]``, rows ``c_stride`` apart)."""
     s = tl.arange(0, W_POW2)[:, None, None]
@@ -224,7 +224,7 @@ def _flat(t, N: tl.constexpr):
 
 
 @triton.jit
-def _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align, W,
+def store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align, W,
                   El, W_POW2: tl.constexpr, EL_POW2: tl.constexpr, STATUS: tl.constexpr):
     """Every table of the plan into its tensor (see :func:`plan_kernel`); with ``STATUS`` the status words too."""
     E = W * El
@@ -266,7 +266,7 @@ def _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, r
 
 
 @triton.jit
-def _place_slots(dst_base, send_base, num_send, idx_ptr, pre_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr,
+def place_slots(dst_base, send_base, num_send, idx_ptr, pre_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr,
                  order_ptr, b, n_slots, E, El, EL_POW2: tl.constexpr, S: tl.constexpr, S_POW2: tl.constexpr):
     """Block ``b`` of ``S`` slots: each slot's occurrence index among the slots of its key in ``(t, j)`` order (its
     key's count in the lower blocks, ``pre``, + its rank in the block: a ``[S, S]`` comparison), hence its send
@@ -322,6 +322,37 @@ def _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W,
     tl.store(pos_ptr + r, tl.where(real, pos, -1), mask=rin)
 
 
+@triton.jit
+def slot_tables(c, me, align, W_POW2: tl.constexpr, EL_POW2: tl.constexpr):
+    """What the slot programs of rank ``me`` need from the counts tile ``c`` ``[Ws, Wd, El]``: ``(dst_base,
+    send_base, num_send)`` - :func:`_send_tables`' two tiles flat (``d * EL_POW2 + l``) and the rows ``me`` sends."""
+    N: tl.constexpr = W_POW2 * EL_POW2
+    dst_base, send_base = _send_tables(c, _send_excl(c), me, align, W_POW2)
+    num_send = tl.sum(tl.where(tl.arange(0, W_POW2)[:, None, None] == me, c, 0))
+    return _flat(dst_base, N), _flat(send_base, N), num_send
+
+
+@triton.jit
+def origin_blocks(c, src_ptr, pos_ptr, rb, step, n_rows, me, align, W, El, W_POW2: tl.constexpr,
+                  EL_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """The row-origin maps ``src`` / ``pos`` ``[n_rows]`` of rank ``me`` over blocks ``rb, rb + step, ...`` of
+    ``BLOCK`` rows (-1 without a lookup for the blocks past the last group), from the counts tile ``c``."""
+    N: tl.constexpr = W_POW2 * EL_POW2
+    offs, n_me, c_me, srp, ssp = _recv_tables(c, _send_excl(c), me, align, W_POW2)
+    c_me = _flat(c_me, N)
+    srp = _flat(srp, N)
+    ssp = _flat(ssp, N)
+    real_rows = _groups_end(offs, El, EL_POW2)
+    while rb * BLOCK < n_rows:
+        if rb * BLOCK < real_rows:
+            _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W, W_POW2, EL_POW2, BLOCK)
+        else:  # past the last group (the worst-case tail of the maps): no group to look up
+            r = rb * BLOCK + tl.arange(0, BLOCK)
+            tl.store(src_ptr + r, tl.full((BLOCK,), -1, tl.int32), mask=r < n_rows)
+            tl.store(pos_ptr + r, tl.full((BLOCK,), -1, tl.int32), mask=r < n_rows)
+        rb += step
+
+
 # sizes, rank and strides are not specialized (equal to 1, multiples of 16): one compile per tile shape, not one per
 # call size or rank
 @triton.jit(do_not_specialize=["c_stride", "n_slots", "n_rows", "table_programs", "slot_programs", "n_refusal", "me",
@@ -354,37 +385,21 @@ def plan_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr, recv_p
     blocks.
     """
     pid = tl.program_id(0)
-    c = _counts_tile(counts_ptr, c_stride, W, El, W_POW2, EL_POW2)
-    N: tl.constexpr = W_POW2 * EL_POW2
+    c = counts_tile(counts_ptr, c_stride, W, El, W_POW2, EL_POW2)
     if pid < table_programs:
-        _store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align,
+        store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align,
                       W, El, W_POW2, EL_POW2, STATUS)
     elif pid < table_programs + slot_programs:
-        dst_base, send_base = _send_tables(c, _send_excl(c), me, align, W_POW2)
-        dst_base = _flat(dst_base, N)
-        send_base = _flat(send_base, N)
-        num_send = tl.sum(tl.where(tl.arange(0, W_POW2)[:, None, None] == me, c, 0))
+        dst_base, send_base, num_send = slot_tables(c, me, align, W_POW2, EL_POW2)
         b = pid - table_programs
         while b * S < n_slots:
-            _place_slots(dst_base, send_base, num_send, idx_ptr, pre_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr,
-                         order_ptr, b, n_slots, W * El, El, EL_POW2, S, S_POW2)
+            place_slots(dst_base, send_base, num_send, idx_ptr, pre_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr,
+                        order_ptr, b, n_slots, W * El, El, EL_POW2, S, S_POW2)
             b += slot_programs
     else:
-        offs, n_me, c_me, srp, ssp = _recv_tables(c, _send_excl(c), me, align, W_POW2)
-        c_me = _flat(c_me, N)
-        srp = _flat(srp, N)
-        ssp = _flat(ssp, N)
-        real_rows = _groups_end(offs, El, EL_POW2)
-        rb = pid - table_programs - slot_programs
-        step = tl.num_programs(0) - table_programs - slot_programs
-        while rb * BLOCK < n_rows:
-            if rb * BLOCK < real_rows:
-                _row_origins(offs, c_me, srp, ssp, src_ptr, pos_ptr, rb, n_rows, El, W, W_POW2, EL_POW2, BLOCK)
-            else:  # past the last group (the worst-case tail of the maps): no group to look up
-                r = rb * BLOCK + tl.arange(0, BLOCK)
-                tl.store(src_ptr + r, tl.full((BLOCK,), -1, tl.int32), mask=r < n_rows)
-                tl.store(pos_ptr + r, tl.full((BLOCK,), -1, tl.int32), mask=r < n_rows)
-            rb += step
+        origin_blocks(c, src_ptr, pos_ptr, pid - table_programs - slot_programs,
+                      tl.num_programs(0) - table_programs - slot_programs, n_rows, me, align, W, El, W_POW2, EL_POW2,
+                      BLOCK)
 
 
 @dataclass(frozen=True)
@@ -457,6 +472,16 @@ class PlanLaunch:
     origin_rows: int
 
 
+@dataclass(frozen=True)
+class PlanJobs:
+    """A kernel that runs :func:`plan_kernel`'s jobs and jobs of its own in the same launch: ``kernel`` takes
+    ``plan_kernel``'s arguments first (same names and order) and then ``extra`` (keyword arguments, constexprs
+    included); its grid is ``plan_kernel``'s."""
+
+    kernel: object
+    extra: dict
+
+
 def plan_launch(world: int, num_experts: int) -> PlanLaunch:
     """The launch of :func:`plan_kernel` for ``world`` ranks and ``num_experts`` experts (8 warps for counts tiles
     above 2048 values)."""
@@ -507,7 +532,8 @@ def plan_storage(W: int, E: int, T: int, k: int, n_orig: int, device) -> torch.T
 
 def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int, n_rows: int,
                 prefix: Optional[torch.Tensor] = None, origins: bool = True, status: Optional[torch.Tensor] = None,
-                refusals: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> dict:
+                refusals: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                jobs: Optional[PlanJobs] = None) -> dict:
     """The plan with the Triton kernels: ``{"plan": RoutingPlan, "origin_src", "origin_pos"}`` (the row origins
     only with ``origins``; see :func:`plan_row_origins` for computing them later).
 
@@ -519,6 +545,7 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
         status: int64 ``[4]`` status words to write ``status[2]`` (the row count) into, and ``status[3]`` from
             ``refusals`` (int32 ``[W]`` refusal words of the counts exchange): see :func:`plan_kernel`.
         out: int32 with at least :func:`plan_numel` values to hold the plan (else a fresh buffer).
+        jobs: launch this kernel instead of ``plan_kernel`` (the same plan, and its own jobs besides).
     """
     W, E = counts.shape
     El = E // W
@@ -540,7 +567,8 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
     rest = ints[_Tables.numel(W, E):]
     slots, osrc, opos = rest[:4 * n].view(4, n), rest[4 * n:4 * n + n_orig], rest[4 * n + n_orig:]
     _launch_plan(counts, rank, align, osrc, opos, tables=t, idx=idx, prefix=prefix, slots=slots,
-                 n_blocks=slot_blocks(T, k) if n else 0, S=tokens_per_block(k) * k, status=status, refusals=refusals)
+                 n_blocks=slot_blocks(T, k) if n else 0, S=tokens_per_block(k) * k, status=status, refusals=refusals,
+                 jobs=jobs)
     recv = t.recv
     plan = RoutingPlan(
         rank=rank, world_size=W, num_experts=E, num_local_experts=El, align=align, topk=k, num_tokens=T,
@@ -561,12 +589,13 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
 def _launch_plan(counts: torch.Tensor, rank: int, align: int, osrc: torch.Tensor, opos: torch.Tensor, *,
                  tables: Optional[_Tables] = None, idx: Optional[torch.Tensor] = None,
                  prefix: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None, n_blocks: int = 0,
-                 S: int = 1, status: Optional[torch.Tensor] = None, refusals: Optional[torch.Tensor] = None) -> None:
+                 S: int = 1, status: Optional[torch.Tensor] = None, refusals: Optional[torch.Tensor] = None,
+                 jobs: Optional[PlanJobs] = None) -> None:
     """:func:`plan_kernel`: the tables into ``tables`` (none without); with ``slots`` (int32 ``[4, n]``: dest_rank,
     dest_row, send_pos, send_order) the ``n`` slots of ``idx`` over ``n_blocks`` blocks of ``S`` (``prefix``: their
     scanned table); the ``osrc.numel()`` rows of the row-origin maps ``osrc`` / ``opos``; ``status`` / ``refusals``
-    (with tables only): the status words (see :func:`plan_kernel`). An absent tensor argument is passed as ``osrc``
-    (never written)."""
+    (with tables only): the status words (see :func:`plan_kernel`); ``jobs``: the kernel to launch instead. An absent
+    tensor argument is passed as ``osrc`` (never written)."""
     W, E = counts.shape
     El = E // W
     if counts.stride(1) != 1:
@@ -582,13 +611,14 @@ def _launch_plan(counts: torch.Tensor, rank: int, align: int, osrc: torch.Tensor
     t = tables if tables is not None else _Tables(cnt=osrc, tab=osrc, recv=osrc, srp=osrc, ssp=osrc)
     write_status = tables is not None and status is not None
     read_refusals = write_status and refusals is not None
-    fast_kernel(plan_kernel)[(max(1, table_programs + slot_programs + origin_programs),)](
+    kernel = plan_kernel if jobs is None else jobs.kernel
+    fast_kernel(kernel)[(max(1, table_programs + slot_programs + origin_programs),)](
         counts, counts.stride(0), osrc if idx is None else idx, osrc if prefix is None else prefix, t.cnt, t.tab,
         t.recv, t.srp, t.ssp, slots[0], slots[1], slots[2], slots[3], osrc, opos,
         status if write_status else osrc, refusals if read_refusals else osrc, n_slots, n_orig, table_programs,
         slot_programs, W if read_refusals else 0, rank, align, W, El,
         W_POW2=next_pow2(W), EL_POW2=next_pow2(El), S=S, S_POW2=next_pow2(S), BLOCK=how.origin_rows,
-        STATUS=write_status, num_warps=how.warps)
+        STATUS=write_status, num_warps=how.warps, **({} if jobs is None else jobs.extra))
 
 
 def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
@@ -603,4 +633,5 @@ def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
 
 __all__ = ["triton_plan", "plan_numel", "plan_storage", "plan_row_origins", "check_and_count", "CheckedIds", "fits",
            "tokens_per_block", "slot_blocks", "plan_kernel", "plan_launch", "PlanLaunch", "slot_check_hist_kernel",
-           "slot_scan_kernel", "check_hist_block", "scan_keys", "scan_tile", "ScanTile", "MAX_TABLE"]
+           "slot_scan_kernel", "check_hist_block", "scan_keys", "scan_tile", "ScanTile", "counts_tile", "slot_tables",
+           "place_slots", "origin_blocks", "store_tables", "PlanJobs", "MAX_TABLE"]

@@ -147,16 +147,20 @@ def wait_flag_geq(flag_ptr, expected, deadline_ns, err_ptr, peer):
 
 
 @triton.jit
-def last_to_arrive(counter_ptr, n_programs):
+def last_to_arrive(counter_ptr, n_programs, SYS: tl.constexpr = False):
     """True in exactly one program of a launch of ``n_programs``: the last to call this (once per program), after
-    every other program's stores before its call are visible to it (acquire/release at GPU scope). Lets one launch
-    finish with work that needs all its programs' results, with no program waiting for another.
+    every other program's stores before its call are visible to it (acquire/release at GPU scope; ``SYS``: at system
+    scope, so that stores the programs made into peers' memory are ordered before what the last program signals
+    next). Lets one launch finish with work that needs all its programs' results, with no program waiting for another.
 
     ``counter_ptr``: int32 scalar, 0 before the launch; the last program sets it back to 0 (for the next launch in
     stream order, and a CUDA graph's next replay). Reads in the last program of data other programs wrote in this
     launch should be volatile (another program on the same SM may hold an older copy of the line in its L1)."""
     tl.debug_barrier()  # every thread's stores before the one release below
-    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if SYS:
+        old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    else:
+        old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     last = old == n_programs - 1
     if last:
         tl.store(counter_ptr, 0)

@@ -194,34 +194,64 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
-@pytest.mark.parametrize("arrived", [True, False])
-def test_pull_entries_wait_for_every_source_in_their_last_program(arrived):
-    """``push_entries_kernel`` with ``WAIT``: after every program listed its entries and arrived, the last one adds
-    the program count to the expected total of every source and waits for it (bounded), once per launch (its ticket
-    back at 0). Source 2's programs arrived (simulated) or not: then the error word names source 2, and the
-    expected totals still advanced (the next call waits for the next call's arrivals)."""
-    from mxcomm.ep.nvshmem_kernels import push_entries_kernel
+@pytest.mark.parametrize("T,absent", [(37, None), (5, 2), (0, None), (16, 0)])
+def test_plan_entries_is_the_plan_and_the_entries_in_one_launch(T, absent):
+    """``plan_entries_kernel`` (the pull path's plan launch) writes the same plan as ``plan_kernel`` (tables, status
+    words, slots, row origins) and the same pull-list entries on every rank as ``push_entries_kernel`` (rows, route
+    weights, tag); then its last program raises ``flags[1, me]`` by exactly one on every rank (one arrival per
+    source and call, whatever the token count: none too) and waits for every source's: ``expect`` advances by one
+    per source, and a source that never arrived is named in the error word; its ticket is back at 0. Three ranks
+    simulated in one process (pointer tables), rank 1 under test, the other sources' arrivals set by hand."""
+    from mxcomm.ep.nvshmem_kernels import plan_entries_kernel, push_entries_kernel
     from mxcomm.ep.plan import pull_entry_words
+    from mxcomm.ep.plan_kernels import PlanJobs, check_and_count, triton_plan
     from mxcomm.transport.errors import TIMEOUT_CODE, error_word
 
-    W, me, E, k, T, T_max, P = 3, 1, 6, 2, 5, 8, 2
-    g = torch.Generator().manual_seed(3)
-    idx = _routing(W, T, E, k, g)
-    plan = build_plan(torch.stack([local_counts(idx, E)] * W), idx, me, 4)
-    lists = [torch.zeros(W, T_max, pull_entry_words(k), dtype=torch.int32) for _ in range(W)]
-    flags = [torch.zeros(len(FLAG_ROWS), W, dtype=torch.int64) for _ in range(W)]
-    expect = torch.tensor([P, P, P], dtype=torch.int64)  # one earlier call
-    flags[me][1] = torch.tensor([2 * P, P, 2 * P if arrived else P])  # sources 0 (and 2) already arrived, not me
+    W, me, E, k, T_max, align, epoch = 3, 1, 12, 3, 40, 4, 6
+    g = torch.Generator().manual_seed(T + 11)
+    Ts = [13, T, 21]
+    idxs = [_routing(W, t, E, k, g, drop=0.2) for t in Ts]
+    counts = torch.stack([local_counts(i, E) for i in idxs]).to(torch.int32)
+    w = torch.randn(T_max, k, generator=g)
+    EW = pull_entry_words(k)
+    R = 3 * T_max * k
     ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
-    err, ticket = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
-    push_entries_kernel[(P, W)](plan.dest_rank, plan.dest_row, torch.rand(T, k, generator=g), T, ptrs(lists),
-                                ptrs(flags), torch.tensor([1], dtype=torch.int64), me, W, T_max, K=k,
-                                EW=pull_entry_words(k), BLOCK=4, ticket_ptr=ticket, flags_row_ptr=flags[me][1],
-                                expect_row_ptr=expect, err_ptr=err, timeout_ns=50_000_000, WAIT=True)
-    assert int(ticket) == 0
-    assert expect.tolist() == [2 * P] * W
-    assert flags[me][1].tolist() == [2 * P] * W if arrived else [2 * P, 2 * P, P]
-    assert int(err) == (0 if arrived else error_word(TIMEOUT_CODE, 2))
+
+    def run(fused):
+        pre = check_and_count(idxs[me], E, torch.zeros(1, dtype=torch.int64), check=False).slot_prefix
+        status = torch.zeros(4, dtype=torch.int64)
+        refusals = torch.tensor([0, 0, 5], dtype=torch.int32)
+        lists = [torch.full((W, T_max, EW), -7, dtype=torch.int32) for _ in range(W)]
+        flags = [torch.full((len(FLAG_ROWS), W), 4, dtype=torch.int64) for _ in range(W)]  # 4 earlier calls
+        for s in range(W):  # the other sources' arrivals of this call on rank me, but the absent one's
+            if s not in (me, absent):
+                flags[me][1, s] = 5
+        expect = torch.full((W,), 4, dtype=torch.int64)
+        err, ticket, ep = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), torch.tensor([epoch])
+        jobs = PlanJobs(kernel=plan_entries_kernel, extra=dict(
+            w_ptr=w, list_peers=ptrs(lists), flags_peers=ptrs(flags), epoch_ptr=ep, T_max=T_max, ticket_ptr=ticket,
+            flags_row_ptr=flags[me][1], expect_row_ptr=expect, err_ptr=err, timeout_ns=30_000_000, K=k, EW=EW))
+        out = triton_plan(counts, idxs[me], me, align, R, prefix=pre, status=status, refusals=refusals,
+                          jobs=jobs if fused else None)
+        if not fused:
+            p = out["plan"]
+            push_entries_kernel[(2, W)](p.dest_rank, p.dest_row, w, T, ptrs(lists), ptrs(flags), ep, me, W, T_max,
+                                        K=k, EW=EW, BLOCK=4)
+        return out, status, lists, flags, expect, err, ticket
+
+    want, got = run(False), run(True)
+    for name in ("counts", "dest_rank", "dest_row", "send_pos", "send_order", "offs", "expert_counts", "num_rows",
+                 "src_row_start", "src_send_pos", "recv_splits", "send_splits"):
+        assert torch.equal(getattr(got[0]["plan"], name), getattr(want[0]["plan"], name)), name
+    assert torch.equal(got[0]["origin_src"], want[0]["origin_src"]) and torch.equal(got[0]["origin_pos"],
+                                                                                      want[0]["origin_pos"])
+    assert torch.equal(got[1], want[1]) and int(got[1][3]) == 3  # status words: rows, the lowest refusing rank
+    for d in range(W):
+        assert torch.equal(got[2][d], want[2][d]), ("entries on", d)
+        assert int(got[3][d][1, me]) == 5  # one arrival from me (push_entries_kernel: one per program)
+    assert int(got[6]) == 0
+    assert got[4].tolist() == [5] * W
+    assert int(got[5]) == (0 if absent is None else error_word(TIMEOUT_CODE, absent))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
@@ -1019,10 +1049,13 @@ for mx, route_grad, arrive in ((True, True, True), (False, True, False), (True, 
 ent = dict(dest_rank_ptr=i32, dest_row_ptr=i32, w_ptr="*fp32", list_peers=i64, flags_peers=i64, epoch_ptr=i64)
 for one in ({}, dict(me=1), dict(me=1, T_max=1, T=1)):  # a launch specializes ints equal to 1 as constants
     compile(nk.push_entries_kernel, ent, K=8, EW=32, BLOCK=64, **one)
-# the pull path's entries with the wait for every source's in the same launch (its last program: a ticket)
-ptx = compile(nk.push_entries_kernel, dict(ent, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64, err_ptr=i64,
-              timeout_ns="i64"), K=8, EW=32, BLOCK=64, WAIT=True)
-assert re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "entries' ticket"
+# the pull path's plan with its entries and their wait (its last program: a ticket at system scope)
+from mxcomm.ep import plan_kernels as pk
+plan_ptrs = {n: "*i64" if n == "status_ptr" else i32 for n in pk.plan_kernel.arg_names if n.endswith("_ptr")}
+ptx = compile(nk.plan_entries_kernel, dict(plan_ptrs, w_ptr="*fp32", list_peers=i64, flags_peers=i64, epoch_ptr=i64,
+              ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64, err_ptr=i64, timeout_ns="i64"), W_POW2=4,
+              EL_POW2=64, S=128, S_POW2=128, BLOCK=128, STATUS=True, K=8, EW=32)
+assert re.search(r"atom[.]global[.]sys[.]acq_rel[.]add[.]u32", ptx), "plan entries' ticket"
 # the pull dispatch's head: the id check and counts, the scan and publish by the last program, the pack
 head = dict(idx_ptr=i64, ids_ptr=i32, hist_ptr=i32, input_err_ptr=i64, totals_ptr=i32, counts_ptr=i32,
             ticket_ptr=i32, counts_peers=i64, flags_peers=i64, epoch_ptr=i64, x_slot=i64, send_q_ptr=u8, send_s_ptr=u8)
