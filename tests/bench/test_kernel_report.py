@@ -84,3 +84,23 @@ def test_report_covers_the_plan_and_the_entry_kernel(tmp_path):
     assert plan["regs"] is None or plan["regs"] < 255, plan
     assert plan["spill"] in (None, 0), plan
     assert reps["pull-list entries"]["bar"] <= 8, reps["pull-list entries"]
+
+
+def test_report_covers_the_pull_dispatch_middle(tmp_path):
+    """The pull dispatch's three launches are in the report and compile without spills; the head, which packs rows
+    too, keeps the pack's 16-byte row loads."""
+    import triton.backends
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("triton has no nvidia backend here")
+    out = tmp_path / "report.json"
+    r = _run("--kernels", "pull_head,scan_and_wait,plan_entries", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    reps = {x["name"]: x for x in json.loads(out.read_text())["reports"]}
+    assert set(reps) == {"pull head: check, counts, publish, pack", "pull scan + wait for the counts",
+                         "pull plan + entries + their wait"}
+    for name, rep in reps.items():
+        assert rep["spill"] in (None, 0), (name, rep)
+        assert rep["regs"] is None or rep["regs"] < 255, (name, rep)
+    head = {int(w): n for w, n in reps["pull head: check, counts, publish, pack"]["loads"].items()}
+    assert head.get(16, 0) > 0 and 2 not in head, head
