@@ -111,6 +111,20 @@ def wait_arrivals_kernel(flags_row_ptr, expect_row_ptr, per_call, err_ptr, timeo
 
 
 @triton.jit
+def wait_every_source(flags_row_ptr, expect_row_ptr, per_call, W, err_ptr, timeout_ns):
+    """One program: what :func:`wait_arrivals_kernel` does with one program per source - for every source ``s``,
+    add ``per_call`` to ``expect_row[s]`` and wait (bounded) until ``flags_row[s]`` reaches it - one source after the
+    other under one deadline. For the last program of a sending launch (its ticket), so that no wait kernel follows."""
+    deadline = deadline_after(timeout_ns)
+    s = 0
+    while s < W:
+        expected = tl.load(expect_row_ptr + s) + per_call
+        tl.store(expect_row_ptr + s, expected)
+        wait_flag_geq(flags_row_ptr + s, expected, deadline, err_ptr, s)
+        s += 1
+
+
+@triton.jit
 def _arrive(flags_peers, p, row, me, W):
     """Add 1 to ``flags[row, me]`` on rank ``p`` (release, sys; ``flags_peers``: int64 ``[W]`` base pointers of the
     int64 ``flags`` on every rank). Call after ``tl.debug_barrier()`` when several threads stored the payload."""
@@ -513,13 +527,7 @@ def plan_entries_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr
         while p < W:
             _arrive(flags_peers, p, 1, me, W)  # flags[1, me] on p
             p += 1
-        deadline = deadline_after(timeout_ns)
-        s = 0
-        while s < W:
-            expected = tl.load(expect_row_ptr + s) + 1
-            tl.store(expect_row_ptr + s, expected)
-            wait_flag_geq(flags_row_ptr + s, expected, deadline, err_ptr, s)
-            s += 1
+        wait_every_source(flags_row_ptr, expect_row_ptr, 1, W, err_ptr, timeout_ns)
 
 
 @triton.jit
@@ -630,7 +638,9 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                          table_ptr, epoch_ptr, T_max, W, copy_elems, w_copy, out_ptr, gw_peers, flags_peers, me,
                          H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
                          MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ZCHUNK: tl.constexpr,
-                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True):
+                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True, ticket_ptr=None,
+                         flags_row_ptr=None, expect_row_ptr=None, err_ptr=None, timeout_ns=0,
+                         WAIT: tl.constexpr = False):
     """Combine backward, expert side: every (source ``s``, token ``t``) of the dispatch's table has its BF16 gradient
     row ``g[t]`` read ONCE from the source's send copy (through the peer pointer; on the put path a local copy that
     puts delivered), and for each of its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read with the
@@ -653,6 +663,9 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
         out_ptr: bf16 ``[R, H]`` the expert rows the forward combine was given (``ROUTE_GRAD``).
         gw_peers: int64 ``[W]`` addresses of each source's fp32 ``gw`` ``[T_max, K]`` (``ROUTE_GRAD``).
         CHUNK: row chunk (a power of two, a multiple of 32); ZCHUNK: int64 words per store of the zeroing loop.
+        WAIT (with ``ROUTE_GRAD`` and ``ARRIVE``): the last program to finish (the int32 ``ticket``, 0 between
+            launches) then waits for every rank's route-weight gradients to this rank (:func:`wait_every_source` on
+            this rank's ``flags[4]`` / ``expect[4]`` rows, ``per_call`` = the grid; ``err_ptr`` the int64 error word).
     Grid: any fixed number of programs (identical on every rank with ``ARRIVE``); persistent over entries.
     """
     pid = tl.program_id(0)
@@ -714,6 +727,9 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
     WORDS: tl.constexpr = H // 8 if MX else H // 4
     _zero_unfilled_rows(dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True), offs_ptr, counts_ptr, n_rows_ptr, R_out,
                         n_groups, pid, G, WORDS, ZCHUNK)
+    if WAIT:
+        if last_to_arrive(ticket_ptr, G):
+            wait_every_source(flags_row_ptr, expect_row_ptr, G, W, err_ptr, timeout_ns)
 
 
 @triton.jit
@@ -836,7 +852,9 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
                             me, W, T_max, epoch_ptr, nslot, err_ptr,
                             H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                             MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr,
-                            INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False, ROWS: tl.constexpr = 2):
+                            INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False, ROWS: tl.constexpr = 2,
+                            ticket_ptr=None, flags_row_ptr=None, expect_row_ptr=None, timeout_ns=0,
+                            WAIT: tl.constexpr = False):
     """Combine / dispatch backward, expert side: ONE row per (source, token). For every (source ``s``, token ``t``)
     this rank received (an entry of the dispatch's table), the partial sum of the token's rows here
     ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then added: launch with
@@ -863,6 +881,9 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         ROWS: rows loaded together per step of a chunk's sum, taken from the entry's listed slots in ascending order
             (a slot elsewhere adds nothing, so only listed rows are loaded: the registers of the loads in flight hold
             rows that exist, and more programs fit on an SM than with one load per slot of ``K``).
+        WAIT (not STAGED): the last program to finish (the int32 ``ticket``, 0 between launches) then waits for every
+            rank's partials to this rank (:func:`wait_every_source` on this rank's ``flags[2]`` / ``expect[2]`` rows,
+            ``per_call`` = the grid): the origin's reduce follows with no wait kernel between.
 
     Destination layout (what the origin's :func:`combine_reduce_kernel` reads): slot ``pos`` of the copy starting at
     slot ``slot0``: MX payload at byte ``slot0 * 2H + pos * H``, scales at byte ``(slot0 + pos) * H/32``; BF16 at
@@ -921,6 +942,9 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
     if not STAGED:
         if not failed:
             _arrive_all(flags_peers, 2, me, W)
+    if WAIT:
+        if last_to_arrive(ticket_ptr, G):
+            wait_every_source(flags_row_ptr, expect_row_ptr, G, W, err_ptr, timeout_ns)
 
 
 @triton.jit

@@ -202,23 +202,26 @@ class EnginePath:
         (MXFP8 when ``mx``, else BF16) into the origin's ``comb_q`` at the send position of the token's leading slot
         (copy ``c_epoch % 2``); then wait (bounded) for every rank's partials."""
         e = self.e
+        # (the wait for every rank's partials: in the launch's last program)
         self._partials(payload, in_scales, handle, mx, passthrough, weights, e.comb[0].peer_ptrs,
                        e.comb[1].peer_ptrs, staged=False)
-        self._wait_arrivals(2, e.programs)
 
     def _partials(self, payload, in_scales, handle, mx, passthrough, weights, q_ptrs, s_ptrs, staged):
+        """``combine_partials_kernel``; not ``staged``, its last program waits for every rank's partials."""
         from .nvshmem_kernels import combine_partials_kernel
 
         e = self.e
         H = e.config.hidden
         st = handle.backend_state
+        wait = {} if staged else dict(ticket_ptr=e.tickets[3:4], flags_row_ptr=e.flag_rows[2],
+                                      expect_row_ptr=e.expect_rows[2], timeout_ns=e.timeout_ns, WAIT=True)
         fast_kernel(combine_partials_kernel)[(e.programs,)](
             payload, in_scales, st.table, st.origins.pos, e.err if weights is None else weights, q_ptrs, s_ptrs,
             e.flags.peer_ptrs, e.rank, e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, e.err, H=H,
             K=e.config.topk, CHUNK=e.launch.partials_row_chunk(H), MX=mx, PASS=passthrough,
             WEIGHTED=weights is not None, MODE=e.mode_id,
             INT_ROUND=e.int_round, STAGED=staged, ROWS=e.launch.partials_rows, num_warps=e.launch.weighted_warps,
-            enable_fp_fusion=False,
+            enable_fp_fusion=False, **wait,
         )
 
     # -- combine backward (the dispatch direction) -------------------------------------------
@@ -264,6 +267,8 @@ class EnginePath:
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
         srows = self._scale_rows(R, mx)
         rg = expert_out is not None
+        wait = dict(ticket_ptr=e.tickets[4:5], flags_row_ptr=e.flag_rows[4], expect_row_ptr=e.expect_rows[4],
+                    err_ptr=e.err, timeout_ns=e.timeout_ns, WAIT=True) if rg and self.gw_arrive else {}
         fast_kernel(pull_weighted_kernel)[(e.programs,)](
             out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
             self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, self.g_copy, self.w_copy,
@@ -271,7 +276,7 @@ class EnginePath:
             H=H, CHUNK=e.launch.row_chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id,
             INT_ROUND=e.int_round,
             ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=self.gw_arrive,
-            num_warps=e.dispatch_warps(True),
+            num_warps=e.dispatch_warps(True), **wait,
         )
         grad_w = self._route_grads(plan, g.shape[0]) if rg else None
         return BackwardRows(q=out, scale_rows=srows, grad_w=grad_w)
@@ -279,8 +284,8 @@ class EnginePath:
     gw_arrive = True  # pull_weighted_kernel raises flags[4] on the peers (the put path puts instead)
 
     def _route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
-        """Wait (bounded) for every rank's route-weight gradients, then gather this rank's fp32 ``[T, k]``."""
-        self._wait_arrivals(4, self.e.programs)
+        """This rank's fp32 ``[T, k]`` route-weight gradients, gathered once every rank's arrived (the wait: in
+        ``pull_weighted_kernel``'s last program)."""
         return self._gather_route_grads(plan, T)
 
     def _gather_route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:

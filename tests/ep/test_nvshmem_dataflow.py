@@ -974,6 +974,11 @@ for pas, chunk in ((False, 1024), (True, 1024), (False, 2048), (True, 2048)):  #
     # the scale bytes are stored by the threads that hold them (store_block_bytes): no trip through shared memory
     # with two barriers per chunk (7 chunks at 1024 values: 14 barriers before)
     assert "st.global.u8" in ptx and ptx.count("bar.sync") <= 2, ("partials' scale stores", pas, chunk)
+# as the peer-pointer paths launch it: the last program waits for every rank's partials (a ticket)
+ptx = compile(nk.combine_partials_kernel, dict(part, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64,
+              timeout_ns="i64"), False, H=7168, K=8, CHUNK=2048, MX=True, PASS=False, WEIGHTED=True, MODE=0,
+              INT_ROUND=False, STAGED=False, WAIT=True)
+assert "st.global.v4.b32" in ptx and re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "partials' wait"
 red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_ptr="*fp32", y_ptr="*bf16",
            epoch_ptr=i64, dest_row_ptr=i32, own_ptr="*bf16", own_s_ptr=u8)
 # partials from comb_q; one rank: the expert rows in place, bf16 (combine) or MX (dispatch backward of an MX gradient)
@@ -1036,11 +1041,17 @@ compile(nk.pack_rows_kernel, dict(x_ptr="*bf16", send_q_ptr="*bf16", send_s_ptr=
         send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=False, MODE=0, INT_ROUND=False, X_SLOT=False, K=8, K_POW2=8,
         WEIGHTS=True)
 # route-weight gradient on the pull path (arrivals), on the put path (its puts signal), none
+weighted = dict(dst_ptr=u8, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32, g_peers=i64, w_peers=i64,
+                table_ptr=i32, epoch_ptr=i64, out_ptr="*bf16", gw_peers=i64, flags_peers=i64)
+# as the peer-pointer paths launch it: the last program waits for every rank's route-weight gradients (a ticket)
+ptx = compile(nk.pull_weighted_kernel, dict(weighted, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64,
+              err_ptr=i64, timeout_ns="i64"), H=4096, CHUNK=2048, K=8, K_POW2=8, MX=True, MODE=0, INT_ROUND=False,
+              ZCHUNK=512, ROUTE_GRAD=True, ARRIVE=True, WAIT=True)
+assert re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "pull weighted's wait"
 for mx, route_grad, arrive in ((True, True, True), (False, True, False), (True, False, True), (False, False, True)):
-    ptx = compile(nk.pull_weighted_kernel, dict(dst_ptr=u8 if mx else "*bf16", dst_s_ptr=u8, offs_ptr=i32,
-                  counts_ptr=i32, n_rows_ptr=i32, g_peers=i64, w_peers=i64, table_ptr=i32, epoch_ptr=i64,
-                  out_ptr="*bf16", gw_peers=i64, flags_peers=i64), H=4096, CHUNK=2048 if mx else 1024, K=8,
-                  K_POW2=8, MX=mx, MODE=0, INT_ROUND=False, ZCHUNK=512, ROUTE_GRAD=route_grad, ARRIVE=arrive)
+    ptx = compile(nk.pull_weighted_kernel, dict(weighted, dst_ptr=u8 if mx else "*bf16"), H=4096,
+                  CHUNK=2048 if mx else 1024, K=8, K_POW2=8, MX=mx, MODE=0, INT_ROUND=False, ZCHUNK=512,
+                  ROUTE_GRAD=route_grad, ARRIVE=arrive)
     assert "st.global.v4.b32" in ptx, ("pull weighted", mx, route_grad)
     # the gradient rows, through the peer table, in 16-byte loads (without the alignment hint, one load per value)
     assert "ld.global.b16" not in ptx, ("pull weighted's loads", mx, route_grad)

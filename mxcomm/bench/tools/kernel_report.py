@@ -128,14 +128,16 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     local = dict(H=H, K=K, MX=True, MODE=0, INT_ROUND=False, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True)
     pack = dict(x_ptr=i64, send_q_ptr=u8, send_s_ptr=u8, epoch_ptr=i64, w_ptr=f32, send_w_ptr=f32)
     part = dict(out_ptr=bf16, out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptr=f32, q_peers=i64, s_peers=i64,
-                flags_peers=i64, epoch_ptr=i64, err_ptr=i64)
+                flags_peers=i64, epoch_ptr=i64, err_ptr=i64, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64,
+                timeout_ns="i64")
     pconst = dict(H=H, K=K, CHUNK=L.partials_row_chunk(H), MODE=0, INT_ROUND=False, STAGED=False,
-                  ROWS=L.partials_rows)
+                  ROWS=L.partials_rows, WAIT=True)
     red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_ptr=f32, y_ptr=bf16,
                epoch_ptr=i64, dest_row_ptr=i32, own_ptr=bf16, own_s_ptr=u8)
     rconst = dict(H=H, K=K, INT_ROUND=False, MODE=0)
     weighted = dict(dst_ptr=u8, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32, g_peers=i64, w_peers=i64,
-                    table_ptr=i32, epoch_ptr=i64, out_ptr=bf16, gw_peers=i64, flags_peers=i64)
+                    table_ptr=i32, epoch_ptr=i64, out_ptr=bf16, gw_peers=i64, flags_peers=i64, ticket_ptr=i32,
+                    flags_row_ptr=i64, expect_row_ptr=i64, err_ptr=i64, timeout_ns="i64")
     tok, how = plan_kernels.tokens_per_block(K), plan_kernels.plan_launch(W, E)
     plan_ptrs = {n: "*i64" if n == "status_ptr" else i32 for n in plan_kernels.plan_kernel.arg_names
                  if n.endswith("_ptr")}
@@ -201,7 +203,7 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
                      WEIGHTED=True), 4, False),
         Variant("weighted rows + route grad", "pull_weighted_kernel", weighted,
                 dict(H=H, CHUNK=qdq, K=K, K_POW2=next_pow2(K), MX=True, MODE=0, INT_ROUND=False,
-                     ZCHUNK=min(512, next_pow2(words)), ROUTE_GRAD=True, ARRIVE=True), L.weighted_warps),
+                     ZCHUNK=min(512, next_pow2(words)), ROUTE_GRAD=True, ARRIVE=True, WAIT=True), L.weighted_warps),
     ]
 
 
