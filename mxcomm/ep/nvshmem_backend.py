@@ -215,9 +215,9 @@ class NvshmemBackend:
         # the tickets of kernels whose last program finishes the launch's work (mxcomm.transport.flags.last_to_arrive;
         # each is 0 between launches): the pull dispatch's head, its scan with the wait for the counts, its plan with
         # the pull-list entries and their wait; the partial sums with their wait (combine, dispatch backward); combine
-        # backward's weighted rows with the wait for the route-weight gradients. And the head's per-expert totals
-        # (zero between launches)
-        self.tickets = torch.zeros(5, dtype=torch.int32, device=self.device)
+        # backward's weighted rows with the wait for the route-weight gradients; combine backward's pack with its
+        # "ready". And the head's per-expert totals (zero between launches)
+        self.tickets = torch.zeros(6, dtype=torch.int32, device=self.device)
         self.count_totals = torch.zeros(E + 1, dtype=torch.int32, device=self.device)
         # the path object: its buffers and kernels (mxcomm.ep.nvshmem_paths)
         impl = PATHS[self.path]

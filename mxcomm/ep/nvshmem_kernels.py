@@ -67,6 +67,13 @@ def publish_to(p, src_ptr, n_words, dst_peers, dst_word0, tail_word, flags_peers
     if tail_word >= 0:
         tl.store(base + tail_word, tl.load(src_ptr + n_words))
     tl.debug_barrier()
+    raise_flag(p, flags_peers, row, W, me, epoch)
+
+
+@triton.jit
+def raise_flag(p, flags_peers, row, W, me, epoch):
+    """Raise ``flags[row, me]`` on rank ``p`` to ``epoch`` (release, sys; ``flags_peers``: int64 ``[W]`` base
+    pointers of every rank's int64 ``flags``). Call after ``tl.debug_barrier()`` when several threads stored."""
     fb = tl.load(flags_peers + p).to(tl.pointer_type(tl.int64))
     signal_peer(fb + row * W + me, epoch)
 
@@ -298,12 +305,12 @@ def pack_row(x_ptr, t, send_q_ptr, send_s_ptr, drow, copy0, H: tl.constexpr, CHU
 
 
 @triton.jit
-def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_elems, w_ptr, send_w_ptr,
+def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_elems,
                      H: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
-                     INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr = False, K: tl.constexpr = 1,
-                     K_POW2: tl.constexpr = 1, WEIGHTS: tl.constexpr = False):
+                     INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr = False):
     """Pull path, sender: every token row read once and (MX) quantized once into this rank's send copy
-    ``par = epoch % 2``, row ``t`` (:func:`pack_row`); the receivers read the rows they need from there.
+    ``par = epoch % 2``, row ``t`` (:func:`pack_row`); the receivers read the rows they need from there. (With the
+    Triton plan the pull dispatch packs in :func:`pull_head_kernel`, combine backward in :func:`pack_ready_kernel`.)
 
     Args:
         x_ptr: bf16 ``[T, H]`` contiguous; with ``X_SLOT``, an int64 word holding that tensor's address (so a
@@ -312,9 +319,6 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
             rows); row ``t`` of copy ``par`` starts at element ``par * copy_elems + t * H``.
         send_s_ptr: uint8 ``[2, T_max, H/32]`` row-major scales (MX only).
         epoch_ptr: int64 epoch of this call (already advanced).
-        w_ptr / send_w_ptr (``WEIGHTS``, combine backward): fp32 ``[T, K]`` route weights, copied to this rank's
-            ``send_w`` (fp32 ``[2, T_max, K]``) at row ``t`` of copy ``par``; unused otherwise. ``K_POW2``:
-            ``next_pow2(K)``.
     Grid: any; persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -327,11 +331,45 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
     t = pid
     while t < T:
         pack_row(x_ptr, t, send_q_ptr, send_s_ptr, row0 + t, copy0, H, CHUNK, MX, MODE, INT_ROUND, X_SLOT)
-        if WEIGHTS:
-            kk = tl.arange(0, K_POW2)
-            wv = tl.load(w_ptr + t * K + kk, mask=kk < K, other=0.0)
-            tl.store(send_w_ptr + (row0 + t) * K + kk, wv, mask=kk < K)
         t += G
+
+
+@triton.jit
+def pack_weights(w_ptr, t, send_w_ptr, drow, K: tl.constexpr, K_POW2: tl.constexpr):
+    """Token ``t``'s fp32 route weights (``w`` ``[T, K]``) into row ``drow`` of ``send_w`` (fp32 ``[., K]``)."""
+    kk = tl.arange(0, K_POW2)
+    wv = tl.load(w_ptr + t * K + kk, mask=kk < K, other=0.0)
+    tl.store(send_w_ptr + drow * K + kk, wv, mask=kk < K)
+
+
+@triton.jit
+def pack_ready_kernel(g_ptr, T, send_q_ptr, epoch_ptr, T_max, copy_elems, w_ptr, send_w_ptr, ticket_ptr,
+                      flags_peers, row, W, me, H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr,
+                      K_POW2: tl.constexpr):
+    """Combine backward, sender (pull and push paths): epoch += 1, the gradient rows packed and the "ready"
+    handshake's publish in one launch. Every program packs tokens ``pid, pid + G, ...`` of the BF16 gradient ``g``
+    ``[T, H]`` (:func:`pack_row`, as they are) and their fp32 route weights ``w`` ``[T, K]`` (:func:`pack_weights`)
+    into send copy ``(epoch + 1) % 2`` (``send_q`` as bf16, ``send_w``; layouts as in :func:`pack_rows_kernel`);
+    the last program (:func:`~mxcomm.transport.flags.last_to_arrive` at system scope on the int32 ``ticket``, 0
+    between launches: every program's rows ordered before its signals) stores the new int64 epoch and raises
+    ``flags[row, me]`` to it on every rank (:func:`raise_flag`). The wait for every rank's is
+    :func:`wait_published_kernel`'s. Grid: any (at least 1)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    epoch = tl.load(epoch_ptr) + 1
+    par = epoch % 2
+    t = pid
+    while t < T:
+        pack_row(g_ptr, t, send_q_ptr, send_q_ptr, par * T_max + t, par * copy_elems, H, CHUNK, False, 0, False,
+                 False)
+        pack_weights(w_ptr, t, send_w_ptr, par * T_max + t, K, K_POW2)
+        t += G
+    if last_to_arrive(ticket_ptr, G, True):
+        tl.store(epoch_ptr, epoch)
+        p = 0
+        while p < W:
+            raise_flag(p, flags_peers, row, W, me, epoch)
+            p += 1
 
 
 @triton.jit

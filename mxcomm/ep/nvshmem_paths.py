@@ -225,31 +225,22 @@ class EnginePath:
         )
 
     # -- combine backward (the dispatch direction) -------------------------------------------
-    def _pack(self, T: int, g: Optional[torch.Tensor] = None, w: Optional[torch.Tensor] = None) -> None:
-        """Into this epoch's send copy, either this rank's ``T`` token rows (bf16 ``[T, H]`` at the address in
-        ``x_slot``), quantized once (MX), or (combine backward) the BF16 gradient rows ``g`` ``[T, H]`` as they are;
-        with ``w`` their fp32 route weights ``[T, k]`` into ``send_w``."""
-        from .nvshmem_kernels import pack_rows_kernel
+    def _deliver_gradients(self, g: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> None:
+        """Epoch += 1, then make every source's BF16 gradient rows and weights readable at ``g_src`` / ``w_src``: pack
+        them into this rank's send copy and publish "ready" in one launch (``pack_ready_kernel``), then wait for every
+        rank's "ready" (every rank packed; every rank finished reading the copy of the previous call in this
+        direction)."""
+        from .nvshmem_kernels import pack_ready_kernel
 
         e = self.e
-        H, T_max, k = e.config.hidden, e.config.max_tokens_per_rank, e.config.topk
-        if not T:
-            return
-        mx = e.mx and g is None
-        q = self.send_q.local if mx else self.send_q.local.view(torch.bfloat16)
-        fast_kernel(pack_rows_kernel)[(min(T, e.dispatch_programs),)](
-            self.x_slot if g is None else g, T, q, self.send_s.local if mx else e.err, e.d_epoch, T_max,
-            T_max * 2 * H if mx else T_max * H, e.err if w is None else w, self.send_w.local,
-            H=H, CHUNK=e.launch.row_chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, X_SLOT=g is None,
-            K=k, K_POW2=next_pow2(k), WEIGHTS=w is not None, num_warps=e.launch.dispatch_warps,
+        T, H, k = g.shape[0], e.config.hidden, e.config.topk
+        fast_kernel(pack_ready_kernel)[(max(1, min(T, e.dispatch_programs)),)](
+            g, T, self.send_q.local.view(torch.bfloat16), e.d_epoch, e.config.max_tokens_per_rank,
+            e.config.max_tokens_per_rank * H, w, self.send_w.local, e.tickets[5:6], e.flags.peer_ptrs,
+            _ROW_FLAGS["counts"], e.world, e.rank, H=H, CHUNK=e.launch.row_chunk(H), K=k,
+            K_POW2=next_pow2(k), num_warps=e.launch.dispatch_warps,
         )
-
-    def _deliver_gradients(self, g: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> None:
-        """Make every source's BF16 gradient rows and weights readable at ``g_src`` / ``w_src``: pack them into this
-        rank's send copy, then the "ready" handshake (every rank packed; every rank finished reading the copy of
-        the previous call in this direction)."""
-        self._pack(g.shape[0], g=g, w=w)
-        self.exchange(None)
+        self.wait_for_counts()  # (the "ready" flags are the counts row's)
 
     def combine_backward(self, g: torch.Tensor, w: torch.Tensor, handle: EPHandle, mx: bool,
                          expert_out: Optional[torch.Tensor]) -> BackwardRows:
@@ -259,8 +250,7 @@ class EnginePath:
         from .nvshmem_kernels import pull_weighted_kernel
 
         e = self.e
-        e.d_epoch.add_(1)
-        self._deliver_gradients(g, w, handle)
+        self._deliver_gradients(g, w, handle)  # (epoch += 1 first)
         plan, R = handle.plan, handle.num_rows
         H, T_max, k = e.config.hidden, e.config.max_tokens_per_rank, e.config.topk
         row_bytes = H if mx else 2 * H
@@ -448,6 +438,22 @@ class PullPath(EnginePath):
             T_max=e.config.max_tokens_per_rank, ticket_ptr=e.tickets[2:3], flags_row_ptr=e.flag_rows[1],
             expect_row_ptr=e.expect_rows[1], err_ptr=e.err, timeout_ns=e.timeout_ns, K=e.config.topk,
             EW=self.pull_list.local.shape[-1]))
+
+    def _pack(self, T: int) -> None:
+        """This rank's ``T`` token rows (bf16 ``[T, H]`` at the address in ``x_slot``), quantized once (MX), into this
+        epoch's send copy (the pull dispatch with the torch plan; with the Triton plan the head kernel packs)."""
+        from .nvshmem_kernels import pack_rows_kernel
+
+        e = self.e
+        H, T_max = e.config.hidden, e.config.max_tokens_per_rank
+        if not T:
+            return
+        q = self.send_q.local if e.mx else self.send_q.local.view(torch.bfloat16)
+        fast_kernel(pack_rows_kernel)[(min(T, e.dispatch_programs),)](
+            self.x_slot, T, q, self.send_s.local if e.mx else e.err, e.d_epoch, T_max,
+            T_max * 2 * H if e.mx else T_max * H, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id,
+            INT_ROUND=e.int_round, X_SLOT=True, num_warps=e.launch.dispatch_warps,
+        )
 
     def _head(self, topk_idx: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
         """Triton plan: ``pull_head_kernel`` (the id check and this rank's counts, into ``counts_in[:E]``; the
@@ -735,11 +741,12 @@ class PutPath(PushPath):
         self.puts.quiet()
 
     def _deliver_gradients(self, g, w, handle):
-        """The "ready" handshake (every destination finished with its ``recv_q`` of the previous call in this
-        direction), then one put per (token, destination rank) of the gradient row and one of its weights into the
-        destination's ``recv_q`` [me, t] / ``recv_w`` [me, t] (signalling a word nobody waits for), ``quiet``, and one
-        signal per destination; then wait for every source's signal."""
+        """Epoch += 1, the "ready" handshake (every destination finished with its ``recv_q`` of the previous call in
+        this direction), then one put per (token, destination rank) of the gradient row and one of its weights into
+        the destination's ``recv_q`` [me, t] / ``recv_w`` [me, t] (signalling a word nobody waits for), ``quiet``, and
+        one signal per destination; then wait for every source's signal."""
         e = self.e
+        e.d_epoch.add_(1)
         self.exchange(None)
         T, H, k = g.shape[0], e.config.hidden, e.config.topk
         self.send_q.local[0].view(-1)[: T * 2 * H].copy_(g.reshape(-1).view(torch.uint8))

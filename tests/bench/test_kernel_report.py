@@ -44,10 +44,10 @@ def test_report_shows_the_row_loads_through_an_address_from_memory(tmp_path):
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("triton has no nvidia backend here")
     out = tmp_path / "report.json"
-    r = _run("--kernels", "pack_rows,pull_rows", "--json", str(out))
+    r = _run("--kernels", "pack_rows,pack_ready,pull_rows", "--json", str(out))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     reps = {x["name"]: x for x in json.loads(out.read_text())["reports"]}
-    assert set(reps) == {"pack, x by address", "pack, gradient rows + weights", "gather (pull)"}
+    assert set(reps) == {"pack, x by address", "pack, gradient rows + weights, ready", "gather (pull)"}
     for name, rep in reps.items():
         loads = {int(w): n for w, n in rep["loads"].items()}
         assert loads.get(16, 0) > 0, (name, loads)

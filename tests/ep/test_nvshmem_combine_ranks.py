@@ -417,7 +417,7 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
     ``comb_gw`` for exactly the slots on this rank, raising ``flags[4, me]`` once per program (pull path);
     ``gather_route_grad_kernel`` at the origin picks each slot's value from its rank's row (0 for a dropped slot).
     Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with zero tokens, dropped slots."""
-    from mxcomm.ep.nvshmem_kernels import gather_route_grad_kernel, pack_rows_kernel, pull_weighted_kernel
+    from mxcomm.ep.nvshmem_kernels import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel
 
     g = torch.Generator().manual_seed(W * 31 + E + k + H + copies)
     rk = Ranks(W, E, k, Ts, g, epoch=7)
@@ -429,8 +429,9 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
             gy[0, 5], gy[-1, 40 % H] = float("inf"), float("nan")
             w[0, 0], w[-1, -1], w[1, 1] = 0.0, 1e-30, -2.5
     # each source's send copies (bf16 rows [copies, T_max, H], fp32 weights [copies, T_max, k]), garbage elsewhere;
-    # the pull path packs them (pack_rows_kernel with WEIGHTS: rows as they are, weights beside them, copy 1 of the
-    # odd epoch, copy 0 untouched), the put path's rows arrive by puts (here: copied in)
+    # the pull path packs them (pack_ready_kernel: the epoch advanced to the odd one, rows as they are, weights beside
+    # them into copy 1, copy 0 untouched, then "ready" raised on every rank), the put path's rows arrive by puts (here:
+    # copied in)
     send_g = [torch.randn(copies, T_max, H, generator=g).to(torch.bfloat16) for _ in range(W)]
     send_w = [torch.full((copies, T_max, k), float("nan")) for _ in range(W)]
     for s in range(W):
@@ -439,9 +440,13 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
             send_w[s][0, : Ts[s]] = ws[s]
             continue
         g0 = send_g[s][0].clone()
-        pack_rows_kernel[(2,)](gs[s], Ts[s], send_g[s], torch.zeros(1, dtype=torch.uint8), torch.tensor([epoch]), T_max,
-                               T_max * H, ws[s], send_w[s], H=H, CHUNK=32, MX=False, MODE=0, INT_ROUND=True, K=k,
-                               K_POW2=P2(k), WEIGHTS=True)
+        ep, ticket = torch.tensor([epoch - 1]), torch.zeros(1, dtype=torch.int32)
+        ready = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
+        pack_ready_kernel[(max(1, min(Ts[s], 2)),)](
+            gs[s], Ts[s], send_g[s], ep, T_max, T_max * H, ws[s], send_w[s], ticket, ptrs(ready),
+            FLAG_ROWS.index("counts"), W, s, H=H, CHUNK=32, K=k, K_POW2=P2(k))
+        assert int(ep) == epoch and int(ticket) == 0
+        assert all(int(r[FLAG_ROWS.index("counts"), s]) == epoch and int(r.sum()) == epoch for r in ready)  # "ready"
         assert torch.equal(send_g[s][0].view(torch.int16), g0.view(torch.int16))
         assert send_w[s][0].isnan().all()  # (NaN everywhere before)
         assert torch.equal(send_g[s][1, : Ts[s]].view(torch.int16), gs[s].view(torch.int16))

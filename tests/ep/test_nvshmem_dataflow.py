@@ -309,7 +309,7 @@ def test_pull_head_does_what_its_steps_do(T, G, epoch, mx, absent):
                          want["flags"][me], row, W, want["epoch"], want["err"], 10 ** 9, me, BLOCK=8, WAIT=False)
     if T:
         pack_rows_kernel[(3,)](want["x_slot"], T, q_of(want), want["send_s"], want["epoch"], T_max, copy_elems,
-                               want["err"], want["err"], H=H, CHUNK=32, MX=mx, MODE=0, INT_ROUND=True, X_SLOT=True)
+                               H=H, CHUNK=32, MX=mx, MODE=0, INT_ROUND=True, X_SLOT=True)
     wait_published_kernel[(W,)](want["flags"][me], row, W, want["epoch"], want["timeout"], timeout)
     got = state()
     pull_head_kernel[(G,)](idx, got["ids"], got["hist"], got["err"], T, E, got["totals"], got["counts"],
@@ -1029,17 +1029,17 @@ for mx in (True, False):
 for mx in (True, False):
     for slot in (True, False):  # x by address (the backend), x as a tensor (the kernel lab)
         ptx = compile(nk.pack_rows_kernel, dict(x_ptr=i64 if slot else "*bf16", send_q_ptr=u8 if mx else "*bf16",
-                      send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32", send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=mx,
-                      MODE=0, INT_ROUND=False, X_SLOT=slot, K=1, K_POW2=1, WEIGHTS=False)
+                      send_s_ptr=u8, epoch_ptr=i64), H=7168, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False, X_SLOT=slot)
         assert "st.global.v4.b32" in ptx, ("pack", mx, slot)
         # x by address too: 16-byte loads (without the alignment hint, one load per value)
         assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx, ("pack's loads", mx, slot)
         if mx:  # scale bytes stored where they are held (store_block_bytes): not 2 barriers per chunk (8 before)
             assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("pack's scale stores", slot)
-# combine backward, pull path: the BF16 rows + weights packed; the receiver weights and quantizes per slot
-compile(nk.pack_rows_kernel, dict(x_ptr="*bf16", send_q_ptr="*bf16", send_s_ptr=u8, epoch_ptr=i64, w_ptr="*fp32",
-        send_w_ptr="*fp32"), H=7168, CHUNK=2048, MX=False, MODE=0, INT_ROUND=False, X_SLOT=False, K=8, K_POW2=8,
-        WEIGHTS=True)
+# combine backward, pull path: the BF16 rows + weights packed, then "ready" from the last program (a ticket at
+# system scope); the receiver weights and quantizes per slot
+ptx = compile(nk.pack_ready_kernel, dict(g_ptr="*bf16", send_q_ptr="*bf16", epoch_ptr=i64, w_ptr="*fp32",
+              send_w_ptr="*fp32", ticket_ptr=i32, flags_peers=i64), H=7168, CHUNK=2048, K=8, K_POW2=8)
+assert "st.global.v4.b32" in ptx and re.search(r"atom[.]global[.]sys[.]acq_rel[.]add[.]u32", ptx), "pack + ready"
 # route-weight gradient on the pull path (arrivals), on the put path (its puts signal), none
 weighted = dict(dst_ptr=u8, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32, g_peers=i64, w_peers=i64,
                 table_ptr=i32, epoch_ptr=i64, out_ptr="*bf16", gw_peers=i64, flags_peers=i64)
