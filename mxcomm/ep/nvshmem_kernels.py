@@ -45,8 +45,8 @@ from ..kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, b
                                  load_block_bytes, mx_decode_tile, mx_qdq_tile, mx_quantize_tile,
                                  mx_quantize_tile_amax, mx_saturate, store_block_bytes, to_fp32)
 from ..transport.flags import deadline_after, last_to_arrive, signal_peer, wait_flag_geq
-from .plan_kernels import (check_hist_block, counts_tile, origin_blocks, place_slots, scan_keys, slot_tables,
-                           store_tables)
+from .plan_kernels import (check_hist_block, counts_tile, place_slots, scan_keys, slot_tables,
+                           table_or_origin_job)
 
 
 @triton.jit
@@ -537,10 +537,10 @@ def plan_entries_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr
     TOK: tl.constexpr = S // K
     pid = tl.program_id(0)
     c = counts_tile(counts_ptr, c_stride, W, El, W_POW2, EL_POW2)
-    if pid < table_programs:
-        store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align,
-                     W, El, W_POW2, EL_POW2, STATUS)
-    elif pid < table_programs + slot_programs:
+    table_or_origin_job(c, pid, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, src_ptr, pos_ptr,
+                        n_rows, table_programs, slot_programs, n_refusal, me, align, W, El, W_POW2, EL_POW2, BLOCK,
+                        STATUS)
+    if (pid >= table_programs) & (pid < table_programs + slot_programs):
         dst_base, send_base, num_send = slot_tables(c, me, align, W_POW2, EL_POW2)
         ep = tl.load(epoch_ptr)
         T = n_slots // K
@@ -556,10 +556,6 @@ def plan_entries_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr
                 list_entries(dest_rank_ptr, dest_row_ptr, w_ptr, b * TOK, T, d, lst, me, T_max, ep, K, EW, TOK)
                 i += 1
             b += slot_programs
-    else:
-        origin_blocks(c, src_ptr, pos_ptr, pid - table_programs - slot_programs,
-                      tl.num_programs(0) - table_programs - slot_programs, n_rows, me, align, W, El, W_POW2, EL_POW2,
-                      BLOCK)
     if last_to_arrive(ticket_ptr, tl.num_programs(0), True):
         p = 0
         while p < W:

@@ -386,17 +386,29 @@ def plan_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr, recv_p
     """
     pid = tl.program_id(0)
     c = counts_tile(counts_ptr, c_stride, W, El, W_POW2, EL_POW2)
-    if pid < table_programs:
-        store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align,
-                      W, El, W_POW2, EL_POW2, STATUS)
-    elif pid < table_programs + slot_programs:
+    table_or_origin_job(c, pid, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, src_ptr, pos_ptr,
+                        n_rows, table_programs, slot_programs, n_refusal, me, align, W, El, W_POW2, EL_POW2, BLOCK,
+                        STATUS)
+    if (pid >= table_programs) & (pid < table_programs + slot_programs):
         dst_base, send_base, num_send = slot_tables(c, me, align, W_POW2, EL_POW2)
         b = pid - table_programs
         while b * S < n_slots:
             place_slots(dst_base, send_base, num_send, idx_ptr, pre_ptr, dest_rank_ptr, dest_row_ptr, send_pos_ptr,
                         order_ptr, b, n_slots, W * El, El, EL_POW2, S, S_POW2)
             b += slot_programs
-    else:
+
+
+@triton.jit
+def table_or_origin_job(c, pid, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, src_ptr,
+                        pos_ptr, n_rows, table_programs, slot_programs, n_refusal, me, align, W, El,
+                        W_POW2: tl.constexpr, EL_POW2: tl.constexpr, BLOCK: tl.constexpr, STATUS: tl.constexpr):
+    """Program ``pid`` of :func:`plan_kernel`'s grid outside its slot group: the tables (programs ``[0,
+    table_programs)``: :func:`store_tables`) or the row origins (from ``table_programs + slot_programs`` on:
+    :func:`origin_blocks`); nothing in a slot program. ``c``: the counts tile."""
+    if pid < table_programs:
+        store_tables(c, cnt_ptr, tab_ptr, recv_ptr, srp_ptr, ssp_ptr, status_ptr, refusal_ptr, n_refusal, me, align,
+                     W, El, W_POW2, EL_POW2, STATUS)
+    elif pid >= table_programs + slot_programs:
         origin_blocks(c, src_ptr, pos_ptr, pid - table_programs - slot_programs,
                       tl.num_programs(0) - table_programs - slot_programs, n_rows, me, align, W, El, W_POW2, EL_POW2,
                       BLOCK)
@@ -634,4 +646,4 @@ def plan_row_origins(plan: RoutingPlan, n_rows: int) -> dict:
 __all__ = ["triton_plan", "plan_numel", "plan_storage", "plan_row_origins", "check_and_count", "CheckedIds", "fits",
            "tokens_per_block", "slot_blocks", "plan_kernel", "plan_launch", "PlanLaunch", "slot_check_hist_kernel",
            "slot_scan_kernel", "check_hist_block", "scan_keys", "scan_tile", "ScanTile", "counts_tile", "slot_tables",
-           "place_slots", "origin_blocks", "store_tables", "PlanJobs", "MAX_TABLE"]
+           "place_slots", "origin_blocks", "store_tables", "table_or_origin_job", "PlanJobs", "MAX_TABLE"]
