@@ -9,14 +9,15 @@ launching its kernels (:mod:`mxcomm.ep.nvshmem_kernels`). docs/design.md describ
 One call of :meth:`NvshmemBackend.dispatch` with the default pull dispatch (``transport="auto"`` on one node), all
 on the current CUDA stream:
 
-1. the middle, replayed from a CUDA graph captured per token count (:meth:`NvshmemBackend.run_middle`), four
+1. the middle, replayed from a CUDA graph captured per token count (:meth:`NvshmemBackend.run_middle`), three
    launches: ``pull_head_kernel`` (the device-side id check and this rank's per-expert counts; its last program
    advances the epoch and publishes the counts and a refusal word into every peer; every program packs token rows,
    each read once and quantized once, into this rank's send copy while the counts travel),
-   ``scan_and_wait_kernel`` (the plan's per-block slot table; its last program waits for every peer's counts), the
-   routing plan on the exchanged counts plus each received row's origin (``plan_kernel``), ``push_entries_kernel``
-   (one pull-list entry per (token, destination rank); its last program waits for every source's entries); with
-   ``plan_impl="torch"`` (tables too large for the Triton plan) the same steps in separate launches and torch ops.
+   ``scan_and_wait_kernel`` (the plan's per-block slot table; its last program waits for every peer's counts),
+   ``plan_entries_kernel`` (the routing plan on the exchanged counts plus each received row's origin, and one
+   pull-list entry per (token, destination rank) as the slots are placed; its last program waits for every
+   source's entries); with ``plan_impl="torch"`` (tables too large for the Triton plan) the same steps in separate
+   launches and torch ops.
    The copy of the status words the host sync reads and the copy of the plan the handle keeps (the checked ids and
    the plan share one buffer) are enqueued right after it, while the device still runs it;
 2. exact sizes: the call's ONE host sync (:meth:`NvshmemBackend._check`): the output size, the error words and the
@@ -167,11 +168,11 @@ class NvshmemBackend:
         # the plan in one, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the
         # GPU replayed from a CUDA graph captured per token count)
         self.plan_impl = "triton" if plan_kernels.fits(W, config.num_experts) else "torch"
-        # the per-block slot table of this call's ids (check_and_count writes it, the plan reads it): a fixed
-        # address, so the captured plan reads the current call's table
+        # the per-block slot table of this call's ids (check_and_count or the pull head writes it, the plan reads it):
+        # a fixed address, so the captured plan reads the current call's table
         self.slot_prefix = (torch.empty(plan_kernels.slot_blocks(config.max_tokens_per_rank, config.topk)
-                                         * (config.num_experts + 1), dtype=torch.int32, device=self.device)
-                             if self.plan_impl == "triton" else None)
+                                        * (config.num_experts + 1), dtype=torch.int32, device=self.device)
+                            if self.plan_impl == "triton" else None)
         self.int_round = self.device.type != "cuda"  # the interpreter's fp8 cast is not RNE
         # put-with-signal path: forced by the config, or needed because a peer has no peer pointer
         self.put_mode = config.transport == "put" or not getattr(heap.ctx, "all_local", True)
@@ -536,7 +537,8 @@ class NvshmemBackend:
         exact = self.config.exact_sizes
         if self.plan_impl == "triton" and (T or jobs is not None):  # (jobs: its launch must happen with no tokens too)
             # the table check_and_count wrote for these ids (this call's, at a fixed address)
-            pre = self.slot_prefix[:plan_kernels.slot_blocks(T, k) * (counts.shape[1] + 1)].view(-1, counts.shape[1] + 1)
+            n_keys = counts.shape[1] + 1
+            pre = self.slot_prefix[:plan_kernels.slot_blocks(T, k) * n_keys].view(-1, n_keys)
             out = plan_kernels.triton_plan(counts, topk_idx, self.rank, self.config.align, self.R_max, prefix=pre,
                                            origins=not self.local, status=self.status if exact else None,
                                            refusals=self.refusal_words if refusals else None,

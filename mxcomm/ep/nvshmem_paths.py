@@ -405,12 +405,12 @@ class PullPath(EnginePath):
     """Several ranks with peer pointers (the default). Dispatch, captured once per token count and replayed: the id
     check and counts, epoch += 1, the counts exchange (with every rank's refusal word; the pack, each token row read
     once, quantized once, into this rank's send copy ``epoch % 2``, runs while the peers' counts arrive), the
-    routing plan, ``push_entries_kernel`` (one pull-list entry per (token, destination rank) on the destination,
-    with the token's route weights) and the bounded wait for every source's entries - four launches with the Triton
-    plan (:meth:`_head`: check to pack, then the slot table and the counts wait; the plan; the entries and their
-    wait); then, after the
-    call's one host sync, ``pull_rows_kernel`` reads each listed token's row once from its source's send copy into the
-    fresh output at all its rows and keeps the entries, and their route weights, as the handle's table. Combine
+    routing plan, one pull-list entry per (token, destination rank) on the destination, with the token's route
+    weights, and the bounded wait for every source's entries - three launches with the Triton plan (:meth:`_head`:
+    check to pack, then the slot table and the counts wait; the plan with the entries and their wait,
+    :meth:`_plan_jobs`); then, after the call's one host sync, ``pull_rows_kernel`` reads each listed token's row once
+    from its source's send copy into the fresh output at all its rows and keeps the entries, and their route weights,
+    as the handle's table. Combine
     weights its partial sums with those weights and exchanges none when it is given the tensor this rank dispatched
     with (unchanged; see :meth:`EnginePath.combine_weights`). Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``,
     ``ep.pull_list`` and the combine buffers; no symmetric receive buffer (the receivers write fresh tensors)."""

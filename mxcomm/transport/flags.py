@@ -15,8 +15,8 @@ Protocol (no flag is ever reset, so there is no reset race):
 
 ``globaltimer()`` reads ``%globaltimer`` (ns) through inline PTX, which runs on an NVIDIA GPU only.
 Under ``TRITON_INTERPRET=1`` (decided when this module is imported) the same functions read the
-host clock instead, so the wait/record logic is also testable on a CPU; cross-process signalling
-still needs the GPU.
+host clock instead, so the wait/record logic is also testable on a CPU, across processes too when
+they map one shared-memory heap at the same address (the tests' stand-in for the symmetric heap).
 """
 from __future__ import annotations
 

@@ -285,7 +285,8 @@ def test_pull_head_does_what_its_steps_do(T, G, epoch, mx, absent):
     row = FLAG_ROWS.index("counts")
 
     def state():
-        st = dict(ids=torch.full((T, k), 99, dtype=torch.int32), hist=torch.full((n_blk + 1, E + 1), 55, dtype=torch.int32),
+        st = dict(ids=torch.full((T, k), 99, dtype=torch.int32),
+                  hist=torch.full((n_blk + 1, E + 1), 55, dtype=torch.int32),
                   err=torch.tensor([3], dtype=torch.int64), counts=torch.full((E + 1,), 66, dtype=torch.int32),
                   epoch=torch.tensor([epoch], dtype=torch.int64), timeout=torch.zeros(1, dtype=torch.int64),
                   peers=[torch.full((W * E + W,), 44, dtype=torch.int32) for _ in range(W)],
