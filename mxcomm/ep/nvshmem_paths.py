@@ -407,8 +407,8 @@ class PullPath(EnginePath):
     once, quantized once, into this rank's send copy ``epoch % 2``, runs while the peers' counts arrive), the
     routing plan, one pull-list entry per (token, destination rank) on the destination, with the token's route
     weights, and the bounded wait for every source's entries - three launches with the Triton plan (:meth:`_head`:
-    check to pack, then the slot table and the counts wait; the plan with the entries and their wait,
-    :meth:`_plan_jobs`); then, after the call's one host sync, ``pull_rows_kernel`` reads each listed token's row once
+    check to pack; :meth:`_scan_and_wait`: the slot table and the counts wait; the plan with the entries and their
+    wait, :meth:`_plan_jobs`); then, after the call's one host sync, ``pull_rows_kernel`` reads each listed token's row once
     from its source's send copy into the fresh output at all its rows and keeps the entries, and their route weights,
     as the handle's table. Combine
     weights its partial sums with those weights and exchanges none when it is given the tensor this rank dispatched
@@ -456,35 +456,42 @@ class PullPath(EnginePath):
         )
 
     def _head(self, topk_idx: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
-        """Triton plan: ``pull_head_kernel`` (the id check and this rank's counts, into ``counts_in[:E]``; the
-        refusal word into ``counts_in[E]``; epoch += 1; the publish of both to every rank; the pack of ``x``, from
-        ``x_slot``, into this epoch's send copy), then ``scan_and_wait_kernel`` (the per-block counts into the plan's
-        table, the engine's ``slot_prefix``; the bounded wait for every rank's counts): two launches. Returns the
-        checked int32 ids ``[T, k]`` (the head of ``store``)."""
-        from .nvshmem_kernels import pull_head_kernel, scan_and_wait_kernel
-        from .plan_kernels import scan_tile, slot_blocks, tokens_per_block
+        """Triton plan: ``pull_head_kernel`` - the id check and this rank's counts (into ``counts_in[:E]``; the block
+        counts into the engine's ``slot_prefix``), the refusal word (``counts_in[E]``), epoch += 1, the publish of both
+        to every rank, and the pack of ``x`` (from ``x_slot``) into this epoch's send copy, in one launch that waits
+        for nothing. Returns the checked int32 ids ``[T, k]`` (the head of ``store``)."""
+        from .nvshmem_kernels import pull_head_kernel
+        from .plan_kernels import tokens_per_block
 
         e = self.e
         T, k = topk_idx.shape
         E, H, T_max = e.config.num_experts, e.config.hidden, e.config.max_tokens_per_rank
         ids = store.view(-1)[:T * k].view(T, k)
         q = self.send_q.local if e.mx else self.send_q.local.view(torch.bfloat16)
-        row = _ROW_FLAGS["counts"]
         fast_kernel(pull_head_kernel)[(max(1, min(T, e.dispatch_programs)),)](
             topk_idx.contiguous(), ids, e.slot_prefix, e.input_err, T, E, e.count_totals, e.counts_in, e.tickets[0:1],
-            e.counts.peer_ptrs, e.flags.peer_ptrs, row, e.world, e.rank, e.d_epoch, self.x_slot, q,
+            e.counts.peer_ptrs, e.flags.peer_ptrs, _ROW_FLAGS["counts"], e.world, e.rank, e.d_epoch, self.x_slot, q,
             self.send_s.local if e.mx else e.err, T_max, T_max * 2 * H if e.mx else T_max * H,
             K=k, K_POW2=next_pow2(k), TOK=tokens_per_block(k), KEYS=min(1024, next_pow2(E + 1)),
             PUB_BLOCK=_PUBLISH_BLOCK, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id,
             INT_ROUND=e.int_round, num_warps=e.launch.dispatch_warps,
         )
-        nb = slot_blocks(T, k)
+        return ids
+
+    def _scan_and_wait(self, T: int) -> None:
+        """Triton plan, after :meth:`_head`: ``scan_and_wait_kernel`` - the block counts of ``T`` tokens into the
+        plan's table (``slot_prefix``), then the bounded wait for every rank's counts."""
+        from .nvshmem_kernels import scan_and_wait_kernel
+        from .plan_kernels import scan_tile, slot_blocks
+
+        e = self.e
+        E = e.config.num_experts
+        nb = slot_blocks(T, e.config.topk)
         tile = scan_tile(nb, E + 1)
         fast_kernel(scan_and_wait_kernel)[(cdiv(E + 1, tile.keys),)](
-            e.slot_prefix, e.counts_in, nb, E + 1, e.tickets[1:2], e.flags.local, row, e.world, e.d_epoch, e.err,
-            e.timeout_ns, BLOCK_B=tile.blocks, BLOCK_K=tile.keys,
+            e.slot_prefix, e.counts_in, nb, E + 1, e.tickets[1:2], e.flags.local, _ROW_FLAGS["counts"], e.world,
+            e.d_epoch, e.err, e.timeout_ns, BLOCK_B=tile.blocks, BLOCK_K=tile.keys,
         )
-        return ids
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
         """Everything before the receivers' gather: the id check of the caller's ``topk_idx`` and this rank's counts
@@ -492,12 +499,13 @@ class PullPath(EnginePath):
         exchange (counts and refusal word) with the pack (``x`` from ``x_slot``) between its publish and its wait,
         the plan of the checked ids on the exchanged ``counts_buf``, the pull-list entries and the bounded wait for
         every source's; the refusals into the status words. ``extra["ids"]``: the checked ids. With the Triton plan,
-        three launches: :meth:`_head` (two: check to pack; the slot table and the counts wait), then the plan with the
-        entries and their wait (:meth:`_plan_jobs`)."""
+        three launches: :meth:`_head` (check to pack), :meth:`_scan_and_wait` (the slot table and the counts wait),
+        then the plan with the entries and their wait (:meth:`_plan_jobs`)."""
         e = self.e
         store = e.plan_store(topk_idx)
         if store is not None:
             ids = self._head(topk_idx, store)
+            self._scan_and_wait(ids.shape[0])
             # (and the refusals into the status words)
             po = e.compute_plan(counts_buf, ids, refusals=True, store=store, jobs=self._plan_jobs())
             return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})

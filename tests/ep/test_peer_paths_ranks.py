@@ -152,6 +152,36 @@ def _fault_worker(rank, world, path, base, cfg, T, seed):
     return got
 
 
+def _stalled_worker(rank, world, path, base, cfg, T, seed):
+    """Rank 1 runs the pull dispatch's first launch (check, counts and their publish, pack) and stops there, before
+    the launch that would write its pull-list entries; rank 0 starts its dispatch once rank 1's counts are out.
+    Rank 0 returns what its dispatch raised, whether rank 1's counts had arrived and whether rank 1's entries had
+    not."""
+    import torch.distributed as dist
+
+    from mxcomm.ep.plan import FLAG_ROWS
+    from mxcomm.transport.errors import PeerTimeout
+
+    be = _backend(rank, world, path, base, cfg)
+    xs, idxs, ws = rank_inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
+    if rank == 1:
+        be.impl.x_slot.fill_(xs[1].data_ptr())
+        be.impl._head(idxs[1], be.plan_store(idxs[1]))  # (waits for nothing)
+    dist.barrier()
+    if rank == 1:
+        return "stopped"
+    start = time.monotonic()
+    try:
+        be.dispatch(xs[0], idxs[0], ws[0])
+        raised = "returned"
+    except PeerTimeout as e:
+        raised = ("PeerTimeout", e.peer, time.monotonic() - start < 4 * cfg.timeout_s)
+    flags = be.flags.local
+    epoch = int(be.d_epoch)
+    return (raised, int(flags[FLAG_ROWS.index("counts"), 1]) == epoch,
+            int(flags[1, 1]) < int(be.expect[1, 1]))
+
+
 def _mismatch_worker(rank, world, path, base, cfg, T, seed):
     """Rank 0 combines with other weights (it exchanges), the others with the dispatch's (they do not): every rank's
     combine must fail with a PeerTimeout, none may return partial sums formed with weights it was not given."""
@@ -232,6 +262,18 @@ def test_refusal_then_clean_call_then_absent_peer(tmp_path):
     out = _run_mapped(tmp_path, 2, _fault_worker, cfg, (6, 5), 9, timeout=300)
     assert out[0] == [("PeerTimeout", 1, True), True, ("PeerTimeout", 1, True)], out
     assert out[1] == [("ValueError", True), True], out
+
+
+def test_peer_that_stops_before_its_entries_is_named(tmp_path):
+    """A rank that publishes its counts and then stops (it never writes its pull-list entries): the other rank's
+    dispatch passes the counts wait and raises PeerTimeout naming it from the wait for every source's entries, the
+    one at the end of the plan's launch, within its timeout."""
+    from mxcomm.ep import EPConfig
+
+    cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=6, precision="mxfp8", backend="nvshmem",
+                   num_sms=1, timeout_s=3.0, transport="pull")
+    out = _run_mapped(tmp_path, 2, _stalled_worker, cfg, (6, 5), 13, timeout=300)
+    assert out == [(("PeerTimeout", 1, True), True, True), "stopped"], out
 
 
 def _mapped_entry(rank, world, fn, path, bases, *args):
