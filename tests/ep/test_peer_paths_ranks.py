@@ -113,6 +113,9 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
         for p in range(world):
             want_gw = torch.where(dr == p, route_grad(torch.where(dr == p, drow, -1), gys[rank], outs[p]), want_gw)
         torch.testing.assert_close(cb.grad_weights, want_gw.float(), rtol=1e-5, atol=1e-4, msg=tag)
+        # every launch that elects its last program left its ticket at 0, the head its totals at 0 (a ticket off by
+        # one would elect no program in the next call)
+        assert not be.tickets.any() and not be.count_totals.any(), f"{tag}: {be.tickets.tolist()}"
     assert int(be.err[0]) == 0
     return "ok"
 
@@ -178,8 +181,9 @@ def _stalled_worker(rank, world, path, base, cfg, T, seed):
         raised = ("PeerTimeout", e.peer, time.monotonic() - start < 4 * cfg.timeout_s)
     flags = be.flags.local
     epoch = int(be.d_epoch)
+    clean = not be.tickets.any() and not be.count_totals.any()  # the failed call left its tickets and totals at 0
     return (raised, int(flags[FLAG_ROWS.index("counts"), 1]) == epoch,
-            int(flags[1, 1]) < int(be.expect[1, 1]))
+            int(flags[1, 1]) < int(be.expect[1, 1]), clean)
 
 
 def _mismatch_worker(rank, world, path, base, cfg, T, seed):
@@ -273,7 +277,7 @@ def test_peer_that_stops_before_its_entries_is_named(tmp_path):
     cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=6, precision="mxfp8", backend="nvshmem",
                    num_sms=1, timeout_s=3.0, transport="pull")
     out = _run_mapped(tmp_path, 2, _stalled_worker, cfg, (6, 5), 13, timeout=300)
-    assert out == [(("PeerTimeout", 1, True), True, True), "stopped"], out
+    assert out == [(("PeerTimeout", 1, True), True, True, True), "stopped"], out
 
 
 def _mapped_entry(rank, world, fn, path, bases, *args):
