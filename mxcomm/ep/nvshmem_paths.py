@@ -109,6 +109,12 @@ class EnginePath:
         self.g_src, self.w_src = self.send_q.peer_ptrs, self.send_w.peer_ptrs
         self.g_copy, self.w_copy = T * e.config.hidden, T * k
         self.gw_dst = self.comb_gw.peer_ptrs + e.rank * T * k * 4
+        # the launch arguments of the waits in a launch's last program (fixed per engine: made once): the partial
+        # sums' (flag row 2) and combine backward's route-weight gradients' (row 4)
+        self._partials_wait = dict(ticket_ptr=e.tickets[3:4], flags_row_ptr=e.flag_rows[2],
+                                   expect_row_ptr=e.expect_rows[2], timeout_ns=e.timeout_ns, WAIT=True)
+        self._gradients_wait = dict(ticket_ptr=e.tickets[4:5], flags_row_ptr=e.flag_rows[4],
+                                    expect_row_ptr=e.expect_rows[4], err_ptr=e.err, timeout_ns=e.timeout_ns, WAIT=True)
 
     def _rows_of(self, buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
         """int64 ``[W]``: the address of row ``s`` (``row_bytes`` bytes each) of this rank's ``buf``, by ``s``."""
@@ -213,8 +219,7 @@ class EnginePath:
         e = self.e
         H = e.config.hidden
         st = handle.backend_state
-        wait = {} if staged else dict(ticket_ptr=e.tickets[3:4], flags_row_ptr=e.flag_rows[2],
-                                      expect_row_ptr=e.expect_rows[2], timeout_ns=e.timeout_ns, WAIT=True)
+        wait = {} if staged else self._partials_wait
         fast_kernel(combine_partials_kernel)[(e.programs,)](
             payload, in_scales, st.table, st.origins.pos, e.err if weights is None else weights, q_ptrs, s_ptrs,
             e.flags.peer_ptrs, e.rank, e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, e.err, H=H,
@@ -257,8 +262,7 @@ class EnginePath:
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
         srows = self._scale_rows(R, mx)
         rg = expert_out is not None
-        wait = dict(ticket_ptr=e.tickets[4:5], flags_row_ptr=e.flag_rows[4], expect_row_ptr=e.expect_rows[4],
-                    err_ptr=e.err, timeout_ns=e.timeout_ns, WAIT=True) if rg and self.gw_arrive else {}
+        wait = self._gradients_wait if rg and self.gw_arrive else {}
         fast_kernel(pull_weighted_kernel)[(e.programs,)](
             out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
             self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, self.g_copy, self.w_copy,
@@ -408,12 +412,12 @@ class PullPath(EnginePath):
     routing plan, one pull-list entry per (token, destination rank) on the destination, with the token's route
     weights, and the bounded wait for every source's entries - three launches with the Triton plan (:meth:`_head`:
     check to pack; :meth:`_scan_and_wait`: the slot table and the counts wait; the plan with the entries and their
-    wait, :meth:`_plan_jobs`); then, after the call's one host sync, ``pull_rows_kernel`` reads each listed token's row once
-    from its source's send copy into the fresh output at all its rows and keeps the entries, and their route weights,
-    as the handle's table. Combine
-    weights its partial sums with those weights and exchanges none when it is given the tensor this rank dispatched
-    with (unchanged; see :meth:`EnginePath.combine_weights`). Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``,
-    ``ep.pull_list`` and the combine buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
+    wait, :meth:`_make_plan_jobs`); then, after the call's one host sync, ``pull_rows_kernel`` reads each listed
+    token's row once from its source's send copy into the fresh output at all its rows and keeps the entries, and
+    their route weights, as the handle's table. Combine weights its partial sums with those weights and exchanges none
+    when it is given the tensor this rank dispatched with (unchanged; see :meth:`EnginePath.combine_weights`).
+    Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine buffers; no symmetric
+    receive buffer (the receivers write fresh tensors)."""
 
     name = "pull"
 
@@ -425,10 +429,12 @@ class PullPath(EnginePath):
         self.x_slot = torch.zeros(1, dtype=torch.int64, device=engine.device)
         self.w_in = torch.zeros(engine.config.max_tokens_per_rank, engine.config.topk, dtype=torch.float32,
                                 device=engine.device)
+        self._plan_jobs = self._make_plan_jobs()
 
-    def _plan_jobs(self):
+    def _make_plan_jobs(self):
         """The pull-list entries and the wait for every source's as jobs of the plan's launch
-        (``plan_entries_kernel``, :class:`~mxcomm.ep.plan_kernels.PlanJobs`)."""
+        (``plan_entries_kernel``, :class:`~mxcomm.ep.plan_kernels.PlanJobs`; every argument fixed per engine: made
+        once, in ``__init__``)."""
         from .nvshmem_kernels import plan_entries_kernel
         from .plan_kernels import PlanJobs
 
@@ -500,14 +506,14 @@ class PullPath(EnginePath):
         the plan of the checked ids on the exchanged ``counts_buf``, the pull-list entries and the bounded wait for
         every source's; the refusals into the status words. ``extra["ids"]``: the checked ids. With the Triton plan,
         three launches: :meth:`_head` (check to pack), :meth:`_scan_and_wait` (the slot table and the counts wait),
-        then the plan with the entries and their wait (:meth:`_plan_jobs`)."""
+        then the plan with the entries and their wait (:meth:`_make_plan_jobs`)."""
         e = self.e
         store = e.plan_store(topk_idx)
         if store is not None:
             ids = self._head(topk_idx, store)
             self._scan_and_wait(ids.shape[0])
             # (and the refusals into the status words)
-            po = e.compute_plan(counts_buf, ids, refusals=True, store=store, jobs=self._plan_jobs())
+            po = e.compute_plan(counts_buf, ids, refusals=True, store=store, jobs=self._plan_jobs)
             return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
         # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]; epoch += 1
         ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True, new_epoch=True)
