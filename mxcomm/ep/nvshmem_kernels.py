@@ -350,8 +350,9 @@ def pack_ready_kernel(g_ptr, T, send_q_ptr, epoch_ptr, T_max, copy_elems, w_ptr,
     handshake's publish in one launch. Every program packs tokens ``pid, pid + G, ...`` of the BF16 gradient ``g``
     ``[T, H]`` (:func:`pack_row`, as they are) and their fp32 route weights ``w`` ``[T, K]`` (:func:`pack_weights`)
     into send copy ``(epoch + 1) % 2`` (``send_q`` as bf16, ``send_w``; layouts as in :func:`pack_rows_kernel`);
-    the last program (:func:`~mxcomm.transport.flags.last_to_arrive` at system scope on the int32 ``ticket``, 0
-    between launches: every program's rows ordered before its signals) stores the new int64 epoch and raises
+    the last program (:func:`~mxcomm.transport.flags.last_to_arrive` at GPU scope on the int32 ``ticket``, 0 between
+    launches: the rows are in this rank's own memory, and the release at system scope of each signal orders every
+    program's rows before it, through the ticket) stores the new int64 epoch and raises
     ``flags[row, me]`` to it on every rank (:func:`raise_flag`). The wait for every rank's is
     :func:`wait_published_kernel`'s. Grid: any (at least 1)."""
     pid = tl.program_id(0)
@@ -364,7 +365,7 @@ def pack_ready_kernel(g_ptr, T, send_q_ptr, epoch_ptr, T_max, copy_elems, w_ptr,
                  False)
         pack_weights(w_ptr, t, send_w_ptr, par * T_max + t, K, K_POW2)
         t += G
-    if last_to_arrive(ticket_ptr, G, True):
+    if last_to_arrive(ticket_ptr, G):
         tl.store(epoch_ptr, epoch)
         p = 0
         while p < W:

@@ -1038,11 +1038,12 @@ for mx in (True, False):
         assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx, ("pack's loads", mx, slot)
         if mx:  # scale bytes stored where they are held (store_block_bytes): not 2 barriers per chunk (8 before)
             assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("pack's scale stores", slot)
-# combine backward, pull path: the BF16 rows + weights packed, then "ready" from the last program (a ticket at
-# system scope); the receiver weights and quantizes per slot
+# combine backward, pull path: the BF16 rows + weights packed (into this rank's own memory), then "ready" from the
+# last program (a ticket at GPU scope, the signals' release at system scope); the receiver weights and quantizes
 ptx = compile(nk.pack_ready_kernel, dict(g_ptr="*bf16", send_q_ptr="*bf16", epoch_ptr=i64, w_ptr="*fp32",
               send_w_ptr="*fp32", ticket_ptr=i32, flags_peers=i64), H=7168, CHUNK=2048, K=8, K_POW2=8)
-assert "st.global.v4.b32" in ptx and re.search(r"atom[.]global[.]sys[.]acq_rel[.]add[.]u32", ptx), "pack + ready"
+assert "st.global.v4.b32" in ptx and re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "pack + ready"
+assert re.search(r"atom[.]global[.]sys[.]release[.]exch", ptx), "ready's release"
 # route-weight gradient on the pull path (arrivals), on the put path (its puts signal), none
 weighted = dict(dst_ptr=u8, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32, g_peers=i64, w_peers=i64,
                 table_ptr=i32, epoch_ptr=i64, out_ptr="*bf16", gw_peers=i64, flags_peers=i64)
