@@ -84,9 +84,6 @@ class LaunchConfig:
             arrived (its loads of a token's partials are issued together: registers bound its occupancy).
         route_grad_per_sm: ``route_weight_grad`` (4 warps per program; one rank).
         push_per_sm: ``push_entries_kernel``.
-        head_registers: the register cap of ``pull_head_kernel`` (Triton's ``maxnreg``): its id check alone needs more
-            than the pack it shares the launch with (48 at H 7168, top-8), and at 48 only 5 of its 8-warp programs fit
-            on an SM instead of the pack's 8; at 32 the compiler spills nothing (``kernel_report`` compiles it capped).
         wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
             peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
             cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
@@ -106,7 +103,6 @@ class LaunchConfig:
     route_grad_per_sm: int = 8
     push_per_sm: int = 1
     wait_warps: int = 1
-    head_registers: int = 32
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop

@@ -480,7 +480,7 @@ class PullPath(EnginePath):
             self.send_s.local if e.mx else e.err, T_max, T_max * 2 * H if e.mx else T_max * H,
             K=k, K_POW2=next_pow2(k), TOK=tokens_per_block(k), KEYS=min(1024, next_pow2(E + 1)),
             PUB_BLOCK=_PUBLISH_BLOCK, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id,
-            INT_ROUND=e.int_round, num_warps=e.launch.dispatch_warps, maxnreg=e.launch.head_registers,
+            INT_ROUND=e.int_round, num_warps=e.launch.dispatch_warps,
         )
         return ids
 

@@ -88,10 +88,7 @@ def test_report_covers_the_plan_and_the_entry_kernel(tmp_path):
 
 def test_report_covers_the_pull_dispatch_middle(tmp_path):
     """The pull dispatch's three launches are in the report and compile without spills; the head, which packs rows
-    too, keeps the pack's 16-byte row loads, and compiles under its register cap (the pack's occupancy) without
-    spilling."""
-    from mxcomm.ep.nvshmem_backend import LaunchConfig
-
+    too, keeps the pack's 16-byte row loads."""
     import triton.backends
 
     if "nvidia" not in getattr(triton.backends, "backends", {}):
@@ -107,5 +104,3 @@ def test_report_covers_the_pull_dispatch_middle(tmp_path):
         assert rep["regs"] is None or rep["regs"] < 255, (name, rep)
     head = {int(w): n for w, n in reps["pull head: check, counts, publish, pack"]["loads"].items()}
     assert head.get(16, 0) > 0 and 2 not in head, head
-    capped = reps["pull head: check, counts, publish, pack"]
-    assert capped["regs"] is None or capped["regs"] <= LaunchConfig().head_registers, capped

@@ -41,8 +41,8 @@ _MEM = re.compile(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+?)*?(?:\.v(\d))?\.[bfsu]
 @dataclass(frozen=True)
 class Variant:
     """One launch of a kernel: its name in the report, the kernel (a name in ``module``, under ``mxcomm.ep``),
-    argument types (``"*bf16"``, ``"i64"``, ...; unnamed arguments are ``i32``), constexprs, warps, whether FMA
-    contraction is on (the partial sums launch with it off) and the register cap the launch passes, if any."""
+    argument types (``"*bf16"``, ``"i64"``, ...; unnamed arguments are ``i32``), constexprs, warps and whether FMA
+    contraction is on (the partial sums launch with it off)."""
 
     name: str
     kernel: str
@@ -51,7 +51,6 @@ class Variant:
     warps: int = 4
     fusion: bool = True
     module: str = "nvshmem_kernels"
-    maxnreg: Optional[int] = None
 
 
 @dataclass
@@ -66,12 +65,11 @@ class Report:
     stores: dict = field(default_factory=dict)
 
 
-def compile_sm90(fn, types: dict, num_warps: int = 4, fusion: bool = True, maxnreg: Optional[int] = None,
-                 **consts):
+def compile_sm90(fn, types: dict, num_warps: int = 4, fusion: bool = True, **consts):
     """Compile the ``@triton.jit`` function ``fn`` for sm_90 without a GPU, its pointer arguments specialized as
     16-byte aligned (a launch's specialization of torch tensors). ``types``: argument name -> Triton type string
-    (default ``"i32"``); ``maxnreg``: a register cap, as a launch passes it; ``consts``: constexpr values (defaults
-    filled in). Returns the compiled kernel (``.asm``: ``ptx``, ``cubin``, ``ttgir``)."""
+    (default ``"i32"``); ``consts``: constexpr values (defaults filled in). Returns the compiled kernel (``.asm``:
+    ``ptx``, ``cubin``, ``ttgir``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -80,10 +78,8 @@ def compile_sm90(fn, types: dict, num_warps: int = 4, fusion: bool = True, maxnr
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
-    options = dict(num_warps=num_warps, enable_fp_fusion=fusion)
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                              enable_fp_fusion=fusion))
 
 
 def memory_widths(ptx: str) -> tuple[dict, dict]:
@@ -168,8 +164,7 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
                      ticket_ptr=i32, counts_peers=i64, flags_peers=i64, epoch_ptr=i64, x_slot=i64, send_q_ptr=u8,
                      send_s_ptr=u8),
                 dict(K=K, K_POW2=next_pow2(K), TOK=tok, KEYS=min(1024, next_pow2(E + 1)), PUB_BLOCK=1024, H=H,
-                     CHUNK=row_chunk, MX=True, MODE=0, INT_ROUND=False), L.dispatch_warps,
-                maxnreg=L.head_registers),
+                     CHUNK=row_chunk, MX=True, MODE=0, INT_ROUND=False), L.dispatch_warps),
         Variant("pull scan + wait for the counts", "scan_and_wait_kernel",
                 dict(hist_ptr=i32, counts_ptr=i32, ticket_ptr=i32, flags_local=i64, epoch_ptr=i64, err_ptr=i64,
                      timeout_ns="i64"), dict(BLOCK_B=256, BLOCK_K=8)),
@@ -217,7 +212,7 @@ def report(v: Variant) -> Report:
     import importlib
 
     kernel = getattr(importlib.import_module(f"mxcomm.ep.{v.module}"), v.kernel)
-    k = compile_sm90(kernel, v.types, v.warps, v.fusion, v.maxnreg, **v.consts)
+    k = compile_sm90(kernel, v.types, v.warps, v.fusion, **v.consts)
     regs, spill = _resources(k.asm["cubin"])
     loads, stores = memory_widths(k.asm["ptx"])
     return Report(v.name, regs, spill, k.asm["ptx"].count("bar.sync"), loads, stores)
