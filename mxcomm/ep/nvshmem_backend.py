@@ -425,7 +425,7 @@ class NvshmemBackend:
 
         ``store``: :meth:`plan_store`'s buffer of this call (the ids go to its head). ``refusal_word``: also copy
         ``input_err`` into ``counts_in[E]``, the refusal word the counts exchange publishes. ``new_epoch``: also
-        advance the dispatch epoch ``d_epoch`` (the Triton check does it in its own launch).
+        advance the dispatch epoch ``d_epoch``. (The Triton plan's pull dispatch does both in its head kernel.)
 
         Exact-size mode: one small host sync reads ``input_err`` and raises the detailed ValueError of
         :func:`mxcomm.ep.ids.check_expert_ids` before anything is sent (``sync=False``: the caller reads it at its
@@ -436,15 +436,14 @@ class NvshmemBackend:
         word = self.counts_in[E:E + 1] if refusal_word else None
         if self.plan_impl == "triton":
             ids = plan_kernels.check_and_count(topk_idx, E, self.input_err, check=True, prefix_buf=self.slot_prefix,
-                                               counts_out=counts, ids_out=store, err_word_out=word,
-                                               epoch=self.d_epoch if new_epoch else None).ids
+                                               counts_out=counts, ids_out=store).ids
         else:
             ids = self._sanitize(topk_idx)
             counts.copy_(local_counts(ids, E))
-            if word is not None:
-                word.copy_(self.input_err)
-            if new_epoch:
-                self.d_epoch.add_(1)
+        if word is not None:
+            word.copy_(self.input_err)
+        if new_epoch:
+            self.d_epoch.add_(1)
         if sync and self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
             self._raise_bad_ids(topk_idx)
         return ids

@@ -148,19 +148,11 @@ def scan_keys(hist_ptr, counts_ptr, n_blocks, n_keys, k1, BLOCK_B: tl.constexpr)
 
 
 @triton.jit
-def slot_scan_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, err_ptr, word_ptr, n_words, epoch_ptr, n_epochs,
-                     BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
+def slot_scan_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
     """:func:`scan_keys` over ``hist`` int32 ``[n_blocks, n_keys]`` (the per-block counts of
     :func:`check_hist_block`; each entry becomes the slots of its key in the lower blocks) and the per-key totals
-    into ``counts`` (int32 ``[E]``: the slots sent to each expert). With ``n_words`` = 1 program 0 also copies the
-    id check's int64 error word ``err[0]`` (final: the check kernel ran before) into the int32 ``word[0]``, and with
-    ``n_epochs`` = 1 it advances the int64 counter ``epoch[0]`` by one (the nvshmem backend's dispatch epoch, which
-    nothing in this launch reads). One program per ``BLOCK_K`` keys, grid ``cdiv(n_keys, BLOCK_K)``."""
-    if tl.program_id(0) == 0:
-        if n_words > 0:
-            tl.store(word_ptr, tl.load(err_ptr).to(tl.int32))
-        if n_epochs > 0:
-            tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
+    into ``counts`` (int32 ``[E]``: the slots sent to each expert). One program per ``BLOCK_K`` keys, grid
+    ``cdiv(n_keys, BLOCK_K)``."""
     scan_keys(hist_ptr, counts_ptr, n_blocks, n_keys, tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K), BLOCK_B)
 
 
@@ -430,8 +422,7 @@ class CheckedIds:
 
 def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor, *, check: bool,
                     prefix_buf: Optional[torch.Tensor] = None, counts_out: Optional[torch.Tensor] = None,
-                    ids_out: Optional[torch.Tensor] = None, err_word_out: Optional[torch.Tensor] = None,
-                    epoch: Optional[torch.Tensor] = None) -> CheckedIds:
+                    ids_out: Optional[torch.Tensor] = None) -> CheckedIds:
     """The routing with bad slots dropped (``check``; each dropped slot adds 1 to the int64 ``err[0]``), the rows
     this rank sends to each expert and the slot kernels' block table, in two kernels (the torch path:
     ``_sanitize`` + :func:`mxcomm.ep.plan.local_counts`).
@@ -441,9 +432,7 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
         prefix_buf: int32 with at least ``slot_blocks(T, k) * (E + 1)`` values to hold ``slot_prefix`` (a fixed
             address a captured plan reads), else a fresh one. counts_out: int32 ``[E]`` to write the counts into.
         ids_out: int32 with ``T * k`` values to write the checked ids into (e.g. the head of :func:`plan_storage`),
-            else a fresh ``[T, k]``. err_word_out: int32 ``[1]`` that receives ``err[0]`` after the check (the refusal
-            word a dispatch publishes with its counts). epoch: int64 ``[1]`` advanced by one in the same launch (a
-            dispatch's epoch: one kernel fewer than a separate add).
+            else a fresh ``[T, k]``.
     """
     T, k = topk_idx.shape
     E = num_experts
@@ -464,15 +453,9 @@ def check_and_count(topk_idx: torch.Tensor, num_experts: int, err: torch.Tensor,
                                                    ZERO_BLOCK=min(1024, next_pow2(E + 1)))
         tile = scan_tile(nb, E + 1)
         fast_kernel(slot_scan_kernel)[(cdiv(E + 1, tile.keys),)](
-            pre, counts, nb, E + 1, err, counts if err_word_out is None else err_word_out,
-            0 if err_word_out is None else 1, err if epoch is None else epoch, 0 if epoch is None else 1,
-            BLOCK_B=tile.blocks, BLOCK_K=tile.keys)
+            pre, counts, nb, E + 1, BLOCK_B=tile.blocks, BLOCK_K=tile.keys)
     else:
         counts.zero_()
-        if err_word_out is not None:
-            err_word_out.copy_(err)
-        if epoch is not None:
-            epoch.add_(1)
     return CheckedIds(ids=ids, counts=counts, slot_prefix=pre)
 
 

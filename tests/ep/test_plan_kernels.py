@@ -296,22 +296,18 @@ def test_check_and_count_writes_the_given_buffers():
 
 
 @pytest.mark.parametrize("T", [3, 0])
-def test_check_and_count_ids_and_error_word_into_given_buffers(T):
-    """``ids_out`` receives the checked ids (the head of a plan storage; the rest untouched), ``err_word_out``
-    the error word as int32 after the check (this call's bad slots added to what ``err`` held) and ``epoch`` moves by
-    exactly one (also with no tokens); the plan written after the ids in the same storage equals the torch plan."""
+def test_check_and_count_ids_into_given_buffers(T):
+    """``ids_out`` receives the checked ids (the head of a plan storage; the rest untouched), ``err`` this call's
+    bad slots added to what it held; the plan written after the ids in the same storage equals the torch plan."""
     E, k = 16, 2
     idx = torch.tensor([[3, 1], [1, 1], [15, 16]], dtype=torch.int64)[:T]
     store = pk.plan_storage(1, E, T, k, 0, DEV).fill_(-7)
-    word = torch.full((1,), -7, dtype=torch.int32, device=DEV)
     err = torch.full((1,), 5, dtype=torch.int64, device=DEV)
-    epoch = torch.full((1,), (1 << 32) - 1, dtype=torch.int64, device=DEV)  # the carry into the high word too
-    got = pk.check_and_count(idx.to(DEV), E, err, check=True, ids_out=store, err_word_out=word, epoch=epoch)
+    got = pk.check_and_count(idx.to(DEV), E, err, check=True, ids_out=store)
     want_ids, want_counts, nbad = _check_reference(idx, E)
     assert got.ids.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
     assert torch.equal(got.ids.cpu(), want_ids.to(torch.int32))
-    assert int(err) == 5 + nbad and int(word) == 5 + nbad
-    assert int(epoch) == 1 << 32
+    assert int(err) == 5 + nbad
     assert (store[T * k:] == -7).all()
     out = pk.triton_plan(got.counts.view(1, E), got.ids, 0, 32, 0, prefix=got.slot_prefix, origins=False,
                          out=store[T * k:])
