@@ -13,6 +13,8 @@
 #    the whole GPU, checked against the reference).
 # DEADLINE (s, default 540): a step that would not end before it is skipped (and said so), so the call always ends
 # with its results packed into OUT/results.tgz. TESTS=0 leaves out step 1 (the benches alone, after the tests ran).
+# The tests take 4-6 minutes on an H200, so with them the last one-rank benches usually pass the deadline: a full
+# set of results is a TESTS=0 call (or the skipped benches' commands run alone in the next call).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-${XDG_CACHE_HOME:-$HOME/.cache}/mxcomm/gpu-check}
