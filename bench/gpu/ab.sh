@@ -2,28 +2,42 @@
 # The EP engine of another git revision against this checkout's, alternating, in one call on one GPU (H200):
 #
 #   bash bench/gpu/ab.sh REV [ROUNDS]       e.g. bash bench/gpu/ab.sh HEAD~3 2   (ROUNDS: default 1)
+#   NEW=REV2 CASES=t4096_graph bash bench/gpu/ab.sh REV 2     two revisions, the 4096-token replays only
 #
 # Each round runs the sweep tool (python -m mxcomm.bench.tools.sweep: CUDA events, median of the iterations, the
-# slowest rank; Triton plan, MXFP8) with REV's package, then with this checkout's: four ranks on the GPU under MPS at
-# 128 tokens (dispatch and combine, graph replays and eager) and at 4096 tokens (the four ops, graph replays).
-# REV's `mxcomm` package is extracted with `git archive` into a temporary folder put first on PYTHONPATH, and every
-# run starts in a neutral folder: `python -m` started from the repository root imports the checkout's package
+# slowest rank; Triton plan, MXFP8) with REV's package, then with this checkout's (or NEW's): four ranks on the GPU
+# under MPS, the cases in CASES (default all three): t128_graph and t128 (128 tokens, dispatch and combine, graph
+# replays and eager), t4096_graph (4096 tokens, the four ops, graph replays).
+# A revision's `mxcomm` package is extracted with `git archive` into a temporary folder put first on PYTHONPATH, and
+# every run starts in a neutral folder: `python -m` started from the repository root imports the checkout's package
 # whatever PYTHONPATH says, and both sides would then be this checkout.
 # Output: OUT (default ~/.cache/mxcomm/gpu-ab): a log per run and ab.txt, the SWEEP lines of every run in order.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REV=${1:?usage: bash bench/gpu/ab.sh REV [ROUNDS]}
 ROUNDS=${2:-1}
+CASES=${CASES:-t128_graph t128 t4096_graph}
+for c in $CASES; do
+  if [[ " t128_graph t128 t4096_graph " != *" $c "* ]]; then
+    echo "ab.sh: unknown case $c (t128_graph, t128, t4096_graph)" >&2
+    exit 2
+  fi
+done
 OUT=${OUT:-${XDG_CACHE_HOME:-$HOME/.cache}/mxcomm/gpu-ab}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 root=$PWD
 old=$(mktemp -d /tmp/mxcomm-ab.XXXXXX)
 git archive "$REV" mxcomm | tar -x -C "$old" || exit 1
+new=$root
+if [[ -n ${NEW:-} ]]; then
+  new=$(mktemp -d /tmp/mxcomm-ab.XXXXXX)
+  git archive "$NEW" mxcomm | tar -x -C "$new" || exit 1
+fi
 source bench/gpu/env.sh $((4 << 30)) || exit 1
 here=$PYTHONPATH
 mxcomm_mps_start 4 || exit 1
-trap 'mxcomm_mps_stop; rm -rf "$old"' EXIT
+trap 'mxcomm_mps_stop; rm -rf "$old"; [[ $new != "$root" ]] && rm -rf "$new"' EXIT
 sweep() {  # sweep NAME PYPATH ARGS...: one sweep run from a neutral folder
   local name=$1 path=$2
   shift 2
@@ -35,10 +49,14 @@ sweep() {  # sweep NAME PYPATH ARGS...: one sweep run from a neutral folder
 : > "$OUT/ab.txt"
 for r in $(seq 1 "$ROUNDS"); do
   for side in old new; do
-    if [[ $side == old ]]; then path="$old:$here"; else path="$root:$here"; fi
-    sweep "r${r}_${side}_t128_graph" "$path" --tokens 128 --ops dispatch,combine --iters 60 --graph
-    sweep "r${r}_${side}_t128" "$path" --tokens 128 --ops dispatch,combine --iters 60
-    sweep "r${r}_${side}_t4096_graph" "$path" --tokens 4096 --iters 20 --graph
+    if [[ $side == old ]]; then path="$old:$here"; else path="$new:$here"; fi
+    for c in $CASES; do
+      case $c in
+        t128_graph) sweep "r${r}_${side}_$c" "$path" --tokens 128 --ops dispatch,combine --iters 60 --graph ;;
+        t128) sweep "r${r}_${side}_$c" "$path" --tokens 128 --ops dispatch,combine --iters 60 ;;
+        t4096_graph) sweep "r${r}_${side}_$c" "$path" --tokens 4096 --iters 20 --graph ;;
+      esac
+    done
   done
 done
 echo "results in $OUT/ab.txt"
