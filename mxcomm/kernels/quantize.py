@@ -56,6 +56,42 @@ def _scale_offsets(r, c, stride_r, stride_c, n_col_tiles, LAYOUT: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(pid_m, pid_k)``'s tile of 1x32 blocks of an ``[M, K]`` row-major matrix: ``(rows, blks, rmask,
+    bmask, offs, m3)`` - rows ``pid_m*BLOCK_M + [0, BLOCK_M)`` (int64), 32-value blocks ``pid_k*BLOCK_K/32 + [0,
+    BLOCK_K/32)``, their masks, and the ``[BLOCK_M, BLOCK_K/32, 32]`` element offsets with their mask."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    NBK: tl.constexpr = BLOCK_K // 32
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    blks = pid_k * NBK + tl.arange(0, NBK)
+    j = tl.arange(0, 32)
+    nb = K // 32
+    rmask = rows < M
+    bmask = blks < nb
+    offs = rows[:, None, None] * K + (blks[None, :, None] * 32 + j[None, None, :])
+    return rows, blks, rmask, bmask, offs, rmask[:, None, None] & bmask[None, :, None]
+
+
+@triton.jit
+def _col_tile(M, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(pid_r, pid_k)``'s tile of 32x1 blocks of an ``[M, K]`` row-major matrix: ``(rb, cols, rbmask,
+    cmask, offs, m3)`` - row-blocks ``pid_r*BLOCK_R + [0, BLOCK_R)`` (int64, 32 rows each), columns
+    ``pid_k*BLOCK_K + [0, BLOCK_K)``, their masks, and the ``[BLOCK_R, 32, BLOCK_K]`` element offsets (loads
+    coalesced along K) with their mask."""
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rb = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = tl.arange(0, 32)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    nrb = M // 32
+    rbmask = rb < nrb
+    cmask = cols < K
+    offs = (rb[:, None, None] * 32 + i[None, :, None]) * K + cols[None, None, :]
+    return rb, cols, rbmask, cmask, offs, rbmask[:, None, None] & cmask[None, None, :]
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, s_ptr, offs_ptr,
     M, K, n_groups, s_rows, s_cols,
@@ -70,17 +106,8 @@ def _quantize_rows_kernel(
     as 0, so padding entries get scale byte 0 (written here, no memset needed).
     GROUPED (grouped_m): scale rows mapped per group to 128-aligned rows (s is pre-zeroed).
     """
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    NBK: tl.constexpr = BLOCK_K // 32
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    blks = pid_k * NBK + tl.arange(0, NBK)
-    j = tl.arange(0, 32)
+    rows, blks, rmask, bmask, offs, m3 = _row_tile(M, K, BLOCK_M, BLOCK_K)
     nb = K // 32
-    rmask = rows < M
-    bmask = blks < nb
-    offs = rows[:, None, None] * K + (blks[None, :, None] * 32 + j[None, None, :])
-    m3 = rmask[:, None, None] & bmask[None, :, None]
     x = tl.load(x_ptr + offs, mask=m3, other=0.0)
     q, b = mx_quantize_tile(x, MODE, INT_ROUND)
     tl.store(q_ptr + offs, q, mask=m3)
@@ -112,16 +139,7 @@ def _quantize_cols_kernel(
     (``[M/32, K]``); BLOCKED stores the transposed matrix ``[K, M/32]`` blocked; GROUPED (grouped_k) stores it
     in the grouped-along-K layout (each group of row-blocks its own blocked matrix; s is pre-zeroed).
     """
-    pid_r = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rb = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    i = tl.arange(0, 32)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    nrb = M // 32
-    rbmask = rb < nrb
-    cmask = cols < K
-    offs = (rb[:, None, None] * 32 + i[None, :, None]) * K + cols[None, None, :]
-    m3 = rbmask[:, None, None] & cmask[None, None, :]
+    rb, cols, rbmask, cmask, offs, m3 = _col_tile(M, K, BLOCK_R, BLOCK_K)
     x = tl.load(x_ptr + offs, mask=m3, other=0.0)
     q, b = mx_quantize_tile(x, MODE, INT_ROUND, 1)
     tl.store(q_ptr + offs, q, mask=m3)
@@ -146,17 +164,8 @@ def _dequantize_rows_kernel(
 ):
     """q [M, K] E4M3 bytes + scales (1x32 blocks, layout LAYOUT) -> out [M, K] (out's dtype; values saturated to
     +-OUT_MAX, the out dtype's largest finite value)."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    NBK: tl.constexpr = BLOCK_K // 32
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    blks = pid_k * NBK + tl.arange(0, NBK)
-    j = tl.arange(0, 32)
+    rows, blks, rmask, bmask, offs, m3 = _row_tile(M, K, BLOCK_M, BLOCK_K)
     nb = K // 32
-    rmask = rows < M
-    bmask = blks < nb
-    offs = rows[:, None, None] * K + (blks[None, :, None] * 32 + j[None, None, :])
-    m3 = rmask[:, None, None] & bmask[None, :, None]
     q = tl.load(q_ptr + offs, mask=m3, other=0)
     if LAYOUT == 2:
         srow = grouped_padded_index(rows, offs_ptr, n_groups, 1, 128, G_POW2)
@@ -181,16 +190,7 @@ def _dequantize_cols_kernel(
 ):
     """q [M, K] E4M3 bytes + scales (32x1 blocks, layout LAYOUT; GROUPED = grouped_k) -> out [M, K] (out's dtype;
     values saturated to +-OUT_MAX, the out dtype's largest finite value)."""
-    pid_r = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rb = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    i = tl.arange(0, 32)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    nrb = M // 32
-    rbmask = rb < nrb
-    cmask = cols < K
-    offs = (rb[:, None, None] * 32 + i[None, :, None]) * K + cols[None, None, :]
-    m3 = rbmask[:, None, None] & cmask[None, None, :]
+    rb, cols, rbmask, cmask, offs, m3 = _col_tile(M, K, BLOCK_R, BLOCK_K)
     q = tl.load(q_ptr + offs, mask=m3, other=0)
     if LAYOUT == 2:
         soff, ok = grouped_k_scale_offset(cols[None, :], rb, offs_ptr, n_groups, K, G_POW2)
