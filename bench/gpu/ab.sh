@@ -28,16 +28,17 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 root=$PWD
 old=$(mktemp -d /tmp/mxcomm-ab.XXXXXX)
-git archive "$REV" mxcomm | tar -x -C "$old" || exit 1
 new=$root
-if [[ -n ${NEW:-} ]]; then
-  new=$(mktemp -d /tmp/mxcomm-ab.XXXXXX)
-  git archive "$NEW" mxcomm | tar -x -C "$new" || exit 1
+[[ -n ${NEW:-} ]] && new=$(mktemp -d /tmp/mxcomm-ab.XXXXXX)
+cleanup() { rm -rf "$old"; [[ $new != "$root" ]] && rm -rf "$new"; }
+git archive "$REV" mxcomm | tar -x -C "$old" || { cleanup; exit 1; }
+if [[ $new != "$root" ]]; then
+  git archive "$NEW" mxcomm | tar -x -C "$new" || { cleanup; exit 1; }
 fi
-source bench/gpu/env.sh $((4 << 30)) || exit 1
+source bench/gpu/env.sh $((4 << 30)) || { cleanup; exit 1; }
 here=$PYTHONPATH
-mxcomm_mps_start 4 || exit 1
-trap 'mxcomm_mps_stop; rm -rf "$old"; [[ $new != "$root" ]] && rm -rf "$new"' EXIT
+mxcomm_mps_start 4 || { cleanup; exit 1; }
+trap 'mxcomm_mps_stop; cleanup' EXIT
 sweep() {  # sweep NAME PYPATH ARGS...: one sweep run from a neutral folder
   local name=$1 path=$2
   shift 2

@@ -28,3 +28,11 @@ def test_a_revision_is_required():
     r = _ab()
     assert r.returncode != 0
     assert "usage: bash bench/gpu/ab.sh REV [ROUNDS]" in r.stderr
+
+
+def test_a_revision_that_does_not_exist_fails_and_leaves_no_folder():
+    before = set(Path("/tmp").glob("mxcomm-ab.*"))
+    r = _ab("HEAD", NEW="no-such-revision", CASES="t4096_graph")
+    assert r.returncode == 1
+    assert "no-such-revision" in r.stderr  # git's refusal, before anything starts
+    assert set(Path("/tmp").glob("mxcomm-ab.*")) == before
