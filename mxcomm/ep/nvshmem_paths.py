@@ -240,8 +240,8 @@ class EnginePath:
         e = self.e
         T, H, k = g.shape[0], e.config.hidden, e.config.topk
         fast_kernel(pack_ready_kernel)[(max(1, min(T, e.dispatch_programs)),)](
-            g, T, self.send_q.local.view(torch.bfloat16), e.d_epoch, e.config.max_tokens_per_rank,
-            e.config.max_tokens_per_rank * H, w, self.send_w.local, e.tickets[5:6], e.flags.peer_ptrs,
+            g, T, self.send_q.local.view(torch.bfloat16), e.d_epoch, e.config.max_tokens_per_rank, self.g_copy, w,
+            self.send_w.local, e.tickets[5:6], e.flags.peer_ptrs,
             _ROW_FLAGS["counts"], e.world, e.rank, H=H, CHUNK=e.launch.row_chunk(H), K=k,
             K_POW2=next_pow2(k), num_warps=e.launch.dispatch_warps,
         )
@@ -429,6 +429,12 @@ class PullPath(EnginePath):
         self.x_slot = torch.zeros(1, dtype=torch.int64, device=engine.device)
         self.w_in = torch.zeros(engine.config.max_tokens_per_rank, engine.config.topk, dtype=torch.float32,
                                 device=engine.device)
+        # this rank's send copies as the packing kernels take them (fixed per engine): the rows (MX: bytes, 2H a row;
+        # else bf16), the scale rows (MX; a placeholder otherwise) and the values from copy 0 to copy 1
+        T_max, H = engine.config.max_tokens_per_rank, engine.config.hidden
+        self._send_rows = self.send_q.local if engine.mx else self.send_q.local.view(torch.bfloat16)
+        self._send_scales = self.send_s.local if engine.mx else engine.err
+        self._send_copy = T_max * 2 * H if engine.mx else T_max * H
         self._plan_jobs = self._make_plan_jobs()
 
     def _make_plan_jobs(self):
@@ -451,14 +457,13 @@ class PullPath(EnginePath):
         from .nvshmem_kernels import pack_rows_kernel
 
         e = self.e
-        H, T_max = e.config.hidden, e.config.max_tokens_per_rank
+        H = e.config.hidden
         if not T:
             return
-        q = self.send_q.local if e.mx else self.send_q.local.view(torch.bfloat16)
         fast_kernel(pack_rows_kernel)[(min(T, e.dispatch_programs),)](
-            self.x_slot, T, q, self.send_s.local if e.mx else e.err, e.d_epoch, T_max,
-            T_max * 2 * H if e.mx else T_max * H, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id,
-            INT_ROUND=e.int_round, X_SLOT=True, num_warps=e.launch.dispatch_warps,
+            self.x_slot, T, self._send_rows, self._send_scales, e.d_epoch, e.config.max_tokens_per_rank,
+            self._send_copy, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id, INT_ROUND=e.int_round,
+            X_SLOT=True, num_warps=e.launch.dispatch_warps,
         )
 
     def _head(self, topk_idx: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
@@ -471,13 +476,12 @@ class PullPath(EnginePath):
 
         e = self.e
         T, k = topk_idx.shape
-        E, H, T_max = e.config.num_experts, e.config.hidden, e.config.max_tokens_per_rank
+        E, H = e.config.num_experts, e.config.hidden
         ids = store.view(-1)[:T * k].view(T, k)
-        q = self.send_q.local if e.mx else self.send_q.local.view(torch.bfloat16)
         fast_kernel(pull_head_kernel)[(max(1, min(T, e.dispatch_programs)),)](
             topk_idx.contiguous(), ids, e.slot_prefix, e.input_err, T, E, e.count_totals, e.counts_in, e.tickets[0:1],
-            e.counts.peer_ptrs, e.flags.peer_ptrs, _ROW_FLAGS["counts"], e.world, e.rank, e.d_epoch, self.x_slot, q,
-            self.send_s.local if e.mx else e.err, T_max, T_max * 2 * H if e.mx else T_max * H,
+            e.counts.peer_ptrs, e.flags.peer_ptrs, _ROW_FLAGS["counts"], e.world, e.rank, e.d_epoch, self.x_slot,
+            self._send_rows, self._send_scales, e.config.max_tokens_per_rank, self._send_copy,
             K=k, K_POW2=next_pow2(k), TOK=tokens_per_block(k), KEYS=min(1024, next_pow2(E + 1)),
             PUB_BLOCK=_PUBLISH_BLOCK, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id,
             INT_ROUND=e.int_round, num_warps=e.launch.dispatch_warps,
