@@ -36,3 +36,17 @@ def test_a_revision_that_does_not_exist_fails_and_leaves_no_folder():
     assert r.returncode == 1
     assert "no-such-revision" in r.stderr  # git's refusal, before anything starts
     assert set(Path("/tmp").glob("mxcomm-ab.*")) == before
+
+
+def test_a_list_with_one_bad_revision_fails_and_leaves_no_folder():
+    before = set(Path("/tmp").glob("mxcomm-ab.*"))
+    r = _ab("HEAD,no-such-revision,HEAD~1", CASES="t4096_graph")
+    assert r.returncode == 1
+    assert "no-such-revision" in r.stderr
+    assert set(Path("/tmp").glob("mxcomm-ab.*")) == before
+
+
+def test_an_empty_revision_list_is_refused():
+    r = _ab(",", CASES="t4096_graph")
+    assert r.returncode == 2
+    assert "no revision in ','" in r.stderr
