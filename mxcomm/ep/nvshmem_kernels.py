@@ -911,8 +911,9 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         err_ptr: int64 error word of this rank's waits (read once, at the start).
         q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags`` per rank.
         epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * K`` slots per copy.
-        STAGED (put path): every ``*_peers`` entry is this rank's staging buffer; the partial goes to the leading
-            row's own index there (the block puts move it to the origin's slot), and no flag is raised.
+        STAGED (put path): every ``*_peers`` entry is this rank's staging buffer; the partial of entry ``i`` goes to
+            row ``i`` there (``[W * T_max]`` rows; one put per entry moves it to the origin's slot,
+            :func:`mxcomm.ep.put_path.partial_rows`), and no flag is raised.
         ROWS: rows loaded together per step of a chunk's sum, taken from the entry's listed slots in ascending order
             (a slot elsewhere adds nothing, so only listed rows are loaded: the registers of the loads in flight hold
             rows that exist, and more programs fit on an SM than with one load per slot of ``K``).
@@ -945,7 +946,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
             n_listed = _bit_count(listed, K)
             s = i // T_max
             if STAGED:
-                pos = lead.to(tl.int64)
+                pos = i.to(tl.int64)
             else:
                 pos = tl.load(origin_pos_ptr + lead).to(tl.int64)
             if MX:  # MX rows are H bytes apart from the start of a copy (2H bytes a slot)

@@ -639,13 +639,13 @@ class PutPath(PushPath):
     pointer, e.g. on another node). Dispatch: the same kernels write into this rank's staging buffer (in send order)
     and its pull-list entries into a staging list per destination; one put per (destination, expert) block (payload,
     scales) and one per destination (entries), with signals. Combine and dispatch backward: the partials into
-    staging at their leading row, then one put per (source, expert) block of rows (every row of a block travels, so
-    this path still moves one row per selection in this direction). Combine backward: one put per (token,
-    destination) of the BF16 gradient row and its weights into the destination's ``recv_q`` / ``recv_w``, the
-    expert side as the pull path, the route-weight gradients staged and put back. The counts, the "ready" handshake
-    and the weights travel as puts too, and every wait is a signal wait. Every rank, itself included, is reached
-    through puts. Not tested under CUDA graph capture: capture is refused. Buffers: the push path's plus
-    ``ep.stage_q``, ``ep.stage_s``, ``ep.stage_list``, ``ep.stage_gw``, ``ep.recv_w``."""
+    staging, one row per (source, token) entry of the table, then one put per entry into the origin's slot (one
+    row per (token, rank), as on the peer-pointer paths) and one signal per destination. Combine backward: one put
+    per (token, destination) of the BF16 gradient row and its weights into the destination's ``recv_q`` /
+    ``recv_w``, the expert side as the pull path, the route-weight gradients staged and put back. The counts, the
+    "ready" handshake and the weights travel as puts too, and every wait is a signal wait. Every rank, itself
+    included, is reached through puts. Not tested under CUDA graph capture: capture is refused. Buffers: the push
+    path's plus ``ep.stage_q``, ``ep.stage_s``, ``ep.stage_list``, ``ep.stage_gw``, ``ep.recv_w``."""
 
     name = "put"
 
@@ -671,7 +671,6 @@ class PutPath(PushPath):
         self._gw_batch = put_path.swap_batch(W, e.rank, T * k * 4, dev)
         self._all_src = torch.arange(W, dtype=torch.int32, device=dev)
         self._dispatch_signals = (2 * e.El + 1) * self.put_chunks  # per source and dispatch: blocks + entries
-        self._combine_signals = 2 * e.El * self.put_chunks
         # signals expected so far per signal word (every source sends the same number per call)
         self._expect = torch.zeros(len(_ROW_FLAGS), dtype=torch.int64, device=dev)
         # combine backward: the gradient rows of source s arrive in recv_q viewed as [W, T_max, 2H], its weights in
@@ -744,19 +743,23 @@ class PutPath(PushPath):
         self.puts.quiet()
 
     def send_partials(self, payload, in_scales, handle, mx, passthrough, weights):
-        """The partials into staging at their leading row's index, then one put per (source, expert) block into the
-        origins' ``comb_q`` / ``comb_s`` and the signal wait."""
+        """The partials into staging at their table entry's index, then one put per (token, rank) entry into the
+        origins' ``comb_q`` / ``comb_s`` (signalling a word nobody waits for), ``quiet``, one signal per destination
+        and the wait for every source's."""
         e = self.e
         H = e.config.hidden
         self._partials(payload, in_scales, handle, mx, passthrough, weights, self._stage_ptrs, self._stage_s_ptrs,
                        staged=True)
         slot0 = (e.c_epoch % 2) * e.nslot
-        blocks = put_path.combine_blocks(handle.plan, slot0, 2 * H, H if mx else 2 * H, H // 32 if mx else 0)
-        sig, C = e.flag_rows[2], self.put_chunks
-        self.puts.put(e.comb[0].local, self.stage_q.local, blocks.payload, sig, e.rank, e.err, C)
-        self.puts.put(e.comb[1].local, self.stage_s.local, blocks.scales, sig, e.rank, e.err, C)
-        self._wait("combine", self._combine_signals)
+        rows = put_path.partial_rows(handle.backend_state.table, handle.backend_state.origins.pos, e.rank,
+                                     e.config.max_tokens_per_rank, slot0, 2 * H, H if mx else 2 * H,
+                                     H // 32 if mx else 0)
+        scratch = e.flag_rows[_ROW_FLAGS["scratch"]]
+        self.puts.put(e.comb[0].local, self.stage_q.local, rows.payload, scratch, e.rank, e.err, 1)
+        self.puts.put(e.comb[1].local, self.stage_s.local, rows.scales, scratch, e.rank, e.err, 1)
         self.puts.quiet()
+        self.puts.put(e.comb[0].local, self.stage_q.local, self._ready_batch, e.flag_rows[2], e.rank, e.err, 1)
+        self._wait("combine", 1)
 
     def _deliver_gradients(self, g, w, handle):
         """Epoch += 1, the "ready" handshake (every destination finished with its ``recv_q`` of the previous call in

@@ -304,8 +304,10 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     ``ep.recv_q`` uint8 ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes), expert-major, sized for the
     worst-case routing, and ``ep.recv_s`` uint8 ``[R_max, H/32]`` (their scale rows; 1 byte for bf16; the one-rank
     ``local`` path keeps this one too, for the scale rows its kernel writes). The put path (``put_path``; default:
-    ``config.transport == "put"``) adds its staging (``ep.stage_q`` ``[R_max, 2H]``, ``ep.stage_s``
-    ``[R_max, H/32]``, ``ep.stage_list`` (pull-list entries per destination), ``ep.stage_gw``) and ``ep.recv_w``
+    ``config.transport == "put"``) adds its staging (``ep.stage_q`` uint8 ``[S, 2H]`` and ``ep.stage_s`` ``[S,
+    H/32]`` with ``S = T_max * max(k, W)``: the rows a dispatch sends, at most ``T_max * k`` in send order, or the
+    partials combine and dispatch backward return, one per (source, token) entry of the table; ``ep.stage_list``
+    (pull-list entries per destination), ``ep.stage_gw``) and ``ep.recv_w``
     float32 ``[W, T_max, k]``; its ``recv_q`` also holds combine backward's gradient rows, one per (source, token):
     at least ``W * T_max * 2H`` bytes.
     """
@@ -338,8 +340,8 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
         regions.append(BufferRegion("ep.send_s", (2, T, H // 32) if mx else (1,), torch.uint8))
     if path == "put":
         regions += [
-            BufferRegion("ep.stage_q", (R, 2 * H), torch.uint8),
-            BufferRegion("ep.stage_s", (R, H // 32), torch.uint8),
+            BufferRegion("ep.stage_q", (T * max(k, W), 2 * H), torch.uint8),
+            BufferRegion("ep.stage_s", (T * max(k, W), H // 32), torch.uint8),
             BufferRegion("ep.stage_list", (W, T, EW), torch.int32),
             BufferRegion("ep.stage_gw", (W, T, k), torch.float32),
             BufferRegion("ep.recv_w", (W, T, k), torch.float32),

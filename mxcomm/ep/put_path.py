@@ -2,23 +2,26 @@
 (other nodes), forced on one node with ``EPConfig(transport="put")``.
 
 Instead of storing into peers' buffers, the sending kernels write into this rank's symmetric staging
-buffer (``ep.stage_q`` / ``ep.stage_s``) laid out so that every (destination, expert) block is
-contiguous on both sides; NVSHMEM then moves each block with one non-blocking put that signals the
-destination (``csrc/put_signal.cu`` through :mod:`mxcomm.transport.put_signal`):
+buffer (``ep.stage_q`` / ``ep.stage_s``); NVSHMEM then moves the rows with non-blocking puts that signal
+the destination (``csrc/put_signal.cu`` through :mod:`mxcomm.transport.put_signal`):
 
-* dispatch direction (dispatch, combine backward): the kernel writes slot ``(t, j)`` at its send
-  position (send order = (global expert, t, j), so each expert's rows are one block); the block for
-  global expert ``g`` on rank ``p`` lands at its rows in ``p``'s expert-major ``recv_q``; its scale
-  bytes (row-major) land at the same rows of ``p``'s ``recv_s`` and ``p`` swizzles them into the
-  grouped-along-M blocked layout after the wait;
-* combine direction (combine, dispatch backward): the kernel writes each expert-major row at its own
-  row index; the block of (source ``s``, local expert ``e``) goes to ``s``'s ``comb_q`` / ``comb_s`` at
-  that block's send position, in the copy the combine epoch's parity selects.
+* dispatch: the kernel writes slot ``(t, j)`` at its send position (send order = (global expert, t, j),
+  so each expert's rows are one block); the block for global expert ``g`` on rank ``p`` lands at its rows
+  in ``p``'s expert-major ``recv_q``, one put each; its scale bytes (row-major) land at the same rows of
+  ``p``'s ``recv_s`` and ``p`` swizzles them into the grouped-along-M blocked layout after the wait;
+* combine backward: one put per (token, destination rank) of the BF16 gradient row and its route
+  weights (:func:`token_rows`);
+* combine direction (combine, dispatch backward): one row per (token, rank), as on the peer-pointer
+  paths: the kernel writes the partial of table entry ``(s, t)`` at staging row ``s * T_max + t``, and
+  one put per entry carries it to ``s``'s ``comb_q`` / ``comb_s`` at the send position of the token's
+  leading slot, in the copy the combine epoch's parity selects. These puts signal a word nobody waits
+  for; after a ``quiet`` one signal per destination says they arrived.
 
-Every rank puts exactly ``El`` payload entries and ``El`` scale entries (empty blocks only signal) to
-every rank per call, ``chunks`` pieces each, so a receiver expects ``2 * El * chunks`` signals per
-source and call: it waits (bounded) for ``epoch * 2 * El * chunks``. Counts (and the "ready"
-handshake of combine backward) travel the same way, one entry of ``E`` int32 (or 0 bytes) per rank.
+In the dispatch direction every rank puts exactly ``El`` payload entries and ``El`` scale entries (empty
+blocks only signal) to every rank per call, ``chunks`` pieces each, so a receiver expects
+``2 * El * chunks`` signals per source and call: it waits (bounded) for ``epoch * 2 * El * chunks``.
+Counts (and the "ready" handshake of combine backward) travel the same way, one entry of ``E`` int32 (or
+0 bytes) per rank.
 Self is treated like any other rank (NVSHMEM copies locally), so one GPU exercises the whole path.
 
 Everything here is plain torch on the plan's device (no host sync); :class:`Puts` is the seam
@@ -37,7 +40,7 @@ from .plan import RoutingPlan
 @dataclass(frozen=True)
 class BlockPuts:
     """The two put batches of one call: ``payload`` (rows) and ``scales`` (row-major scale bytes; all
-    sizes 0 when the rows carry no scales). Entry ``i`` of both is the same block."""
+    sizes 0 when the rows carry no scales). Entry ``i`` of both is the same block of rows."""
 
     payload: PutBatch
     scales: PutBatch
@@ -76,33 +79,40 @@ def dispatch_blocks(plan: RoutingPlan, row_bytes: int, scale_bytes: int) -> Bloc
                      scales=_batch(dst_row, src_row, n, pes, scale_bytes))
 
 
-def combine_blocks(plan: RoutingPlan, slot0: torch.Tensor, copy_bytes: int, row_bytes: int,
-                   scale_bytes: int) -> BlockPuts:
-    """Put entries of the combine direction from this rank: one per (source ``s``, local expert ``e``),
-    ``s``-major.
+def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_tokens: int, slot0: torch.Tensor,
+                 copy_bytes: int, row_bytes: int, scale_bytes: int) -> BlockPuts:
+    """Put entries of the combine direction from this rank: one per entry ``i = s * T_max + t`` of the dispatch's
+    table, i.e. one row per (token, rank), as the peer-pointer paths store them.
 
-    Block ``(s, e)``: ``counts[s, me*El + e]`` rows from this rank's expert-major row
-    ``src_row_start[s, e]`` (staging holds the rows at their own index) to slot
-    ``slot0 + src_send_pos[s, e]`` of ``s``'s combine buffers.
+    Entry ``i`` with a slot here: staging row ``i`` (where ``combine_partials_kernel(STAGED=True)`` put the partial)
+    to slot ``slot0 + origin_pos[lead]`` of source ``s``'s combine buffers, ``lead`` being the row of the token's
+    first slot on this rank; an entry without one is an empty entry to this rank (it only signals).
 
     Args:
-        plan: this rank's plan (of the dispatch being answered).
+        table: int32 ``[W * T_max, k]``, the handle's table (rows here per slot, -1 elsewhere).
+        origin_pos: int32 ``[R]``, each row's send position at its origin.
+        rank: this rank; max_tokens: ``T_max``.
         slot0: int64 ``[1]`` device tensor, first slot of this epoch's copy (``(epoch % 2) * T_max * k``).
         copy_bytes: payload bytes per slot of a copy's stride in ``comb_q`` (2H): copy ``c`` starts at
             ``c * T_max * k * copy_bytes``; payload rows inside a copy are ``row_bytes`` apart.
-        row_bytes: payload bytes per row (H MXFP8, 2H BF16); scale_bytes: H/32 or 0.
+        row_bytes: payload bytes per row (H MXFP8, 2H BF16), also the staging's row stride; scale_bytes: H/32 or 0.
     Returns:
-        :class:`BlockPuts` of ``W * El`` entries each.
+        :class:`BlockPuts` of ``W * T_max`` entries each.
     """
-    W, El, me = plan.world_size, plan.num_local_experts, plan.rank
-    dev = plan.counts.device
-    n = plan.counts.to(torch.int64)[:, me * El:(me + 1) * El].reshape(-1)
-    src_row = plan.src_row_start.to(torch.int64).reshape(-1)
-    pos = plan.src_send_pos.to(torch.int64).reshape(-1)
-    pes = torch.arange(W, device=dev).repeat_interleave(El)
+    n_entries = table.shape[0]
+    dev = table.device
+    listed = table >= 0
+    has = listed.any(1)
+    first = listed.to(torch.int8).argmax(1, keepdim=True)  # the first listed slot (0 for an empty entry)
+    lead = table.gather(1, first).squeeze(1).clamp(min=0).to(torch.int64)
+    pos = torch.cat([origin_pos.to(torch.int64), origin_pos.new_zeros(1, dtype=torch.int64)])[lead]
+    pos = torch.where(has, pos, 0)  # (an empty entry's offsets must pass the range check: origin_pos may be garbage)
+    i = torch.arange(n_entries, dtype=torch.int64, device=dev)
+    pes = torch.where(has, i // max_tokens, torch.full_like(i, rank))
+    n = has.to(torch.int64)
     s0 = slot0.to(torch.int64)
-    return BlockPuts(payload=_batch(pos, src_row, n, pes, row_bytes, dst_base=s0 * int(copy_bytes)),
-                     scales=_batch(s0 + pos, src_row, n, pes, scale_bytes))
+    return BlockPuts(payload=_batch(pos, i, n, pes, row_bytes, dst_base=s0 * int(copy_bytes)),
+                     scales=_batch(s0 + pos, i, n, pes, scale_bytes))
 
 
 def row_batch(world: int, rank: int, row_bytes: int, device) -> PutBatch:
@@ -171,4 +181,4 @@ class Puts:
         ps.quiet()
 
 
-__all__ = ["BlockPuts", "dispatch_blocks", "combine_blocks", "row_batch", "swap_batch", "token_rows", "Puts"]
+__all__ = ["BlockPuts", "dispatch_blocks", "partial_rows", "row_batch", "swap_batch", "token_rows", "Puts"]

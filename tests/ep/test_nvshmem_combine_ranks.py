@@ -349,13 +349,14 @@ def test_partials_send_nothing_after_a_failed_wait(staged):
     (3, 6, 2, 96, (5, 0, 6), False, False),
     (3, 9, 3, 64, (6, 3, 4), True, True),
 ])
-def test_staged_partials_with_block_puts_match_the_peer_pointer_result(W, E, k, H, Ts, mx, passthrough):
+def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H, Ts, mx, passthrough):
     """The put path's combine direction across ranks: ``combine_partials_kernel(STAGED=True)`` writes each partial
-    into the expert rank's staging at its leading row's index and raises no flag; the (source, expert) block entries
-    of ``put_path.combine_blocks`` (applied as byte copies) carry it to the origin's slot in the copy of the epoch's
-    parity, and the reduce there gives the spec's result (weighted; unweighted with MX input rows)."""
+    into the expert rank's staging at its table entry's index and raises no flag; the entries of
+    ``put_path.partial_rows`` (one per (token, rank), applied as byte copies) carry it to the origin's slot in the
+    copy of the epoch's parity, and the reduce there gives the spec's result (weighted; unweighted with MX input
+    rows)."""
     from mxcomm.ep.nvshmem_kernels import combine_partials_kernel, combine_reduce_kernel
-    from mxcomm.ep.put_path import combine_blocks
+    from mxcomm.ep.put_path import partial_rows
 
     g = torch.Generator().manual_seed(W * 1000 + E * 10 + k + H)
     rk = Ranks(W, E, k, Ts, g)
@@ -371,14 +372,14 @@ def test_staged_partials_with_block_puts_match_the_peer_pointer_result(W, E, k, 
     slot0 = (ep % 2) * nslot
     row_bytes = H if mx else 2 * H
     for d in range(W):
-        stage_q = torch.randint(0, 256, (max(rk.R[d], 1), 2 * H), dtype=torch.uint8, generator=g)
-        stage_s = torch.randint(0, 256, (max(rk.R[d], 1), C), dtype=torch.uint8, generator=g)
+        stage_q = torch.randint(0, 256, (W * T_max, 2 * H), dtype=torch.uint8, generator=g)
+        stage_s = torch.randint(0, 256, (W * T_max, C), dtype=torch.uint8, generator=g)
         sq, ss = torch.full((W,), stage_q.data_ptr()), torch.full((W,), stage_s.data_ptr())
         combine_partials_kernel[(2,)](
             ins[d], scs[d], rk.tables[d], rk.origins[d].pos, comb_w[d], sq, ss, ptrs(flags), d, W, T_max, ep, nslot,
             _no_error(), H=H, K=k, CHUNK=32, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0, INT_ROUND=True, STAGED=True,
             enable_fp_fusion=False)
-        b = combine_blocks(rk.plans[d], slot0, 2 * H, row_bytes, C if mx else 0)
+        b = partial_rows(rk.tables[d], rk.origins[d].pos, d, T_max, slot0, 2 * H, row_bytes, C if mx else 0)
         for batch, src, dsts in ((b.payload, stage_q, comb_q), (b.scales, stage_s, comb_s)):
             sb = src.view(-1)
             for i in range(batch.n):

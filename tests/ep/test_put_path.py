@@ -7,7 +7,8 @@ import torch
 
 from combine_spec import routings
 from mxcomm.ep.plan import build_plan, local_counts
-from mxcomm.ep.put_path import combine_blocks, dispatch_blocks, row_batch, swap_batch, token_rows
+from mxcomm.ep.nvshmem_state import row_origins
+from mxcomm.ep.put_path import dispatch_blocks, partial_rows, row_batch, swap_batch, token_rows
 
 RB, SB = 16, 2  # payload / scale bytes per row (small, distinct)
 
@@ -75,36 +76,62 @@ def test_dispatch_blocks_land_every_slot_at_its_dest_row(W, E, k, align, Ts, hot
         assert int(rest.count_nonzero()) == 0
 
 
+def _table(plans, d, T_max):
+    """Receiver ``d``'s table as the dispatch leaves it: entry ``s * T_max + t`` = the rows on ``d`` of source ``s``'s
+    token ``t`` per slot, -1 for slots elsewhere."""
+    k = plans[0].dest_rank.shape[1]
+    t = torch.full((len(plans) * T_max, k), -1, dtype=torch.int32)
+    for s, p in enumerate(plans):
+        T = p.dest_rank.shape[0]
+        t[s * T_max:s * T_max + T] = torch.where(p.dest_rank == d, p.dest_row, -1)
+    return t
+
+
 @pytest.mark.parametrize("W,E,k,align,Ts", CASES)
 @pytest.mark.parametrize("parity", [0, 1])
-def test_combine_blocks_return_every_row_to_its_send_position(W, E, k, align, Ts, parity):
-    plans = _plans(W, E, k, align, Ts, seed=W * 7 + E + 1)
-    nslot = max(Ts) * k
+@pytest.mark.parametrize("hot", [None, 1])
+def test_partial_rows_return_one_row_per_token_and_rank_to_its_leading_slot(W, E, k, align, Ts, parity, hot):
+    plans = _plans(W, E, k, align, Ts, seed=W * 7 + E + 1, hot=hot)
+    T_max = max(max(Ts), 1)
+    nslot = T_max * k
     copy_bytes = 2 * RB  # comb_q stride per slot of a copy (2H in the backend; payload rows RB apart)
     comb_q = [torch.zeros(2 * nslot * copy_bytes, dtype=torch.uint8) for _ in range(W)]
     comb_s = [torch.zeros(2 * nslot * SB, dtype=torch.uint8) for _ in range(W)]
     slot0 = torch.tensor([parity * nslot])
-    for r, p in enumerate(plans):
-        R = int(p.num_rows)
-        stage_q, stage_s = torch.zeros(max(R, 1) * RB, dtype=torch.uint8), torch.zeros(max(R, 1) * SB, dtype=torch.uint8)
-        for row in range(R):  # the combine kernel's staging writes: row r at index r
-            stage_q[row * RB:(row + 1) * RB] = _tag(r, row, RB)
-            stage_s[row * SB:(row + 1) * SB] = _tag(r, row, SB)
-        b = combine_blocks(p, slot0, copy_bytes, RB, SB)
-        assert b.payload.n == W * p.num_local_experts
-        assert int(b.payload.nbytes.sum()) == int(p.num_recv) * RB
+    for d, p in enumerate(plans):
+        table = _table(plans, d, T_max)
+        pos = row_origins(p, int(p.num_rows)).pos
+        stage_q = torch.zeros(W * T_max * RB, dtype=torch.uint8)
+        stage_s = torch.zeros(W * T_max * SB, dtype=torch.uint8)
+        for i in range(W * T_max):  # the staged partials kernel: entry i's partial at row i
+            stage_q[i * RB:(i + 1) * RB] = _tag(d, i, RB)
+            stage_s[i * SB:(i + 1) * SB] = _tag(d, i, SB)
+        b = partial_rows(table, pos, d, T_max, slot0, copy_bytes, RB, SB)
+        listed = int((table >= 0).any(1).sum())
+        assert b.payload.n == W * T_max and b.scales.n == W * T_max
+        assert int(b.payload.nbytes.sum()) == listed * RB  # bytes moved: one row per (token, rank)
+        assert int(b.scales.nbytes.sum()) == listed * SB
+        empty = b.payload.nbytes == 0
+        assert (b.payload.pes[empty] == d).all()  # an entry without a slot here goes nowhere else
         _apply(b.payload, stage_q, comb_q)
         _apply(b.scales, stage_s, comb_s)
     for s, p in enumerate(plans):
         base_q, base_s = parity * nslot * copy_bytes, parity * nslot * SB
-        for slot in range(p.send_pos.numel()):
-            pos = int(p.send_pos.reshape(-1)[slot])
-            if pos < 0:
-                continue
-            d, row = int(p.dest_rank.reshape(-1)[slot]), int(p.dest_row.reshape(-1)[slot])
-            q = comb_q[s][base_q + pos * RB: base_q + (pos + 1) * RB]
-            assert torch.equal(q, _tag(d, row, RB)), (s, slot)
-            assert torch.equal(comb_s[s][base_s + pos * SB: base_s + (pos + 1) * SB], _tag(d, row, SB)), (s, slot)
+        written = torch.zeros(nslot, dtype=torch.bool)
+        for t in range(p.dest_rank.shape[0]):
+            for j in range(k):
+                d = int(p.dest_rank[t, j])
+                if d < 0 or d in p.dest_rank[t, :j].tolist():
+                    continue  # dropped, or not the token's leading slot on d
+                pos = int(p.send_pos[t, j])
+                want = _tag(d, s * T_max + t, RB)
+                assert torch.equal(comb_q[s][base_q + pos * RB: base_q + (pos + 1) * RB], want), (s, t, j)
+                assert torch.equal(comb_s[s][base_s + pos * SB: base_s + (pos + 1) * SB],
+                                   _tag(d, s * T_max + t, SB)), (s, t, j)
+                written[pos] = True
+        copy = comb_q[s][base_q:base_q + nslot * copy_bytes]
+        assert int(copy[:nslot * RB].view(nslot, RB)[~written].count_nonzero()) == 0  # nothing at other positions
+        assert int(copy[nslot * RB:].count_nonzero()) == 0  # rows RB apart: the copy's second half unused
         other = comb_q[s][(1 - parity) * nslot * copy_bytes:(2 - parity) * nslot * copy_bytes]
         assert int(other.count_nonzero()) == 0  # the other epoch's copy is untouched
 
