@@ -346,7 +346,7 @@ class Lab:
 
         def copy_rows():
             mod.copy_out_rows_kernel[(min(R, self.sms * 16),)](
-                q.view(torch.int64), out_q.view(torch.int64), self.plan.num_rows, src, R,
+                q.view(torch.int64), out_q.view(torch.int64), self.plan.num_rows, src, R, 0, R,
                 ROW_WORDS=words, CHUNK=min(512, triton.next_power_of_2(words)), num_warps=4)
 
         def pull_rows(programs=progs, warps=4, chunk=512):

@@ -1081,29 +1081,32 @@ def _real_row(r, n_rows, row_src_ptr):
 
 
 @triton.jit
-def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out,
+def copy_out_rows_kernel(src_ptr, dst_ptr, n_rows_ptr, row_src_ptr, R_out, row0, n_win,
                          ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr):
-    """Push dispatch, receiver: the received rows out of this rank's symmetric buffer into a fresh tensor.
+    """Push and put dispatch, receiver: the received rows out of this rank's symmetric buffer into a fresh tensor.
 
-    Row ``r < n_rows`` of ``dst`` gets row ``r`` of ``src`` when it is a real row (``row_src[r] >= 0``), else zeros
-    (padding rows). Rows past ``n_rows`` (the worst-case tail of the no-sync mode) are not written. Reads only real
-    rows.
+    Row ``r`` of ``dst`` with ``row0 <= r < min(n_rows, R_out, row0 + n_win)`` gets row ``r - row0`` of ``src`` (the
+    receive window of rows ``[row0, row0 + n_win)``; the push path: ``row0 = 0``, every row) when it is a real row
+    (``row_src[r] >= 0``), else zeros (padding rows). Rows past ``n_rows`` (the worst-case tail of the no-sync mode)
+    are not written. Reads only real rows.
 
     Args:
-        src_ptr / dst_ptr: int64 views of ``[*, ROW_WORDS]`` rows (row bytes / 8).
+        src_ptr / dst_ptr: ``[*, ROW_WORDS]`` rows of any one dtype (int64 words of payload rows, scale bytes).
         n_rows_ptr: int32 scalar; row_src_ptr: int32 ``[>= n_rows]`` origin rank, -1 = padding.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, CHUNK)
     n = tl.minimum(tl.load(n_rows_ptr), R_out)
-    r = pid
-    while r < n:
+    end = tl.minimum(n, row0 + n_win)
+    r = row0 + pid
+    while r < end:
         real = _real_row(r, n, row_src_ptr)
         base = r.to(tl.int64) * ROW_WORDS
+        sbase = (r - row0).to(tl.int64) * ROW_WORDS
         for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
             m = (c0 + offs) < ROW_WORDS
-            v = tl.load(src_ptr + base + c0 + offs, mask=m & real, other=0)
+            v = tl.load(src_ptr + sbase + c0 + offs, mask=m & real, other=0)
             tl.store(dst_ptr + base + c0 + offs, v, mask=m)
         r += G
 

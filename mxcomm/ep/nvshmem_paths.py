@@ -41,7 +41,7 @@ import torch
 from ..kernels.launch import cdiv, fast_kernel, next_pow2
 from . import put_path
 from .handle import EPHandle
-from .plan import FLAG_ROWS, RoutingPlan
+from .plan import FLAG_ROWS, RoutingPlan, put_window_rows
 from .nvshmem_state import DeliveredWeights, RowOrigins
 from .plan_graph import PlanOutputs
 
@@ -606,18 +606,29 @@ class PushPath(EnginePath):
 
     def _copy_out(self, plan: RoutingPlan, origins: RowOrigins, R: int, row_bytes: int) -> torch.Tensor:
         """Fresh uint8 ``[R, row_bytes]`` of the received rows, copied out of ``recv_q``; padding rows zero."""
+        e = self.e
+        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+        self._copy_rows(self.recv_q.local.view(-1)[: e.R_max * row_bytes].view(e.R_max, row_bytes), out, plan,
+                        origins, 0)
+        return out
+
+    def _copy_rows(self, src: torch.Tensor, dst: torch.Tensor, plan: RoutingPlan, origins: RowOrigins,
+                   row0: int) -> None:
+        """Rows ``[row0, row0 + n)`` of the fresh ``dst`` (uint8 ``[R, B]``) from rows ``[0, n)`` of the receive
+        buffer ``src`` (uint8 ``[n, B]``): padding rows zero, rows past the plan's ``n_rows`` not written
+        (``copy_out_rows_kernel``)."""
         from .nvshmem_kernels import copy_out_rows_kernel
 
         e = self.e
-        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
-        words = row_bytes // 8
-        if R:
-            src = self.recv_q.local.view(-1)[: e.R_max * row_bytes].view(torch.int64)
-            fast_kernel(copy_out_rows_kernel)[(min(R, e.programs * 4),)](
-                src, out.view(torch.int64), plan.num_rows, origins.src, R,
-                ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), num_warps=4,
-            )
-        return out
+        R, B = dst.shape
+        n = min(R - row0, src.shape[0])
+        if n <= 0:
+            return
+        words, view = (B // 8, torch.int64) if B % 8 == 0 else (B, torch.uint8)
+        fast_kernel(copy_out_rows_kernel)[(min(n, e.programs * 4),)](
+            src.view(view), dst.view(view), plan.num_rows, origins.src, R, row0, src.shape[0],
+            ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), num_warps=4,
+        )
 
     def dispatch(self, x, topk_idx, topk_weights):
         e = self.e
@@ -670,7 +681,7 @@ class PutPath(PushPath):
         self._weights_batch = put_path.row_batch(W, e.rank, T * k * 4, dev)
         self._gw_batch = put_path.swap_batch(W, e.rank, T * k * 4, dev)
         self._all_src = torch.arange(W, dtype=torch.int32, device=dev)
-        self._dispatch_signals = (2 * e.El + 1) * self.put_chunks  # per source and dispatch: blocks + entries
+        self.window = put_window_rows(e.config, W)  # rows of the dispatch's receive window (recv_q, recv_s)
         # signals expected so far per signal word (every source sends the same number per call)
         self._expect = torch.zeros(len(_ROW_FLAGS), dtype=torch.int64, device=dev)
         # combine backward: the gradient rows of source s arrive in recv_q viewed as [W, T_max, 2H], its weights in
@@ -720,27 +731,86 @@ class PutPath(PushPath):
         self.puts.put(self.comb_w.local, self.comb_w.local, batch, e.flag_rows[3], e.rank, e.err, 1)
         self._wait("weights", 1)
 
-    def _send_to_experts(self, x, plan, w, mx):
+    def _stage(self, x, plan, w, mx):
         """The rows into staging at their send positions and the entries (with the route weights ``w``) into the
-        staging list, then one put per (destination, expert) block and one per destination's entries, then the signal
-        wait."""
+        staging list."""
         from .nvshmem_kernels import dispatch_kernel
 
-        e = self.e
-        H, T, C = x.shape[1], x.shape[0], self.put_chunks
         self._dispatch_kernel(dispatch_kernel, x, plan, plan.send_pos, self._stage_ptrs, self._stage_s_ptrs, mx,
                               arrive=False)
         self._push_entries(plan, w, self._stage_list_ptrs, self._scratch_ptrs)
-        blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0)
+
+    def _put_round(self, plan: RoutingPlan, mx: bool, window: Optional[tuple], entries: bool) -> None:
+        """One (destination, expert) block put each (payload, scales; with ``window``, the part of each block whose
+        destination rows fall in it), with ``entries`` one put per destination's entries, then the wait for every
+        source's signals of this round."""
+        e = self.e
+        H, C = e.config.hidden, self.put_chunks
+        blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0, window)
         sig = e.flag_rows[1]
         self.puts.put(self.recv_q.local, self.stage_q.local, blocks.payload, sig, e.rank, e.err, C)
         self.puts.put(self.recv_s.local, self.stage_s.local, blocks.scales, sig, e.rank, e.err, C)
-        EW = self.pull_list.local.shape[-1]
-        entries = put_path.swap_batch(e.world, e.rank, T * EW * 4, e.device,
-                                      stride=e.config.max_tokens_per_rank * EW * 4)
-        self.puts.put(self.pull_list.local, self.stage_list.local, entries, sig, e.rank, e.err, C)
-        self._wait("dispatch", self._dispatch_signals)
-        self.puts.quiet()
+        if entries:
+            T, EW = e.config.max_tokens_per_rank, self.pull_list.local.shape[-1]
+            batch = put_path.swap_batch(e.world, e.rank, plan.dest_rank.shape[0] * EW * 4, e.device,
+                                        stride=T * EW * 4)
+            self.puts.put(self.pull_list.local, self.stage_list.local, batch, sig, e.rank, e.err, C)
+        self._wait("dispatch", (2 * e.El + (1 if entries else 0)) * C)
+
+    def _rounds(self, plan: RoutingPlan) -> tuple:
+        """``(R, rounds)``: this rank's output rows and the dispatch's rounds through the receive window. Exact
+        sizes: read at a host sync (with the error words of the counts exchange, :meth:`output_rows`), the rounds
+        from the most rows any rank receives; no-sync mode: the worst case of both."""
+        e = self.e
+        most = put_path.received_rows(plan).max() if e.config.exact_sizes else None
+        R = e.output_rows("dispatch counts")
+        need = e.R_max if most is None else min(int(most), e.R_max)
+        return R, max(1, -(-need // self.window))
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        """As the push path, through puts; the receive window holds ``self.window`` rows: a dispatch whose
+        receivers need more moves in rounds (each: the window's part of every block, the wait, the copy-out, then a
+        signal to every source that the window is free, which the next round waits for). Exact sizes then sync with
+        the host twice (the rows and the rounds before the puts; the arrival waits' errors at the end)."""
+        e = self.e
+        ids = e.checked_ids(topk_idx)  # (its counts into counts_in; a refusal raises here, before the epoch moves)
+        e.d_epoch.add_(1)
+        self.exchange(e.counts_in)
+        po = e.plan_from_counts(ids)
+        plan, mx, H = po.plan, e.mx, e.config.hidden
+        self._stage(x, plan, fp32_weights(topk_weights.detach()), mx)
+        row_bytes = H * (1 if mx else 2)
+        if self.window >= e.R_max:  # every row fits: one round, straight into the rows' own index
+            self._put_round(plan, mx, None, entries=True)
+            self.puts.quiet()
+            table, wtab = self._table_from_list()
+            R = e.output_rows("dispatch arrivals")
+            o = e.origins_from(po, R)
+            q = self._copy_out(plan, o, R, row_bytes)
+            srows = self.recv_s.local
+        else:
+            R, rounds = self._rounds(plan)
+            o = e.origins_from(po, R)
+            q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+            srows = self._scale_rows(R, mx)
+            win_q = self.recv_q.local.view(-1)[: self.window * row_bytes].view(self.window, row_bytes)
+            for r in range(rounds):
+                if r:
+                    self._wait("window", 1)  # every receiver copied the previous round out
+                lo = r * self.window
+                self._put_round(plan, mx, (lo, lo + self.window), entries=r == 0)
+                self._copy_rows(win_q, q, plan, o, lo)
+                if mx:
+                    self._copy_rows(self.recv_s.local, srows, plan, o, lo)
+                if r + 1 < rounds:
+                    self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch,
+                                  e.flag_rows[_ROW_FLAGS["window"]], e.rank, e.err, 1)
+            self.puts.quiet()
+            table, wtab = self._table_from_list()
+            if e.config.exact_sizes:
+                e.output_rows("dispatch arrivals")  # the rounds' waits: their errors raise here
+        return DispatchRows(q=q, scale_rows=srows, kept=po, ids=ids, num_rows=R, origins=o, table=table,
+                            weights=DeliveredWeights.of(wtab, topk_weights))
 
     def send_partials(self, payload, in_scales, handle, mx, passthrough, weights):
         """The partials into staging at their table entry's index, then one put per (token, rank) entry into the

@@ -8,7 +8,10 @@ the destination (``csrc/put_signal.cu`` through :mod:`mxcomm.transport.put_signa
 * dispatch: the kernel writes slot ``(t, j)`` at its send position (send order = (global expert, t, j),
   so each expert's rows are one block); the block for global expert ``g`` on rank ``p`` lands at its rows
   in ``p``'s expert-major ``recv_q``, one put each; its scale bytes (row-major) land at the same rows of
-  ``p``'s ``recv_s`` and ``p`` swizzles them into the grouped-along-M blocked layout after the wait;
+  ``p``'s ``recv_s``. ``recv_q`` is a window of the expert-major rows: when some rank receives more, the
+  rows move in rounds (each round the part of every block that falls in the window, then the receivers
+  copy the window out into their fresh outputs and tell every source it is free); ``p`` swizzles the scale
+  rows into the grouped-along-M blocked layout after the last round;
 * combine backward: one put per (token, destination rank) of the BF16 gradient row and its route
   weights (:func:`token_rows`);
 * combine direction (combine, dispatch backward): one row per (token, rank), as on the peer-pointer
@@ -18,8 +21,9 @@ the destination (``csrc/put_signal.cu`` through :mod:`mxcomm.transport.put_signa
   for; after a ``quiet`` one signal per destination says they arrived.
 
 In the dispatch direction every rank puts exactly ``El`` payload entries and ``El`` scale entries (empty
-blocks only signal) to every rank per call, ``chunks`` pieces each, so a receiver expects
-``2 * El * chunks`` signals per source and call: it waits (bounded) for ``epoch * 2 * El * chunks``.
+blocks only signal) to every rank per round, ``chunks`` pieces each, so a receiver expects
+``2 * El * chunks`` signals per source and round (plus the entries' in the first): it waits (bounded) for
+the running total.
 Counts (and the "ready" handshake of combine backward) travel the same way, one entry of ``E`` int32 (or
 0 bytes) per rank.
 Self is treated like any other rank (NVSHMEM copies locally), so one GPU exercises the whole path.
@@ -53,17 +57,21 @@ def _batch(dst_row: torch.Tensor, src_row: torch.Tensor, n: torch.Tensor, pes: t
                     nbytes=(n * rb).contiguous(), pes=pes.to(torch.int32).contiguous())
 
 
-def dispatch_blocks(plan: RoutingPlan, row_bytes: int, scale_bytes: int) -> BlockPuts:
+def dispatch_blocks(plan: RoutingPlan, row_bytes: int, scale_bytes: int, window: tuple[int, int] | None = None
+                    ) -> BlockPuts:
     """Put entries of the dispatch direction from this rank: one per global expert ``g`` (on rank
     ``g // El``), in global expert order.
 
     Block ``g``: ``counts[me, g]`` rows from staging row ``sum_{g' < g} counts[me, g']`` (the send order)
-    to the destination's expert-major row ``gstart[g] + sum_{s < me} counts[s, g]``.
+    to the destination's expert-major row ``gstart[g] + sum_{s < me} counts[s, g]``. With ``window = (lo, hi)``
+    only the block's rows whose destination row is in ``[lo, hi)`` travel, to row ``dest - lo`` (the receive
+    window of one round); the entries stay one per expert (empty ones only signal).
 
     Args:
         plan: this rank's :class:`~mxcomm.ep.plan.RoutingPlan` (needs ``counts`` of the whole group).
         row_bytes: bytes per payload row (H for MXFP8, 2H for BF16), same stride in staging and ``recv_q``.
         scale_bytes: scale bytes per row (H/32 for MXFP8, 0 for BF16).
+        window: the destination rows of this round, or None (every row, to its own index).
     Returns:
         :class:`BlockPuts` of ``E`` entries each (int64 offsets/sizes, int32 PEs, plan's device).
     """
@@ -74,9 +82,23 @@ def dispatch_blocks(plan: RoutingPlan, row_bytes: int, scale_bytes: int) -> Bloc
     p_re = ((c.sum(0) + a - 1) // a * a).view(W, El)
     gstart = (torch.cumsum(p_re, 1) - p_re).reshape(E)
     dst_row = gstart + (torch.cumsum(c, 0) - c)[me]
+    if window is not None:
+        lo, hi = window
+        first, end = dst_row.clamp(lo, hi), (dst_row + n).clamp(lo, hi)
+        n = end - first
+        # (an empty entry's offsets at 0: they must pass the put's range check)
+        src_row, dst_row = torch.where(n > 0, src_row + (first - dst_row), 0), torch.where(n > 0, first - lo, 0)
     pes = torch.arange(E, device=c.device) // El
     return BlockPuts(payload=_batch(dst_row, src_row, n, pes, row_bytes),
                      scales=_batch(dst_row, src_row, n, pes, scale_bytes))
+
+
+def received_rows(plan: RoutingPlan) -> torch.Tensor:
+    """int64 ``[W]``: the expert-major rows (padding included) every rank receives in the plan's dispatch, from the
+    group's counts (the same on every rank)."""
+    W, El, a = plan.world_size, plan.num_local_experts, plan.align
+    c = plan.counts.to(torch.int64)
+    return ((c.sum(0) + a - 1) // a * a).view(W, El).sum(1)
 
 
 def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_tokens: int, slot0: torch.Tensor,
@@ -181,4 +203,5 @@ class Puts:
         ps.quiet()
 
 
-__all__ = ["BlockPuts", "dispatch_blocks", "partial_rows", "row_batch", "swap_batch", "token_rows", "Puts"]
+__all__ = ["BlockPuts", "dispatch_blocks", "received_rows", "partial_rows", "row_batch", "swap_batch", "token_rows",
+           "Puts"]

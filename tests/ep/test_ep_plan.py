@@ -64,7 +64,7 @@ def test_fingerprint_distinguishes_every_field():
     assert dict(BASE.fingerprint())["topk"] == 2
     changes = dict(num_experts=16, hidden=256, topk=3, max_tokens_per_rank=17, align=128, precision="bf16",
                    scale_mode="floor", backend="nvshmem", num_sms=4, timeout_s=31.0, exact_sizes=False,
-                   transport="put")
+                   transport="put", put_window_rows=64)
     assert set(changes) == {n for n, _ in BASE.fingerprint()}
     base_codes = BASE.fingerprint_codes()
     for name, v in changes.items():
@@ -115,7 +115,7 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert b.pull_send == (0 if world == 1 else pull)
     assert push.pull_send == send
     assert b.counts == push.counts == (world * 32 + world) * 4  # the counts matrix, then one refusal word per rank
-    assert b.flags == push.flags == 6 * world * 8  # counts, dispatch, combine, weights, route_grad, scratch
+    assert b.flags == push.flags == 7 * world * 8  # counts, dispatch, combine, weights, route_grad, scratch, window
     assert b.total == EPGroup.buffer_bytes(cfg, world)
     assert b.total == b.dispatch_payload + b.dispatch_scales + b.combine_payload + b.counts + b.flags + b.pull_send
     assert push.total == EPGroup.buffer_bytes(replace(cfg, transport="push"), world)
@@ -345,7 +345,7 @@ def test_transport_values():
 
 
 def test_put_path_buffers_are_counted_in_the_memory_report():
-    from mxcomm.ep.plan import buffer_sizes, max_recv_rows
+    from mxcomm.ep.plan import buffer_sizes, max_recv_rows, put_window_rows, round_up
 
     auto, put = buffer_sizes(BASE, 2), buffer_sizes(replace(BASE, transport="put"), 2)
     R, H, T, k = max_recv_rows(BASE, 2), BASE.hidden, BASE.max_tokens_per_rank, BASE.topk
@@ -359,8 +359,15 @@ def test_put_path_buffers_are_counted_in_the_memory_report():
     assert put.put_staging == S * 2 * H + S * (H // 32) + 2 * T * EW * 4 + 2 * T * k * 4 + 2 * T * k * 4
     send_s = 2 * T * (H // 32)  # the pull path's MXFP8 scale bytes: the put path does not pull
     assert put.pull_send == auto.pull_send - send_s
-    # the put path receives into symmetric buffers (recv_q, recv_s) and stages; the pull path does neither; its recv_q
-    # also holds combine backward's gradient rows (at least W * T rows of 2H bytes)
+    # the put path receives into symmetric buffers (recv_q, recv_s) and stages; the pull path does neither. Its
+    # receive window: a balanced routing's rows (T * k plus each local expert's padding, 4 * 31) or the rows of
+    # combine backward's gradient rows (W * T rows of 2H bytes), whichever is more, at most the worst case R
+    Wn = put_window_rows(BASE, 2)
+    assert Wn == max(round_up(T * k + 4 * 31, 32), 2 * T * 2 * H // H) < R
     assert auto.dispatch_payload == auto.dispatch_scales == 0 < put.dispatch_payload
-    assert put.dispatch_payload == max(R, -(-2 * T * 2 * H // H)) * H
+    assert put.dispatch_payload == max(Wn, 2 * T * 2 * H // H) * H and put.dispatch_scales == Wn * (H // 32)
     assert put.total == (auto.total - send_s + put.put_staging + put.dispatch_payload + put.dispatch_scales)
+    # a smaller window (more rounds) shrinks only the receive buffers; a larger one stops at the worst case
+    small = buffer_sizes(replace(BASE, transport="put", put_window_rows=40), 2)
+    assert small.dispatch_scales == 40 * (H // 32) and small.dispatch_payload == 2 * T * 2 * H  # the gradient rows
+    assert put_window_rows(replace(BASE, put_window_rows=10**6), 2) == R

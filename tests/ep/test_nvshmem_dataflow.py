@@ -1017,6 +1017,8 @@ for tail in (False, True):  # no-sync tail left alone; exact sizes: the matrix's
             TAIL=tail)
 compile(nk.copy_out_rows_kernel, dict(src_ptr=i64, dst_ptr=i64, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=896,
         CHUNK=512)
+compile(nk.copy_out_rows_kernel, dict(src_ptr=u8, dst_ptr=u8, n_rows_ptr=i32, row_src_ptr=i32), ROW_WORDS=224,
+        CHUNK=256)  # the put path's scale rows out of its receive window
 for weighted in (False, True):  # local path: straight into the output; the unfilled rows zeroed by the same launch
     for mx in (True, False):
         ptx = compile(nk.dispatch_kernel, dict(disp, q_peers=u8 if mx else "*bf16"), H=7168, K=8, CHUNK=4096, MX=mx,

@@ -8,7 +8,7 @@ import torch
 from combine_spec import routings
 from mxcomm.ep.plan import build_plan, local_counts
 from mxcomm.ep.nvshmem_state import row_origins
-from mxcomm.ep.put_path import dispatch_blocks, partial_rows, row_batch, swap_batch, token_rows
+from mxcomm.ep.put_path import dispatch_blocks, partial_rows, received_rows, row_batch, swap_batch, token_rows
 
 RB, SB = 16, 2  # payload / scale bytes per row (small, distinct)
 
@@ -74,6 +74,62 @@ def test_dispatch_blocks_land_every_slot_at_its_dest_row(W, E, k, align, Ts, hot
     for d in range(W):  # nothing else was written (padding rows and the tail stay zero)
         rest = recv_q[d].view(R, RB)[~filled[d]]
         assert int(rest.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("W,E,k,align,Ts", CASES)
+@pytest.mark.parametrize("hot", [None, 1])
+@pytest.mark.parametrize("window", [1, 7, 32, 50])
+def test_dispatch_blocks_through_a_window_in_rounds_land_like_one_round(W, E, k, align, Ts, hot, window):
+    """The put path's dispatch in rounds: round ``r`` puts the part of every block whose destination rows fall in
+    ``[r * window, (r + 1) * window)`` into a receive buffer of ``window`` rows; copied out at ``r * window`` after
+    each round, every receiver ends with what one round into a buffer of every row gives. Each round keeps one entry
+    per expert (the signal counts), and each row travels once."""
+    plans = _plans(W, E, k, align, Ts, seed=W * 10 + E + window, hot=hot)
+    R = max(int(p.num_rows) for p in plans)
+    rounds = max(1, -(-R // window))
+    whole = [torch.zeros(R * RB, dtype=torch.uint8) for _ in range(W)]
+    got = [torch.zeros(rounds * window * RB, dtype=torch.uint8) for _ in range(W)]
+    got_s = [torch.zeros(rounds * window * SB, dtype=torch.uint8) for _ in range(W)]
+    staged = []
+    for s, p in enumerate(plans):
+        nslot = max(p.send_pos.numel(), 1)
+        stage_q, stage_s = torch.zeros(nslot * RB, dtype=torch.uint8), torch.zeros(nslot * SB, dtype=torch.uint8)
+        for slot, pos in enumerate(p.send_pos.reshape(-1).tolist()):
+            if pos >= 0:
+                stage_q[pos * RB:(pos + 1) * RB] = _tag(s, slot, RB)
+                stage_s[pos * SB:(pos + 1) * SB] = _tag(s, slot, SB)
+        staged.append((stage_q, stage_s))
+        _apply(dispatch_blocks(p, RB, SB).payload, stage_q, whole)
+    moved = 0
+    for r in range(rounds):
+        lo = r * window
+        win_q = [torch.zeros(window * RB, dtype=torch.uint8) for _ in range(W)]
+        win_s = [torch.zeros(window * SB, dtype=torch.uint8) for _ in range(W)]
+        for s, p in enumerate(plans):
+            b = dispatch_blocks(p, RB, SB, (lo, lo + window))
+            assert b.payload.n == E and b.scales.n == E
+            moved += int(b.payload.nbytes.sum())
+            _apply(b.payload, staged[s][0], win_q)  # (range-checked against the window's size, empty entries too)
+            _apply(b.scales, staged[s][1], win_s)
+        for d in range(W):  # the receivers' copy-out of the window
+            got[d][lo * RB:(lo + window) * RB] = win_q[d]
+            got_s[d][lo * SB:(lo + window) * SB] = win_s[d]
+    assert moved == sum(int(p.num_send) for p in plans) * RB  # every row once over all rounds
+    for d in range(W):
+        assert torch.equal(got[d][:R * RB], whole[d]), d
+        assert int(got[d][R * RB:].count_nonzero()) == 0
+    for s, p in enumerate(plans):  # and the scale bytes at their rows
+        for slot in range(p.dest_rank.numel()):
+            d, row = int(p.dest_rank.reshape(-1)[slot]), int(p.dest_row.reshape(-1)[slot])
+            if d >= 0:
+                assert torch.equal(got_s[d][row * SB:(row + 1) * SB], _tag(s, slot, SB)), (s, slot)
+
+
+def test_received_rows_are_every_ranks_rows():
+    plans = _plans(4, 16, 4, 32, (33, 0, 7, 64), seed=5)
+    rows = received_rows(plans[0])
+    assert rows.tolist() == [int(p.num_rows) for p in plans]
+    assert all(torch.equal(received_rows(p), rows) for p in plans)  # the same on every rank
 
 
 def _table(plans, d, T_max):

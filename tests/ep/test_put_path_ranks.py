@@ -152,29 +152,43 @@ def _run_ranks(world: ThreadWorld, fn, W: int, timeout_s: float = 240.0) -> list
     return out
 
 
-@pytest.mark.parametrize("W,E,k,H,T,precision,align,exact", [
-    (2, 4, 2, 64, (9, 6), "mxfp8", 32, True),
-    (3, 6, 3, 96, (5, 0, 11), "mxfp8", 128, True),
-    (2, 4, 2, 64, (7, 7), "bf16", 32, True),
-    (3, 9, 3, 64, (6, 4, 0), "mxfp8", 32, False),
+@pytest.mark.parametrize("W,E,k,H,T,precision,align,exact,window,hot", [
+    (2, 4, 2, 64, (9, 6), "mxfp8", 32, True, None, False),
+    (3, 6, 3, 96, (5, 0, 11), "mxfp8", 128, True, 10**6, False),  # a window of every row: one round
+    (2, 4, 2, 64, (7, 7), "bf16", 32, True, None, False),
+    (3, 9, 3, 64, (6, 4, 0), "mxfp8", 32, False, None, False),
+    # dispatch through a receive window of a few rows, in rounds; every token's first slot to expert 0 (one rank gets
+    # every token of every rank)
+    (2, 4, 2, 64, (9, 6), "mxfp8", 32, True, 13, True),
+    (3, 9, 3, 64, (6, 4, 0), "mxfp8", 32, False, 20, True),
+    (2, 4, 2, 64, (7, 7), "bf16", 32, True, 24, False),
 ])
 def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_time, W, E, k, H, T, precision,
-                                                                 align, exact):
+                                                                 align, exact, window, hot):
     """Dispatch bit-exact to the oracle (payload, the groups' scale tiles, offs, counts); combine (MXFP8 and BF16
     transport of the partials) and dispatch backward (the dense expert output as gradient, and with MXFP8 the MX
     gradient combine backward made) bit-exact to the spec's one row per (token, rank) sums; combine backward's rows
     bit-exact to the oracle's, its route-weight gradient within fp32 rounding of a float64 dot with the expert rows.
-    Padding and tail rows of the expert output hold NaN (never read); two rounds (epochs, copies, signal counts)."""
+    Padding and tail rows of the expert output hold NaN (never read); two rounds (epochs, copies, signal counts).
+    ``window``: the dispatch's receive window (``EPConfig.put_window_rows``), smaller than what a rank receives."""
     from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.plan import max_recv_rows, put_window_rows
 
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), align=align, precision=precision,
-                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport="put", exact_sizes=exact)
+                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport="put", exact_sizes=exact,
+                   put_window_rows=window)
+    if window is not None:  # (the default window is below the worst case in the other cases too)
+        assert (put_window_rows(cfg, W) < max_recv_rows(cfg, W)) == (window < 10**6)
     mx = precision == "mxfp8"
     world = ThreadWorld(W)
     calls = []  # two rounds: buffers, epochs and combine copies reused
     for it in range(2):
         xs, idxs, ws = rank_inputs(W, T, E, k, H, seed=100 * W + it + 10 * exact)
+        if hot:
+            for idx in idxs:
+                idx[idx == 0] = -1
+                idx[:, 0] = 0
         wants, routes = oracle_dispatch(cfg, xs, idxs)
         g = torch.Generator().manual_seed(7 + it)
         gys = [torch.randn(T[r], H, generator=g).to(torch.bfloat16) for r in range(W)]
@@ -241,3 +255,7 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
             torch.testing.assert_close(cb.grad_weights, want_gw.float(), rtol=1e-5, atol=1e-4, msg=tag)
     for be in backends:  # every wait was satisfied: no error word set
         assert int(be.err[0]) == 0
+    if window is not None and window < 10**6:  # the dispatches went in rounds: handshakes between them
+        from mxcomm.ep.plan import FLAG_ROWS
+
+        assert all(int(be.impl._expect[FLAG_ROWS.index("window")]) > 0 for be in backends)
