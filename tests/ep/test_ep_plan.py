@@ -42,6 +42,9 @@ def test_config_valid_and_num_local_experts():
         (dict(timeout_s=0.0), 1, "timeout_s"),
         (dict(timeout_s=float("inf")), 1, "timeout_s"),
         (dict(exact_sizes=1), 1, "exact_sizes"),
+        (dict(put_window_rows=0), 2, "put_window_rows"),
+        (dict(put_window_rows=True), 2, "put_window_rows"),
+        (dict(put_window_rows=8.0), 2, "put_window_rows"),
     ],
 )
 def test_config_validate_errors(change, world, needle):
