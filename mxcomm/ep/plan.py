@@ -319,10 +319,10 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     its symmetric buffers depends on the routing. The ``push`` path receives dispatch into ``ep.recv_q`` uint8
     ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes), expert-major, sized for the worst-case routing, and
     ``ep.recv_s`` uint8 ``[R_max, H/32]`` (their scale rows; 1 byte for bf16; the one-rank ``local`` path keeps this
-    one too, for the scale rows its kernel writes). The put path receives into a window of those rows
-    (:func:`put_window_rows` rows of ``recv_q`` and ``recv_s``; a dispatch needing more moves in rounds), so none of
-    its symmetric buffers depends on the routing either. The put path (``put_path``; default:
-    ``config.transport == "put"``) adds its staging (``ep.stage_q`` uint8 ``[S, 2H]`` and ``ep.stage_s`` ``[S,
+    one too, for the scale rows its kernel writes). The put path (``put_path``; default:
+    ``config.transport == "put"``) receives into a window of those rows (:func:`put_window_rows` rows of ``recv_q``
+    and ``recv_s``; a dispatch needing more moves in rounds), so none of its symmetric buffers depends on the routing
+    either, and adds its staging (``ep.stage_q`` uint8 ``[S, 2H]`` and ``ep.stage_s`` ``[S,
     H/32]`` with ``S = T_max * max(k, W)``: the rows a dispatch sends, at most ``T_max * k`` in send order, or the
     partials combine and dispatch backward return, one per (source, token) entry of the table; ``ep.stage_list``
     (pull-list entries per destination), ``ep.stage_gw``) and ``ep.recv_w``
