@@ -306,8 +306,9 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
       (row ``d``: those of the slots on rank ``d``);
     * ``ep.send_q`` uint8 ``[2, T_max, 2H]``: this rank's rows in two copies (alternate epochs of the dispatch
       direction): the pull dispatch's MXFP8 rows (H bytes apart from the start of a copy, quantized once) and
-      combine backward's BF16 gradient rows; receivers read them through peer pointers;
-    * ``ep.send_w`` float32 ``[2, T_max, k]``: combine backward's route weights of those rows;
+      combine backward's BF16 gradient rows; receivers read them through peer pointers (the put path: one copy,
+      combine backward's rows staged for its puts);
+    * ``ep.send_w`` float32 ``[2, T_max, k]``: combine backward's route weights of those rows (put path: one copy);
     * ``ep.pull_list`` int32 ``[W, T_max, pull_entry_words(k)]``: one entry per (source token, this rank) of each
       dispatch, ``[epoch (2 words), row of slot 0, ..., row of slot k-1, weight of slot 0, ..., weight of slot k-1]``
       (expert-major rows here, -1 for slots going elsewhere; the token's route weights, fp32 bits); the dispatch keeps
@@ -344,11 +345,12 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
         srows = put_window_rows(config, W) if path == "put" else R
         regions.append(BufferRegion("ep.recv_s", (srows, H // 32) if mx else (1,), torch.uint8))
     if path != "local":
+        copies = 1 if path == "put" else 2  # the put path's send buffer is combine backward's staging alone
         regions += combine_regions(config) + [
             BufferRegion("ep.comb_w", (W, T, k), torch.float32),
             BufferRegion("ep.comb_gw", (W, T, k), torch.float32),
-            BufferRegion("ep.send_q", (2, T, 2 * H), torch.uint8),
-            BufferRegion("ep.send_w", (2, T, k), torch.float32),
+            BufferRegion("ep.send_q", (copies, T, 2 * H), torch.uint8),
+            BufferRegion("ep.send_w", (copies, T, k), torch.float32),
             BufferRegion("ep.pull_list", (W, T, EW), torch.int32),
         ]
     regions += [
