@@ -62,11 +62,11 @@ class EPConfig:
             receiver). ``"put"``: NVSHMEM put-with-signal (``csrc/put_signal.cu``: kernels write into a local
             staging buffer, NVSHMEM puts one block per (destination, expert) and signals), what peers on other
             nodes need; forcing it on one node tests that path on a single GPU. Unused by ``torch``.
-        put_window_rows: the put path's dispatch receive window, rows of its symmetric ``ep.recv_q``: a dispatch
-            whose receivers need more rows moves them in rounds of this many (each round: the puts, the wait, the
-            copy-out into the fresh output, a handshake), so no symmetric buffer depends on the routing. None: the
-            default of :func:`mxcomm.ep.plan.put_window_rows` (a balanced routing's rows, or the rows combine
-            backward's gradients need there, whichever is more). Unused by the other paths.
+        recv_window_rows: the push and put paths' dispatch receive window, rows of their symmetric ``ep.recv_q``: a
+            dispatch that brings some rank more rows moves them in rounds of this many (each round: the window's
+            rows, the wait, the copy-out into the fresh output, a handshake), so no symmetric buffer depends on the
+            routing. None: :func:`mxcomm.ep.plan.recv_window_rows` (the rows a balanced routing brings a rank; on
+            the put path at least what its ``recv_q`` holds for combine backward). Unused by the other paths.
     """
 
     num_experts: int
@@ -81,7 +81,7 @@ class EPConfig:
     timeout_s: float = 30.0
     exact_sizes: bool = True
     transport: str = "auto"
-    put_window_rows: Optional[int] = None
+    recv_window_rows: Optional[int] = None
 
     def num_local_experts(self, world_size: int) -> int:
         """Experts per rank, ``E / world`` (call :meth:`validate` first)."""
@@ -115,8 +115,8 @@ class EPConfig:
             errs.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.num_sms is not None and (not _is_int(self.num_sms) or self.num_sms < 1):
             errs.append(f"num_sms must be None or a positive int, got {self.num_sms!r}")
-        if self.put_window_rows is not None and (not _is_int(self.put_window_rows) or self.put_window_rows < 1):
-            errs.append(f"put_window_rows must be None or a positive int, got {self.put_window_rows!r}")
+        if self.recv_window_rows is not None and (not _is_int(self.recv_window_rows) or self.recv_window_rows < 1):
+            errs.append(f"recv_window_rows must be None or a positive int, got {self.recv_window_rows!r}")
         if (
             isinstance(self.timeout_s, bool)
             or not isinstance(self.timeout_s, (int, float))

@@ -5,9 +5,10 @@
 * :class:`PullPath` (several ranks with peer pointers, the default): senders pack each token row once into their send
   copy; receivers read each listed row once per (token, rank) through the peer pointer into fresh tensors;
 * :class:`PushPath` (``transport="push"``): senders store the rows into the receivers' symmetric buffer at their
-  expert-major rows; receivers copy them out;
+  expert-major rows; receivers copy them out (through a window of rows, in rounds when a rank receives more);
 * :class:`PutPath` (``transport="put"``, or peers on other nodes): the push path's kernels write into a staging
-  buffer and NVSHMEM puts one block per (destination, expert) with a signal (``csrc/put_signal.cu``).
+  buffer and NVSHMEM puts one block per (destination, expert) with a signal (``csrc/put_signal.cu``), through the
+  same window.
 
 Every path with several ranks answers a dispatch one row per (token, rank) in both directions, through the
 dispatch's table (one entry per (source token, this rank), kept in the handle): combine and dispatch backward send
@@ -41,7 +42,7 @@ import torch
 from ..kernels.launch import cdiv, fast_kernel, next_pow2
 from . import put_path
 from .handle import EPHandle
-from .plan import FLAG_ROWS, RoutingPlan, put_window_rows
+from .plan import FLAG_ROWS, RoutingPlan, received_rows, recv_window_rows
 from .nvshmem_state import DeliveredWeights, RowOrigins
 from .plan_graph import PlanOutputs
 
@@ -572,45 +573,62 @@ class PushPath(EnginePath):
     token row once, quantizes it once and stores it into each destination's ``recv_q`` at its expert-major rows
     (scale rows into ``recv_s``), and ``push_entries_kernel`` lists each (token, destination) in the destination's
     pull list; after the bounded arrival wait the receiver copies the rows out into a fresh tensor (the buffer is
-    reused by the next call) and keeps its pull list's entries as the table. Combine, dispatch backward and combine
-    backward as the pull path (peer pointers). Buffers: ``ep.recv_q``, ``ep.recv_s`` (sized for the worst-case
-    routing) and the combine buffers."""
+    reused by the next call) and keeps its pull list's entries as the table. ``recv_q`` / ``recv_s`` hold a window
+    of ``self.window`` expert-major rows (:func:`mxcomm.ep.plan.recv_window_rows`): a dispatch that brings some rank
+    more moves in rounds of that many rows. Combine, dispatch backward and combine backward as the pull path (peer
+    pointers). Buffers: ``ep.recv_q``, ``ep.recv_s`` and the combine buffers."""
 
     name = "push"
 
     def __init__(self, engine, bufs):
         super().__init__(engine, bufs)
         self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
+        self.window = recv_window_rows(engine.config, engine.world, self.name == "put")  # rows of recv_q / recv_s
+        self._window_epoch = torch.zeros(1, dtype=torch.int64, device=engine.device)  # handshakes between rounds
 
-    def _send_to_experts(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, mx: bool) -> None:
+    # -- the steps of a dispatch's rounds (the put path overrides them) ------------------------------
+    def _prepare(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, mx: bool) -> None:
+        """Before the rounds: nothing here (each round's kernel reads ``x`` itself)."""
+
+    def _send_round(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, mx: bool, window: Optional[tuple],
+                    first: bool) -> None:
         """Each row of ``x`` (bf16 ``[T, H]``) to its slots' expert-major rows on the destinations (MXFP8 when
-        ``mx``) and one pull-list entry per (token, destination) with its route weights ``w`` (fp32 ``[T, k]``); then
-        wait for every source's."""
+        ``mx``; with ``window = (lo, hi)`` only the slots whose rows fall in it, at ``row - lo``), with ``first`` one
+        pull-list entry per (token, destination) and its route weights ``w`` (fp32 ``[T, k]``); then wait for every
+        source's."""
         from .nvshmem_kernels import dispatch_kernel
 
         e = self.e
-        self._dispatch_kernel(dispatch_kernel, x, plan, plan.dest_row, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs,
+        ranks, rows = plan.dest_rank, plan.dest_row
+        if window is not None:
+            lo, hi = window
+            inside = (rows >= lo) & (rows < hi)
+            ranks, rows = torch.where(inside, ranks, -1), torch.where(inside, rows - lo, 0)
+        self._dispatch_kernel(dispatch_kernel, x, plan, ranks, rows, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs,
                               mx, arrive=True)
-        self._push_entries(plan, w, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
-        self._wait_arrivals(1, e.sender_programs + e.push_programs)
+        if first:
+            self._push_entries(plan, w, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
+        self._wait_arrivals(1, e.sender_programs + (e.push_programs if first else 0))
 
-    def _dispatch_kernel(self, kernel, x, plan, rows, q_ptrs, s_ptrs, mx, arrive):
+    def _window_free(self) -> None:
+        """Between two rounds: tell every rank this one copied the window out, and wait (bounded) until every rank
+        did (``publish_kernel`` on the ``window`` flag row, its own epoch)."""
+        e = self.e
+        self._window_epoch.add_(1)
+        self._publish(e.err, 0, e.counts.peer_ptrs, 0, "window", self._window_epoch)
+
+    def _after_rounds(self) -> None:
+        """After the last round: nothing here."""
+
+    def _dispatch_kernel(self, kernel, x, plan, ranks, rows, q_ptrs, s_ptrs, mx, arrive):
         e = self.e
         T, H = x.shape
         fast_kernel(kernel)[(e.sender_programs,)](
-            x, T, plan.dest_rank, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, x,
+            x, T, ranks, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, x,
             plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.launch.row_chunk(H),
             MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=False, ARRIVE=arrive,
             num_warps=e.dispatch_warps(False),
         )
-
-    def _copy_out(self, plan: RoutingPlan, origins: RowOrigins, R: int, row_bytes: int) -> torch.Tensor:
-        """Fresh uint8 ``[R, row_bytes]`` of the received rows, copied out of ``recv_q``; padding rows zero."""
-        e = self.e
-        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
-        self._copy_rows(self.recv_q.local.view(-1)[: e.R_max * row_bytes].view(e.R_max, row_bytes), out, plan,
-                        origins, 0)
-        return out
 
     def _copy_rows(self, src: torch.Tensor, dst: torch.Tensor, plan: RoutingPlan, origins: RowOrigins,
                    row0: int) -> None:
@@ -630,18 +648,59 @@ class PushPath(EnginePath):
             ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), num_warps=4,
         )
 
+    def _rounds(self, plan: RoutingPlan) -> tuple:
+        """``(R, rounds)``: this rank's output rows and the dispatch's rounds through the receive window. Exact
+        sizes: read at a host sync (with the error words of the counts exchange, :meth:`output_rows`), the rounds
+        from the most rows any rank receives; no-sync mode: the worst case of both."""
+        e = self.e
+        most = received_rows(plan).max() if e.config.exact_sizes else None
+        R = e.output_rows("dispatch counts")
+        need = e.R_max if most is None else min(int(most), e.R_max)
+        return R, max(1, -(-need // self.window))
+
     def dispatch(self, x, topk_idx, topk_weights):
+        """Counts exchange and plan, then the rows into the receivers' window in rounds (:meth:`_send_round`: one
+        when the worst case fits the window; else as many as the most rows a rank receives needs), each copied out
+        of ``recv_q`` / ``recv_s`` into fresh tensors before :meth:`_window_free` lets the next round in. Exact sizes
+        sync with the host once when the worst case fits the window, else twice (the rows and the rounds before the
+        sends; the arrival waits' errors after the last round)."""
         e = self.e
         ids = e.checked_ids(topk_idx)  # (its counts into counts_in; a refusal raises here, before the epoch moves)
         e.d_epoch.add_(1)
         self.exchange(e.counts_in)
         po = e.plan_from_counts(ids)
-        self._send_to_experts(x, po.plan, fp32_weights(topk_weights.detach()), mx=e.mx)
-        table, wtab = self._table_from_list()
-        R = e.output_rows("dispatch arrivals")
-        o = e.origins_from(po, R)
-        q = self._copy_out(po.plan, o, R, e.config.hidden * (1 if e.mx else 2))
-        return DispatchRows(q=q, scale_rows=self.recv_s.local, kept=po, ids=ids, num_rows=R, origins=o, table=table,
+        plan, mx, H = po.plan, e.mx, e.config.hidden
+        w = fp32_weights(topk_weights.detach())
+        self._prepare(x, plan, w, mx)
+        row_bytes = H * (1 if mx else 2)
+        win_q = self.recv_q.local.view(-1)[: self.window * row_bytes].view(self.window, row_bytes)
+        if self.window >= e.R_max:  # every row fits: one round, the host sync after it
+            self._send_round(x, plan, w, mx, None, True)
+            self._after_rounds()
+            table, wtab = self._table_from_list()
+            R = e.output_rows("dispatch arrivals")
+            o = e.origins_from(po, R)
+            q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+            self._copy_rows(win_q, q, plan, o, 0)
+            srows = self.recv_s.local
+        else:
+            R, rounds = self._rounds(plan)
+            o = e.origins_from(po, R)
+            q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+            srows = self._scale_rows(R, mx)
+            for r in range(rounds):
+                if r:
+                    self._window_free()
+                lo = r * self.window
+                self._send_round(x, plan, w, mx, (lo, lo + self.window), r == 0)
+                self._copy_rows(win_q, q, plan, o, lo)
+                if mx:
+                    self._copy_rows(self.recv_s.local, srows, plan, o, lo)
+            self._after_rounds()
+            table, wtab = self._table_from_list()
+            if e.config.exact_sizes:
+                e.output_rows("dispatch arrivals")  # the rounds' waits: their errors raise here
+        return DispatchRows(q=q, scale_rows=srows, kept=po, ids=ids, num_rows=R, origins=o, table=table,
                             weights=DeliveredWeights.of(wtab, topk_weights))
 
 
@@ -681,7 +740,6 @@ class PutPath(PushPath):
         self._weights_batch = put_path.row_batch(W, e.rank, T * k * 4, dev)
         self._gw_batch = put_path.swap_batch(W, e.rank, T * k * 4, dev)
         self._all_src = torch.arange(W, dtype=torch.int32, device=dev)
-        self.window = put_window_rows(e.config, W)  # rows of the dispatch's receive window (recv_q, recv_s)
         # signals expected so far per signal word (every source sends the same number per call)
         self._expect = torch.zeros(len(_ROW_FLAGS), dtype=torch.int64, device=dev)
         # combine backward: the gradient rows of source s arrive in recv_q viewed as [W, T_max, 2H], its weights in
@@ -731,86 +789,42 @@ class PutPath(PushPath):
         self.puts.put(self.comb_w.local, self.comb_w.local, batch, e.flag_rows[3], e.rank, e.err, 1)
         self._wait("weights", 1)
 
-    def _stage(self, x, plan, w, mx):
+    def _prepare(self, x, plan, w, mx):
         """The rows into staging at their send positions and the entries (with the route weights ``w``) into the
-        staging list."""
+        staging list, once for every round."""
         from .nvshmem_kernels import dispatch_kernel
 
-        self._dispatch_kernel(dispatch_kernel, x, plan, plan.send_pos, self._stage_ptrs, self._stage_s_ptrs, mx,
-                              arrive=False)
+        self._dispatch_kernel(dispatch_kernel, x, plan, plan.dest_rank, plan.send_pos, self._stage_ptrs,
+                              self._stage_s_ptrs, mx, arrive=False)
         self._push_entries(plan, w, self._stage_list_ptrs, self._scratch_ptrs)
 
-    def _put_round(self, plan: RoutingPlan, mx: bool, window: Optional[tuple], entries: bool) -> None:
-        """One (destination, expert) block put each (payload, scales; with ``window``, the part of each block whose
-        destination rows fall in it), with ``entries`` one put per destination's entries, then the wait for every
-        source's signals of this round."""
+    def _send_round(self, x, plan, w, mx, window, first):
+        """One put per (destination, expert) block (payload, scales; with ``window``, the part of each block whose
+        destination rows fall in it, :func:`put_path.dispatch_blocks`), with ``first`` one put per destination's
+        entries, then the wait for every source's signals of this round."""
         e = self.e
         H, C = e.config.hidden, self.put_chunks
         blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0, window)
         sig = e.flag_rows[1]
         self.puts.put(self.recv_q.local, self.stage_q.local, blocks.payload, sig, e.rank, e.err, C)
         self.puts.put(self.recv_s.local, self.stage_s.local, blocks.scales, sig, e.rank, e.err, C)
-        if entries:
+        if first:
             T, EW = e.config.max_tokens_per_rank, self.pull_list.local.shape[-1]
             batch = put_path.swap_batch(e.world, e.rank, plan.dest_rank.shape[0] * EW * 4, e.device,
                                         stride=T * EW * 4)
             self.puts.put(self.pull_list.local, self.stage_list.local, batch, sig, e.rank, e.err, C)
-        self._wait("dispatch", (2 * e.El + (1 if entries else 0)) * C)
+        self._wait("dispatch", (2 * e.El + (1 if first else 0)) * C)
 
-    def _rounds(self, plan: RoutingPlan) -> tuple:
-        """``(R, rounds)``: this rank's output rows and the dispatch's rounds through the receive window. Exact
-        sizes: read at a host sync (with the error words of the counts exchange, :meth:`output_rows`), the rounds
-        from the most rows any rank receives; no-sync mode: the worst case of both."""
+    def _window_free(self):
+        """A signal to every rank on the ``window`` flag row, then the wait for every rank's."""
         e = self.e
-        most = put_path.received_rows(plan).max() if e.config.exact_sizes else None
-        R = e.output_rows("dispatch counts")
-        need = e.R_max if most is None else min(int(most), e.R_max)
-        return R, max(1, -(-need // self.window))
+        self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[_ROW_FLAGS["window"]],
+                      e.rank, e.err, 1)
+        self._wait("window", 1)
 
-    def dispatch(self, x, topk_idx, topk_weights):
-        """As the push path, through puts; the receive window holds ``self.window`` rows: a dispatch whose
-        receivers need more moves in rounds (each: the window's part of every block, the wait, the copy-out, then a
-        signal to every source that the window is free, which the next round waits for). Exact sizes then sync with
-        the host twice (the rows and the rounds before the puts; the arrival waits' errors at the end)."""
-        e = self.e
-        ids = e.checked_ids(topk_idx)  # (its counts into counts_in; a refusal raises here, before the epoch moves)
-        e.d_epoch.add_(1)
-        self.exchange(e.counts_in)
-        po = e.plan_from_counts(ids)
-        plan, mx, H = po.plan, e.mx, e.config.hidden
-        self._stage(x, plan, fp32_weights(topk_weights.detach()), mx)
-        row_bytes = H * (1 if mx else 2)
-        if self.window >= e.R_max:  # every row fits: one round, straight into the rows' own index
-            self._put_round(plan, mx, None, entries=True)
-            self.puts.quiet()
-            table, wtab = self._table_from_list()
-            R = e.output_rows("dispatch arrivals")
-            o = e.origins_from(po, R)
-            q = self._copy_out(plan, o, R, row_bytes)
-            srows = self.recv_s.local
-        else:
-            R, rounds = self._rounds(plan)
-            o = e.origins_from(po, R)
-            q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
-            srows = self._scale_rows(R, mx)
-            win_q = self.recv_q.local.view(-1)[: self.window * row_bytes].view(self.window, row_bytes)
-            for r in range(rounds):
-                if r:
-                    self._wait("window", 1)  # every receiver copied the previous round out
-                lo = r * self.window
-                self._put_round(plan, mx, (lo, lo + self.window), entries=r == 0)
-                self._copy_rows(win_q, q, plan, o, lo)
-                if mx:
-                    self._copy_rows(self.recv_s.local, srows, plan, o, lo)
-                if r + 1 < rounds:
-                    self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch,
-                                  e.flag_rows[_ROW_FLAGS["window"]], e.rank, e.err, 1)
-            self.puts.quiet()
-            table, wtab = self._table_from_list()
-            if e.config.exact_sizes:
-                e.output_rows("dispatch arrivals")  # the rounds' waits: their errors raise here
-        return DispatchRows(q=q, scale_rows=srows, kept=po, ids=ids, num_rows=R, origins=o, table=table,
-                            weights=DeliveredWeights.of(wtab, topk_weights))
+    def _after_rounds(self):
+        """``quiet``: the staging may be written again."""
+        self.puts.quiet()
 
     def send_partials(self, payload, in_scales, handle, mx, passthrough, weights):
         """The partials into staging at their table entry's index, then one put per (token, rank) entry into the

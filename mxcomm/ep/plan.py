@@ -227,20 +227,30 @@ def max_recv_rows(config: EPConfig, world_size: int) -> int:
     return round_up(world_size * max_rows_per_source(config, world_size) + El * (config.align - 1), config.align)
 
 
-def put_window_rows(config: EPConfig, world_size: int) -> int:
-    """Rows of the put path's dispatch receive window (``ep.recv_q``; a dispatch needing more on some rank moves
-    its rows in rounds of this many): ``config.put_window_rows``, by default the larger of the rows a balanced routing
-    brings a rank (``round_up(T_max * k + El * (align - 1), align)``) and the rows of the bytes combine backward's
-    gradient rows need there (``W * T_max`` rows of ``2H`` bytes); never more than the worst case
-    :func:`max_recv_rows`."""
+def recv_window_rows(config: EPConfig, world_size: int, put_path: bool = False) -> int:
+    """Rows of the push and put paths' dispatch receive window (``ep.recv_q`` / ``ep.recv_s``; a dispatch that
+    brings some rank more moves its rows in rounds of this many): ``config.recv_window_rows``, by default the rows a
+    balanced routing brings a rank (``round_up(T_max * k + El * (align - 1), align)``), on the put path at least the
+    rows of the bytes its ``recv_q`` holds anyway (combine backward's gradient rows: ``W * T_max`` rows of ``2H``
+    bytes); never more than the worst case :func:`max_recv_rows`."""
     R = max_recv_rows(config, world_size)
-    if config.put_window_rows is not None:
-        return min(config.put_window_rows, R)
+    if config.recv_window_rows is not None:
+        return min(config.recv_window_rows, R)
     H, T, k = config.hidden, config.max_tokens_per_rank, config.topk
     row = H * (1 if config.precision == "mxfp8" else 2)
     El = config.num_local_experts(world_size)
-    balanced = round_up(T * k + El * (config.align - 1), config.align)
-    return min(max(balanced, -(-world_size * T * 2 * H // row)), R)
+    rows = round_up(T * k + El * (config.align - 1), config.align)
+    if put_path:
+        rows = max(rows, -(-world_size * T * 2 * H // row))
+    return min(rows, R)
+
+
+def received_rows(plan: RoutingPlan) -> torch.Tensor:
+    """int64 ``[W]``: the expert-major rows (padding included) every rank receives in the plan's dispatch, from the
+    group's counts (the same on every rank)."""
+    W, El, a = plan.world_size, plan.num_local_experts, plan.align
+    c = plan.counts.to(torch.int64)
+    return ((c.sum(0) + a - 1) // a * a).view(W, El).sum(1)
 
 
 @dataclass(frozen=True)
@@ -317,18 +327,17 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
 
     The pull path (the default with several ranks on one node) adds ``ep.send_s`` uint8 ``[2, T_max, H/32]`` (the
     MXFP8 rows' scale bytes); it has no receive buffer: receivers read what they need into fresh tensors, so none of
-    its symmetric buffers depends on the routing. The ``push`` path receives dispatch into ``ep.recv_q`` uint8
-    ``[R_max, H]`` (mxfp8) or ``[R_max, 2H]`` (bf16 bytes), expert-major, sized for the worst-case routing, and
-    ``ep.recv_s`` uint8 ``[R_max, H/32]`` (their scale rows; 1 byte for bf16; the one-rank ``local`` path keeps this
-    one too, for the scale rows its kernel writes). The put path (``put_path``; default:
-    ``config.transport == "put"``) receives into a window of those rows (:func:`put_window_rows` rows of ``recv_q``
-    and ``recv_s``; a dispatch needing more moves in rounds), so none of its symmetric buffers depends on the routing
-    either, and adds its staging (``ep.stage_q`` uint8 ``[S, 2H]`` and ``ep.stage_s`` ``[S,
-    H/32]`` with ``S = T_max * max(k, W)``: the rows a dispatch sends, at most ``T_max * k`` in send order, or the
-    partials combine and dispatch backward return, one per (source, token) entry of the table; ``ep.stage_list``
-    (pull-list entries per destination), ``ep.stage_gw``) and ``ep.recv_w``
-    float32 ``[W, T_max, k]``; its ``recv_q`` also holds combine backward's gradient rows, one per (source, token):
-    at least ``W * T_max * 2H`` bytes.
+    its symmetric buffers depends on the routing. The ``push`` and ``put`` paths receive dispatch into a window of
+    the expert-major rows, ``ep.recv_q`` uint8 ``[R_w, H]`` (mxfp8) or ``[R_w, 2H]`` (bf16 bytes) and ``ep.recv_s``
+    uint8 ``[R_w, H/32]`` (their scale rows; 1 byte for bf16) with ``R_w`` = :func:`recv_window_rows` (a dispatch
+    that brings some rank more moves in rounds), so none of their symmetric buffers depends on the routing either (the
+    one-rank ``local`` path keeps ``recv_s`` ``[R_max, H/32]``, for the scale rows its kernel writes). The put path
+    (``put_path``; default: ``config.transport == "put"``) adds its staging (``ep.stage_q`` uint8 ``[S, 2H]`` and
+    ``ep.stage_s`` ``[S, H/32]`` with ``S = T_max * max(k, W)``: the rows a dispatch sends, at most ``T_max * k`` in
+    send order, or the partials combine and dispatch backward return, one per (source, token) entry of the table;
+    ``ep.stage_list`` (pull-list entries per destination), ``ep.stage_gw``) and ``ep.recv_w`` float32 ``[W, T_max,
+    k]``; its ``recv_q`` also holds combine backward's gradient rows, one per (source, token): at least
+    ``W * T_max * 2H`` bytes.
     """
     config.validate(world_size)
     path = dispatch_path(config, world_size, put_path)
@@ -337,13 +346,13 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     mx = config.precision == "mxfp8"
     EW = pull_entry_words(k)
     regions = []
+    window = recv_window_rows(config, W, path == "put") if path in ("push", "put") else R
     if path in ("push", "put"):
         row = H * (1 if mx else 2)
-        rows = max(put_window_rows(config, W), -(-W * T * 2 * H // row)) if path == "put" else R
+        rows = max(window, -(-W * T * 2 * H // row)) if path == "put" else window
         regions.append(BufferRegion("ep.recv_q", (rows, row), torch.uint8))
     if path != "pull":
-        srows = put_window_rows(config, W) if path == "put" else R
-        regions.append(BufferRegion("ep.recv_s", (srows, H // 32) if mx else (1,), torch.uint8))
+        regions.append(BufferRegion("ep.recv_s", (window, H // 32) if mx else (1,), torch.uint8))
     if path != "local":
         copies = 1 if path == "put" else 2  # the put path's send buffer is combine backward's staging alone
         regions += combine_regions(config) + [
@@ -373,8 +382,8 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
 #: Rows of ``ep.flags`` (entry ``[row, s]`` is written by rank ``s``; flags only grow): the counts exchange and the
 #: "ready" handshake (dispatch epoch), dispatch-direction arrivals, combine-direction arrivals, combine's published
 #: route weights (combine epoch), combine backward's route-weight gradients, a row the put path's data puts signal
-#: without anybody waiting on it (a signal put after a ``quiet`` follows them), and the put path's dispatch rounds
-#: (every receiver copied the window out: the next round may put into it).
+#: without anybody waiting on it (a signal put after a ``quiet`` follows them), and the push and put paths' dispatch
+#: rounds (every receiver copied the window out: the next round may write into it).
 FLAG_ROWS = ("counts", "dispatch", "combine", "weights", "route_grad", "scratch", "window")
 
 
@@ -431,5 +440,6 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
 
 __all__ = [
     "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
-    "max_rows_per_source", "max_recv_rows", "put_window_rows", "pull_entry_words", "FLAG_ROWS", "dispatch_path", "combine_regions", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
+    "max_rows_per_source", "max_recv_rows", "recv_window_rows", "received_rows", "pull_entry_words", "FLAG_ROWS",
+    "dispatch_path", "combine_regions", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
 ]

@@ -93,14 +93,6 @@ def dispatch_blocks(plan: RoutingPlan, row_bytes: int, scale_bytes: int, window:
                      scales=_batch(dst_row, src_row, n, pes, scale_bytes))
 
 
-def received_rows(plan: RoutingPlan) -> torch.Tensor:
-    """int64 ``[W]``: the expert-major rows (padding included) every rank receives in the plan's dispatch, from the
-    group's counts (the same on every rank)."""
-    W, El, a = plan.world_size, plan.num_local_experts, plan.align
-    c = plan.counts.to(torch.int64)
-    return ((c.sum(0) + a - 1) // a * a).view(W, El).sum(1)
-
-
 def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_tokens: int, slot0: torch.Tensor,
                  copy_bytes: int, row_bytes: int, scale_bytes: int) -> BlockPuts:
     """Put entries of the combine direction from this rank: one per entry ``i = s * T_max + t`` of the dispatch's
@@ -203,5 +195,5 @@ class Puts:
         ps.quiet()
 
 
-__all__ = ["BlockPuts", "dispatch_blocks", "received_rows", "partial_rows", "row_batch", "swap_batch", "token_rows",
+__all__ = ["BlockPuts", "dispatch_blocks", "partial_rows", "row_batch", "swap_batch", "token_rows",
            "Puts"]

@@ -58,7 +58,7 @@ class Case:
     transport: str = "auto"
     num_sms: Optional[int] = None  # the nvshmem backend's SM budget (None: the whole GPU)
     misaligned_x: bool = False  # x passed as a view 2 bytes past a 16-byte boundary
-    put_window_rows: Optional[int] = None  # the put path's dispatch receive window (None: its default)
+    recv_window_rows: Optional[int] = None  # the put path's dispatch receive window (None: its default)
 
     def config(self) -> EPConfig:
         return EPConfig(
@@ -66,7 +66,7 @@ class Case:
             max_tokens_per_rank=self.max_tokens or max(max(self.tokens), 1), align=self.align,
             precision=self.precision, scale_mode=self.scale_mode, exact_sizes=self.exact_sizes,
             backend=self.backend, timeout_s=60.0, transport=self.transport, num_sms=self.num_sms,
-            put_window_rows=self.put_window_rows,
+            recv_window_rows=self.recv_window_rows,
         )
 
 
@@ -641,15 +641,15 @@ def gpu_cases_worker(rank: int, world: int) -> dict:
 
 
 def nvshmem_cases_worker(rank: int, world: int, n_random: int = 0, transport: str = "auto",
-                         put_window_rows: Optional[int] = None) -> dict:
+                         recv_window_rows: Optional[int] = None) -> dict:
     """Worker for the nvshmem backend: rank r on GPU ``r % device_count`` (on one GPU the ranks share
     it), the standard matrix plus ``n_random`` random cases, against the single-process oracle;
-    ``transport="put"`` forces the put-with-signal path (``put_window_rows``: its receive window)."""
+    ``transport="put"`` forces the put-with-signal path (``recv_window_rows``: its receive window)."""
     from _dist import bind_rank_gpu
 
     dev = bind_rank_gpu(rank)
     cases = standard_cases(world, seed=7) + random_cases(world, n_random, seed=11)
-    cases = [replace(c, device=dev, backend="nvshmem", transport=transport, put_window_rows=put_window_rows)
+    cases = [replace(c, device=dev, backend="nvshmem", transport=transport, recv_window_rows=recv_window_rows)
              for c in cases]
     out = run_cases(rank, world, cases)
     from mxcomm import transport as tp

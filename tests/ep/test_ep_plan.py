@@ -42,9 +42,9 @@ def test_config_valid_and_num_local_experts():
         (dict(timeout_s=0.0), 1, "timeout_s"),
         (dict(timeout_s=float("inf")), 1, "timeout_s"),
         (dict(exact_sizes=1), 1, "exact_sizes"),
-        (dict(put_window_rows=0), 2, "put_window_rows"),
-        (dict(put_window_rows=True), 2, "put_window_rows"),
-        (dict(put_window_rows=8.0), 2, "put_window_rows"),
+        (dict(recv_window_rows=0), 2, "recv_window_rows"),
+        (dict(recv_window_rows=True), 2, "recv_window_rows"),
+        (dict(recv_window_rows=8.0), 2, "recv_window_rows"),
     ],
 )
 def test_config_validate_errors(change, world, needle):
@@ -67,7 +67,7 @@ def test_fingerprint_distinguishes_every_field():
     assert dict(BASE.fingerprint())["topk"] == 2
     changes = dict(num_experts=16, hidden=256, topk=3, max_tokens_per_rank=17, align=128, precision="bf16",
                    scale_mode="floor", backend="nvshmem", num_sms=4, timeout_s=31.0, exact_sizes=False,
-                   transport="put", put_window_rows=64)
+                   transport="put", recv_window_rows=64)
     assert set(changes) == {n for n, _ in BASE.fingerprint()}
     base_codes = BASE.fingerprint_codes()
     for name, v in changes.items():
@@ -95,14 +95,18 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert max_recv_rows(cfg, world) == R
     assert max_rows_per_source(cfg, world) == 4096 * min(8, El)
     b = buffer_sizes(cfg, world)
-    payload = R * 7168 * (1 if precision == "mxfp8" else 2)
     scales = R * 224 if precision == "mxfp8" else 1  # scale rows at the payload rows
     push = buffer_sizes(replace(cfg, transport="push"), world)
     # one rank (transport "auto"): the local path writes the output directly, no receive buffer (its scale rows are
     # staged in recv_s); several ranks (the pull path): no receive buffer at all, nothing sized by the routing
     assert b.dispatch_payload == 0
     assert b.dispatch_scales == (scales if world == 1 else 0)
-    assert push.dispatch_payload == payload and push.dispatch_scales == scales
+    # the push path receives through a window: the rows a balanced routing brings a rank (4096 * 8 plus each local
+    # expert's padding), at most the worst case; a dispatch that brings more moves in rounds
+    window = min(round_up(4096 * 8 + El * 127, 128), R)
+    assert window < R or world == 1
+    assert push.dispatch_payload == window * 7168 * (1 if precision == "mxfp8" else 2)
+    assert push.dispatch_scales == (window * 224 if precision == "mxfp8" else 1)
     # the partials coming home (two copies of T*k slots of 2H bytes + their scale bytes), every source's published
     # fp32 route weights and the route-weight gradients of combine backward ([W, T, k] each). One rank (local path):
     # combine reads the expert rows in place, nothing of this
@@ -348,7 +352,7 @@ def test_transport_values():
 
 
 def test_put_path_buffers_are_counted_in_the_memory_report():
-    from mxcomm.ep.plan import buffer_sizes, max_recv_rows, put_window_rows, round_up
+    from mxcomm.ep.plan import buffer_sizes, max_recv_rows, recv_window_rows, round_up
 
     auto, put = buffer_sizes(BASE, 2), buffer_sizes(replace(BASE, transport="put"), 2)
     R, H, T, k = max_recv_rows(BASE, 2), BASE.hidden, BASE.max_tokens_per_rank, BASE.topk
@@ -366,12 +370,12 @@ def test_put_path_buffers_are_counted_in_the_memory_report():
     # the put path receives into symmetric buffers (recv_q, recv_s) and stages; the pull path does neither. Its
     # receive window: a balanced routing's rows (T * k plus each local expert's padding, 4 * 31) or the rows of
     # combine backward's gradient rows (W * T rows of 2H bytes), whichever is more, at most the worst case R
-    Wn = put_window_rows(BASE, 2)
+    Wn = recv_window_rows(BASE, 2)
     assert Wn == max(round_up(T * k + 4 * 31, 32), 2 * T * 2 * H // H) < R
     assert auto.dispatch_payload == auto.dispatch_scales == 0 < put.dispatch_payload
     assert put.dispatch_payload == max(Wn, 2 * T * 2 * H // H) * H and put.dispatch_scales == Wn * (H // 32)
     assert put.total == (auto.total - send_s - copy + put.put_staging + put.dispatch_payload + put.dispatch_scales)
     # a smaller window (more rounds) shrinks only the receive buffers; a larger one stops at the worst case
-    small = buffer_sizes(replace(BASE, transport="put", put_window_rows=40), 2)
+    small = buffer_sizes(replace(BASE, transport="put", recv_window_rows=40), 2)
     assert small.dispatch_scales == 40 * (H // 32) and small.dispatch_payload == 2 * T * 2 * H  # the gradient rows
-    assert put_window_rows(replace(BASE, put_window_rows=10**6), 2) == R
+    assert recv_window_rows(replace(BASE, recv_window_rows=10**6), 2) == R

@@ -117,6 +117,8 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
         # one would elect no program in the next call)
         assert not be.tickets.any() and not be.count_totals.any(), f"{tag}: {be.tickets.tolist()}"
     assert int(be.err[0]) == 0
+    if cfg.recv_window_rows is not None:  # the dispatches went in rounds: handshakes between them
+        assert int(be.impl._window_epoch) > 0
     return "ok"
 
 
@@ -204,23 +206,27 @@ def _mismatch_worker(rank, world, path, base, cfg, T, seed):
     return None
 
 
-@pytest.mark.parametrize("W,E,k,H,T,precision,exact,transport", [
-    (2, 4, 2, 64, (9, 6), "mxfp8", True, "pull"),
-    (3, 6, 3, 96, (5, 0, 7), "mxfp8", False, "pull"),
-    (2, 4, 3, 64, (7, 8), "bf16", True, "pull"),
-    (3, 6, 2, 64, (4, 6, 0), "mxfp8", True, "push"),
+@pytest.mark.parametrize("W,E,k,H,T,precision,exact,transport,window", [
+    (2, 4, 2, 64, (9, 6), "mxfp8", True, "pull", None),
+    (3, 6, 3, 96, (5, 0, 7), "mxfp8", False, "pull", None),
+    (2, 4, 3, 64, (7, 8), "bf16", True, "pull", None),
+    (3, 6, 2, 64, (4, 6, 0), "mxfp8", True, "push", None),
+    # the push dispatch through a receive window of a few rows, in rounds
+    (3, 6, 2, 64, (4, 6, 0), "mxfp8", True, "push", 11),
+    (2, 4, 3, 64, (7, 8), "bf16", False, "push", 16),
 ])
-def test_peer_paths_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision, exact, transport):
+def test_peer_paths_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision, exact, transport, window):
     """The pull and push paths across processes. Dispatch bit-exact to the oracle (payload, the groups' scale tiles,
     offs, counts); combine with the dispatch's weights (they came with its entries: the weights' flag does not move)
     and with other weights on every rank (exchanged) bit-exact to the spec's one row per (token, rank) sums; dispatch
     backward likewise; combine backward's rows bit-exact to the oracle's, its route-weight gradient within fp32
     rounding of a float64 dot. Two rounds (epochs, send copies, combine copies); a rank with no tokens; no wait
-    fails."""
+    fails. ``window``: the push dispatch's receive window (``EPConfig.recv_window_rows``), below what ranks receive."""
     from mxcomm.ep import EPConfig
 
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), precision=precision,
-                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport=transport, exact_sizes=exact)
+                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport=transport, exact_sizes=exact,
+                   recv_window_rows=window)
     out = _run_mapped(tmp_path, W, _paths_worker, cfg, [T, T], 31 * W + E, timeout=600)
     assert out == ["ok"] * W
 

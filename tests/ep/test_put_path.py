@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from combine_spec import routings
-from mxcomm.ep.plan import build_plan, local_counts
+from mxcomm.ep.plan import build_plan, local_counts, received_rows
 from mxcomm.ep.nvshmem_state import row_origins
-from mxcomm.ep.put_path import dispatch_blocks, partial_rows, received_rows, row_batch, swap_batch, token_rows
+from mxcomm.ep.put_path import dispatch_blocks, partial_rows, row_batch, swap_batch, token_rows
 
 RB, SB = 16, 2  # payload / scale bytes per row (small, distinct)
 

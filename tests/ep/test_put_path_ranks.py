@@ -170,16 +170,16 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
     gradient combine backward made) bit-exact to the spec's one row per (token, rank) sums; combine backward's rows
     bit-exact to the oracle's, its route-weight gradient within fp32 rounding of a float64 dot with the expert rows.
     Padding and tail rows of the expert output hold NaN (never read); two rounds (epochs, copies, signal counts).
-    ``window``: the dispatch's receive window (``EPConfig.put_window_rows``), smaller than what a rank receives."""
+    ``window``: the dispatch's receive window (``EPConfig.recv_window_rows``), smaller than what a rank receives."""
     from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
-    from mxcomm.ep.plan import max_recv_rows, put_window_rows
+    from mxcomm.ep.plan import max_recv_rows, recv_window_rows
 
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), align=align, precision=precision,
                    backend="nvshmem", num_sms=1, timeout_s=60.0, transport="put", exact_sizes=exact,
-                   put_window_rows=window)
+                   recv_window_rows=window)
     if window is not None:  # (the default window is below the worst case in the other cases too)
-        assert (put_window_rows(cfg, W) < max_recv_rows(cfg, W)) == (window < 10**6)
+        assert (recv_window_rows(cfg, W) < max_recv_rows(cfg, W)) == (window < 10**6)
     mx = precision == "mxfp8"
     world = ThreadWorld(W)
     calls = []  # two rounds: buffers, epochs and combine copies reused
