@@ -75,9 +75,10 @@ def test_nvshmem_put_path_two_ranks_one_gpu():
     _assert_clean(run_world(2, nvshmem_cases_worker, 4, "put", env=ENV, timeout=900))
 
 
-def test_nvshmem_put_path_two_ranks_one_gpu_dispatch_in_rounds():
-    """The put path's dispatch through a receive window of 40 rows: most cases move in several rounds."""
-    _assert_clean(run_world(2, nvshmem_cases_worker, 2, "put", 40, env=ENV, timeout=900))
+@pytest.mark.parametrize("transport", ["push", "put"])
+def test_nvshmem_two_ranks_one_gpu_dispatch_in_rounds(transport):
+    """The push and put dispatches through a receive window of 40 rows: most cases move in several rounds."""
+    _assert_clean(run_world(2, nvshmem_cases_worker, 2, transport, 40, env=ENV, timeout=900))
 
 
 @pytest.mark.skipif(not _mps_running(), reason="4 ranks on one GPU need an MPS daemon (CUDA_MPS_PIPE_DIRECTORY)")
