@@ -58,7 +58,7 @@ class Case:
     transport: str = "auto"
     num_sms: Optional[int] = None  # the nvshmem backend's SM budget (None: the whole GPU)
     misaligned_x: bool = False  # x passed as a view 2 bytes past a 16-byte boundary
-    recv_window_rows: Optional[int] = None  # the put path's dispatch receive window (None: its default)
+    recv_window_rows: Optional[int] = None  # the push and put paths' dispatch receive window (None: the default)
 
     def config(self) -> EPConfig:
         return EPConfig(
@@ -644,7 +644,7 @@ def nvshmem_cases_worker(rank: int, world: int, n_random: int = 0, transport: st
                          recv_window_rows: Optional[int] = None) -> dict:
     """Worker for the nvshmem backend: rank r on GPU ``r % device_count`` (on one GPU the ranks share
     it), the standard matrix plus ``n_random`` random cases, against the single-process oracle;
-    ``transport="put"`` forces the put-with-signal path (``recv_window_rows``: its receive window)."""
+    ``transport="put"`` forces the put-with-signal path (``recv_window_rows``: the push and put receive window)."""
     from _dist import bind_rank_gpu
 
     dev = bind_rank_gpu(rank)
