@@ -662,8 +662,8 @@ class PushPath(EnginePath):
         """Counts exchange and plan, then the rows into the receivers' window in rounds (:meth:`_send_round`: one
         when the worst case fits the window; else as many as the most rows a rank receives needs), each copied out
         of ``recv_q`` / ``recv_s`` into fresh tensors before :meth:`_window_free` lets the next round in. Exact sizes
-        sync with the host once when the worst case fits the window, else twice (the rows and the rounds before the
-        sends; the arrival waits' errors after the last round)."""
+        sync with the host after the id check's sync once when the worst case fits the window, else twice (the rows
+        and the rounds before the sends; the arrival waits' errors after the last round)."""
         e = self.e
         ids = e.checked_ids(topk_idx)  # (its counts into counts_in; a refusal raises here, before the epoch moves)
         e.d_epoch.add_(1)
