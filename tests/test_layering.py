@@ -106,7 +106,9 @@ def test_no_import_cycles():
     assert not cycle, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycle[:10])
 
 
-@pytest.mark.parametrize("fast", ["mxcomm.ep.nvshmem_backend", "mxcomm.ep.nvshmem_paths", "mxcomm.ep.nvshmem_state",
+@pytest.mark.parametrize("fast", ["mxcomm.ep.nvshmem_backend", "mxcomm.ep.nvshmem_state", "mxcomm.ep.paths",
+                                  "mxcomm.ep.paths.base", "mxcomm.ep.paths.local", "mxcomm.ep.paths.pull",
+                                  "mxcomm.ep.paths.push", "mxcomm.ep.paths.put",
                                   "mxcomm.ep.nvshmem_kernels",
                                   "mxcomm.ep.put_path",
                                   "mxcomm.ep.plan_kernels", "mxcomm.ep.plan_graph", "mxcomm.ep.steps",

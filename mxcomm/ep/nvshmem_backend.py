@@ -3,7 +3,7 @@ peers' NVSHMEM symmetric buffers (peer pointers, release/acquire flags at system
 
 This module is the engine every path shares (epochs, flags and counts, error words and bounded waits, the routing
 plan and its captured graphs, output formatting, the reduce at the origin, the compiled-op state);
-:mod:`mxcomm.ep.nvshmem_paths` holds one class per path (local, pull, push, put), each owning its buffers and
+:mod:`mxcomm.ep.paths` holds one class per path (local, pull, push, put), each owning its buffers and
 launching its kernels (:mod:`mxcomm.ep.nvshmem_kernels`). docs/design.md describes the protocol.
 
 One call of :meth:`NvshmemBackend.dispatch` with the default pull dispatch (``transport="auto"`` on one node), all
@@ -56,7 +56,7 @@ from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from .ids import check_expert_ids
 from .plan import FLAG_ROWS, RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
-from .nvshmem_paths import PATHS, PUSH_BLOCK, fp32_weights
+from .paths import PATHS, PUSH_BLOCK, fp32_weights
 from .nvshmem_state import NvshmemState, RowOrigins, handle_origins, row_origins
 
 _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently used dropped)
@@ -220,7 +220,7 @@ class NvshmemBackend:
         # "ready". And the head's per-expert totals (zero between launches)
         self.tickets = torch.zeros(6, dtype=torch.int32, device=self.device)
         self.count_totals = torch.zeros(E + 1, dtype=torch.int32, device=self.device)
-        # the path object: its buffers and kernels (mxcomm.ep.nvshmem_paths)
+        # the path object: its buffers and kernels (mxcomm.ep.paths)
         impl = PATHS[self.path]
         self.impl = impl(self, bufs, puts) if self.path == "put" else impl(self, bufs)
 

@@ -2,7 +2,7 @@
 send position per expert-major row), :func:`row_origins` (from the plan, torch), :func:`handle_origins` (kept by the
 dispatch, or computed when a later op needs them), and :class:`NvshmemState`, the backend's part of an
 :class:`~mxcomm.ep.handle.EPHandle`. Shared by the engine (:mod:`mxcomm.ep.nvshmem_backend`) and its paths
-(:mod:`mxcomm.ep.nvshmem_paths`)."""
+(:mod:`mxcomm.ep.paths`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -111,11 +111,11 @@ def _resources(cubin: bytes) -> tuple[Optional[int], Optional[int]]:
 def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     """The kernel variants the nvshmem backend launches for hidden ``H``, top-``K`` of ``E`` experts and ``W`` ranks,
     with the default launch settings: chunks from the :class:`LaunchConfig` methods the backend calls; the constexprs
-    of each launch site in :mod:`mxcomm.ep.nvshmem_paths` and :mod:`mxcomm.ep.nvshmem_backend` (the gather's and the
+    of each launch site in :mod:`mxcomm.ep.paths` and :mod:`mxcomm.ep.nvshmem_backend` (the gather's and the
     zeroing chunks, the scale layout's tiles of ``NvshmemBackend._grouped_scales``) written out here."""
     from mxcomm.ep import plan_kernels
     from mxcomm.ep.nvshmem_backend import LaunchConfig
-    from mxcomm.ep.nvshmem_paths import PUSH_BLOCK
+    from mxcomm.ep.paths import PUSH_BLOCK
     from mxcomm.ep.plan import pull_entry_words
     from mxcomm.kernels.launch import next_pow2
 

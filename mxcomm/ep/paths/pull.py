@@ -1,0 +1,172 @@
+"""The pull path (:class:`PullPath`): the default with several ranks on one node."""
+from __future__ import annotations
+
+import torch
+
+from ...kernels.launch import cdiv, fast_kernel, next_pow2
+from ..nvshmem_state import DeliveredWeights
+from ..plan import RoutingPlan
+from ..plan_graph import PlanOutputs
+from .base import FLAG_ROW, PUBLISH_BLOCK, DispatchRows, EnginePath
+
+
+class PullPath(EnginePath):
+    """Several ranks with peer pointers (the default). Dispatch, captured once per token count and replayed: the id
+    check and counts, epoch += 1, the counts exchange (with every rank's refusal word; the pack, each token row read
+    once, quantized once, into this rank's send copy ``epoch % 2``, runs while the peers' counts arrive), the
+    routing plan, one pull-list entry per (token, destination rank) on the destination, with the token's route
+    weights, and the bounded wait for every source's entries - three launches with the Triton plan (:meth:`_head`:
+    check to pack; :meth:`_scan_and_wait`: the slot table and the counts wait; the plan with the entries and their
+    wait, :meth:`_make_plan_jobs`); then, after the call's one host sync, ``pull_rows_kernel`` reads each listed
+    token's row once from its source's send copy into the fresh output at all its rows and keeps the entries, and
+    their route weights, as the handle's table. Combine weights its partial sums with those weights and exchanges none
+    when it is given the tensor this rank dispatched with (unchanged; see :meth:`EnginePath.combine_weights`).
+    Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine buffers; no symmetric
+    receive buffer (the receivers write fresh tensors)."""
+
+    name = "pull"
+
+    def __init__(self, engine, bufs):
+        super().__init__(engine, bufs)
+        self.send_s = bufs["ep.send_s"]
+        # the captured middle reads this call's x by address and its route weights from w_in (fixed-address inputs
+        # of the graph; the weights are copied there as fp32: the entries carry them)
+        self.x_slot = torch.zeros(1, dtype=torch.int64, device=engine.device)
+        self.w_in = torch.zeros(engine.config.max_tokens_per_rank, engine.config.topk, dtype=torch.float32,
+                                device=engine.device)
+        # this rank's send copies as the packing kernels take them (fixed per engine): the rows (MX: bytes, 2H a row;
+        # else bf16), the scale rows (MX; a placeholder otherwise) and the values from copy 0 to copy 1
+        T_max, H = engine.config.max_tokens_per_rank, engine.config.hidden
+        self._send_rows = self.send_q.local if engine.mx else self.send_q.local.view(torch.bfloat16)
+        self._send_scales = self.send_s.local if engine.mx else engine.err
+        self._send_copy = T_max * 2 * H if engine.mx else T_max * H
+        self._plan_jobs = self._make_plan_jobs()
+
+    def _make_plan_jobs(self):
+        """The pull-list entries and the wait for every source's as jobs of the plan's launch
+        (``plan_entries_kernel``, :class:`~mxcomm.ep.plan_kernels.PlanJobs`; every argument fixed per engine: made
+        once, in ``__init__``)."""
+        from ..nvshmem_kernels import plan_entries_kernel
+        from ..plan_kernels import PlanJobs
+
+        e = self.e
+        return PlanJobs(kernel=plan_entries_kernel, extra=dict(
+            w_ptr=self.w_in, list_peers=self.pull_list.peer_ptrs, flags_peers=e.flags.peer_ptrs, epoch_ptr=e.d_epoch,
+            T_max=e.config.max_tokens_per_rank, ticket_ptr=e.tickets[2:3], flags_row_ptr=e.flag_rows[1],
+            expect_row_ptr=e.expect_rows[1], err_ptr=e.err, timeout_ns=e.timeout_ns, K=e.config.topk,
+            EW=self.pull_list.local.shape[-1]))
+
+    def _pack(self, T: int) -> None:
+        """This rank's ``T`` token rows (bf16 ``[T, H]`` at the address in ``x_slot``), quantized once (MX), into this
+        epoch's send copy (the pull dispatch with the torch plan; with the Triton plan the head kernel packs)."""
+        from ..nvshmem_kernels import pack_rows_kernel
+
+        e = self.e
+        H = e.config.hidden
+        if not T:
+            return
+        fast_kernel(pack_rows_kernel)[(min(T, e.dispatch_programs),)](
+            self.x_slot, T, self._send_rows, self._send_scales, e.d_epoch, e.config.max_tokens_per_rank,
+            self._send_copy, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id, INT_ROUND=e.int_round,
+            X_SLOT=True, num_warps=e.launch.dispatch_warps,
+        )
+
+    def _head(self, topk_idx: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+        """Triton plan: ``pull_head_kernel`` - the id check and this rank's counts (into ``counts_in[:E]``; the block
+        counts into the engine's ``slot_prefix``), the refusal word (``counts_in[E]``), epoch += 1, the publish of both
+        to every rank, and the pack of ``x`` (from ``x_slot``) into this epoch's send copy, in one launch that waits
+        for nothing. Returns the checked int32 ids ``[T, k]`` (the head of ``store``)."""
+        from ..nvshmem_kernels import pull_head_kernel
+        from ..plan_kernels import tokens_per_block
+
+        e = self.e
+        T, k = topk_idx.shape
+        E, H = e.config.num_experts, e.config.hidden
+        ids = store.view(-1)[:T * k].view(T, k)
+        fast_kernel(pull_head_kernel)[(max(1, min(T, e.dispatch_programs)),)](
+            topk_idx.contiguous(), ids, e.slot_prefix, e.input_err, T, E, e.count_totals, e.counts_in, e.tickets[0:1],
+            e.counts.peer_ptrs, e.flags.peer_ptrs, FLAG_ROW["counts"], e.world, e.rank, e.d_epoch, self.x_slot,
+            self._send_rows, self._send_scales, e.config.max_tokens_per_rank, self._send_copy,
+            K=k, K_POW2=next_pow2(k), TOK=tokens_per_block(k), KEYS=min(1024, next_pow2(E + 1)),
+            PUB_BLOCK=PUBLISH_BLOCK, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id,
+            INT_ROUND=e.int_round, num_warps=e.launch.dispatch_warps,
+        )
+        return ids
+
+    def _scan_and_wait(self, T: int) -> None:
+        """Triton plan, after :meth:`_head`: ``scan_and_wait_kernel`` - the block counts of ``T`` tokens into the
+        plan's table (``slot_prefix``), then the bounded wait for every rank's counts."""
+        from ..nvshmem_kernels import scan_and_wait_kernel
+        from ..plan_kernels import scan_tile, slot_blocks
+
+        e = self.e
+        E = e.config.num_experts
+        nb = slot_blocks(T, e.config.topk)
+        tile = scan_tile(nb, E + 1)
+        fast_kernel(scan_and_wait_kernel)[(cdiv(E + 1, tile.keys),)](
+            e.slot_prefix, e.counts_in, nb, E + 1, e.tickets[1:2], e.flags.local, FLAG_ROW["counts"], e.world,
+            e.d_epoch, e.err, e.timeout_ns, BLOCK_B=tile.blocks, BLOCK_K=tile.keys,
+        )
+
+    def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
+        """Everything before the receivers' gather: the id check of the caller's ``topk_idx`` and this rank's counts
+        (into the engine's ``counts_in``; a refusal is read at the call's one host sync), epoch += 1, the counts
+        exchange (counts and refusal word) with the pack (``x`` from ``x_slot``) between its publish and its wait,
+        the plan of the checked ids on the exchanged ``counts_buf``, the pull-list entries and the bounded wait for
+        every source's; the refusals into the status words. ``extra["ids"]``: the checked ids. With the Triton plan,
+        three launches: :meth:`_head` (check to pack), :meth:`_scan_and_wait` (the slot table and the counts wait),
+        then the plan with the entries and their wait (:meth:`_make_plan_jobs`)."""
+        e = self.e
+        store = e.plan_store(topk_idx)
+        if store is not None:
+            ids = self._head(topk_idx, store)
+            self._scan_and_wait(ids.shape[0])
+            # (and the refusals into the status words)
+            po = e.compute_plan(counts_buf, ids, refusals=True, store=store, jobs=self._plan_jobs)
+            return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
+        # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]; epoch += 1
+        ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True, new_epoch=True)
+        self.exchange(e.counts_in, wait=False)
+        # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels, send_q), and
+        # no peer reads it before this rank's entries, pushed after it in stream order
+        self._pack(ids.shape[0])
+        self.wait_for_counts()
+        po = e.compute_plan(counts_buf, ids, refusals=True, store=store)
+        self._push_entries(po.plan, self.w_in, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
+        self._wait_arrivals(1, e.push_programs)
+        return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
+
+    def _pull_out(self, plan: RoutingPlan, R: int, row_bytes: int, table: torch.Tensor, wtab: torch.Tensor):
+        """``(rows, scale_rows)``: fresh uint8 ``[R, row_bytes]`` of the received rows, each listed token read once
+        from its source's send copy and stored at all its rows, padding rows zero; (MX) a fresh uint8 ``[R, H/32]``
+        of their scale rows, row-major (unfilled rows undefined). The pull list's entries go to ``table`` (int32
+        ``[W * T_max, k]``: the dispatch's table), their route weights to ``wtab`` (fp32, the same shape)."""
+        from ..nvshmem_kernels import pull_rows_kernel
+
+        e = self.e
+        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+        words = row_bytes // 8
+        C, k, T_max = e.config.hidden // 32, e.config.topk, e.config.max_tokens_per_rank
+        srows = self._scale_rows(R, e.mx)
+        fast_kernel(pull_rows_kernel)[(e.output_programs(e.world * T_max),)](
+            out.view(torch.int64), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R, self.send_q.peer_ptrs,
+            self.send_s.peer_ptrs, self.pull_list.local, table, wtab.view(torch.int32), e.d_epoch, T_max, e.world,
+            T_max * 2 * e.config.hidden // 8, ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), C=C,
+            C_POW2=next_pow2(C), K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx,
+            num_warps=4,
+        )
+        return out, srows
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        e = self.e
+        if x.data_ptr() % 16:  # the pack reads x by address in 16-byte vectors (pack_rows_kernel, X_SLOT)
+            x = x.clone()
+        self.x_slot.fill_(x.data_ptr())
+        self.w_in[:x.shape[0]].copy_(topk_weights.detach())  # (no autograd history into the fixed buffer)
+        po = e.run_middle(self._middle, topk_idx)  # (copies of a replay's outputs: made before the sync)
+        table, wtab = self._new_table()
+        R = e.output_rows("dispatch arrivals", ids=topk_idx)
+        q, srows = self._pull_out(po.plan, R, e.config.hidden * (1 if e.mx else 2), table, wtab)
+        return DispatchRows(q=q, scale_rows=srows, kept=po, ids=po.extra["ids"], num_rows=R,
+                            origins=e.origins_from(po, R), table=table,
+                            weights=DeliveredWeights.of(wtab, topk_weights))

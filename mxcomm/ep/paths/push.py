@@ -1,0 +1,147 @@
+"""The push path (:class:`PushPath`): dispatch stores into the receivers' window, in rounds."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...kernels.launch import fast_kernel, next_pow2
+from ..nvshmem_state import DeliveredWeights, RowOrigins
+from ..plan import RoutingPlan, received_rows, recv_window_rows
+from .base import DispatchRows, EnginePath, fp32_weights
+
+
+class PushPath(EnginePath):
+    """Several ranks, ``transport="push"``: after the counts exchange and the plan, ``dispatch_kernel`` reads each
+    token row once, quantizes it once and stores it into each destination's ``recv_q`` at its expert-major rows
+    (scale rows into ``recv_s``), and ``push_entries_kernel`` lists each (token, destination) in the destination's
+    pull list; after the bounded arrival wait the receiver copies the rows out into a fresh tensor (the buffer is
+    reused by the next call) and keeps its pull list's entries as the table. ``recv_q`` / ``recv_s`` hold a window
+    of ``self.window`` expert-major rows (:func:`mxcomm.ep.plan.recv_window_rows`): a dispatch that brings some rank
+    more moves in rounds of that many rows. Combine, dispatch backward and combine backward as the pull path (peer
+    pointers). Buffers: ``ep.recv_q``, ``ep.recv_s`` and the combine buffers."""
+
+    name = "push"
+
+    def __init__(self, engine, bufs):
+        super().__init__(engine, bufs)
+        self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
+        self.window = recv_window_rows(engine.config, engine.world, self.name == "put")  # rows of recv_q / recv_s
+        self._window_epoch = torch.zeros(1, dtype=torch.int64, device=engine.device)  # handshakes between rounds
+
+    # -- the steps of a dispatch's rounds (the put path overrides them) ------------------------------
+    def _prepare(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, mx: bool) -> None:
+        """Before the rounds: nothing here (each round's kernel reads ``x`` itself)."""
+
+    def _send_round(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, mx: bool, window: Optional[tuple],
+                    first: bool) -> None:
+        """Each row of ``x`` (bf16 ``[T, H]``) to its slots' expert-major rows on the destinations (MXFP8 when
+        ``mx``; with ``window = (lo, hi)`` only the slots whose rows fall in it, at ``row - lo``), with ``first`` one
+        pull-list entry per (token, destination) and its route weights ``w`` (fp32 ``[T, k]``); then wait for every
+        source's."""
+        from ..nvshmem_kernels import dispatch_kernel
+
+        e = self.e
+        ranks, rows = plan.dest_rank, plan.dest_row
+        if window is not None:
+            lo, hi = window
+            inside = (rows >= lo) & (rows < hi)
+            ranks, rows = torch.where(inside, ranks, -1), torch.where(inside, rows - lo, 0)
+        self._dispatch_kernel(dispatch_kernel, x, plan, ranks, rows, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs,
+                              mx, arrive=True)
+        if first:
+            self._push_entries(plan, w, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
+        self._wait_arrivals(1, e.sender_programs + (e.push_programs if first else 0))
+
+    def _window_free(self) -> None:
+        """Between two rounds: tell every rank this one copied the window out, and wait (bounded) until every rank
+        did (``publish_kernel`` on the ``window`` flag row, its own epoch)."""
+        e = self.e
+        self._window_epoch.add_(1)
+        self._publish(e.err, 0, e.counts.peer_ptrs, 0, "window", self._window_epoch)
+
+    def _after_rounds(self) -> None:
+        """After the last round: nothing here."""
+
+    def _dispatch_kernel(self, kernel, x, plan, ranks, rows, q_ptrs, s_ptrs, mx, arrive):
+        e = self.e
+        T, H = x.shape
+        fast_kernel(kernel)[(e.sender_programs,)](
+            x, T, ranks, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, x,
+            plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.launch.row_chunk(H),
+            MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=False, ARRIVE=arrive,
+            num_warps=e.dispatch_warps(False),
+        )
+
+    def _copy_rows(self, src: torch.Tensor, dst: torch.Tensor, plan: RoutingPlan, origins: RowOrigins,
+                   row0: int) -> None:
+        """Rows ``[row0, row0 + n)`` of the fresh ``dst`` (uint8 ``[R, B]``) from rows ``[0, n)`` of the receive
+        buffer ``src`` (uint8 ``[n, B]``): padding rows zero, rows past the plan's ``n_rows`` not written
+        (``copy_out_rows_kernel``)."""
+        from ..nvshmem_kernels import copy_out_rows_kernel
+
+        e = self.e
+        R, B = dst.shape
+        n = min(R - row0, src.shape[0])
+        if n <= 0:
+            return
+        words, view = (B // 8, torch.int64) if B % 8 == 0 else (B, torch.uint8)
+        fast_kernel(copy_out_rows_kernel)[(min(n, e.programs * 4),)](
+            src.view(view), dst.view(view), plan.num_rows, origins.src, R, row0, src.shape[0],
+            ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), num_warps=4,
+        )
+
+    def _rounds(self, plan: RoutingPlan) -> tuple:
+        """``(R, rounds)``: this rank's output rows and the dispatch's rounds through the receive window. Exact
+        sizes: read at a host sync (with the error words of the counts exchange, :meth:`output_rows`), the rounds
+        from the most rows any rank receives; no-sync mode: the worst case of both."""
+        e = self.e
+        most = received_rows(plan).max() if e.config.exact_sizes else None
+        R = e.output_rows("dispatch counts")
+        need = e.R_max if most is None else min(int(most), e.R_max)
+        return R, max(1, -(-need // self.window))
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        """Counts exchange and plan, then the rows into the receivers' window in rounds (:meth:`_send_round`: one
+        when the worst case fits the window; else as many as the most rows a rank receives needs), each copied out
+        of ``recv_q`` / ``recv_s`` into fresh tensors before :meth:`_window_free` lets the next round in. Exact sizes
+        sync with the host after the id check's sync once when the worst case fits the window, else twice (the rows
+        and the rounds before the sends; the arrival waits' errors after the last round)."""
+        e = self.e
+        ids = e.checked_ids(topk_idx)  # (its counts into counts_in; a refusal raises here, before the epoch moves)
+        e.d_epoch.add_(1)
+        self.exchange(e.counts_in)
+        po = e.plan_from_counts(ids)
+        plan, mx, H = po.plan, e.mx, e.config.hidden
+        w = fp32_weights(topk_weights.detach())
+        self._prepare(x, plan, w, mx)
+        row_bytes = H * (1 if mx else 2)
+        win_q = self.recv_q.local.view(-1)[: self.window * row_bytes].view(self.window, row_bytes)
+        if self.window >= e.R_max:  # every row fits: one round, the host sync after it
+            self._send_round(x, plan, w, mx, None, True)
+            self._after_rounds()
+            table, wtab = self._table_from_list()
+            R = e.output_rows("dispatch arrivals")
+            o = e.origins_from(po, R)
+            q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+            self._copy_rows(win_q, q, plan, o, 0)
+            srows = self.recv_s.local
+        else:
+            R, rounds = self._rounds(plan)
+            o = e.origins_from(po, R)
+            q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+            srows = self._scale_rows(R, mx)
+            for r in range(rounds):
+                if r:
+                    self._window_free()
+                lo = r * self.window
+                self._send_round(x, plan, w, mx, (lo, lo + self.window), r == 0)
+                self._copy_rows(win_q, q, plan, o, lo)
+                if mx:
+                    self._copy_rows(self.recv_s.local, srows, plan, o, lo)
+            self._after_rounds()
+            table, wtab = self._table_from_list()
+            if e.config.exact_sizes:
+                e.output_rows("dispatch arrivals")  # the rounds' waits: their errors raise here
+        return DispatchRows(q=q, scale_rows=srows, kept=po, ids=ids, num_rows=R, origins=o, table=table,
+                            weights=DeliveredWeights.of(wtab, topk_weights))
