@@ -22,11 +22,13 @@ class PushPath(EnginePath):
     pointers). Buffers: ``ep.recv_q``, ``ep.recv_s`` and the combine buffers."""
 
     name = "push"
+    recv_q_holds_gradients = False  # (the put path's recv_q also takes combine backward's gradient rows)
 
     def __init__(self, engine, bufs):
         super().__init__(engine, bufs)
         self.recv_q, self.recv_s = bufs["ep.recv_q"], bufs["ep.recv_s"]
-        self.window = recv_window_rows(engine.config, engine.world, self.name == "put")  # rows of recv_q / recv_s
+        # rows of the receive window (recv_q, recv_s)
+        self.window = recv_window_rows(engine.config, engine.world, self.recv_q_holds_gradients)
         self._window_epoch = torch.zeros(1, dtype=torch.int64, device=engine.device)  # handshakes between rounds
 
     # -- the steps of a dispatch's rounds (the put path overrides them) ------------------------------

@@ -12,7 +12,8 @@ class PutPath(PushPath):
     """The push path over NVSHMEM puts with signals (``transport="put"``, or needed because a peer has no peer
     pointer, e.g. on another node). Dispatch: the same kernels write into this rank's staging buffer (in send order)
     and its pull-list entries into a staging list per destination; one put per (destination, expert) block (payload,
-    scales) and one per destination (entries), with signals. Combine and dispatch backward: the partials into
+    scales) and one per destination (entries), with signals, into the receivers' window (the push path's rounds, the
+    blocks clipped to each round's rows). Combine and dispatch backward: the partials into
     staging, one row per (source, token) entry of the table, then one put per entry into the origin's slot (one
     row per (token, rank), as on the peer-pointer paths) and one signal per destination. Combine backward: one put
     per (token, destination) of the BF16 gradient row and its weights into the destination's ``recv_q`` /
@@ -22,6 +23,7 @@ class PutPath(PushPath):
     path's plus ``ep.stage_q``, ``ep.stage_s``, ``ep.stage_list``, ``ep.stage_gw``, ``ep.recv_w``."""
 
     name = "put"
+    recv_q_holds_gradients = True
 
     def __init__(self, engine, bufs, puts=None):
         super().__init__(engine, bufs)
