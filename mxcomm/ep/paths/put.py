@@ -146,7 +146,8 @@ class PutPath(PushPath):
                                      H // 32 if mx else 0)
         scratch = e.flag_rows[FLAG_ROW["scratch"]]
         self.puts.put(e.comb[0].local, self.stage_q.local, rows.payload, scratch, e.rank, e.err, 1)
-        self.puts.put(e.comb[1].local, self.stage_s.local, rows.scales, scratch, e.rank, e.err, 1)
+        if mx:  # (BF16 partials carry no scale bytes)
+            self.puts.put(e.comb[1].local, self.stage_s.local, rows.scales, scratch, e.rank, e.err, 1)
         self.puts.quiet()
         self.puts.put(e.comb[0].local, self.stage_q.local, self._ready_batch, e.flag_rows[2], e.rank, e.err, 1)
         self._wait("combine", 1)
