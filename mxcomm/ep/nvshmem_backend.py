@@ -41,6 +41,7 @@ reduce forms the one partial from the expert rows in place.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
@@ -551,15 +552,18 @@ class NvshmemBackend:
         return po
 
     def plan_from_counts(self, topk_idx: torch.Tensor) -> PlanOutputs:
-        """The routing plan of this call from the exchanged counts: replayed from a CUDA graph captured
-        once per token count and plan implementation on the GPU (see plan_graph), computed eagerly elsewhere."""
+        """The routing plan of this call from the exchanged counts and refusal words (the status words of the
+        call's host sync: the row count and the lowest refusing rank, :meth:`compute_plan`): replayed from a CUDA
+        graph captured once per token count and plan implementation on the GPU (see plan_graph), computed eagerly
+        elsewhere."""
         T, k = topk_idx.shape
+        compute = functools.partial(self.compute_plan, refusals=True)
         if self.device.type != "cuda" or T == 0 or self.capturing():  # an outer capture records the kernels
-            return self.compute_plan(self.counts_mat, topk_idx)
+            return compute(self.counts_mat, topk_idx)
         key = ("plan", T, topk_idx.dtype, self.plan_impl)
         g = self._plan_graphs.pop(key, None)
         if g is None:
-            g = PlanGraph(self.counts_mat, T, k, topk_idx.dtype, self.compute_plan)
+            g = PlanGraph(self.counts_mat, T, k, topk_idx.dtype, compute)
         self._remember_graph(key, g)
         return g(topk_idx)
 

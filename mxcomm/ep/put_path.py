@@ -24,8 +24,8 @@ In the dispatch direction every rank puts exactly ``El`` payload entries and ``E
 blocks only signal) to every rank per round, ``chunks`` pieces each, so a receiver expects
 ``2 * El * chunks`` signals per source and round (plus the entries' in the first): it waits (bounded) for
 the running total.
-Counts (and the "ready" handshake of combine backward) travel the same way, one entry of ``E`` int32 (or
-0 bytes) per rank.
+Counts travel the same way, two entries per rank (the ``E`` int32 counts and the refusal word), the "ready"
+handshake of combine backward one empty entry per rank.
 Self is treated like any other rank (NVSHMEM copies locally), so one GPU exercises the whole path.
 
 Everything here is plain torch on the plan's device (no host sync); :class:`Puts` is the seam
@@ -139,6 +139,18 @@ def row_batch(world: int, rank: int, row_bytes: int, device) -> PutBatch:
                     pes=torch.arange(world, dtype=torch.int32, device=device))
 
 
+def counts_batch(world: int, rank: int, num_experts: int, device) -> PutBatch:
+    """The counts exchange's entries into the ``ep.counts`` buffer (int32 ``[W * E + W]``: the counts matrix, then
+    one refusal word per rank): to every rank ``p``, this rank's ``E`` counts (row ``rank``) and its refusal word
+    (word ``W * E + rank``), two entries each (0 bytes to self: both are already there)."""
+    rows = row_batch(world, rank, 4 * num_experts, device)
+    off = torch.full((world,), 4 * (world * num_experts + rank), dtype=torch.int64, device=device)
+    nb = torch.full((world,), 4, dtype=torch.int64, device=device)
+    nb[rank] = 0
+    return PutBatch(dst_offsets=torch.cat([rows.dst_offsets, off]), src_offsets=torch.cat([rows.src_offsets, off]),
+                    nbytes=torch.cat([rows.nbytes, nb]), pes=torch.cat([rows.pes, rows.pes]))
+
+
 def swap_batch(world: int, rank: int, row_bytes: int, device, stride: int | None = None) -> PutBatch:
     """One entry per rank ``p`` (itself included): ``row_bytes`` bytes from row ``p`` of a local ``[W, *]`` staging
     buffer to row ``rank`` of another ``[W, *]`` buffer on ``p`` (rows ``stride`` bytes apart, default
@@ -195,5 +207,5 @@ class Puts:
         ps.quiet()
 
 
-__all__ = ["BlockPuts", "dispatch_blocks", "partial_rows", "row_batch", "swap_batch", "token_rows",
+__all__ = ["BlockPuts", "dispatch_blocks", "partial_rows", "row_batch", "counts_batch", "swap_batch", "token_rows",
            "Puts"]

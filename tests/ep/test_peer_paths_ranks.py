@@ -260,15 +260,17 @@ def test_combine_weights_decided_unlike_fails_on_every_rank(tmp_path):
     assert out == [(0, 1), (1, 0)], out
 
 
-def test_refusal_then_clean_call_then_absent_peer(tmp_path):
-    """Bad input and a missing peer on the pull path across processes: a rank whose ids hold an expert id out of range
-    raises the detailed ValueError and its peer a PeerTimeout saying that rank refused, both before any row is
-    gathered; the next dispatch and combine on both ranks are exact (the group stays usable); then a rank that never
-    enters the dispatch makes the other's bounded wait raise PeerTimeout naming it, within its timeout."""
+@pytest.mark.parametrize("transport,window", [("pull", None), ("push", None), ("push", 8)])
+def test_refusal_then_clean_call_then_absent_peer(tmp_path, transport, window):
+    """Bad input and a missing peer on the pull and push paths (the push path also in rounds) across processes: a
+    rank whose ids hold an expert id out of range raises the detailed ValueError and its peer a PeerTimeout saying that
+    rank refused, both before any row is gathered or sent; the next dispatch and combine on both ranks are exact (the
+    group stays usable); then a rank that never enters the dispatch makes the other's bounded wait raise PeerTimeout
+    naming it, within its timeout."""
     from mxcomm.ep import EPConfig
 
     cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
-                   num_sms=1, timeout_s=3.0, transport="pull")
+                   num_sms=1, timeout_s=3.0, transport=transport, recv_window_rows=window)
     out = _run_mapped(tmp_path, 2, _fault_worker, cfg, (6, 5), 9, timeout=300)
     assert out[0] == [("PeerTimeout", 1, True), True, ("PeerTimeout", 1, True)], out
     assert out[1] == [("ValueError", True), True], out

@@ -8,7 +8,7 @@ import torch
 from combine_spec import routings
 from mxcomm.ep.plan import build_plan, local_counts, received_rows
 from mxcomm.ep.nvshmem_state import row_origins
-from mxcomm.ep.put_path import dispatch_blocks, partial_rows, row_batch, swap_batch, token_rows
+from mxcomm.ep.put_path import counts_batch, dispatch_blocks, partial_rows, row_batch, swap_batch, token_rows
 
 RB, SB = 16, 2  # payload / scale bytes per row (small, distinct)
 
@@ -190,6 +190,13 @@ def test_partial_rows_return_one_row_per_token_and_rank_to_its_leading_slot(W, E
         assert int(copy[nslot * RB:].count_nonzero()) == 0  # rows RB apart: the copy's second half unused
         other = comb_q[s][(1 - parity) * nslot * copy_bytes:(2 - parity) * nslot * copy_bytes]
         assert int(other.count_nonzero()) == 0  # the other epoch's copy is untouched
+
+
+def test_counts_batch_carries_the_counts_row_and_the_refusal_word():
+    b = counts_batch(3, 1, 4, "cpu")  # 3 ranks, 4 experts: counts int32 [12] then 3 refusal words
+    assert b.pes.tolist() == [0, 1, 2, 0, 1, 2]
+    assert b.dst_offsets.tolist() == b.src_offsets.tolist() == [16, 16, 16, 52, 52, 52]  # row 1; word 12 + 1
+    assert b.nbytes.tolist() == [16, 0, 16, 4, 0, 4]  # nothing to copy to itself
 
 
 def test_row_batch_counts_and_ready():

@@ -259,3 +259,54 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
         from mxcomm.ep.plan import FLAG_ROWS
 
         assert all(int(be.impl._expect[FLAG_ROWS.index("window")]) > 0 for be in backends)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_put_path_refusal_then_clean_call_then_absent_peer(one_kernel_at_a_time, window):
+    """Bad input and a missing peer on the put path (also in rounds), two ranks as threads: the rank whose ids hold an
+    expert id out of range raises the detailed ValueError and the other a PeerTimeout saying that rank refused, both
+    before any row is put (the refusal word travels with the counts); the next dispatch and combine on both ranks
+    are exact (the group stays usable); then a rank that never enters the dispatch makes the other's bounded wait
+    raise PeerTimeout naming it, within its timeout."""
+    import time
+
+    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.transport.errors import PeerTimeout
+
+    W, T, E, k, H = 2, (6, 5), 4, 2, 64
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
+                   num_sms=1, timeout_s=2.0, transport="put", recv_window_rows=window)
+    world = ThreadWorld(W)
+    xs, idxs, ws = rank_inputs(W, T, E, k, H, seed=9)
+    want = oracle_dispatch(cfg, xs, idxs)[0]
+    bad = idxs[1].clone()
+    bad[0, 0] = E
+
+    def rank_fn(r):
+        be = NvshmemBackend(cfg, None, r, W, heap=world.heaps[r], puts=world.puts(r))
+        got = []
+        try:
+            be.dispatch(xs[r], bad if r == 1 else idxs[r], ws[r])
+            got.append("returned")
+        except ValueError as e:
+            got.append(("ValueError", "expert id" in str(e)))
+        except PeerTimeout as e:
+            got.append(("PeerTimeout", e.peer, "refused" in str(e)))
+        d, h = be.dispatch(xs[r], idxs[r], ws[r])  # the group is still usable
+        n = int(want[r].offs[-1])
+        y = be.combine(torch.ones(d.num_rows, H, dtype=torch.bfloat16), h, False)
+        got.append(bool(torch.equal(d.x.view(torch.int16)[:n], want[r].x.view(torch.int16)[:n]))
+                   and tuple(y.shape) == (T[r], H))
+        if r == 1:  # away: the other's waits are bounded and name it
+            return got
+        start = time.monotonic()
+        try:
+            be.dispatch(xs[r], idxs[r], ws[r])
+            got.append("returned")
+        except PeerTimeout as e:
+            got.append(("PeerTimeout", e.peer, time.monotonic() - start < 4 * cfg.timeout_s))
+        return got
+
+    out = _run_ranks(world, rank_fn, W)
+    assert out[0] == [("PeerTimeout", 1, True), True, ("PeerTimeout", 1, True)], out
+    assert out[1] == [("ValueError", True), True], out

@@ -93,57 +93,50 @@ class PushPath(EnginePath):
             ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), num_warps=4,
         )
 
-    def _rounds(self, plan: RoutingPlan) -> tuple:
+    def _rounds(self, plan: RoutingPlan, topk_idx: torch.Tensor) -> tuple:
         """``(R, rounds)``: this rank's output rows and the dispatch's rounds through the receive window. Exact
-        sizes: read at a host sync (with the error words of the counts exchange, :meth:`output_rows`), the rounds
-        from the most rows any rank receives; no-sync mode: the worst case of both."""
+        sizes: read at the call's host sync, before any row is sent, where bad ids of this rank raise the detailed
+        ValueError (``topk_idx``), a peer's refusal PeerTimeout naming it and a failed counts exchange PeerTimeout
+        too (:meth:`output_rows`); the rounds from the most rows any rank receives. No-sync mode: the worst case of
+        both."""
         e = self.e
         most = received_rows(plan).max() if e.config.exact_sizes else None
-        R = e.output_rows("dispatch counts")
+        R = e.output_rows("dispatch counts", ids=topk_idx)
         need = e.R_max if most is None else min(int(most), e.R_max)
         return R, max(1, -(-need // self.window))
 
     def dispatch(self, x, topk_idx, topk_weights):
-        """Counts exchange and plan, then the rows into the receivers' window in rounds (:meth:`_send_round`: one
-        when the worst case fits the window; else as many as the most rows a rank receives needs), each copied out
-        of ``recv_q`` / ``recv_s`` into fresh tensors before :meth:`_window_free` lets the next round in. Exact sizes
-        sync with the host after the id check's sync once when the worst case fits the window, else twice (the rows
-        and the rounds before the sends; the arrival waits' errors after the last round)."""
+        """Id check and counts exchange (every rank's refusal word with its counts), the plan, then the rows into the
+        receivers' window in rounds (:meth:`_send_round`; one when every rank's rows fit the window), each copied
+        out of ``recv_q`` / ``recv_s`` into fresh tensors before :meth:`_window_free` lets the next round in. Exact
+        sizes sync with the host twice: before any row is sent (the rows and the rounds; bad ids, refusals and a
+        failed counts exchange raise there on every rank, so the group stays usable) and after the last round (the
+        arrival waits' errors)."""
         e = self.e
-        ids = e.checked_ids(topk_idx)  # (its counts into counts_in; a refusal raises here, before the epoch moves)
+        ids = e.checked_ids(topk_idx, sync=False, refusal_word=True)  # (counts and refusal word into counts_in)
         e.d_epoch.add_(1)
         self.exchange(e.counts_in)
         po = e.plan_from_counts(ids)
         plan, mx, H = po.plan, e.mx, e.config.hidden
         w = fp32_weights(topk_weights.detach())
+        R, rounds = self._rounds(plan, topk_idx)
         self._prepare(x, plan, w, mx)
         row_bytes = H * (1 if mx else 2)
         win_q = self.recv_q.local.view(-1)[: self.window * row_bytes].view(self.window, row_bytes)
-        if self.window >= e.R_max:  # every row fits: one round, the host sync after it
-            self._send_round(x, plan, w, mx, None, True)
-            self._after_rounds()
-            table, wtab = self._table_from_list()
-            R = e.output_rows("dispatch arrivals")
-            o = e.origins_from(po, R)
-            q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
-            self._copy_rows(win_q, q, plan, o, 0)
-            srows = self.recv_s.local
-        else:
-            R, rounds = self._rounds(plan)
-            o = e.origins_from(po, R)
-            q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
-            srows = self._scale_rows(R, mx)
-            for r in range(rounds):
-                if r:
-                    self._window_free()
-                lo = r * self.window
-                self._send_round(x, plan, w, mx, (lo, lo + self.window), r == 0)
-                self._copy_rows(win_q, q, plan, o, lo)
-                if mx:
-                    self._copy_rows(self.recv_s.local, srows, plan, o, lo)
-            self._after_rounds()
-            table, wtab = self._table_from_list()
-            if e.config.exact_sizes:
-                e.output_rows("dispatch arrivals")  # the rounds' waits: their errors raise here
+        o = e.origins_from(po, R)
+        q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+        srows = self._scale_rows(R, mx)
+        for r in range(rounds):
+            if r:
+                self._window_free()
+            lo = r * self.window
+            self._send_round(x, plan, w, mx, (lo, lo + self.window), r == 0)
+            self._copy_rows(win_q, q, plan, o, lo)
+            if mx:
+                self._copy_rows(self.recv_s.local, srows, plan, o, lo)
+        self._after_rounds()
+        table, wtab = self._table_from_list()
+        if e.config.exact_sizes:
+            e.output_rows("dispatch arrivals")  # the rounds' waits: their errors raise here
         return DispatchRows(q=q, scale_rows=srows, kept=po, ids=ids, num_rows=R, origins=o, table=table,
                             weights=DeliveredWeights.of(wtab, topk_weights))

@@ -41,7 +41,7 @@ class PutPath(PushPath):
         self._stage_list_ptrs = self._rows_of(self.stage_list.local, T * EW * 4) - e.rank * T * EW * 4
         self._scratch_flags = torch.zeros(len(FLAG_ROW), W, dtype=torch.int64, device=dev)
         self._scratch_ptrs = torch.full((W,), self._scratch_flags.data_ptr(), dtype=torch.int64, device=dev)
-        self._counts_batch = put_path.row_batch(W, e.rank, 4 * E, dev)
+        self._counts_batch = put_path.counts_batch(W, e.rank, E, dev)
         self._ready_batch = put_path.row_batch(W, e.rank, 0, dev)
         self._weights_batch = put_path.row_batch(W, e.rank, T * k * 4, dev)
         self._gw_batch = put_path.swap_batch(W, e.rank, T * k * 4, dev)
@@ -77,13 +77,18 @@ class PutPath(PushPath):
         self.puts.wait(e.flag_rows[i], self._all_src, self._expect[i:i + 1], 1, e.err, e.timeout_ns)
 
     def exchange(self, my_counts):
+        """This rank's int32 ``[E + 1]`` counts and refusal word to every rank (two puts each), or (``None``) the
+        "ready" handshake (one empty put each); then the signal wait."""
         e = self.e
-        if my_counts is not None:
-            E = e.config.num_experts
-            e.counts.local[e.rank * E:(e.rank + 1) * E].copy_(my_counts[:E])
-        batch = self._ready_batch if my_counts is None else self._counts_batch
-        self.puts.put(e.counts.local, e.counts.local, batch, e.flag_rows[0], e.rank, e.err, 1)
-        self._wait("counts", 1)
+        if my_counts is None:
+            self.puts.put(e.counts.local, e.counts.local, self._ready_batch, e.flag_rows[0], e.rank, e.err, 1)
+            self._wait("counts", 1)
+            return
+        E = e.config.num_experts
+        e.counts.local[e.rank * E:(e.rank + 1) * E].copy_(my_counts[:E])
+        e.refusal_words[e.rank:e.rank + 1].copy_(my_counts[E:E + 1])
+        self.puts.put(e.counts.local, e.counts.local, self._counts_batch, e.flag_rows[0], e.rank, e.err, 1)
+        self._wait("counts", 2)
 
     def publish_weights(self, w):
         """The weights (or, for dispatch backward, nothing) to every rank as one put each, then the signal wait."""
