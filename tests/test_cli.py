@@ -680,8 +680,9 @@ def test_ranks_die_with_the_launcher(tmp_path, sig):
     import signal
     import time
 
+    # (TMPDIR: a launcher killed hard cannot remove its working folder; it stays under tmp_path, not in /tmp)
     p = subprocess.Popen([sys.executable, "-m", "mxcomm", "bench", *TINY, "--ranks", "2", "--iters", "1000000",
-                          "--out", str(tmp_path), "--label", "kill"], cwd=REPO, env=_env(),
+                          "--out", str(tmp_path), "--label", "kill"], cwd=REPO, env=dict(_env(), TMPDIR=str(tmp_path)),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
