@@ -40,7 +40,7 @@ step() {  # step LIMIT NAME CMD...: run CMD into OUT/r/NAME.log unless the deadl
   [[ $r -ne 0 ]] && rc=$r
 }
 TESTS=${TESTS:-1}
-(( TESTS )) && step 170 tests_ep python3 -m pytest -q -x -m "gpu or nvshmem" -p no:cacheprovider -n 4 \
+(( TESTS )) && step 230 tests_ep python3 -m pytest -q -x -m "gpu or nvshmem" -p no:cacheprovider -n 4 \
     -k "not four_ranks and not mps and not soak and not nccl" \
     tests/ep/test_nvshmem_gpu.py tests/ep/test_cuda_graph_gpu.py tests/ep/test_autograd_gpu.py tests/kernels/test_launch.py
 if (( TESTS )) && mxcomm_mps_start 4; then
