@@ -1,5 +1,7 @@
-"""Inputs and row bookkeeping shared by the tests that run the nvshmem backend's multi-rank paths on CPU
-(``test_put_path_ranks``: threads; ``test_peer_paths_ranks``: processes) and its one-rank loopback tests."""
+"""Inputs, row bookkeeping and a fault scenario shared by the tests that run the nvshmem backend's multi-rank paths
+on CPU (``test_put_path_ranks``: threads; ``test_peer_paths_ranks``: processes) and its one-rank loopback tests."""
+import time
+
 import torch
 
 
@@ -34,3 +36,38 @@ def in_group_tile_rows(offs: torch.Tensor) -> int:
     """Rows of a grouped-along-M blocked scale matrix that belong to its groups (each padded to 128 rows)."""
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
     return int(((offs - starts + 127) // 128 * 128).sum())
+
+
+def refusal_clean_absent(be, rank: int, xs, idxs, ws, want, timeout_s: float) -> list:
+    """Three dispatches of rank ``rank`` on backend ``be`` (bf16 precision): (a) rank 1's ids hold an expert id out of
+    range; (b) a clean dispatch and a combine; (c) rank 1 stays away (it returns before). ``want``: this rank's
+    oracle dispatch of the clean inputs. Returns what each raised or checked: (a) ``("ValueError", detailed?)`` or
+    ``("PeerTimeout", peer, "refused" named?)``; (b) whether the rows equal the oracle's and combine's shape is
+    right; (c) ``("PeerTimeout", peer, within 4 timeouts?)``."""
+    from mxcomm.transport.errors import PeerTimeout
+
+    H = xs[rank].shape[1]
+    bad = idxs[1].clone()
+    bad[0, 0] = be.config.num_experts
+    got = []
+    try:
+        be.dispatch(xs[rank], bad if rank == 1 else idxs[rank], ws[rank])
+        got.append("returned")
+    except ValueError as e:
+        got.append(("ValueError", "expert id" in str(e)))
+    except PeerTimeout as e:
+        got.append(("PeerTimeout", e.peer, "refused" in str(e)))
+    d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])  # (b): the group is still usable
+    n = int(want.offs[-1])
+    y = be.combine(torch.ones(d.num_rows, H, dtype=torch.bfloat16), h, False)
+    got.append(bool(torch.equal(d.x.view(torch.int16)[:n], want.x.view(torch.int16)[:n]))
+               and tuple(y.shape) == (xs[rank].shape[0], H))
+    if rank == 1:  # (c): away; the others' waits are bounded and name it
+        return got
+    start = time.monotonic()
+    try:
+        be.dispatch(xs[rank], idxs[rank], ws[rank])
+        got.append("returned")
+    except PeerTimeout as e:
+        got.append(("PeerTimeout", e.peer, time.monotonic() - start < 4 * timeout_s))
+    return got

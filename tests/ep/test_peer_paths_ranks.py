@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _dist import run_world
-from rank_inputs import in_group_tile_rows, rank_inputs, real_rows
+from rank_inputs import in_group_tile_rows, rank_inputs, real_rows, refusal_clean_absent
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU tests run this path")
 
@@ -123,38 +123,14 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
 
 
 def _fault_worker(rank, world, path, base, cfg, T, seed):
-    """Three rounds on every rank: (a) rank 1's ids hold an expert id out of range; (b) a clean dispatch and combine;
-    (c) rank 1 stays away. Returns what each round raised (or the check of the clean round)."""
+    """Three rounds on every rank (:func:`rank_inputs.refusal_clean_absent`): a refusal, a clean dispatch and
+    combine, an absent peer. Returns what each round raised (or the check of the clean round)."""
     from mxcomm.ep.reference.oracle import oracle_dispatch
-    from mxcomm.transport.errors import PeerTimeout
 
     be = _backend(rank, world, path, base, cfg)
-    got = []
     xs, idxs, ws = rank_inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
-    bad = idxs[1].clone()
-    bad[0, 0] = cfg.num_experts
-    try:
-        be.dispatch(xs[rank], bad if rank == 1 else idxs[rank], ws[rank])
-        got.append("returned")
-    except ValueError as e:
-        got.append(("ValueError", "expert id" in str(e)))
-    except PeerTimeout as e:
-        got.append(("PeerTimeout", e.peer, "refused" in str(e)))
-    d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])  # (b): the group is still usable
     want = oracle_dispatch(cfg, xs, idxs)[0][rank]
-    n = int(want.offs[-1])
-    y = be.combine(torch.ones(d.num_rows, cfg.hidden, dtype=torch.bfloat16), h, False)
-    got.append(bool(torch.equal(d.x.view(torch.int16)[:n], want.x.view(torch.int16)[:n])) and tuple(y.shape) ==
-               (T[rank], cfg.hidden))
-    if rank == 1:  # (c): away; the others' waits are bounded and name it
-        return got
-    start = time.monotonic()
-    try:
-        be.dispatch(xs[rank], idxs[rank], ws[rank])
-        got.append("returned")
-    except PeerTimeout as e:
-        got.append(("PeerTimeout", e.peer, time.monotonic() - start < 4 * cfg.timeout_s))
-    return got
+    return refusal_clean_absent(be, rank, xs, idxs, ws, want, cfg.timeout_s)
 
 
 def _stalled_worker(rank, world, path, base, cfg, T, seed):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from heap_fakes import FakeBuf, FakeCtx
-from rank_inputs import in_group_tile_rows, rank_inputs, real_rows
+from rank_inputs import in_group_tile_rows, rank_inputs, real_rows, refusal_clean_absent
 from mxcomm.ep import EPConfig
 from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch
 
@@ -268,10 +268,7 @@ def test_put_path_refusal_then_clean_call_then_absent_peer(one_kernel_at_a_time,
     before any row is put (the refusal word travels with the counts); the next dispatch and combine on both ranks
     are exact (the group stays usable); then a rank that never enters the dispatch makes the other's bounded wait
     raise PeerTimeout naming it, within its timeout."""
-    import time
-
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
-    from mxcomm.transport.errors import PeerTimeout
 
     W, T, E, k, H = 2, (6, 5), 4, 2, 64
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
@@ -279,33 +276,10 @@ def test_put_path_refusal_then_clean_call_then_absent_peer(one_kernel_at_a_time,
     world = ThreadWorld(W)
     xs, idxs, ws = rank_inputs(W, T, E, k, H, seed=9)
     want = oracle_dispatch(cfg, xs, idxs)[0]
-    bad = idxs[1].clone()
-    bad[0, 0] = E
 
     def rank_fn(r):
         be = NvshmemBackend(cfg, None, r, W, heap=world.heaps[r], puts=world.puts(r))
-        got = []
-        try:
-            be.dispatch(xs[r], bad if r == 1 else idxs[r], ws[r])
-            got.append("returned")
-        except ValueError as e:
-            got.append(("ValueError", "expert id" in str(e)))
-        except PeerTimeout as e:
-            got.append(("PeerTimeout", e.peer, "refused" in str(e)))
-        d, h = be.dispatch(xs[r], idxs[r], ws[r])  # the group is still usable
-        n = int(want[r].offs[-1])
-        y = be.combine(torch.ones(d.num_rows, H, dtype=torch.bfloat16), h, False)
-        got.append(bool(torch.equal(d.x.view(torch.int16)[:n], want[r].x.view(torch.int16)[:n]))
-                   and tuple(y.shape) == (T[r], H))
-        if r == 1:  # away: the other's waits are bounded and name it
-            return got
-        start = time.monotonic()
-        try:
-            be.dispatch(xs[r], idxs[r], ws[r])
-            got.append("returned")
-        except PeerTimeout as e:
-            got.append(("PeerTimeout", e.peer, time.monotonic() - start < 4 * cfg.timeout_s))
-        return got
+        return refusal_clean_absent(be, r, xs, idxs, ws, want[r], cfg.timeout_s)
 
     out = _run_ranks(world, rank_fn, W)
     assert out[0] == [("PeerTimeout", 1, True), True, ("PeerTimeout", 1, True)], out
