@@ -245,12 +245,16 @@ def recv_window_rows(config: EPConfig, world_size: int, put_path: bool = False) 
     return min(rows, R)
 
 
-def received_rows(plan: RoutingPlan) -> torch.Tensor:
-    """int64 ``[W]``: the expert-major rows (padding included) every rank receives in the plan's dispatch, from the
-    group's counts (the same on every rank)."""
+def padded_group_rows(plan: RoutingPlan) -> torch.Tensor:
+    """int64 ``[W, El]``: the rows of every rank's expert groups, padded to ``align``, from the group's counts (the
+    same on every rank)."""
     W, El, a = plan.world_size, plan.num_local_experts, plan.align
-    c = plan.counts.to(torch.int64)
-    return ((c.sum(0) + a - 1) // a * a).view(W, El).sum(1)
+    return ((plan.counts.to(torch.int64).sum(0) + a - 1) // a * a).view(W, El)
+
+
+def received_rows(plan: RoutingPlan) -> torch.Tensor:
+    """int64 ``[W]``: the expert-major rows (padding included) every rank receives in the plan's dispatch."""
+    return padded_group_rows(plan).sum(1)
 
 
 @dataclass(frozen=True)
@@ -440,6 +444,6 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
 
 __all__ = [
     "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
-    "max_rows_per_source", "max_recv_rows", "recv_window_rows", "received_rows", "pull_entry_words", "FLAG_ROWS",
+    "max_rows_per_source", "max_recv_rows", "recv_window_rows", "padded_group_rows", "received_rows", "pull_entry_words", "FLAG_ROWS",
     "dispatch_path", "combine_regions", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
 ]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..transport.put_signal import PutBatch
-from .plan import RoutingPlan
+from .plan import RoutingPlan, padded_group_rows
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,11 @@ def dispatch_blocks(plan: RoutingPlan, row_bytes: int, scale_bytes: int, window:
     Returns:
         :class:`BlockPuts` of ``E`` entries each (int64 offsets/sizes, int32 PEs, plan's device).
     """
-    W, E, El, a, me = plan.world_size, plan.num_experts, plan.num_local_experts, plan.align, plan.rank
+    E, El, me = plan.num_experts, plan.num_local_experts, plan.rank
     c = plan.counts.to(torch.int64)
     n = c[me]
     src_row = torch.cumsum(n, 0) - n
-    p_re = ((c.sum(0) + a - 1) // a * a).view(W, El)
+    p_re = padded_group_rows(plan)
     gstart = (torch.cumsum(p_re, 1) - p_re).reshape(E)
     dst_row = gstart + (torch.cumsum(c, 0) - c)[me]
     if window is not None:
