@@ -10,6 +10,8 @@
 //             receive buffer (a symmetric address, same on every PE) at the entry's byte offset and
 //             then adds 1 to the destination's signal word with NVSHMEM_SIGNAL_ADD, once per
 //             (entry, chunk): a call with n entries for PE p split into C chunks adds n*C to p's word.
+//             Without a signal word (sig == nullptr) the pieces are plain non-blocking puts: a quiet
+//             and one signal of the caller's say they arrived.
 //   receiver: mx_wait_signals waits, bounded by %globaltimer, until each listed signal word is
 //             >= epoch * per_epoch; signal words only grow (no reset, no reset race).
 // Error words: int64, (code << 32) | peer, atomicMax (mxcomm/transport/errors.py):
@@ -34,35 +36,44 @@ __device__ __forceinline__ void mx_record_error(int64_t* err, unsigned long long
   atomicMax(reinterpret_cast<unsigned long long*>(err), (code << MX_ERR_CODE_SHIFT) | peer);
 }
 
-// Grid (n_entries, chunks), any block size (all threads of a block call the _block put together).
+// Grid (any number of blocks), any block size (all threads of a block call the _block put together).
 // Entry i: nbytes[i] bytes from src + src_off[i] (local) to dst + dst_off[i] on PE pes[i], in
-// `chunks` pieces of ceil(n / chunks) bytes rounded up to 16; every (entry, chunk) block adds 1 to
-// *sig on pes[i] after its bytes (an empty piece signals without a put).
+// `chunks` pieces of ceil(n / chunks) bytes rounded up to 16. The n_entries * chunks pieces are
+// dealt to the blocks in turn (piece b = i * chunks + c goes to block b % gridDim.x), so the grid
+// bounds the SMs the copies occupy. With sig, every piece adds 1 to *sig on pes[i] after its bytes
+// (an empty piece signals without a put); without (nullptr), a piece is a plain put.
 //   dst, sig: symmetric addresses (this PE's view); src: local, symmetric (IB needs registered memory).
 //   dst_bytes / src_bytes: capacity of dst / src from the given base (bounds check).
 extern "C" __global__ void mx_put_signal(uint8_t* dst, uint64_t dst_bytes, const uint8_t* src, uint64_t src_bytes,
                                          const int64_t* dst_off, const int64_t* src_off, const int64_t* nbytes,
-                                         const int32_t* pes, int n_entries, uint64_t* sig, int n_pes, int64_t* err) {
-  const int i = blockIdx.x;
-  if (i >= n_entries) return;
-  const int c = blockIdx.y;
-  const int chunks = gridDim.y;
-  const int64_t n = nbytes[i], d = dst_off[i], s = src_off[i];
-  const int pe = pes[i];
-  const bool ok = n >= 0 && d >= 0 && s >= 0 && pe >= 0 && pe < n_pes && (uint64_t)d <= dst_bytes &&
-                  (uint64_t)n <= dst_bytes - (uint64_t)d && (uint64_t)s <= src_bytes &&
-                  (uint64_t)n <= src_bytes - (uint64_t)s;
-  if (!ok) {
-    if (threadIdx.x == 0 && c == 0) mx_record_error(err, MX_BAD_ENTRY_CODE, pe < 0 ? 0u : (unsigned int)pe);
-    return;
-  }
-  const int64_t per = ((n + chunks - 1) / chunks + MX_CHUNK_ALIGN - 1) / MX_CHUNK_ALIGN * MX_CHUNK_ALIGN;
-  const int64_t lo = min(n, (int64_t)c * per);
-  const int64_t hi = min(n, lo + per);
-  if (hi > lo) {
-    nvshmemx_putmem_signal_nbi_block(dst + d + lo, src + s + lo, (size_t)(hi - lo), sig, 1, NVSHMEM_SIGNAL_ADD, pe);
-  } else if (threadIdx.x == 0) {
-    nvshmemx_signal_op(sig, 1, NVSHMEM_SIGNAL_ADD, pe);
+                                         const int32_t* pes, int n_entries, int chunks, uint64_t* sig, int n_pes,
+                                         int64_t* err) {
+  const int64_t pieces = (int64_t)n_entries * chunks;
+  for (int64_t b = blockIdx.x; b < pieces; b += gridDim.x) {  // block-uniform: every thread takes each piece
+    const int i = (int)(b / chunks);
+    const int c = (int)(b - (int64_t)i * chunks);
+    const int64_t n = nbytes[i], d = dst_off[i], s = src_off[i];
+    const int pe = pes[i];
+    const bool ok = n >= 0 && d >= 0 && s >= 0 && pe >= 0 && pe < n_pes && (uint64_t)d <= dst_bytes &&
+                    (uint64_t)n <= dst_bytes - (uint64_t)d && (uint64_t)s <= src_bytes &&
+                    (uint64_t)n <= src_bytes - (uint64_t)s;
+    if (!ok) {
+      if (threadIdx.x == 0 && c == 0) mx_record_error(err, MX_BAD_ENTRY_CODE, pe < 0 ? 0u : (unsigned int)pe);
+      continue;
+    }
+    const int64_t per = ((n + chunks - 1) / chunks + MX_CHUNK_ALIGN - 1) / MX_CHUNK_ALIGN * MX_CHUNK_ALIGN;
+    const int64_t lo = min(n, (int64_t)c * per);
+    const int64_t hi = min(n, lo + per);
+    if (hi > lo) {
+      if (sig != nullptr) {
+        nvshmemx_putmem_signal_nbi_block(dst + d + lo, src + s + lo, (size_t)(hi - lo), sig, 1, NVSHMEM_SIGNAL_ADD,
+                                         pe);
+      } else {
+        nvshmemx_putmem_nbi_block(dst + d + lo, src + s + lo, (size_t)(hi - lo), pe);
+      }
+    } else if (sig != nullptr && threadIdx.x == 0) {
+      nvshmemx_signal_op(sig, 1, NVSHMEM_SIGNAL_ADD, pe);
+    }
   }
 }
 

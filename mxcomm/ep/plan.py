@@ -385,10 +385,9 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
 
 #: Rows of ``ep.flags`` (entry ``[row, s]`` is written by rank ``s``; flags only grow): the counts exchange and the
 #: "ready" handshake (dispatch epoch), dispatch-direction arrivals, combine-direction arrivals, combine's published
-#: route weights (combine epoch), combine backward's route-weight gradients, a row the put path's data puts signal
-#: without anybody waiting on it (a signal put after a ``quiet`` follows them), and the push and put paths' dispatch
+#: route weights (combine epoch), combine backward's route-weight gradients, and the push and put paths' dispatch
 #: rounds (every receiver copied the window out: the next round may write into it).
-FLAG_ROWS = ("counts", "dispatch", "combine", "weights", "route_grad", "scratch", "window")
+FLAG_ROWS = ("counts", "dispatch", "combine", "weights", "route_grad", "window")
 
 
 def combine_regions(config: EPConfig) -> list[BufferRegion]:

@@ -17,8 +17,8 @@ the destination (``csrc/put_signal.cu`` through :mod:`mxcomm.transport.put_signa
 * combine direction (combine, dispatch backward): one row per (token, rank), as on the peer-pointer
   paths: the kernel writes the partial of table entry ``(s, t)`` at staging row ``s * T_max + t``, and
   one put per entry carries it to ``s``'s ``comb_q`` / ``comb_s`` at the send position of the token's
-  leading slot, in the copy the combine epoch's parity selects. These puts signal a word nobody waits
-  for; after a ``quiet`` one signal per destination says they arrived.
+  leading slot, in the copy the combine epoch's parity selects. These puts carry no signal (no remote
+  atomic per row); after a ``quiet`` one signal per destination says they arrived.
 
 In the dispatch direction every rank puts exactly ``El`` payload entries and ``El`` scale entries (empty
 blocks only signal) to every rank per round, ``chunks`` pieces each, so a receiver expects
@@ -187,13 +187,22 @@ def token_rows(plan: RoutingPlan, rank: int, max_tokens: int, row_bytes: int, w_
 
 
 class Puts:
-    """The CUDA kernels of :mod:`mxcomm.transport.put_signal` on torch's current stream."""
+    """The CUDA kernels of :mod:`mxcomm.transport.put_signal` on torch's current stream, each put launch on at
+    most ``blocks`` CUDA blocks (the SM budget; None: one block per piece)."""
 
-    def put(self, dst: torch.Tensor, src: torch.Tensor, batch: PutBatch, signals: torch.Tensor, signal_index: int,
-            err: torch.Tensor, chunks: int) -> None:
+    def __init__(self, blocks: int | None = None):
+        self.blocks = blocks
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor, batch: PutBatch, signals: torch.Tensor | None,
+            signal_index: int | None, err: torch.Tensor, chunks: int) -> None:
+        """Each entry's bytes to its PE, ``chunks`` pieces each; with ``signals``, every piece adds 1 to
+        ``signals[signal_index]`` there after its bytes; without (None), plain puts (a ``quiet`` completes them)."""
         from ..transport import put_signal as ps
 
-        ps.put_signal(dst, src, batch, signals, signal_index, err, chunks=chunks)
+        if signals is None:
+            ps.put(dst, src, batch, err, chunks=chunks, blocks=self.blocks)
+        else:
+            ps.put_signal(dst, src, batch, signals, signal_index, err, chunks=chunks, blocks=self.blocks)
 
     def wait(self, signals: torch.Tensor, indices: torch.Tensor, epoch: torch.Tensor, per_epoch: int,
              err: torch.Tensor, timeout_ns: int) -> None:

@@ -11,7 +11,10 @@ Protocol of one transfer (every rank, same order):
    each entry's bytes go from ``src + src_offset`` (local) to ``dst + dst_offset`` on PE ``pe``
    (``nvshmemx_putmem_signal_nbi_block``), split into ``chunks`` pieces; after its bytes every piece
    adds 1 to signal word ``signals[signal_index]`` on ``pe`` (``NVSHMEM_SIGNAL_ADD``; an empty piece
-   only signals). A call therefore adds ``entries_for_pe * chunks`` to ``pe``'s word;
+   only signals). A call therefore adds ``entries_for_pe * chunks`` to ``pe``'s word. The pieces are
+   dealt out over ``blocks`` CUDA blocks (default: one each), so a caller bounds the SMs a transfer
+   occupies. :func:`put` moves the same pieces without signals (``nvshmemx_putmem_nbi_block``): many
+   small entries then cost no remote atomics, and one signal after a :func:`quiet` says they arrived;
 3. the receiver's :func:`wait_signals` waits (bounded by the GPU global timer) until each listed
    word is ``>= epoch * per_epoch`` with ``per_epoch`` = what one call adds (:func:`signals_per_call`),
    then may read the bytes. Signal words only grow (no reset), like mxcomm's Triton flags.
@@ -44,7 +47,9 @@ __all__ = [
     "put_path_peers",
     "signals_per_call",
     "put_args",
+    "put_blocks",
     "wait_args",
+    "put",
     "put_signal",
     "wait_signals",
     "quiet",
@@ -54,8 +59,9 @@ __all__ = [
 BAD_ENTRY_CODE = 2
 #: Kernels of ``csrc/put_signal.cu``.
 KERNEL_NAMES = ("mx_put_signal", "mx_wait_signals", "mx_quiet")
-_MAX_CHUNKS = 65535  # grid.y limit
+_MAX_CHUNKS = 65535
 _MAX_ENTRIES = 2**31 - 1
+_MAX_BLOCKS = 2**31 - 1  # grid.x limit
 _WAIT_BLOCK = 128
 
 
@@ -202,12 +208,13 @@ def _module():
     return nvshmem_module(KERNEL_NAMES)
 
 
-def put_args(dst: torch.Tensor, src: torch.Tensor, batch: PutBatch, signals: torch.Tensor, signal_index: int,
-             n_pes: int, err: torch.Tensor) -> tuple:
-    """Check the host-visible arguments of :func:`put_signal` and return the kernel's argument tuple.
+def put_args(dst: torch.Tensor, src: torch.Tensor, batch: PutBatch, signals: torch.Tensor | None,
+             signal_index: int | None, n_pes: int, err: torch.Tensor, chunks: int = 1) -> tuple:
+    """Check the host-visible arguments of :func:`put_signal` (``signals`` None: :func:`put`, and
+    ``signal_index`` must be None too) and return the kernel's argument tuple.
 
     Checks types, dtypes, shapes, contiguity and that everything is on one device (no sync, no
-    symmetric-heap check). Exposed for tests; :func:`put_signal` calls it.
+    symmetric-heap check). Exposed for tests; :func:`put_signal` and :func:`put` call it.
     """
     import numpy as np
 
@@ -215,22 +222,36 @@ def put_args(dst: torch.Tensor, src: torch.Tensor, batch: PutBatch, signals: tor
     _tensor_arg("src", src)
     if not isinstance(batch, PutBatch):
         raise TypeError(f"batch must be a PutBatch, got {type(batch).__name__}")
-    _tensor_arg("signals", signals, torch.int64, 1)
+    if signals is None:
+        if signal_index is not None:
+            raise ValueError("signal_index given without signal words")
+    else:
+        _tensor_arg("signals", signals, torch.int64, 1)
+        _int_arg("signal_index", signal_index, 0, signals.numel() - 1)
     _int_arg("n_pes", n_pes, 1, 2**31 - 1)
-    _int_arg("signal_index", signal_index, 0, signals.numel() - 1)
+    _int_arg("chunks", chunks, 1, _MAX_CHUNKS)
     _tensor_arg("err", err, torch.int64)
     if err.numel() != 1:
         raise ValueError(f"err must hold one int64 error word, got shape {tuple(err.shape)}")
     dev = dst.device
     for name, t in (("src", src), ("batch", batch), ("signals", signals), ("err", err)):
-        _check_device(name, t, dev)
+        if t is not None:
+            _check_device(name, t, dev)
+    sig = 0 if signals is None else signals.data_ptr() + 8 * signal_index
     return (
         np.uint64(dst.data_ptr()), np.uint64(dst.numel() * dst.element_size()),
         np.uint64(src.data_ptr()), np.uint64(src.numel() * src.element_size()),
         np.uint64(batch.dst_offsets.data_ptr()), np.uint64(batch.src_offsets.data_ptr()),
-        np.uint64(batch.nbytes.data_ptr()), np.uint64(batch.pes.data_ptr()), np.int32(batch.n),
-        np.uint64(signals.data_ptr() + 8 * signal_index), np.int32(n_pes), np.uint64(err.data_ptr()),
+        np.uint64(batch.nbytes.data_ptr()), np.uint64(batch.pes.data_ptr()), np.int32(batch.n), np.int32(chunks),
+        np.uint64(sig), np.int32(n_pes), np.uint64(err.data_ptr()),
     )
+
+
+def put_blocks(n_entries: int, chunks: int, blocks: int | None) -> int:
+    """CUDA blocks of one put launch: one per piece (``n_entries * chunks``), at most ``blocks`` (each
+    block then takes every ``grid``-th piece)."""
+    pieces = min(n_entries * chunks, _MAX_BLOCKS)
+    return pieces if blocks is None else min(pieces, _int_arg("blocks", blocks, 1, _MAX_BLOCKS))
 
 
 def put_signal(
@@ -243,6 +264,7 @@ def put_signal(
     *,
     chunks: int = 1,
     threads: int = 256,
+    blocks: int | None = None,
     stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Put each entry's bytes into its destination PE's ``dst`` and signal it (non-blocking, on-stream).
@@ -256,9 +278,11 @@ def put_signal(
             entry's PE gets ``+1`` per (entry, chunk) after that piece's bytes.
         signal_index: which word (conventionally this rank, so the receiver knows the source).
         err: int64 ``[1]`` error word (``BAD_ENTRY_CODE``; never reset here).
-        chunks: pieces per entry (``1..65535``), one CUDA block each; more pieces = more blocks
-            copying in parallel (NVLink) / more outstanding RDMA writes.
+        chunks: pieces per entry (``1..65535``); more pieces = more blocks copying in parallel
+            (NVLink) / more outstanding RDMA writes.
         threads: threads per block (multiple of 32, ``32..1024``).
+        blocks: at most this many CUDA blocks (each takes every ``blocks``-th piece; default: one
+            block per piece): bounds the SMs the copies occupy, e.g. beside a GEMM.
         stream: CUDA stream (default: torch's current stream on ``dst``'s device).
 
     The sender must not rewrite ``src`` before the puts completed (:func:`quiet` or protocol).
@@ -268,25 +292,59 @@ def put_signal(
             ``signals`` outside the symmetric heap.
         RuntimeError: NVSHMEM not initialised.
     """
+    if signals is None:
+        raise TypeError("put_signal needs signal words (mxcomm.transport.put_signal.put moves bytes without)")
+    _launch_put(dst, src, batch, signals, signal_index, err, chunks, threads, blocks, stream)
+
+
+def put(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    batch: PutBatch,
+    err: torch.Tensor,
+    *,
+    chunks: int = 1,
+    threads: int = 256,
+    blocks: int | None = None,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Put each entry's bytes into its destination PE's ``dst`` without a signal (non-blocking,
+    on-stream; ``nvshmemx_putmem_nbi_block``): the bytes have arrived once a :func:`quiet` later on
+    the stream has passed, which a signal put after it can tell the receiver. Arguments as
+    :func:`put_signal` (an out-of-range entry records :data:`BAD_ENTRY_CODE` and is not put).
+
+    Raises:
+        TypeError / ValueError: bad arguments (before anything is launched), incl. ``dst`` / ``src``
+            outside the symmetric heap.
+    """
+    _launch_put(dst, src, batch, None, None, err, chunks, threads, blocks, stream)
+
+
+def _launch_put(dst, src, batch, signals, signal_index, err, chunks, threads, blocks, stream) -> None:
+    """:func:`put_signal` (``signals`` given) or :func:`put` (None): check, then one launch."""
     from .bootstrap import current_context
 
     _int_arg("chunks", chunks, 1, _MAX_CHUNKS)
     _int_arg("threads", threads, 32, 1024)
     if threads % 32:
         raise ValueError(f"threads must be a multiple of 32, got {threads}")
+    if not isinstance(batch, PutBatch):
+        raise TypeError(f"batch must be a PutBatch, got {type(batch).__name__}")
+    grid = put_blocks(batch.n, chunks, blocks)
     ctx = current_context()
-    args = put_args(dst, src, batch, signals, signal_index, ctx.world, err)
+    args = put_args(dst, src, batch, signals, signal_index, ctx.world, err, chunks)
     if dst.device != ctx.device:
         raise ValueError(f"dst is on {dst.device}, NVSHMEM runs on {ctx.device}")
     for name, t in (("dst", dst), ("src", src), ("signals", signals)):
-        _check_symmetric(name, t, ctx.rank)
+        if t is not None:
+            _check_symmetric(name, t, ctx.rank)
     if batch.n == 0:
         return
     from .cubin import _cuda_core
 
     cc = _cuda_core()
     mod = _module()
-    cc.launch(_stream_ref(stream, ctx.device), cc.LaunchConfig(grid=(batch.n, chunks), block=threads),
+    cc.launch(_stream_ref(stream, ctx.device), cc.LaunchConfig(grid=grid, block=threads),
               mod.kernel("mx_put_signal"), *args)
 
 

@@ -122,7 +122,7 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert b.pull_send == (0 if world == 1 else pull)
     assert push.pull_send == send
     assert b.counts == push.counts == (world * 32 + world) * 4  # the counts matrix, then one refusal word per rank
-    assert b.flags == push.flags == 7 * world * 8  # counts, dispatch, combine, weights, route_grad, scratch, window
+    assert b.flags == push.flags == 6 * world * 8  # counts, dispatch, combine, weights, route_grad, window
     assert b.total == EPGroup.buffer_bytes(cfg, world)
     assert b.total == b.dispatch_payload + b.dispatch_scales + b.combine_payload + b.counts + b.flags + b.pull_send
     assert push.total == EPGroup.buffer_bytes(replace(cfg, transport="push"), world)

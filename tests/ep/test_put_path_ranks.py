@@ -77,7 +77,7 @@ class ThreadPuts:
 
         heaps = self.w.heaps
         dname, doff = heaps[self.rank].locate(dst)
-        sname, soff = heaps[self.rank].locate(signals)
+        sname, soff = heaps[self.rank].locate(signals) if signals is not None else (None, 0)
         cap = dst.numel() * dst.element_size()
         srcb = src.reshape(-1).view(torch.uint8)
         with self.w.cv:
@@ -91,6 +91,8 @@ class ThreadPuts:
                 heaps[pe].flat(dname)[doff + do:doff + do + n] = srcb[so:so + n]
                 per_pe[pe] = per_pe.get(pe, 0) + 1
             for pe, cnt in per_pe.items():
+                if signals is None:  # plain puts (the caller's quiet and one signal put say they arrived)
+                    break
                 words = heaps[pe].bufs[sname].local.reshape(-1)
                 words[soff // 8 + signal_index] += cnt * chunks
             self.w.cv.notify_all()

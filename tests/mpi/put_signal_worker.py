@@ -6,9 +6,10 @@ other rank (``put_path_peers(ctx, force_remote=True)``), so one GPU stands in fo
 
 Rounds (epoch = round + 1): each source ``s`` sends ``pieces`` entries of random sizes (0, odd,
 up to ``max_bytes``) to every destination ``p``, from random places in its staging buffer to
-random, non-overlapping places in region ``s`` of ``p``'s receive buffer, split into ``chunks``;
-``p`` waits for ``signals[s] >= epoch * pieces * chunks``, then checks every byte of the buffer
-(entries exact, everything else untouched). All data comes from seeds, so every rank knows what
+random, non-overlapping places in region ``s`` of ``p``'s receive buffer, split into ``chunks``
+(some rounds on a few CUDA blocks, which then take turns over the pieces; some as plain puts, a
+``quiet`` and one signal-only entry per piece); ``p`` waits for ``signals[s] >= epoch * pieces *
+chunks``, then checks every byte of the buffer (entries exact, everything else untouched). All data comes from seeds, so every rank knows what
 every other rank sent. Then: an out-of-range entry must be refused on the device (error code 2,
 nothing written, no signal); and with ``--skipper S --victim V`` rank S skips V in one round, so
 V's bounded wait must end with PeerTimeout naming S. Results go to ``<outdir>/rank<r>.json``.
@@ -21,6 +22,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -30,12 +32,28 @@ if str(HERE.parents[1]) not in sys.path:
 REGION = 3 << 20          # bytes of a destination's receive region per source rank
 STAGE = 4 << 20           # bytes of a source's staging buffer
 FILL = 0xEE               # receive buffer fill before each round
-# (chunks, pieces per destination, max bytes per piece); chunks * pieces is the same in every round,
-# so each round (epoch e) ends with every signal word at e * PER_EPOCH.
-ROUNDS = [(1, 12, 4096), (4, 3, 100_000), (12, 1, 2_500_000), (3, 4, 0), (6, 2, 333_333)]
-TIMEOUT_ROUND = (2, 6, 50_000)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round: ``pieces`` entries per destination of up to ``max_bytes`` each, ``chunks`` pieces each, on at
+    most ``blocks`` CUDA blocks (None: one per piece); ``plain``: put without signals, ``quiet``, then
+    ``pieces`` empty signalled entries per destination (the same count the signalled puts add)."""
+
+    chunks: int
+    pieces: int
+    max_bytes: int
+    blocks: int | None = None
+    plain: bool = False
+
+
+# chunks * pieces is the same in every round, so each round (epoch e) ends with every signal word at e * PER_EPOCH.
+ROUNDS = [Round(1, 12, 4096), Round(4, 3, 100_000), Round(12, 1, 2_500_000), Round(3, 4, 0), Round(6, 2, 333_333),
+          Round(4, 3, 100_000, blocks=1), Round(2, 6, 50_000, blocks=5), Round(12, 1, 2_500_000, blocks=7),
+          Round(4, 3, 100_000, blocks=3, plain=True), Round(1, 12, 4096, plain=True)]
+TIMEOUT_ROUND = Round(2, 6, 50_000)
 PER_EPOCH = 12
-assert all(c * p == PER_EPOCH for c, p, _ in ROUNDS + [TIMEOUT_ROUND])
+assert all(r.chunks * r.pieces == PER_EPOCH for r in ROUNDS + [TIMEOUT_ROUND])
 
 
 def _parse():
@@ -96,9 +114,11 @@ def _entries(seed: int, rnd: int, src: int, dst: int, pieces: int, max_bytes: in
     return out
 
 
-def _round(ctx, tp, ps, bufs, args, rnd, chunks, pieces, max_bytes, skip, timeout_s, res):
+def _round(ctx, tp, ps, bufs, args, rnd, how: Round, skip, timeout_s, res):
     """One round; ``skip = (S, V)``: rank S sends nothing to rank V (V must time out naming S)."""
     import torch
+
+    chunks, pieces, max_bytes = how.chunks, how.pieces, how.max_bytes
 
     me, W = ctx.rank, ctx.world
     recv, stage, sig = bufs["recv"], bufs["stage"], bufs["sig"]
@@ -114,13 +134,21 @@ def _round(ctx, tp, ps, bufs, args, rnd, chunks, pieces, max_bytes, skip, timeou
                                    [p for p, _ in ents], ctx.device)
     epoch = torch.full((1,), rnd + 1, dtype=torch.int64, device=ctx.device)
     t0 = time.monotonic()
-    ps.put_signal(recv.local, stage.local, batch, sig.local, me, err, chunks=chunks)
+    if how.plain:
+        ps.put(recv.local, stage.local, batch, err, chunks=chunks, blocks=how.blocks)
+        ps.quiet()
+        dests = [p for p, _ in ents]  # one empty signalled entry per piece sent
+        ps.put_signal(recv.local, stage.local, ps.PutBatch.from_lists([0] * len(dests), [0] * len(dests),
+                                                                     [0] * len(dests), dests, ctx.device),
+                      sig.local, me, err, chunks=chunks)
+    else:
+        ps.put_signal(recv.local, stage.local, batch, sig.local, me, err, chunks=chunks, blocks=how.blocks)
     srcs = torch.tensor([s for s in range(W) if s != me], dtype=torch.int32, device=ctx.device)
     ps.wait_signals(sig.local, srcs, epoch, ps.signals_per_call(pieces, chunks), err,
                     timeout_ns=tp.timeout_ns(timeout_s))
     ps.quiet()
     torch.cuda.synchronize()
-    out = {"chunks": chunks, "pieces": pieces, "elapsed_s": time.monotonic() - t0, "timeout": None,
+    out = {"chunks": chunks, "pieces": pieces, "blocks": how.blocks, "plain": how.plain, "elapsed_s": time.monotonic() - t0, "timeout": None,
            "bytes_sent": sum(e[2] for _, e in ents)}
     try:
         tp.check_errors(err, what=f"put_signal round {rnd}", rank=me)
@@ -232,13 +260,13 @@ def main() -> int:
         res["cubin"] = {"path": str(mod.path), "load_s": time.monotonic() - t0}
         res["steps"].append("cubin")
         _host_checks(ctx, ps, bufs, res)
-        for rnd, (chunks, pieces, max_bytes) in enumerate(ROUNDS):
-            _round(ctx, tp, ps, bufs, args, rnd, chunks, pieces, max_bytes, None, args.timeout_s, res)
+        for rnd, how in enumerate(ROUNDS):
+            _round(ctx, tp, ps, bufs, args, rnd, how, None, args.timeout_s, res)
         res["steps"].append("rounds")
         _bad_entry(ctx, tp, ps, bufs, res)
         res["steps"].append("bad_entry")
         if args.skipper >= 0:
-            _round(ctx, tp, ps, bufs, args, len(ROUNDS), *TIMEOUT_ROUND, (args.skipper, args.victim),
+            _round(ctx, tp, ps, bufs, args, len(ROUNDS), TIMEOUT_ROUND, (args.skipper, args.victim),
                    args.short_timeout_s, res)
             res["steps"].append("timeout")
         cubin.release_modules()

@@ -1,7 +1,8 @@
 """NVSHMEM put-with-signal kernels (csrc/put_signal.cu) between ranks on ONE GPU, remote path forced.
 
 Each rank puts random byte ranges (empty, odd, up to 2.5 MB, 1..12 chunks) into every other rank's
-symmetric buffer with ``put_signal`` and waits with ``wait_signals``; every received byte is
+symmetric buffer with ``put_signal`` (some rounds on a few CUDA blocks, some as plain ``put`` +
+``quiet`` + signal) and waits with ``wait_signals``; every received byte is
 checked, as is every byte that must stay untouched. An out-of-range entry must be refused on the
 device (error code 2, nothing written or signalled), bad host arguments must raise before a launch,
 and a rank that skips a peer must make that peer's bounded wait raise PeerTimeout naming it.
@@ -69,7 +70,8 @@ def _check(run: mpi_launch.Launch, nranks: int, route: str) -> None:
         assert len(rounds) == len(w.ROUNDS) + 1, info
         for e, rd in enumerate(rounds[:-1], start=1):
             assert rd["timeout"] is None, f"rank {r} round {e}: unexpected timeout {rd['timeout']}{info}"
-            assert rd["bytes_ok"], f"rank {r} round {e} (chunks {rd['chunks']}): wrong bytes at {rd['first_bad']}"
+            assert rd["bytes_ok"], (f"rank {r} round {e} (chunks {rd['chunks']}, blocks {rd['blocks']}, plain "
+                                    f"{rd['plain']}): wrong bytes at {rd['first_bad']}")
             assert rd["signals"] == [0 if s == r else e * per for s in range(nranks)], (r, e, rd["signals"])
         assert sum(rd["bytes_sent"] for rd in rounds) > 0
         bad = res["bad_entry"]

@@ -107,17 +107,25 @@ def test_put_signal_launch(monkeypatch, tmp_path):
     batch = ps.PutBatch.from_lists([0, 100, 2000], [0, 10, 20], [5, 0, 900], [0, 2, 0], "cpu")
     ps.put_signal(dst, src, batch, sig, ctx.rank, err, chunks=4, threads=128, stream=_Stream())
     (call,) = f.launches
-    assert call["kernel"] == "mx_put_signal" and call["grid"] == (3, 4) and call["block"] == 128
+    assert call["kernel"] == "mx_put_signal" and call["grid"] == 12 and call["block"] == 128  # a block per piece
     assert call["stream"] == (0, 0xABC)
-    assert [int(a) for a in call["args"]] == [int(a) for a in ps.put_args(dst, src, batch, sig, ctx.rank, 3, err)]
+    assert [int(a) for a in call["args"]] == [int(a) for a in ps.put_args(dst, src, batch, sig, ctx.rank, 3, err,
+                                                                          chunks=4)]
     assert len(f.loads) == 1 and len(f.inits) == 1 and f.loads[0][0] == b"\x7fELF fake cubin"
     # Second call: same module, no new load / library_init.
     ps.put_signal(dst, src, batch, sig, ctx.rank, err, stream=_Stream())
-    assert len(f.launches) == 2 and f.launches[1]["grid"] == (3, 1) and f.launches[1]["block"] == 256
+    assert len(f.launches) == 2 and f.launches[1]["grid"] == 3 and f.launches[1]["block"] == 256
     assert len(f.loads) == 1 and len(f.inits) == 1
+    # A block budget bounds the grid; put() launches the same kernel with a null signal pointer.
+    ps.put(dst, src, batch, err, chunks=4, blocks=5, stream=_Stream())
+    plain = f.launches[2]
+    assert plain["kernel"] == "mx_put_signal" and plain["grid"] == 5
+    assert [int(a) for a in plain["args"]] == [int(a) for a in ps.put_args(dst, src, batch, None, None, 3, err,
+                                                                           chunks=4)]
+    assert int(plain["args"][10]) == 0
     # Empty batch: validated, nothing launched.
     ps.put_signal(dst, src, ps.PutBatch.from_lists([], [], [], [], "cpu"), sig, 0, err, stream=_Stream())
-    assert len(f.launches) == 2
+    assert len(f.launches) == 3
 
 
 def test_wait_and_quiet_launch(monkeypatch, tmp_path):

@@ -48,14 +48,31 @@ def _bufs():
 def test_put_args_match_the_kernel_signature():
     dst, src, sig, err = _bufs()
     b = _batch()
-    args = ps.put_args(dst, src, b, sig, 2, 4, err)
+    args = ps.put_args(dst, src, b, sig, 2, 4, err, chunks=5)
     assert [type(a) for a in args] == _c_params("mx_put_signal")
     assert int(args[0]) == dst.data_ptr() and int(args[1]) == 1000
     assert int(args[2]) == src.data_ptr() and int(args[3]) == 1000  # capacities in bytes
     assert [int(a) for a in args[4:8]] == [b.dst_offsets.data_ptr(), b.src_offsets.data_ptr(), b.nbytes.data_ptr(),
                                            b.pes.data_ptr()]
-    assert int(args[8]) == 3 and int(args[9]) == sig.data_ptr() + 16 and int(args[10]) == 4
-    assert int(args[11]) == err.data_ptr()
+    assert int(args[8]) == 3 and int(args[9]) == 5 and int(args[10]) == sig.data_ptr() + 16 and int(args[11]) == 4
+    assert int(args[12]) == err.data_ptr()
+    # without signal words (put): a null signal pointer, the rest the same
+    plain = ps.put_args(dst, src, b, None, None, 4, err)
+    assert [type(a) for a in plain] == _c_params("mx_put_signal")
+    assert int(plain[9]) == 1 and int(plain[10]) == 0
+    assert [int(a) for a in plain[:9]] == [int(a) for a in args[:9]] and int(plain[12]) == err.data_ptr()
+    with pytest.raises(ValueError, match="signal_index given without signal words"):
+        ps.put_args(dst, src, b, None, 0, 4, err)
+
+
+def test_put_blocks_bound_the_grid():
+    assert ps.put_blocks(3, 4, None) == 12  # one block per piece
+    assert ps.put_blocks(3, 4, 5) == 5 and ps.put_blocks(3, 4, 64) == 12 and ps.put_blocks(0, 4, 8) == 0
+    assert ps.put_blocks(2**30, 4, None) == 2**31 - 1  # the grid's limit
+    with pytest.raises(ValueError, match="blocks"):
+        ps.put_blocks(3, 4, 0)
+    with pytest.raises(TypeError, match="blocks"):
+        ps.put_blocks(3, 4, 2.0)
 
 
 def test_wait_args_match_the_kernel_signature():
@@ -158,11 +175,17 @@ def test_launchers_check_arguments_then_need_nvshmem():
         ps.put_signal(dst, src, b, sig, 0, err, chunks=0)
     with pytest.raises(ValueError, match="multiple of 32"):
         ps.put_signal(dst, src, b, sig, 0, err, threads=100)
+    with pytest.raises(ValueError, match="blocks"):
+        ps.put(dst, src, b, err, blocks=0)
+    with pytest.raises(TypeError, match="needs signal words"):
+        ps.put_signal(dst, src, b, None, None, err)
     with pytest.raises(TypeError, match="indices"):
         ps.wait_signals(sig, torch.zeros(1, dtype=torch.int64), torch.tensor([1]), 1, err, timeout_ns=10)
     assert not is_initialized()
     with pytest.raises(RuntimeError, match="not initialised"):
         ps.put_signal(dst, src, b, sig, 0, err)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ps.put(dst, src, b, err)
     with pytest.raises(RuntimeError, match="not initialised"):
         ps.wait_signals(sig, torch.zeros(1, dtype=torch.int32), torch.tensor([1]), 1, err, timeout_ns=10)
 

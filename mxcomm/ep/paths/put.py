@@ -30,7 +30,7 @@ class PutPath(PushPath):
         e = engine
         W, E, T, k, H, dev = e.world, e.config.num_experts, e.config.max_tokens_per_rank, e.config.topk, \
             e.config.hidden, e.device
-        self.puts = put_path.Puts() if puts is None else puts
+        self.puts = put_path.Puts(blocks=e.sms * e.launch.put_per_sm) if puts is None else puts
         self.put_chunks = 4  # pieces per put entry (same on every rank: the signal count depends on it)
         self.stage_q, self.stage_s = bufs["ep.stage_q"], bufs["ep.stage_s"]
         self.stage_list, self.stage_gw, self.recv_w = bufs["ep.stage_list"], bufs["ep.stage_gw"], bufs["ep.recv_w"]
@@ -139,8 +139,8 @@ class PutPath(PushPath):
 
     def send_partials(self, payload, in_scales, handle, mx, passthrough, weights):
         """The partials into staging at their table entry's index, then one put per (token, rank) entry into the
-        origins' ``comb_q`` / ``comb_s`` (signalling a word nobody waits for), ``quiet``, one signal per destination
-        and the wait for every source's."""
+        origins' ``comb_q`` / ``comb_s`` (no signal), ``quiet``, one signal per destination and the wait for every
+        source's."""
         e = self.e
         H = e.config.hidden
         self._partials(payload, in_scales, handle, mx, passthrough, weights, self._stage_ptrs, self._stage_s_ptrs,
@@ -149,10 +149,9 @@ class PutPath(PushPath):
         rows = put_path.partial_rows(handle.backend_state.table, handle.backend_state.origins.pos, e.rank,
                                      e.config.max_tokens_per_rank, slot0, 2 * H, H if mx else 2 * H,
                                      H // 32 if mx else 0)
-        scratch = e.flag_rows[FLAG_ROW["scratch"]]
-        self.puts.put(e.comb[0].local, self.stage_q.local, rows.payload, scratch, e.rank, e.err, 1)
+        self.puts.put(e.comb[0].local, self.stage_q.local, rows.payload, None, None, e.err, 1)
         if mx:  # (BF16 partials carry no scale bytes)
-            self.puts.put(e.comb[1].local, self.stage_s.local, rows.scales, scratch, e.rank, e.err, 1)
+            self.puts.put(e.comb[1].local, self.stage_s.local, rows.scales, None, None, e.err, 1)
         self.puts.quiet()
         self.puts.put(e.comb[0].local, self.stage_q.local, self._ready_batch, e.flag_rows[2], e.rank, e.err, 1)
         self._wait("combine", 1)
@@ -160,8 +159,8 @@ class PutPath(PushPath):
     def _deliver_gradients(self, g, w, handle):
         """Epoch += 1, the "ready" handshake (every destination finished with its ``recv_q`` of the previous call in
         this direction), then one put per (token, destination rank) of the gradient row and one of its weights into
-        the destination's ``recv_q`` [me, t] / ``recv_w`` [me, t] (signalling a word nobody waits for), ``quiet``, and
-        one signal per destination; then wait for every source's signal."""
+        the destination's ``recv_q`` [me, t] / ``recv_w`` [me, t] (no signal), ``quiet``, and one signal per
+        destination; then wait for every source's signal."""
         e = self.e
         e.d_epoch.add_(1)
         self.exchange(None)
@@ -169,9 +168,8 @@ class PutPath(PushPath):
         self.send_q.local[0].view(-1)[: T * 2 * H].copy_(g.reshape(-1).view(torch.uint8))
         self.send_w.local[0].view(-1)[: T * k].copy_(w.reshape(-1))
         rows, weights = put_path.token_rows(handle.plan, e.rank, e.config.max_tokens_per_rank, 2 * H, k * 4)
-        scratch = e.flag_rows[FLAG_ROW["scratch"]]
-        self.puts.put(self.recv_q.local, self.send_q.local, rows, scratch, e.rank, e.err, 1)
-        self.puts.put(self.recv_w.local, self.send_w.local, weights, scratch, e.rank, e.err, 1)
+        self.puts.put(self.recv_q.local, self.send_q.local, rows, None, None, e.err, 1)
+        self.puts.put(self.recv_w.local, self.send_w.local, weights, None, None, e.err, 1)
         self.puts.quiet()
         self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[1], e.rank, e.err, 1)
         self._wait("dispatch", 1)
