@@ -186,7 +186,7 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                     H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                     MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr,
                     ARRIVE: tl.constexpr = True, ZERO_PAD: tl.constexpr = False,
-                    OUT_DIRECT: tl.constexpr = False):
+                    OUT_DIRECT: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False):
     """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
     straight into each destination rank's buffers at their final expert-major rows.
 
@@ -214,6 +214,8 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
             persistent loop's uneven end leaves the memory system idle. Those four are unused otherwise.
         OUT_DIRECT (local path): ``q_peers`` IS that output (uint8 ``[R_out, H]`` MX, bf16 ``[R_out, H]``), not a
             table of addresses (one fewer host operation per call than writing its address into a table).
+        SKIP_EMPTY: a token whose every slot is dropped is not read (the push path's rounds through a receive window,
+            where most tokens have no slot in a given round); the stores are the same either way.
     Grid: any fixed number of programs (identical on every rank); persistent over tokens.
     """
     pid = tl.program_id(0)
@@ -224,47 +226,55 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
     bcols = tl.arange(0, NB)
     t = pid
     while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
-        for c0 in tl.static_range(0, H, CHUNK):
-            m = (c0 + offs) < H
-            cols = c0 // 32 + bcols
-            cm = cols < C
-            x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
-            if MX and not WEIGHTED:
-                q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
-                q = tl.reshape(q2, (CHUNK,))
-            if WEIGHTED:
-                xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
-                if MX:  # the chunk's block maxima, once for all slots (see below)
-                    ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
-            if not MX:
-                s = cols  # no scales: a placeholder for _store_slot's unused argument
-            for j in tl.static_range(K):
-                rk = tl.load(dest_rank_ptr + t * K + j)
-                row = tl.load(dest_row_ptr + t * K + j).to(tl.int64)  # both loads issued before the branch
+        if SKIP_EMPTY:
+            live = tl.load(dest_rank_ptr + t * K) >= 0
+            for j in tl.static_range(1, K):
+                live = live | (tl.load(dest_rank_ptr + t * K + j) >= 0)
+        else:
+            live = True
+        if live:
+            for c0 in tl.static_range(0, H, CHUNK):
+                m = (c0 + offs) < H
+                cols = c0 // 32 + bcols
+                cm = cols < C
+                x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
+                if MX and not WEIGHTED:
+                    q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
+                    q = tl.reshape(q2, (CHUNK,))
                 if WEIGHTED:
-                    if rk >= 0:  # dropped slots store nothing (and quantize nothing)
-                        wv = tl.load(w_ptr + t * K + j)
-                        xw = wv * xf
-                        if MX:
-                            # block maxima of w * x without a reduction per slot: |w| * max|x|. Equal for finite w
-                            # (rounding a product is monotone in its magnitude); for w = +-Inf or NaN both are Inf or
-                            # NaN, which give the same scale byte (255) and payload (0x7F)
-                            q2, s = mx_quantize_tile_amax(tl.reshape(xw, (NB, 32)), tl.abs(wv) * ax, MODE, INT_ROUND, 1)
-                            q = tl.reshape(q2, (CHUNK,))
-                        elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
-                            q = bf16_rne_int(xw)
-                        else:
-                            q = xw.to(tl.bfloat16)
-                        _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX,
-                                    OUT_DIRECT, True, INT_ROUND)
-                else:
-                    if not MX:
-                        q = x
-                    # no branch: a dropped slot's stores are masked off (its rank read as 0), so the stored
-                    # registers are packed once per chunk, not once per slot
-                    ok = rk >= 0
-                    _store_slot(q, s, q_peers, s_peers, tl.maximum(rk, 0), row, c0, offs, cols, m & ok, cm & ok,
-                                H, C, NB, CHUNK, MX, OUT_DIRECT, False, INT_ROUND)
+                    xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
+                    if MX:  # the chunk's block maxima, once for all slots (see below)
+                        ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
+                if not MX:
+                    s = cols  # no scales: a placeholder for _store_slot's unused argument
+                for j in tl.static_range(K):
+                    rk = tl.load(dest_rank_ptr + t * K + j)
+                    row = tl.load(dest_row_ptr + t * K + j).to(tl.int64)  # both loads issued before the branch
+                    if WEIGHTED:
+                        if rk >= 0:  # dropped slots store nothing (and quantize nothing)
+                            wv = tl.load(w_ptr + t * K + j)
+                            xw = wv * xf
+                            if MX:
+                                # block maxima of w * x without a reduction per slot: |w| * max|x|. Equal for
+                                # finite w (rounding a product is monotone in its magnitude); for w = +-Inf or NaN
+                                # both are Inf or NaN, which give the same scale byte (255) and payload (0x7F)
+                                q2, s = mx_quantize_tile_amax(tl.reshape(xw, (NB, 32)), tl.abs(wv) * ax, MODE,
+                                                              INT_ROUND, 1)
+                                q = tl.reshape(q2, (CHUNK,))
+                            elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
+                                q = bf16_rne_int(xw)
+                            else:
+                                q = xw.to(tl.bfloat16)
+                            _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX,
+                                        OUT_DIRECT, True, INT_ROUND)
+                    else:
+                        if not MX:
+                            q = x
+                        # no branch: a dropped slot's stores are masked off (its rank read as 0), so the stored
+                        # registers are packed once per chunk, not once per slot
+                        ok = rk >= 0
+                        _store_slot(q, s, q_peers, s_peers, tl.maximum(rk, 0), row, c0, offs, cols, m & ok, cm & ok,
+                                    H, C, NB, CHUNK, MX, OUT_DIRECT, False, INT_ROUND)
         t += G
     if ZERO_PAD:
         WORDS: tl.constexpr = H // 8 if MX else H // 4

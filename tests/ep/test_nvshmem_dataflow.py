@@ -960,6 +960,10 @@ for arrive in (True, False):  # peer-pointer path, put path
             # the payload stores (through _store_slot, to a pointer read from the peer table) stay 16-byte vectors:
             # without the alignment hints every peer store over NVLink would be a single byte
             assert "st.global.v4.b32" in ptx, (arrive, weighted, mx)
+for mx in (True, False):  # the push path's rounds: tokens without a slot in the window are not read
+    ptx = compile(nk.dispatch_kernel, disp, H=7168, K=8, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False, WEIGHTED=False,
+                  ARRIVE=True, SKIP_EMPTY=True)
+    assert "st.global.v4.b32" in ptx, ("skip empty", mx)
 # combine and dispatch backward, expert side: one partial per (token, rank), to the origins' comb_q or (put path) staged
 part = dict(out_ptr="*bf16", out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptr="*fp32", q_peers=i64,
             s_peers=i64, flags_peers=i64, epoch_ptr=i64, err_ptr=i64)

@@ -38,9 +38,9 @@ class PushPath(EnginePath):
     def _send_round(self, x: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, mx: bool, window: Optional[tuple],
                     first: bool) -> None:
         """Each row of ``x`` (bf16 ``[T, H]``) to its slots' expert-major rows on the destinations (MXFP8 when
-        ``mx``; with ``window = (lo, hi)`` only the slots whose rows fall in it, at ``row - lo``), with ``first`` one
-        pull-list entry per (token, destination) and its route weights ``w`` (fp32 ``[T, k]``); then wait for every
-        source's."""
+        ``mx``; with ``window = (lo, hi)`` only the slots whose rows fall in it, at ``row - lo``, and a token with none
+        there is not read), with ``first`` one pull-list entry per (token, destination) and its route weights ``w``
+        (fp32 ``[T, k]``); then wait for every source's."""
         from ..nvshmem_kernels import dispatch_kernel
 
         e = self.e
@@ -50,7 +50,7 @@ class PushPath(EnginePath):
             inside = (rows >= lo) & (rows < hi)
             ranks, rows = torch.where(inside, ranks, -1), torch.where(inside, rows - lo, 0)
         self._dispatch_kernel(dispatch_kernel, x, plan, ranks, rows, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs,
-                              mx, arrive=True)
+                              mx, arrive=True, skip_empty=window is not None)
         if first:
             self._push_entries(plan, w, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
         self._wait_arrivals(1, e.sender_programs + (e.push_programs if first else 0))
@@ -65,13 +65,13 @@ class PushPath(EnginePath):
     def _after_rounds(self) -> None:
         """After the last round: nothing here."""
 
-    def _dispatch_kernel(self, kernel, x, plan, ranks, rows, q_ptrs, s_ptrs, mx, arrive):
+    def _dispatch_kernel(self, kernel, x, plan, ranks, rows, q_ptrs, s_ptrs, mx, arrive, skip_empty=False):
         e = self.e
         T, H = x.shape
         fast_kernel(kernel)[(e.sender_programs,)](
             x, T, ranks, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, x,
             plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.launch.row_chunk(H),
-            MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=False, ARRIVE=arrive,
+            MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=False, ARRIVE=arrive, SKIP_EMPTY=skip_empty,
             num_warps=e.dispatch_warps(False),
         )
 
@@ -130,7 +130,8 @@ class PushPath(EnginePath):
             if r:
                 self._window_free()
             lo = r * self.window
-            self._send_round(x, plan, w, mx, (lo, lo + self.window), r == 0)
+            # (one round: every rank's rows fit the window, nothing to clip)
+            self._send_round(x, plan, w, mx, (lo, lo + self.window) if rounds > 1 else None, r == 0)
             self._copy_rows(win_q, q, plan, o, lo)
             if mx:
                 self._copy_rows(self.recv_s.local, srows, plan, o, lo)
