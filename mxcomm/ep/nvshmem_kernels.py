@@ -685,7 +685,7 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                          MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ZCHUNK: tl.constexpr,
                          ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True, ticket_ptr=None,
                          flags_row_ptr=None, expect_row_ptr=None, err_ptr=None, timeout_ns=0,
-                         WAIT: tl.constexpr = False):
+                         WAIT: tl.constexpr = False, TOKEN_RANGE: tl.constexpr = False, t_lo=0, t_n=0):
     """Combine backward, expert side: every (source ``s``, token ``t``) of the dispatch's table has its BF16 gradient
     row ``g[t]`` read ONCE from the source's send copy (through the peer pointer; on the put path a local copy that
     puts delivered), and for each of its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read with the
@@ -711,6 +711,9 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
         WAIT (with ``ROUTE_GRAD`` and ``ARRIVE``): the last program to finish (the int32 ``ticket``, 0 between
             launches) then waits for every rank's route-weight gradients to this rank (:func:`wait_every_source` on
             this rank's ``flags[4]`` / ``expect[4]`` rows, ``per_call`` = the grid; ``err_ptr`` the int64 error word).
+        TOKEN_RANGE (the put path's rounds): only the entries of the tokens ``[t_lo, t_lo + t_n)`` of every source,
+            whose gradient row ``t`` is row ``t - t_lo`` at ``g_peers[s]`` (the round's rows); weights, table and
+            ``gw`` by the token itself.
     Grid: any fixed number of programs (identical on every rank with ``ARRIVE``); persistent over entries.
     """
     pid = tl.program_id(0)
@@ -722,13 +725,25 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
     GW: tl.constexpr = 8 if K_POW2 < 8 else K_POW2  # route-grad lanes: >= the 8 values a thread holds of a chunk
     gk = tl.arange(0, GW)
     par = tl.load(epoch_ptr) % 2
-    i = pid
-    while i < W * T_max:
+    if TOKEN_RANGE:
+        n_entries = W * t_n
+    else:
+        n_entries = W * T_max
+    n = pid
+    while n < n_entries:
+        if TOKEN_RANGE:  # the n-th entry of the round: source n // t_n, token t_lo + n % t_n
+            i = (n // t_n) * T_max + t_lo + n % t_n
+        else:
+            i = n
         e = table_ptr + i.to(tl.int64) * K
         if _listed_slots(e, K) != 0:
             s = i // T_max
             t = (i % T_max).to(tl.int64)
-            gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + t * H
+            if TOKEN_RANGE:
+                g_row = t - t_lo
+            else:
+                g_row = t
+            gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + g_row * H
             wbase = tl.load(w_peers + s).to(tl.pointer_type(tl.float32)) + par * w_copy + t * K
             # per-thread partial dot products, column j for slot j: one block reduction per entry, not per slot
             gv = tl.zeros((CHUNK // GW, GW), tl.float32)
@@ -766,7 +781,7 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                 rows = tl.load(e + gk, mask=gk < K, other=-1)
                 gwb = tl.load(gw_peers + s).to(tl.pointer_type(tl.float32)) + t * K
                 tl.store(gwb + gk, gw, mask=(gk < K) & (rows >= 0))
-        i += G
+        n += G
     if ROUTE_GRAD and ARRIVE:
         _arrive_all(flags_peers, 4, me, W)
     WORDS: tl.constexpr = H // 8 if MX else H // 4
@@ -899,7 +914,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
                             MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr,
                             INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False, ROWS: tl.constexpr = 2,
                             ticket_ptr=None, flags_row_ptr=None, expect_row_ptr=None, timeout_ns=0,
-                            WAIT: tl.constexpr = False):
+                            WAIT: tl.constexpr = False, t_lo=0, t_n=0):
     """Combine / dispatch backward, expert side: ONE row per (source, token). For every (source ``s``, token ``t``)
     this rank received (an entry of the dispatch's table), the partial sum of the token's rows here
     ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then added: launch with
@@ -921,8 +936,9 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         err_ptr: int64 error word of this rank's waits (read once, at the start).
         q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags`` per rank.
         epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * K`` slots per copy.
-        STAGED (put path): every ``*_peers`` entry is this rank's staging buffer; the partial of entry ``i`` goes to
-            row ``i`` there (``[W * T_max]`` rows; one put per entry moves it to the origin's slot,
+        STAGED (put path, one round): every ``*_peers`` entry is this rank's staging buffer; only the entries of the
+            tokens ``[t_lo, t_lo + t_n)`` of every source are formed, the partial of source ``s``'s token ``t`` at
+            row ``s * t_n + t - t_lo`` there (one put per entry moves it to the origin's slot,
             :func:`mxcomm.ep.put_path.partial_rows`), and no flag is raised.
         ROWS: rows loaded together per step of a chunk's sum, taken from the entry's listed slots in ascending order
             (a slot elsewhere adds nothing, so only listed rows are loaded: the registers of the loads in flight hold
@@ -946,9 +962,16 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
     if STAGED:
         slot0 = slot0 * 0
     failed = tl.load(err_ptr, volatile=True) != 0
-    n_entries = tl.where(failed, 0, W * T_max)
-    i = pid
-    while i < n_entries:
+    if STAGED:
+        n_entries = tl.where(failed, 0, W * t_n)
+    else:
+        n_entries = tl.where(failed, 0, W * T_max)
+    n = pid
+    while n < n_entries:
+        if STAGED:  # the n-th entry of the round: source n // t_n, token t_lo + n % t_n
+            i = (n // t_n) * T_max + t_lo + n % t_n
+        else:
+            i = n
         e = table_ptr + i.to(tl.int64) * K
         listed = _listed_slots(e, K)
         if listed != 0:
@@ -956,7 +979,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
             n_listed = _bit_count(listed, K)
             s = i // T_max
             if STAGED:
-                pos = i.to(tl.int64)
+                pos = n.to(tl.int64)
             else:
                 pos = tl.load(origin_pos_ptr + lead).to(tl.int64)
             if MX:  # MX rows are H bytes apart from the start of a copy (2H bytes a slot)
@@ -984,7 +1007,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
                         acc = acc + v  # past the last listed slot: +0 (acc is never -0: it starts at +0)
                     n0 += ROWS
                 _store_partial(acc, qbase, sbase, slot0 + pos, c0, offs, cols, m, cm, H, NB, MX, MODE, INT_ROUND)
-        i += G
+        n += G
     if not STAGED:
         if not failed:
             _arrive_all(flags_peers, 2, me, W)

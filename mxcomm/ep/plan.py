@@ -231,8 +231,8 @@ def recv_window_rows(config: EPConfig, world_size: int, put_path: bool = False) 
     """Rows of the push and put paths' dispatch receive window (``ep.recv_q`` / ``ep.recv_s``; a dispatch that
     brings some rank more moves its rows in rounds of this many): ``config.recv_window_rows``, by default the rows a
     balanced routing brings a rank (``round_up(T_max * k + El * (align - 1), align)``), on the put path at least the
-    rows of the bytes its ``recv_q`` holds anyway (combine backward's gradient rows: ``W * T_max`` rows of ``2H``
-    bytes); never more than the worst case :func:`max_recv_rows`."""
+    rows of the bytes its ``recv_q`` holds anyway (a round of combine backward's gradient rows: ``W *``
+    :func:`put_round_tokens` rows of ``2H`` bytes); never more than the worst case :func:`max_recv_rows`."""
     R = max_recv_rows(config, world_size)
     if config.recv_window_rows is not None:
         return min(config.recv_window_rows, R)
@@ -241,8 +241,17 @@ def recv_window_rows(config: EPConfig, world_size: int, put_path: bool = False) 
     El = config.num_local_experts(world_size)
     rows = round_up(T * k + El * (config.align - 1), config.align)
     if put_path:
-        rows = max(rows, -(-world_size * T * 2 * H // row))
+        rows = max(rows, -(-world_size * put_round_tokens(config, world_size) * 2 * H // row))
     return min(rows, R)
+
+
+def put_round_tokens(config: EPConfig, world_size: int) -> int:
+    """Tokens per round of the put path's combine direction and combine backward: the entries ``(source, token)``
+    of ``T_c`` tokens of every source (``W * T_c`` rows) are staged and put (combine), or received (combine
+    backward), per round, ``ceil(T_max / T_c)`` rounds. ``T_max`` (one round) up to ``W = k``; above, ``T_max * k //
+    W`` (at least 1): the rows stay ``T_max * k`` at any world size instead of growing with ``W * T_max``."""
+    T, k, W = config.max_tokens_per_rank, config.topk, world_size
+    return T if W <= k else max(1, T * k // W)
 
 
 def padded_group_rows(plan: RoutingPlan) -> torch.Tensor:
@@ -337,11 +346,11 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     that brings some rank more moves in rounds), so none of their symmetric buffers depends on the routing either (the
     one-rank ``local`` path keeps ``recv_s`` ``[R_max, H/32]``, for the scale rows its kernel writes). The put path
     (``put_path``; default: ``config.transport == "put"``) adds its staging (``ep.stage_q`` uint8 ``[S, 2H]`` and
-    ``ep.stage_s`` ``[S, H/32]`` with ``S = T_max * max(k, W)``: the rows a dispatch sends, at most ``T_max * k`` in
-    send order, or the partials combine and dispatch backward return, one per (source, token) entry of the table;
-    ``ep.stage_list`` (pull-list entries per destination), ``ep.stage_gw``) and ``ep.recv_w`` float32 ``[W, T_max,
-    k]``; its ``recv_q`` also holds combine backward's gradient rows, one per (source, token): at least
-    ``W * T_max * 2H`` bytes.
+    ``ep.stage_s`` ``[S, H/32]`` with ``S = max(T_max * k, W * T_c)``, ``T_c`` = :func:`put_round_tokens`: the rows a
+    dispatch sends, at most ``T_max * k`` in send order, or a round of the partials combine and dispatch backward
+    return, one per (source, token) entry of the table for ``T_c`` tokens; ``ep.stage_list`` (pull-list entries per
+    destination), ``ep.stage_gw``) and ``ep.recv_w`` float32 ``[W, T_max, k]``; its ``recv_q`` also holds a round of
+    combine backward's gradient rows, one per (source, token) of ``T_c`` tokens: at least ``W * T_c * 2H`` bytes.
     """
     config.validate(world_size)
     path = dispatch_path(config, world_size, put_path)
@@ -353,7 +362,7 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     window = recv_window_rows(config, W, path == "put") if path in ("push", "put") else R
     if path in ("push", "put"):
         row = H * (1 if mx else 2)
-        rows = max(window, -(-W * T * 2 * H // row)) if path == "put" else window
+        rows = max(window, -(-W * put_round_tokens(config, W) * 2 * H // row)) if path == "put" else window
         regions.append(BufferRegion("ep.recv_q", (rows, row), torch.uint8))
     if path != "pull":
         regions.append(BufferRegion("ep.recv_s", (window, H // 32) if mx else (1,), torch.uint8))
@@ -373,9 +382,10 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
     if path == "pull":
         regions.append(BufferRegion("ep.send_s", (2, T, H // 32) if mx else (1,), torch.uint8))
     if path == "put":
+        stage = max(T * k, W * put_round_tokens(config, W))
         regions += [
-            BufferRegion("ep.stage_q", (T * max(k, W), 2 * H), torch.uint8),
-            BufferRegion("ep.stage_s", (T * max(k, W), H // 32), torch.uint8),
+            BufferRegion("ep.stage_q", (stage, 2 * H), torch.uint8),
+            BufferRegion("ep.stage_s", (stage, H // 32), torch.uint8),
             BufferRegion("ep.stage_list", (W, T, EW), torch.int32),
             BufferRegion("ep.stage_gw", (W, T, k), torch.float32),
             BufferRegion("ep.recv_w", (W, T, k), torch.float32),
@@ -443,6 +453,6 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
 
 __all__ = [
     "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
-    "max_rows_per_source", "max_recv_rows", "recv_window_rows", "padded_group_rows", "received_rows", "pull_entry_words", "FLAG_ROWS",
+    "max_rows_per_source", "max_recv_rows", "recv_window_rows", "put_round_tokens", "padded_group_rows", "received_rows", "pull_entry_words", "FLAG_ROWS",
     "dispatch_path", "combine_regions", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
 ]

@@ -94,13 +94,16 @@ def dispatch_blocks(plan: RoutingPlan, row_bytes: int, scale_bytes: int, window:
 
 
 def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_tokens: int, slot0: torch.Tensor,
-                 copy_bytes: int, row_bytes: int, scale_bytes: int) -> BlockPuts:
-    """Put entries of the combine direction from this rank: one per entry ``i = s * T_max + t`` of the dispatch's
-    table, i.e. one row per (token, rank), as the peer-pointer paths store them.
+                 copy_bytes: int, row_bytes: int, scale_bytes: int, tokens: tuple[int, int] | None = None
+                 ) -> BlockPuts:
+    """Put entries of the combine direction from this rank: one per entry ``s * T_max + t`` of the dispatch's
+    table for the tokens ``t`` in ``[t0, t0 + n)`` of every source ``s`` (``tokens = (t0, n)``; None: every token),
+    i.e. one row per (token, rank), as the peer-pointer paths store them.
 
-    Entry ``i`` with a slot here: staging row ``i`` (where ``combine_partials_kernel(STAGED=True)`` put the partial)
-    to slot ``slot0 + origin_pos[lead]`` of source ``s``'s combine buffers, ``lead`` being the row of the token's
-    first slot on this rank; an entry without one is an empty entry to this rank (it only signals).
+    The ``i``-th of them (source ``i // n``, token ``t0 + i % n``), with a slot here: staging row ``i`` (where
+    ``combine_partials_kernel(STAGED=True, t_lo=t0, t_n=n)`` put the partial) to slot ``slot0 + origin_pos[lead]``
+    of source ``s``'s combine buffers, ``lead`` being the row of the token's first slot on this rank; one without is
+    an empty entry to this rank.
 
     Args:
         table: int32 ``[W * T_max, k]``, the handle's table (rows here per slot, -1 elsewhere).
@@ -110,9 +113,15 @@ def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_t
         copy_bytes: payload bytes per slot of a copy's stride in ``comb_q`` (2H): copy ``c`` starts at
             ``c * T_max * k * copy_bytes``; payload rows inside a copy are ``row_bytes`` apart.
         row_bytes: payload bytes per row (H MXFP8, 2H BF16), also the staging's row stride; scale_bytes: H/32 or 0.
+        tokens: ``(t0, n)``, the round's tokens (None: ``(0, T_max)``).
     Returns:
-        :class:`BlockPuts` of ``W * T_max`` entries each.
+        :class:`BlockPuts` of ``W * n`` entries each.
     """
+    if tokens is not None:
+        t0, nt = tokens
+        table = table.view(-1, max_tokens, table.shape[-1])[:, t0:t0 + nt].reshape(-1, table.shape[-1])
+    else:
+        nt = max_tokens
     n_entries = table.shape[0]
     dev = table.device
     listed = table >= 0
@@ -122,7 +131,7 @@ def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_t
     pos = torch.cat([origin_pos.to(torch.int64), origin_pos.new_zeros(1, dtype=torch.int64)])[lead]
     pos = torch.where(has, pos, 0)  # (an empty entry's offsets must pass the range check: origin_pos may be garbage)
     i = torch.arange(n_entries, dtype=torch.int64, device=dev)
-    pes = torch.where(has, i // max_tokens, torch.full_like(i, rank))
+    pes = torch.where(has, i // nt, torch.full_like(i, rank))
     n = has.to(torch.int64)
     s0 = slot0.to(torch.int64)
     return BlockPuts(payload=_batch(pos, i, n, pes, row_bytes, dst_base=s0 * int(copy_bytes)),
@@ -163,27 +172,27 @@ def swap_batch(world: int, rank: int, row_bytes: int, device, stride: int | None
                     pes=p.to(torch.int32))
 
 
-def token_rows(plan: RoutingPlan, rank: int, max_tokens: int, row_bytes: int, w_bytes: int) -> tuple:
-    """Put entries of one row per (token, destination rank) (combine backward on the put path): for slot ``(t, j)``
-    that leads its rank (the token's first slot there), row ``t`` (``row_bytes`` bytes) of a local ``[T, *]`` buffer
-    to row ``rank * max_tokens + t`` of the destination's ``[W * max_tokens, *]`` buffer; the other slots are empty
-    entries to this rank. Returns ``(rows, weights)``: the same entries for ``row_bytes`` and for ``w_bytes`` (the
-    token's route weights)."""
+def token_rows(plan: RoutingPlan, rank: int, dst_tokens: int, row_bytes: int,
+               tokens: tuple[int, int] | None = None) -> PutBatch:
+    """Put entries of one row per (token, destination rank) (combine backward on the put path) for the tokens ``t``
+    in ``[t0, t0 + n)`` (``tokens = (t0, n)``; None: every token, ``t0 = 0``): for slot ``(t, j)`` that leads its
+    rank (the token's first slot there), row ``t`` (``row_bytes`` bytes) of a local ``[T, *]`` buffer to row ``rank
+    * dst_tokens + t - t0`` of the destination's ``[W * dst_tokens, *]`` buffer; the other slots are empty entries
+    to this rank."""
     d = plan.dest_rank.to(torch.int64)
     T, k = d.shape
     dev = d.device
+    t0, nt = (0, T) if tokens is None else tokens
+    d = d[t0:t0 + nt]
+    n = d.shape[0]
     earlier = torch.tril(torch.ones(k, k, dtype=torch.bool, device=dev), diagonal=-1)  # [j, j'] j' < j
     same = (d[:, :, None] == d[:, None, :]) & earlier
-    lead = (d >= 0) & ~same.any(-1)
-    t = torch.arange(T, dtype=torch.int64, device=dev).view(T, 1).expand(T, k).reshape(-1)
-    lead = lead.reshape(-1)
+    lead = ((d >= 0) & ~same.any(-1)).reshape(-1)
+    t = torch.arange(n, dtype=torch.int64, device=dev).view(n, 1).expand(n, k).reshape(-1)  # (token - t0)
     pes = torch.where(lead, d.reshape(-1), torch.full_like(t, rank)).to(torch.int32)
-
-    def batch(nb: int) -> PutBatch:
-        return PutBatch(dst_offsets=((rank * max_tokens + t) * nb).contiguous(), src_offsets=(t * nb).contiguous(),
-                        nbytes=(lead.to(torch.int64) * nb).contiguous(), pes=pes)
-
-    return batch(int(row_bytes)), batch(int(w_bytes))
+    nb = int(row_bytes)
+    return PutBatch(dst_offsets=((rank * dst_tokens + t) * nb).contiguous(), src_offsets=((t0 + t) * nb).contiguous(),
+                    nbytes=(lead.to(torch.int64) * nb).contiguous(), pes=pes)
 
 
 class Puts:

@@ -351,6 +351,25 @@ def test_transport_values():
         replace(BASE, transport="nvlink").validate(2)
 
 
+def test_put_path_rounds_keep_its_buffers_from_growing_with_the_world():
+    """Above ``W = k`` the put path moves ``T_max * k // W`` tokens of every source per round in the combine
+    direction and combine backward, so its staging and its ``recv_q`` stay ``T_max * k`` rows of ``2H`` bytes;
+    only the small per-(source, token) tables (entries, weights) grow with ``W``."""
+    from mxcomm.ep.plan import buffer_regions, put_round_tokens, recv_window_rows
+
+    cfg = replace(BASE, transport="put", num_experts=64)
+    T, k, H = cfg.max_tokens_per_rank, cfg.topk, cfg.hidden
+    assert put_round_tokens(cfg, 1) == put_round_tokens(cfg, k) == T
+    for W in (4, 8, 16, 32, 64):
+        Tc = put_round_tokens(cfg, W)
+        assert Tc == max(1, T * k // W) and W * Tc <= max(T * k, W)
+        b = {r.name: r.nbytes for r in buffer_regions(cfg, W)}
+        assert b["ep.stage_q"] == max(T * k, W * Tc) * 2 * H and b["ep.stage_s"] == max(T * k, W * Tc) * (H // 32)
+        assert b["ep.recv_q"] == max(recv_window_rows(cfg, W, True), -(-W * Tc * 2 * H // H)) * H
+        assert b["ep.recv_q"] <= max(recv_window_rows(cfg, W), max(T * k, W) * 2) * H
+    assert put_round_tokens(replace(cfg, max_tokens_per_rank=3), 64) == 1  # at least one token a round
+
+
 def test_put_path_buffers_are_counted_in_the_memory_report():
     from mxcomm.ep.plan import buffer_sizes, max_recv_rows, recv_window_rows, round_up
 

@@ -333,7 +333,7 @@ def test_partials_send_nothing_after_a_failed_wait(staged):
         combine_partials_kernel[(2,)](
             ins[1], scs[1], rk.tables[1], rk.origins[1].pos, comb_w[1], q_ptrs, ptrs(comb_s), ptrs(flags), 1, W, T_max,
             ep, nslot, err, H=H, K=k, CHUNK=32, MX=False, PASS=False, WEIGHTED=True, MODE=0, INT_ROUND=True,
-            STAGED=staged, enable_fp_fusion=False)
+            STAGED=staged, t_lo=0, t_n=T_max, enable_fp_fusion=False)
         sent = int(stage.any(dim=1).sum()) if staged else sum(int(q.view(-1, 2 * H).any(dim=1).sum()) for q in comb_q)
         raised = [int(f[2, 1]) for f in flags]
         if int(err):
@@ -344,17 +344,19 @@ def test_partials_send_nothing_after_a_failed_wait(staged):
             assert raised == ([0] * W if staged else [2] * W), raised
 
 
-@pytest.mark.parametrize("W,E,k,H,Ts,mx,passthrough", [
-    (2, 8, 3, 64, (4, 6), True, False),
-    (3, 6, 2, 96, (5, 0, 6), False, False),
-    (3, 9, 3, 64, (6, 3, 4), True, True),
+@pytest.mark.parametrize("W,E,k,H,Ts,mx,passthrough,tc", [
+    (2, 8, 3, 64, (4, 6), True, False, None),
+    (3, 6, 2, 96, (5, 0, 6), False, False, None),
+    (3, 9, 3, 64, (6, 3, 4), True, True, None),
+    (3, 6, 2, 64, (5, 0, 6), True, False, 4),  # rounds of 4, 2 tokens (the put path above W = k)
+    (3, 9, 1, 96, (6, 3, 4), False, False, 1),
 ])
-def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H, Ts, mx, passthrough):
+def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H, Ts, mx, passthrough, tc):
     """The put path's combine direction across ranks: ``combine_partials_kernel(STAGED=True)`` writes each partial
-    into the expert rank's staging at its table entry's index and raises no flag; the entries of
-    ``put_path.partial_rows`` (one per (token, rank), applied as byte copies) carry it to the origin's slot in the
-    copy of the epoch's parity, and the reduce there gives the spec's result (weighted; unweighted with MX input
-    rows)."""
+    of the round's tokens ``[t0, t0 + n)`` into the expert rank's staging at its entry's index in the round and
+    raises no flag; the entries of ``put_path.partial_rows`` (one per (token, rank), applied as byte copies) carry it
+    to the origin's slot in the copy of the epoch's parity, and the reduce there gives the spec's result (weighted;
+    unweighted with MX input rows). ``tc``: tokens per round (None: one round)."""
     from mxcomm.ep.nvshmem_kernels import combine_partials_kernel, combine_reduce_kernel
     from mxcomm.ep.put_path import partial_rows
 
@@ -371,21 +373,25 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
     ep = torch.tensor([epoch])
     slot0 = (ep % 2) * nslot
     row_bytes = H if mx else 2 * H
+    tc = tc or T_max
     for d in range(W):
-        stage_q = torch.randint(0, 256, (W * T_max, 2 * H), dtype=torch.uint8, generator=g)
-        stage_s = torch.randint(0, 256, (W * T_max, C), dtype=torch.uint8, generator=g)
-        sq, ss = torch.full((W,), stage_q.data_ptr()), torch.full((W,), stage_s.data_ptr())
-        combine_partials_kernel[(2,)](
-            ins[d], scs[d], rk.tables[d], rk.origins[d].pos, comb_w[d], sq, ss, ptrs(flags), d, W, T_max, ep, nslot,
-            _no_error(), H=H, K=k, CHUNK=32, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0, INT_ROUND=True, STAGED=True,
-            enable_fp_fusion=False)
-        b = partial_rows(rk.tables[d], rk.origins[d].pos, d, T_max, slot0, 2 * H, row_bytes, C if mx else 0)
-        for batch, src, dsts in ((b.payload, stage_q, comb_q), (b.scales, stage_s, comb_s)):
-            sb = src.view(-1)
-            for i in range(batch.n):
-                pe, n = int(batch.pes[i]), int(batch.nbytes[i])
-                do, so = int(batch.dst_offsets[i]), int(batch.src_offsets[i])
-                dsts[pe].view(-1)[do:do + n] = sb[so:so + n]
+        for t0 in range(0, T_max, tc):
+            nt = min(tc, T_max - t0)
+            stage_q = torch.randint(0, 256, (W * tc, 2 * H), dtype=torch.uint8, generator=g)
+            stage_s = torch.randint(0, 256, (W * tc, C), dtype=torch.uint8, generator=g)
+            sq, ss = torch.full((W,), stage_q.data_ptr()), torch.full((W,), stage_s.data_ptr())
+            combine_partials_kernel[(2,)](
+                ins[d], scs[d], rk.tables[d], rk.origins[d].pos, comb_w[d], sq, ss, ptrs(flags), d, W, T_max, ep,
+                nslot, _no_error(), H=H, K=k, CHUNK=32, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0,
+                INT_ROUND=True, STAGED=True, t_lo=t0, t_n=nt, enable_fp_fusion=False)
+            b = partial_rows(rk.tables[d], rk.origins[d].pos, d, T_max, slot0, 2 * H, row_bytes, C if mx else 0,
+                             tokens=(t0, nt))
+            for batch, src, dsts in ((b.payload, stage_q, comb_q), (b.scales, stage_s, comb_s)):
+                sb = src.view(-1)
+                for i in range(batch.n):
+                    pe, n = int(batch.pes[i]), int(batch.nbytes[i])
+                    do, so = int(batch.dst_offsets[i]), int(batch.src_offsets[i])
+                    dsts[pe].view(-1)[do:do + n] = sb[so:so + n]
     assert not any(f.any() for f in flags)  # staged: the puts signal, the kernel does not
     for s in range(W):
         p = rk.plans[s]
@@ -400,14 +406,16 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
         assert_bf16_same(y, spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx), f"origin {s}")
 
 
-@pytest.mark.parametrize("W,E,k,H,Ts,mx,route_grad,copies", [
-    (2, 8, 3, 64, (0, 6), True, True, 2),
-    (3, 6, 4, 64, (5, 0, 4), True, True, 1),
-    (2, 4, 2, 96, (4, 5), False, True, 2),
-    (3, 9, 3, 64, (3, 6, 2), False, False, 2),
-    (4, 16, 3, 64, (2, 5, 0, 4), True, False, 1),
+@pytest.mark.parametrize("W,E,k,H,Ts,mx,route_grad,copies,tc", [
+    (2, 8, 3, 64, (0, 6), True, True, 2, None),
+    (3, 6, 4, 64, (5, 0, 4), True, True, 1, None),
+    (2, 4, 2, 96, (4, 5), False, True, 2, None),
+    (3, 9, 3, 64, (3, 6, 2), False, False, 2, None),
+    (4, 16, 3, 64, (2, 5, 0, 4), True, False, 1, None),
+    (3, 6, 2, 64, (5, 0, 4), True, True, 1, 2),  # the put path's rounds (TOKEN_RANGE): 2, 2, 1 tokens
+    (4, 16, 2, 96, (2, 5, 0, 4), False, True, 1, 3),
 ])
-def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, route_grad, copies):
+def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, route_grad, copies, tc):
     """Combine backward on the expert ranks, ranks simulated in one process: each source's BF16 gradient rows and fp32
     route weights sit in its send copy (``copies=2``: the pull path, copy 1 of an odd epoch, weights read with their
     copy stride; ``copies=1``: the put path's received rows, stride 0); ``pull_weighted_kernel`` walks the receiver's
@@ -417,7 +425,9 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
     of a float64 dot with the expert rows; padding rows hold NaN and are never read) into row ``me`` of the origin's
     ``comb_gw`` for exactly the slots on this rank, raising ``flags[4, me]`` once per program (pull path);
     ``gather_route_grad_kernel`` at the origin picks each slot's value from its rank's row (0 for a dropped slot).
-    Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with zero tokens, dropped slots."""
+    Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with zero tokens, dropped slots. ``tc``: the put
+    path's rounds (``TOKEN_RANGE``), each launch the entries of ``tc`` tokens of every source, whose gradient rows
+    are the round's (a ``[tc, H]`` buffer per source)."""
     from mxcomm.ep.nvshmem_kernels import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel
 
     g = torch.Generator().manual_seed(W * 31 + E + k + H + copies)
@@ -474,12 +484,21 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
         before = dst.clone()
         srows = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)
         gw_peers = torch.tensor([comb_gw[s].data_ptr() + d * T_max * k * 4 for s in range(W)], dtype=torch.int64)
-        pull_weighted_kernel[(G,)](
-            dst if mx else dst.view(torch.bfloat16), srows, p.offs, p.expert_counts, p.num_rows, rk.El, R,
-            ptrs(send_g), ptrs(send_w), rk.tables[d], ep, T_max, W, T_max * H if copies == 2 else 0,
-            T_max * k if copies == 2 else 0, outs[d] if route_grad else torch.zeros(1, dtype=torch.bfloat16),
-            gw_peers, ptrs(flags), d, H=H, CHUNK=32, K=k, K_POW2=P2(k), MX=mx, MODE=0, INT_ROUND=True, ZCHUNK=4,
-            ROUTE_GRAD=route_grad, ARRIVE=copies == 2)
+        args = (dst if mx else dst.view(torch.bfloat16), srows, p.offs, p.expert_counts, p.num_rows, rk.El, R)
+        rest = (ptrs(send_w), rk.tables[d], ep, T_max, W, T_max * H if copies == 2 else 0,
+                T_max * k if copies == 2 else 0, outs[d] if route_grad else torch.zeros(1, dtype=torch.bfloat16),
+                gw_peers, ptrs(flags), d)
+        consts = dict(H=H, CHUNK=32, K=k, K_POW2=P2(k), MX=mx, MODE=0, INT_ROUND=True, ZCHUNK=4,
+                      ROUTE_GRAD=route_grad, ARRIVE=copies == 2)
+        if tc is None:
+            pull_weighted_kernel[(G,)](*args, ptrs(send_g), *rest, **consts)
+        else:
+            for t0 in range(0, T_max, tc):  # the round's rows of every source, garbage past them
+                nt = min(tc, T_max - t0)
+                rnd = [torch.randn(tc, H, generator=g).to(torch.bfloat16) for _ in range(W)]
+                for s in range(W):
+                    rnd[s][:nt] = send_g[s][0, t0:t0 + nt]
+                pull_weighted_kernel[(G,)](*args, ptrs(rnd), *rest, TOKEN_RANGE=True, t_lo=t0, t_n=nt, **consts)
         want = torch.zeros(R, H * B, dtype=torch.uint8)
         want[n_rows:] = before[n_rows:]
         real = torch.zeros(R, dtype=torch.bool)

@@ -146,7 +146,11 @@ def _table(plans, d, T_max):
 @pytest.mark.parametrize("W,E,k,align,Ts", CASES)
 @pytest.mark.parametrize("parity", [0, 1])
 @pytest.mark.parametrize("hot", [None, 1])
-def test_partial_rows_return_one_row_per_token_and_rank_to_its_leading_slot(W, E, k, align, Ts, parity, hot):
+@pytest.mark.parametrize("tc", [None, 2])
+def test_partial_rows_return_one_row_per_token_and_rank_to_its_leading_slot(W, E, k, align, Ts, parity, hot, tc):
+    """``partial_rows``: every (token, rank) partial the staged kernel formed lands once at the token's leading slot
+    of its origin's copy, nothing else is written; ``tc``: in rounds of ``tc`` tokens of every source (the staging
+    holds a round's ``W * tc`` rows, the put path's combine direction above ``W = k``)."""
     plans = _plans(W, E, k, align, Ts, seed=W * 7 + E + 1, hot=hot)
     T_max = max(max(Ts), 1)
     nslot = T_max * k
@@ -154,23 +158,28 @@ def test_partial_rows_return_one_row_per_token_and_rank_to_its_leading_slot(W, E
     comb_q = [torch.zeros(2 * nslot * copy_bytes, dtype=torch.uint8) for _ in range(W)]
     comb_s = [torch.zeros(2 * nslot * SB, dtype=torch.uint8) for _ in range(W)]
     slot0 = torch.tensor([parity * nslot])
+    rounds = [None] if tc is None else [(t0, min(tc, T_max - t0)) for t0 in range(0, T_max, tc)]
     for d, p in enumerate(plans):
         table = _table(plans, d, T_max)
         pos = row_origins(p, int(p.num_rows)).pos
-        stage_q = torch.zeros(W * T_max * RB, dtype=torch.uint8)
-        stage_s = torch.zeros(W * T_max * SB, dtype=torch.uint8)
-        for i in range(W * T_max):  # the staged partials kernel: entry i's partial at row i
-            stage_q[i * RB:(i + 1) * RB] = _tag(d, i, RB)
-            stage_s[i * SB:(i + 1) * SB] = _tag(d, i, SB)
-        b = partial_rows(table, pos, d, T_max, slot0, copy_bytes, RB, SB)
-        listed = int((table >= 0).any(1).sum())
-        assert b.payload.n == W * T_max and b.scales.n == W * T_max
-        assert int(b.payload.nbytes.sum()) == listed * RB  # bytes moved: one row per (token, rank)
-        assert int(b.scales.nbytes.sum()) == listed * SB
-        empty = b.payload.nbytes == 0
-        assert (b.payload.pes[empty] == d).all()  # an entry without a slot here goes nowhere else
-        _apply(b.payload, stage_q, comb_q)
-        _apply(b.scales, stage_s, comb_s)
+        moved = 0
+        for tokens in rounds:
+            t0, nt = (0, T_max) if tokens is None else tokens
+            stage_q = torch.zeros(W * nt * RB, dtype=torch.uint8)
+            stage_s = torch.zeros(W * nt * SB, dtype=torch.uint8)
+            for i in range(W * nt):  # the staged partials kernel: the round's i-th entry's partial at row i
+                e = (i // nt) * T_max + t0 + i % nt
+                stage_q[i * RB:(i + 1) * RB] = _tag(d, e, RB)
+                stage_s[i * SB:(i + 1) * SB] = _tag(d, e, SB)
+            b = partial_rows(table, pos, d, T_max, slot0, copy_bytes, RB, SB, tokens=tokens)
+            assert b.payload.n == W * nt and b.scales.n == W * nt
+            moved += int(b.payload.nbytes.sum())
+            assert int(b.scales.nbytes.sum()) * RB == int(b.payload.nbytes.sum()) * SB
+            empty = b.payload.nbytes == 0
+            assert (b.payload.pes[empty] == d).all()  # an entry without a slot here goes nowhere else
+            _apply(b.payload, stage_q, comb_q)
+            _apply(b.scales, stage_s, comb_s)
+        assert moved == int((table >= 0).any(1).sum()) * RB  # bytes moved: one row per (token, rank)
     for s, p in enumerate(plans):
         base_q, base_s = parity * nslot * copy_bytes, parity * nslot * SB
         written = torch.zeros(nslot, dtype=torch.bool)
@@ -229,35 +238,36 @@ def test_swap_batch_puts_each_ranks_share_into_its_row_there(W, stride):
 
 
 @pytest.mark.parametrize("W,E,k,align,Ts", CASES)
-def test_token_rows_put_one_row_per_token_and_rank(W, E, k, align, Ts):
-    """``token_rows`` (combine backward on the put path): rank ``s``'s row ``t`` (the BF16 gradient row, and in the
-    second batch its route weights) lands in row ``s * T_max + t`` of every rank its token has a slot on, once however
-    many of that rank's experts it picked; every other entry is empty (0 bytes, to this rank) and nothing else is
+@pytest.mark.parametrize("tc", [None, 1, 3])
+def test_token_rows_put_one_row_per_token_and_rank(W, E, k, align, Ts, tc):
+    """``token_rows`` (combine backward on the put path): rank ``s``'s row ``t`` lands in row ``s * T_max + t`` of
+    every rank its token has a slot on (the route weights' layout), once however many of that rank's experts it
+    picked; in rounds of ``tc`` tokens (the gradient rows' layout above ``W = k``), the round's rows at ``s * tc + t -
+    t0`` of a ``[W * tc]``-row buffer; every other entry is empty (0 bytes, to this rank) and nothing else is
     written."""
     plans = _plans(W, E, k, align, Ts, seed=W * 13 + E)
     T_max = max(max(Ts), 1)
-    WB = 8
-    dst_r = [torch.zeros(W * T_max * RB, dtype=torch.uint8) for _ in range(W)]
-    dst_w = [torch.zeros(W * T_max * WB, dtype=torch.uint8) for _ in range(W)]
-    for s, p in enumerate(plans):
-        T = Ts[s]
-        src_r, src_w = torch.zeros(max(T, 1) * RB, dtype=torch.uint8), torch.zeros(max(T, 1) * WB, dtype=torch.uint8)
-        for t in range(T):
-            src_r[t * RB:(t + 1) * RB] = _tag(s, t, RB)
-            src_w[t * WB:(t + 1) * WB] = _tag(s, 1000 + t, WB)
-        rows, weights = token_rows(p, s, T_max, RB, WB)
-        pairs = {(t, int(d)) for t in range(T) for d in p.dest_rank[t].tolist() if d >= 0}
-        assert rows.n == T * k and int((rows.nbytes > 0).sum()) == len(pairs)
-        assert (rows.pes[rows.nbytes == 0] == s).all()
-        _apply(rows, src_r, dst_r)
-        _apply(weights, src_w, dst_w)
-    for d in range(W):
-        filled = torch.zeros(W * T_max, dtype=torch.bool)
+    rounds = [(None, T_max)] if tc is None else [((t0, min(tc, T_max - t0)), tc) for t0 in range(0, T_max, tc)]
+    for tokens, rows_per_src in rounds:
+        t0, nt = (0, T_max) if tokens is None else tokens
+        dst = [torch.zeros(W * rows_per_src * RB, dtype=torch.uint8) for _ in range(W)]
         for s, p in enumerate(plans):
-            for t in range(Ts[s]):
-                if (p.dest_rank[t] == d).any():
-                    i = s * T_max + t
-                    filled[i] = True
-                    assert torch.equal(dst_r[d][i * RB:(i + 1) * RB], _tag(s, t, RB)), (d, s, t)
-                    assert torch.equal(dst_w[d][i * WB:(i + 1) * WB], _tag(s, 1000 + t, WB)), (d, s, t)
-        assert not dst_r[d].view(-1, RB)[~filled].any() and not dst_w[d].view(-1, WB)[~filled].any()
+            T = Ts[s]
+            src = torch.zeros(max(T, 1) * RB, dtype=torch.uint8)
+            for t in range(T):
+                src[t * RB:(t + 1) * RB] = _tag(s, t, RB)
+            rows = token_rows(p, s, rows_per_src, RB, tokens=tokens)
+            mine = range(t0, min(t0 + nt, T))
+            pairs = {(t, int(d)) for t in mine for d in p.dest_rank[t].tolist() if d >= 0}
+            assert rows.n == len(mine) * k and int((rows.nbytes > 0).sum()) == len(pairs)
+            assert (rows.pes[rows.nbytes == 0] == s).all()
+            _apply(rows, src, dst)
+        for d in range(W):
+            filled = torch.zeros(W * rows_per_src, dtype=torch.bool)
+            for s, p in enumerate(plans):
+                for t in range(t0, min(t0 + nt, Ts[s])):
+                    if (p.dest_rank[t] == d).any():
+                        i = s * rows_per_src + t - t0
+                        filled[i] = True
+                        assert torch.equal(dst[d][i * RB:(i + 1) * RB], _tag(s, t, RB)), (d, s, t)
+            assert not dst[d].view(-1, RB)[~filled].any()

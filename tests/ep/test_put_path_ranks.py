@@ -164,6 +164,10 @@ def _run_ranks(world: ThreadWorld, fn, W: int, timeout_s: float = 240.0) -> list
     (2, 4, 2, 64, (9, 6), "mxfp8", 32, True, 13, True),
     (3, 9, 3, 64, (6, 4, 0), "mxfp8", 32, False, 20, True),
     (2, 4, 2, 64, (7, 7), "bf16", 32, True, 24, False),
+    # more ranks than slots a token: the combine direction and combine backward in rounds of T_max * k // W tokens
+    (3, 6, 2, 64, (9, 4, 7), "mxfp8", 32, True, None, False),
+    (4, 8, 2, 64, (5, 7, 0, 6), "bf16", 32, False, None, False),
+    (3, 6, 2, 64, (8, 5, 6), "mxfp8", 32, True, 16, True),
 ])
 def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_time, W, E, k, H, T, precision,
                                                                  align, exact, window, hot):
@@ -172,7 +176,9 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
     gradient combine backward made) bit-exact to the spec's one row per (token, rank) sums; combine backward's rows
     bit-exact to the oracle's, its route-weight gradient within fp32 rounding of a float64 dot with the expert rows.
     Padding and tail rows of the expert output hold NaN (never read); two rounds (epochs, copies, signal counts).
-    ``window``: the dispatch's receive window (``EPConfig.recv_window_rows``), smaller than what a rank receives."""
+    ``window``: the dispatch's receive window (``EPConfig.recv_window_rows``), smaller than what a rank receives.
+    With ``W > k`` the combine direction and combine backward move ``T_max * k // W`` tokens of every source per
+    round (``put_round_tokens``)."""
     from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
     from mxcomm.ep.plan import max_recv_rows, recv_window_rows
@@ -209,6 +215,9 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
     def rank_fn(r):
         be = backends[r] = NvshmemBackend(cfg, None, r, W, heap=world.heaps[r], puts=world.puts(r))
         assert be.put_mode
+        rounds = be.impl._token_rounds()
+        assert len(rounds) == (1 if W <= k else -(-max(T) // (max(T) * k // W))), rounds
+        assert [t0 for t0, _ in rounds] == list(range(0, max(T), be.impl.round_tokens))
         res = []
         for it, (xs, idxs, ws, wants, _, gys) in enumerate(calls):
             d, h = be.dispatch(xs[r], idxs[r], ws[r])

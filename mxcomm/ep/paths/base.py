@@ -180,14 +180,16 @@ class EnginePath:
         self._partials(payload, in_scales, handle, mx, passthrough, weights, e.comb[0].peer_ptrs,
                        e.comb[1].peer_ptrs, staged=False)
 
-    def _partials(self, payload, in_scales, handle, mx, passthrough, weights, q_ptrs, s_ptrs, staged):
-        """``combine_partials_kernel``; not ``staged``, its last program waits for every rank's partials."""
+    def _partials(self, payload, in_scales, handle, mx, passthrough, weights, q_ptrs, s_ptrs, staged,
+                  tokens: Optional[tuple] = None):
+        """``combine_partials_kernel``; not ``staged``, its last program waits for every rank's partials; ``staged``,
+        the entries of the round's ``tokens = (t0, n)`` only."""
         from ..nvshmem_kernels import combine_partials_kernel
 
         e = self.e
         H = e.config.hidden
         st = handle.backend_state
-        wait = {} if staged else self._partials_wait
+        wait = dict(t_lo=tokens[0], t_n=tokens[1]) if staged else self._partials_wait
         fast_kernel(combine_partials_kernel)[(e.programs,)](
             payload, in_scales, st.table, st.origins.pos, e.err if weights is None else weights, q_ptrs, s_ptrs,
             e.flags.peer_ptrs, e.rank, e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, e.err, H=H,
@@ -230,20 +232,18 @@ class EnginePath:
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
         srows = self._scale_rows(R, mx)
         rg = expert_out is not None
-        wait = self._gradients_wait if rg and self.gw_arrive else {}
+        wait = self._gradients_wait if rg else {}
         fast_kernel(pull_weighted_kernel)[(e.programs,)](
             out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
             self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, self.g_copy, self.w_copy,
             expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
             H=H, CHUNK=e.launch.row_chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id,
             INT_ROUND=e.int_round,
-            ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=self.gw_arrive,
+            ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=True,
             num_warps=e.dispatch_warps(True), **wait,
         )
         grad_w = self._route_grads(plan, g.shape[0]) if rg else None
         return BackwardRows(q=out, scale_rows=srows, grad_w=grad_w)
-
-    gw_arrive = True  # pull_weighted_kernel raises flags[4] on the peers (the put path puts instead)
 
     def _route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
         """This rank's fp32 ``[T, k]`` route-weight gradients, gathered once every rank's arrived (the wait: in

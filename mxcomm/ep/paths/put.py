@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.launch import fast_kernel, next_pow2
 from .. import put_path
-from .base import FLAG_ROW
+from ..plan import put_round_tokens
+from .base import FLAG_ROW, BackwardRows
 from .push import PushPath
 
 
@@ -16,8 +18,10 @@ class PutPath(PushPath):
     blocks clipped to each round's rows). Combine and dispatch backward: the partials into
     staging, one row per (source, token) entry of the table, then one put per entry into the origin's slot (one
     row per (token, rank), as on the peer-pointer paths) and one signal per destination. Combine backward: one put
-    per (token, destination) of the BF16 gradient row and its weights into the destination's ``recv_q`` /
-    ``recv_w``, the expert side as the pull path, the route-weight gradients staged and put back. The counts, the
+    per (token, destination) of the BF16 gradient row into the destination's ``recv_q`` (its weights into
+    ``recv_w``), the expert side as the pull path, the route-weight gradients staged and put back. Both directions
+    move ``T_c`` tokens of every source per round (``put_round_tokens``: all of them up to ``W = k``), so the
+    staging and ``recv_q`` stay ``T_max * k`` rows at any world size. The counts, the
     "ready" handshake and the weights travel as puts too, and every wait is a signal wait. Every rank, itself
     included, is reached through puts. Not tested under CUDA graph capture: capture is refused. Buffers: the push
     path's plus ``ep.stage_q``, ``ep.stage_s``, ``ep.stage_list``, ``ep.stage_gw``, ``ep.recv_w``."""
@@ -46,16 +50,15 @@ class PutPath(PushPath):
         self._weights_batch = put_path.row_batch(W, e.rank, T * k * 4, dev)
         self._gw_batch = put_path.swap_batch(W, e.rank, T * k * 4, dev)
         self._all_src = torch.arange(W, dtype=torch.int32, device=dev)
+        self.round_tokens = put_round_tokens(e.config, W)  # T_c: tokens of every source per round
         # signals expected so far per signal word (every source sends the same number per call)
         self._expect = torch.zeros(len(FLAG_ROW), dtype=torch.int64, device=dev)
-        # combine backward: the gradient rows of source s arrive in recv_q viewed as [W, T_max, 2H], its weights in
-        # recv_w [W, T_max, k]; one copy (copy stride 0); the route-weight gradients are staged per origin
-        self.g_src = self._rows_of(self.recv_q.local, T * 2 * H)
+        # combine backward: a round's gradient rows of source s arrive in recv_q viewed as [W, T_c, 2H], its weights
+        # in recv_w [W, T_max, k]; one copy (copy stride 0); the route-weight gradients are staged per origin
+        self.g_src = self._rows_of(self.recv_q.local, self.round_tokens * 2 * H)
         self.w_src = self._rows_of(self.recv_w.local, T * k * 4)
-        self.g_copy = self.w_copy = 0
         self.gw_dst = self._rows_of(self.stage_gw.local, T * k * 4)
 
-    gw_arrive = False
     # combine here always exchanges the weights (one put and signal wait per rank, as dispatch backward's "ready"
     # put), although the entries carry them: the partials' block puts are issued by the host whatever the kernel
     # found, so a rank whose weights wait failed (its peers decided otherwise) would still deliver stale partials -
@@ -137,42 +140,72 @@ class PutPath(PushPath):
         """``quiet``: the staging may be written again."""
         self.puts.quiet()
 
+    def _token_rounds(self):
+        """``(t0, n)`` of every round of the combine direction and combine backward (:data:`round_tokens` each)."""
+        T, Tc = self.e.config.max_tokens_per_rank, self.round_tokens
+        return [(t0, min(Tc, T - t0)) for t0 in range(0, T, Tc)]
+
     def send_partials(self, payload, in_scales, handle, mx, passthrough, weights):
-        """The partials into staging at their table entry's index, then one put per (token, rank) entry into the
-        origins' ``comb_q`` / ``comb_s`` (no signal), ``quiet``, one signal per destination and the wait for every
-        source's."""
+        """Per round (``T_c`` tokens of every source): the partials into staging at their entry's index in the round,
+        one put per (token, rank) entry into the origins' ``comb_q`` / ``comb_s`` (no signal), ``quiet`` (the staging
+        may be written again); then one signal per destination and the wait for every source's."""
         e = self.e
         H = e.config.hidden
-        self._partials(payload, in_scales, handle, mx, passthrough, weights, self._stage_ptrs, self._stage_s_ptrs,
-                       staged=True)
         slot0 = (e.c_epoch % 2) * e.nslot
-        rows = put_path.partial_rows(handle.backend_state.table, handle.backend_state.origins.pos, e.rank,
-                                     e.config.max_tokens_per_rank, slot0, 2 * H, H if mx else 2 * H,
-                                     H // 32 if mx else 0)
-        self.puts.put(e.comb[0].local, self.stage_q.local, rows.payload, None, None, e.err, 1)
-        if mx:  # (BF16 partials carry no scale bytes)
-            self.puts.put(e.comb[1].local, self.stage_s.local, rows.scales, None, None, e.err, 1)
-        self.puts.quiet()
+        st = handle.backend_state
+        for tokens in self._token_rounds():
+            self._partials(payload, in_scales, handle, mx, passthrough, weights, self._stage_ptrs,
+                           self._stage_s_ptrs, staged=True, tokens=tokens)
+            rows = put_path.partial_rows(st.table, st.origins.pos, e.rank, e.config.max_tokens_per_rank, slot0,
+                                         2 * H, H if mx else 2 * H, H // 32 if mx else 0, tokens=tokens)
+            self.puts.put(e.comb[0].local, self.stage_q.local, rows.payload, None, None, e.err, 1)
+            if mx:  # (BF16 partials carry no scale bytes)
+                self.puts.put(e.comb[1].local, self.stage_s.local, rows.scales, None, None, e.err, 1)
+            self.puts.quiet()
         self.puts.put(e.comb[0].local, self.stage_q.local, self._ready_batch, e.flag_rows[2], e.rank, e.err, 1)
         self._wait("combine", 1)
 
-    def _deliver_gradients(self, g, w, handle):
+    def combine_backward(self, g, w, handle, mx, expert_out):
         """Epoch += 1, the "ready" handshake (every destination finished with its ``recv_q`` of the previous call in
-        this direction), then one put per (token, destination rank) of the gradient row and one of its weights into
-        the destination's ``recv_q`` [me, t] / ``recv_w`` [me, t] (no signal), ``quiet``, and one signal per
-        destination; then wait for every source's signal."""
+        this direction); this rank's gradient rows and weights into its send copy and the weights to every
+        destination's ``recv_w`` [me, t]; then per round (``T_c`` tokens of every source, a ``window`` handshake
+        between rounds): one put per (token, destination rank) of the round's gradient rows into the destination's
+        ``recv_q`` [me, t - t0] (no signal), ``quiet``, one signal per destination, the wait for every source's, and
+        the expert side's weighted rows (and route-weight gradients, staged) of the round's entries; finally the
+        route-weight gradients go home."""
+        from ..nvshmem_kernels import pull_weighted_kernel
+
         e = self.e
         e.d_epoch.add_(1)
         self.exchange(None)
-        T, H, k = g.shape[0], e.config.hidden, e.config.topk
+        T, H, k, T_max = g.shape[0], e.config.hidden, e.config.topk, e.config.max_tokens_per_rank
         self.send_q.local[0].view(-1)[: T * 2 * H].copy_(g.reshape(-1).view(torch.uint8))
         self.send_w.local[0].view(-1)[: T * k].copy_(w.reshape(-1))
-        rows, weights = put_path.token_rows(handle.plan, e.rank, e.config.max_tokens_per_rank, 2 * H, k * 4)
-        self.puts.put(self.recv_q.local, self.send_q.local, rows, None, None, e.err, 1)
+        plan, R = handle.plan, handle.num_rows
+        weights = put_path.token_rows(plan, e.rank, T_max, k * 4)
         self.puts.put(self.recv_w.local, self.send_w.local, weights, None, None, e.err, 1)
-        self.puts.quiet()
-        self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[1], e.rank, e.err, 1)
-        self._wait("dispatch", 1)
+        row_bytes = H if mx else 2 * H
+        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
+        srows = self._scale_rows(R, mx)
+        rg = expert_out is not None
+        for r, tokens in enumerate(self._token_rounds()):
+            if r:
+                self._window_free()  # every rank's weighted rows of the round before read its recv_q
+            rows = put_path.token_rows(plan, e.rank, self.round_tokens, 2 * H, tokens=tokens)
+            self.puts.put(self.recv_q.local, self.send_q.local, rows, None, None, e.err, 1)
+            self.puts.quiet()
+            self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[1], e.rank, e.err, 1)
+            self._wait("dispatch", 1)
+            fast_kernel(pull_weighted_kernel)[(e.programs,)](
+                out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El,
+                R, self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, 0, 0,
+                expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
+                H=H, CHUNK=e.launch.row_chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id,
+                INT_ROUND=e.int_round, ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=False,
+                TOKEN_RANGE=True, t_lo=tokens[0], t_n=tokens[1], num_warps=e.dispatch_warps(True),
+            )
+        grad_w = self._route_grads(plan, T) if rg else None
+        return BackwardRows(q=out, scale_rows=srows, grad_w=grad_w)
 
     def _route_grads(self, plan, T):
         """The staged route-weight gradients to their origins (one put each, into row ``me`` of their ``comb_gw``),
