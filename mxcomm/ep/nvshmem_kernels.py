@@ -679,6 +679,17 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
 
 
 @triton.jit
+def _table_entry(n, T_max, t_lo, t_n, ROUND: tl.constexpr):
+    """The dispatch table's entry (``[W * T_max]``, source-major) of the ``n``-th entry a launch takes: ``n`` itself,
+    or (``ROUND``: the put path's rounds) the ``n``-th of the entries of the tokens ``[t_lo, t_lo + t_n)`` of every
+    source (source ``n // t_n``, token ``t_lo + n % t_n``)."""
+    i = n
+    if ROUND:
+        i = (n // t_n) * T_max + t_lo + n % t_n
+    return i
+
+
+@triton.jit
 def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, g_peers, w_peers,
                          table_ptr, epoch_ptr, T_max, W, copy_elems, w_copy, out_ptr, gw_peers, flags_peers, me,
                          H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
@@ -731,10 +742,7 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
         n_entries = W * T_max
     n = pid
     while n < n_entries:
-        if TOKEN_RANGE:  # the n-th entry of the round: source n // t_n, token t_lo + n % t_n
-            i = (n // t_n) * T_max + t_lo + n % t_n
-        else:
-            i = n
+        i = _table_entry(n, T_max, t_lo, t_n, TOKEN_RANGE)
         e = table_ptr + i.to(tl.int64) * K
         if _listed_slots(e, K) != 0:
             s = i // T_max
@@ -968,10 +976,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         n_entries = tl.where(failed, 0, W * T_max)
     n = pid
     while n < n_entries:
-        if STAGED:  # the n-th entry of the round: source n // t_n, token t_lo + n % t_n
-            i = (n // t_n) * T_max + t_lo + n % t_n
-        else:
-            i = n
+        i = _table_entry(n, T_max, t_lo, t_n, STAGED)
         e = table_ptr + i.to(tl.int64) * K
         listed = _listed_slots(e, K)
         if listed != 0:
