@@ -78,7 +78,9 @@ extern "C" __global__ void mx_put_signal(uint8_t* dst, uint64_t dst_bytes, const
 }
 
 // One thread per listed signal: wait until signals[idx[k]] >= (*epoch) * per_epoch, or until
-// timeout_ns passed since the thread started (then atomicMax (1 << 32) | idx[k] into *err).
+// timeout_ns passed since the thread started (then atomicMax (1 << 32) | idx[k] into *err), or until
+// *err is non-zero (another wait failed first: give up without recording, so that a call whose peer
+// is gone fails after one timeout, not one per wait; as mxcomm's Triton waits do).
 // After success nvshmem_uint64_test orders the data delivered before the signal before later reads.
 //   signals: this PE's symmetric signal words (uint64/int64), n_signals of them; idx: int32 [n]
 //   (an index outside [0, n_signals) records (2 << 32) | index and is not read); epoch: int64 scalar.
@@ -95,7 +97,9 @@ extern "C" __global__ void mx_wait_signals(uint64_t* signals, int n_signals, con
   const uint64_t expected = (uint64_t)(*epoch) * (uint64_t)per_epoch;
   uint64_t* w = signals + j;
   const uint64_t deadline = mx_globaltimer() + (uint64_t)timeout_ns;
+  const volatile int64_t* failed = err;
   while (nvshmem_signal_fetch(w) < expected) {
+    if (*failed != 0) return;  // (the data is not read after a failed call)
     if (mx_globaltimer() > deadline) {
       if (nvshmem_signal_fetch(w) < expected) {
         mx_record_error(err, MX_TIMEOUT_CODE, (unsigned int)j);

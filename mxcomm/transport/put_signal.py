@@ -389,7 +389,8 @@ def wait_signals(
         epoch: int64 ``[1]`` device tensor, the call number (1, 2, ...; graph-replayable).
         per_epoch: what one call adds to each listed word (:func:`signals_per_call`), ``>= 1``.
         err: int64 ``[1]`` error word; a word still short at the deadline records
-            ``(TIMEOUT_CODE << 32) | indices[k]`` (atomic max).
+            ``(TIMEOUT_CODE << 32) | indices[k]`` (atomic max). A wait gives up as soon as the word is
+            non-zero (an earlier wait failed), recording nothing: a call fails after one timeout.
         timeout_ns: bound of each wait from the kernel's start (see ``flags.timeout_ns``).
         stream: CUDA stream (default: torch's current stream).
 

@@ -66,7 +66,8 @@ class ThreadWorld:
 
 class ThreadPuts:
     """``mxcomm.ep.put_path.Puts`` for rank ``rank`` of a :class:`ThreadWorld` (same arguments and semantics:
-    range-checked entries, ``entries * chunks`` added to the destination's signal word, bounded waits)."""
+    range-checked entries, ``entries * chunks`` added to the destination's signal word, bounded waits that give up
+    once the error word is set)."""
 
     def __init__(self, world: ThreadWorld, rank: int):
         self.w, self.rank = world, rank
@@ -105,7 +106,7 @@ class ThreadPuts:
         with self.w.cv:
             while True:
                 short = [i for i in indices.tolist() if int(signals[i]) < want]
-                if not short:
+                if not short or int(err[0]):  # (an earlier wait failed: give up, record nothing, as the kernel)
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -295,3 +296,38 @@ def test_put_path_refusal_then_clean_call_then_absent_peer(one_kernel_at_a_time,
     out = _run_ranks(world, rank_fn, W)
     assert out[0] == [("PeerTimeout", 1, True), True, ("PeerTimeout", 1, True)], out
     assert out[1] == [("ValueError", True), True], out
+
+
+def test_put_path_peer_gone_mid_backward_fails_after_one_timeout(one_kernel_at_a_time):
+    """Three ranks of top-2 (combine backward in rounds, a dozen signal waits a call): rank 2 stops after the forward
+    combine; the others' combine backward raises PeerTimeout naming it after about one ``timeout_s`` - the first wait
+    that fails sets the error word and every later wait of the call gives up at once (``mx_wait_signals``, like the
+    Triton waits), rather than each waiting out its own timeout."""
+    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.transport.errors import PeerTimeout
+
+    W, T, E, k, H, timeout = 3, (6, 5, 6), 6, 2, 64, 1.0
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
+                   num_sms=1, timeout_s=timeout, transport="put")
+    world = ThreadWorld(W)
+    xs, idxs, ws = rank_inputs(W, T, E, k, H, seed=21)
+
+    def rank_fn(r):
+        be = NvshmemBackend(cfg, None, r, W, heap=world.heaps[r], puts=world.puts(r))
+        assert len(be.impl._token_rounds()) == 2
+        _, h = be.dispatch(xs[r], idxs[r], ws[r])
+        out = torch.randn(h.num_rows, H).to(torch.bfloat16)
+        _, saved = be.combine_for_backward(out, h, False)
+        if r == 2:
+            return None
+        start = time.monotonic()
+        try:
+            be.combine_backward(torch.randn(T[r], H).to(torch.bfloat16), h, saved, False)
+        except PeerTimeout as e:
+            return e.peer, time.monotonic() - start
+        return "combine backward completed without rank 2"
+
+    out = _run_ranks(world, rank_fn, W)
+    for r in (0, 1):
+        peer, took = out[r]
+        assert peer == 2 and took < 2.5 * timeout, out

@@ -198,6 +198,23 @@ def _bad_entry(ctx, tp, ps, bufs, res):
     }
 
 
+def _gives_up(ctx, tp, ps, bufs, res):
+    """A wait whose error word is already set (an earlier wait of the call failed) returns at once, recording
+    nothing, however far its signals are from arriving and however long its timeout."""
+    import torch
+
+    sig = bufs["sig"]
+    word = (1 << 32) | 7
+    err = torch.full((1,), word, dtype=torch.int64, device=ctx.device)
+    srcs = torch.tensor([s for s in range(ctx.world) if s != ctx.rank], dtype=torch.int32, device=ctx.device)
+    epoch = torch.full((1,), 10**6, dtype=torch.int64, device=ctx.device)  # never reached
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    ps.wait_signals(sig.local, srcs, epoch, PER_EPOCH, err, timeout_ns=tp.timeout_ns(60.0))
+    torch.cuda.synchronize()
+    res["gives_up"] = {"elapsed_s": time.monotonic() - t0, "err_unchanged": int(err.item()) == word}
+
+
 def _host_checks(ctx, ps, bufs, res):
     """Bad arguments raise before any launch."""
     import torch
@@ -265,6 +282,8 @@ def main() -> int:
         res["steps"].append("rounds")
         _bad_entry(ctx, tp, ps, bufs, res)
         res["steps"].append("bad_entry")
+        _gives_up(ctx, tp, ps, bufs, res)
+        res["steps"].append("gives_up")
         if args.skipper >= 0:
             _round(ctx, tp, ps, bufs, args, len(ROUNDS), TIMEOUT_ROUND, (args.skipper, args.victim),
                    args.short_timeout_s, res)

@@ -5,7 +5,8 @@ symmetric buffer with ``put_signal`` (some rounds on a few CUDA blocks, some as 
 ``quiet`` + signal) and waits with ``wait_signals``; every received byte is
 checked, as is every byte that must stay untouched. An out-of-range entry must be refused on the
 device (error code 2, nothing written or signalled), bad host arguments must raise before a launch,
-and a rank that skips a peer must make that peer's bounded wait raise PeerTimeout naming it.
+a wait whose error word is already set must return at once (recording nothing), and a rank that skips
+a peer must make that peer's bounded wait raise PeerTimeout naming it.
 
 Run on the GPU machine: ``python -m pytest -m nvshmem tests/mpi`` (nvshmem4py importable; builds
 the cubin with nvcc on first use, cached in $MXCOMM_CACHE or ~/.cache/mxcomm).
@@ -64,7 +65,9 @@ def _check(run: mpi_launch.Launch, nranks: int, route: str) -> None:
     per = w.PER_EPOCH
     for r, res in run.results.items():
         assert (res["rank"], res["world"], res["route"]) == (r, nranks, route), info
-        assert res["steps"] == ["bootstrap", "heap", "cubin", "rounds", "bad_entry", "timeout", "finalize"], info
+        assert res["steps"] == ["bootstrap", "heap", "cubin", "rounds", "bad_entry", "gives_up", "timeout",
+                                "finalize"], info
+        assert res["gives_up"]["err_unchanged"] and res["gives_up"]["elapsed_s"] < 10, res["gives_up"]
         assert res["host_checks"] and all(v is True for v in res["host_checks"].values()), res["host_checks"]
         rounds = res["rounds"]
         assert len(rounds) == len(w.ROUNDS) + 1, info
