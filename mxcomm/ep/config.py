@@ -66,7 +66,9 @@ class EPConfig:
             dispatch that brings some rank more rows moves them in rounds of this many (each round: the window's
             rows, the wait, the copy-out into the fresh output, a handshake), so no symmetric buffer depends on the
             routing. None: :func:`mxcomm.ep.plan.recv_window_rows` (the rows a balanced routing brings a rank; on
-            the put path at least what its ``recv_q`` holds for combine backward). Unused by the other paths.
+            the put path at least what its ``recv_q`` holds for combine backward). A window set here also bounds the
+            put path's combine backward, whose gradient rows then move in rounds that fit it
+            (:func:`mxcomm.ep.plan.put_round_tokens`). Unused by the other paths.
     """
 
     num_experts: int

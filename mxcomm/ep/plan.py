@@ -249,9 +249,16 @@ def put_round_tokens(config: EPConfig, world_size: int) -> int:
     """Tokens per round of the put path's combine direction and combine backward: the entries ``(source, token)``
     of ``T_c`` tokens of every source (``W * T_c`` rows) are staged and put (combine), or received (combine
     backward), per round, ``ceil(T_max / T_c)`` rounds. ``T_max`` (one round) up to ``W = k``; above, ``T_max * k //
-    W`` (at least 1): the rows stay ``T_max * k`` at any world size instead of growing with ``W * T_max``."""
+    W`` (at least 1): the rows stay ``T_max * k`` at any world size instead of growing with ``W * T_max``. With
+    ``config.recv_window_rows`` set, at most what fits that window's bytes (``W * T_c`` gradient rows of ``2H``
+    bytes), so that the window bounds ``recv_q`` for combine backward too."""
     T, k, W = config.max_tokens_per_rank, config.topk, world_size
-    return T if W <= k else max(1, T * k // W)
+    tc = T if W <= k else max(1, T * k // W)
+    if config.recv_window_rows is not None:
+        H = config.hidden
+        row = H * (1 if config.precision == "mxfp8" else 2)
+        tc = min(tc, max(1, config.recv_window_rows * row // (W * 2 * H)))
+    return tc
 
 
 def padded_group_rows(plan: RoutingPlan) -> torch.Tensor:

@@ -371,7 +371,7 @@ def test_put_path_rounds_keep_its_buffers_from_growing_with_the_world():
 
 
 def test_put_path_buffers_are_counted_in_the_memory_report():
-    from mxcomm.ep.plan import buffer_sizes, max_recv_rows, recv_window_rows, round_up
+    from mxcomm.ep.plan import buffer_sizes, max_recv_rows, put_round_tokens, recv_window_rows, round_up
 
     auto, put = buffer_sizes(BASE, 2), buffer_sizes(replace(BASE, transport="put"), 2)
     R, H, T, k = max_recv_rows(BASE, 2), BASE.hidden, BASE.max_tokens_per_rank, BASE.topk
@@ -394,7 +394,9 @@ def test_put_path_buffers_are_counted_in_the_memory_report():
     assert auto.dispatch_payload == auto.dispatch_scales == 0 < put.dispatch_payload
     assert put.dispatch_payload == max(Wn, 2 * T * 2 * H // H) * H and put.dispatch_scales == Wn * (H // 32)
     assert put.total == (auto.total - send_s - copy + put.put_staging + put.dispatch_payload + put.dispatch_scales)
-    # a smaller window (more rounds) shrinks only the receive buffers; a larger one stops at the worst case
+    # a smaller window (more rounds) shrinks the receive buffers (combine backward's gradient rows then move in
+    # rounds of 40 * H // (2 * 2H) = 10 tokens a source, which fit it); a larger one stops at the worst case
     small = buffer_sizes(replace(BASE, transport="put", recv_window_rows=40), 2)
-    assert small.dispatch_scales == 40 * (H // 32) and small.dispatch_payload == 2 * T * 2 * H  # the gradient rows
+    assert small.dispatch_scales == 40 * (H // 32) and small.dispatch_payload == 40 * H
+    assert put_round_tokens(replace(BASE, transport="put", recv_window_rows=40), 2) == 10
     assert recv_window_rows(replace(BASE, recv_window_rows=10**6), 2) == R
