@@ -60,7 +60,7 @@ class PutPath(PushPath):
         self.gw_dst = self._rows_of(self.stage_gw.local, T * k * 4)
 
     # combine here always exchanges the weights (one put and signal wait per rank, as dispatch backward's "ready"
-    # put), although the entries carry them: the partials' block puts are issued by the host whatever the kernel
+    # put), although the entries carry them: the partials' row puts are issued by the host whatever the kernel
     # found, so a rank whose weights wait failed (its peers decided otherwise) would still deliver stale partials -
     # the exchange keeps every rank on the same weights
     keeps_dispatch_weights = False
