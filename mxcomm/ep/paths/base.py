@@ -222,28 +222,43 @@ class EnginePath:
         """Every (source, token) of the handle's table gets its BF16 gradient row once; the expert rank weights and
         quantizes it per slot into fresh tensors and, with ``expert_out`` (the rows the forward combine was given),
         forms the route-weight gradient, which goes back to the origins' ``comb_gw``."""
+        self._deliver_gradients(g, w, handle)  # (epoch += 1 first)
+        rows = self._new_backward_rows(handle, mx)
+        rg = expert_out is not None
+        self._weighted_rows(rows, handle, mx, expert_out, copies=(self.g_copy, self.w_copy), arrive=True,
+                            **(self._gradients_wait if rg else {}))
+        grad_w = self._route_grads(handle.plan, g.shape[0]) if rg else None
+        return BackwardRows(q=rows.q, scale_rows=rows.scale_rows, grad_w=grad_w)
+
+    def _new_backward_rows(self, handle: EPHandle, mx: bool) -> BackwardRows:
+        """Fresh tensors for combine backward's rows at this rank: uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes)
+        and their scale rows (:meth:`_scale_rows`)."""
+        e = self.e
+        R, H = handle.num_rows, e.config.hidden
+        q = torch.empty(R, H if mx else 2 * H, dtype=torch.uint8, device=e.device)
+        return BackwardRows(q=q, scale_rows=self._scale_rows(R, mx), grad_w=None)
+
+    def _weighted_rows(self, rows: BackwardRows, handle: EPHandle, mx: bool, expert_out: Optional[torch.Tensor],
+                       copies: tuple, arrive: bool, **extra) -> None:
+        """``pull_weighted_kernel`` over the handle's table: the gradient rows at ``self.g_src`` / weights at
+        ``self.w_src`` (``copies``: their copy strides, 0 for one copy), weighted and quantized per slot into
+        ``rows``; with ``expert_out`` the route-weight gradients into ``self.gw_dst`` (``arrive``: raising
+        ``flags[4]`` on every rank). ``extra``: the kernel's wait or token-range arguments."""
         from ..nvshmem_kernels import pull_weighted_kernel
 
         e = self.e
-        self._deliver_gradients(g, w, handle)  # (epoch += 1 first)
         plan, R = handle.plan, handle.num_rows
-        H, T_max, k = e.config.hidden, e.config.max_tokens_per_rank, e.config.topk
+        H, k = e.config.hidden, e.config.topk
         row_bytes = H if mx else 2 * H
-        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
-        srows = self._scale_rows(R, mx)
         rg = expert_out is not None
-        wait = self._gradients_wait if rg else {}
         fast_kernel(pull_weighted_kernel)[(e.programs,)](
-            out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, R,
-            self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, self.g_copy, self.w_copy,
-            expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
-            H=H, CHUNK=e.launch.row_chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id,
-            INT_ROUND=e.int_round,
-            ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=True,
-            num_warps=e.dispatch_warps(True), **wait,
+            rows.q if mx else rows.q.view(torch.bfloat16), rows.scale_rows, plan.offs, plan.expert_counts,
+            plan.num_rows, e.El, R, self.g_src, self.w_src, handle.backend_state.table, e.d_epoch,
+            e.config.max_tokens_per_rank, e.world, copies[0], copies[1], expert_out if rg else e.err, self.gw_dst,
+            e.flags.peer_ptrs, e.rank, H=H, CHUNK=e.launch.row_chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx,
+            MODE=e.mode_id, INT_ROUND=e.int_round, ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg,
+            ARRIVE=arrive, num_warps=e.dispatch_warps(True), **extra,
         )
-        grad_w = self._route_grads(plan, g.shape[0]) if rg else None
-        return BackwardRows(q=out, scale_rows=srows, grad_w=grad_w)
 
     def _route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
         """This rank's fp32 ``[T, k]`` route-weight gradients, gathered once every rank's arrived (the wait: in

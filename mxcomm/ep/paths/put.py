@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.launch import fast_kernel, next_pow2
 from .. import put_path
 from ..plan import put_round_tokens
 from .base import FLAG_ROW, BackwardRows
@@ -173,21 +172,16 @@ class PutPath(PushPath):
         ``recv_q`` [me, t - t0] (no signal), ``quiet``, one signal per destination, the wait for every source's, and
         the expert side's weighted rows (and route-weight gradients, staged) of the round's entries; finally the
         route-weight gradients go home."""
-        from ..nvshmem_kernels import pull_weighted_kernel
-
         e = self.e
         e.d_epoch.add_(1)
         self.exchange(None)
-        T, H, k, T_max = g.shape[0], e.config.hidden, e.config.topk, e.config.max_tokens_per_rank
+        T, H, k = g.shape[0], e.config.hidden, e.config.topk
         self.send_q.local[0].view(-1)[: T * 2 * H].copy_(g.reshape(-1).view(torch.uint8))
         self.send_w.local[0].view(-1)[: T * k].copy_(w.reshape(-1))
-        plan, R = handle.plan, handle.num_rows
-        weights = put_path.token_rows(plan, e.rank, T_max, k * 4)
+        plan = handle.plan
+        weights = put_path.token_rows(plan, e.rank, e.config.max_tokens_per_rank, k * 4)
         self.puts.put(self.recv_w.local, self.send_w.local, weights, None, None, e.err, 1)
-        row_bytes = H if mx else 2 * H
-        out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
-        srows = self._scale_rows(R, mx)
-        rg = expert_out is not None
+        out = self._new_backward_rows(handle, mx)
         for r, tokens in enumerate(self._token_rounds()):
             if r:
                 self._window_free()  # every rank's weighted rows of the round before read its recv_q
@@ -196,16 +190,10 @@ class PutPath(PushPath):
             self.puts.quiet()
             self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[1], e.rank, e.err, 1)
             self._wait("dispatch", 1)
-            fast_kernel(pull_weighted_kernel)[(e.programs,)](
-                out if mx else out.view(torch.bfloat16), srows, plan.offs, plan.expert_counts, plan.num_rows, e.El,
-                R, self.g_src, self.w_src, handle.backend_state.table, e.d_epoch, T_max, e.world, 0, 0,
-                expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
-                H=H, CHUNK=e.launch.row_chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id,
-                INT_ROUND=e.int_round, ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg, ARRIVE=False,
-                TOKEN_RANGE=True, t_lo=tokens[0], t_n=tokens[1], num_warps=e.dispatch_warps(True),
-            )
-        grad_w = self._route_grads(plan, T) if rg else None
-        return BackwardRows(q=out, scale_rows=srows, grad_w=grad_w)
+            self._weighted_rows(out, handle, mx, expert_out, copies=(0, 0), arrive=False, TOKEN_RANGE=True,
+                                t_lo=tokens[0], t_n=tokens[1])
+        grad_w = self._route_grads(plan, T) if expert_out is not None else None
+        return BackwardRows(q=out.q, scale_rows=out.scale_rows, grad_w=grad_w)
 
     def _route_grads(self, plan, T):
         """The staged route-weight gradients to their origins (one put each, into row ``me`` of their ``comb_gw``),
