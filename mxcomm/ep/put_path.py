@@ -12,13 +12,14 @@ the destination (``csrc/put_signal.cu`` through :mod:`mxcomm.transport.put_signa
   rows move in rounds (each round the part of every block that falls in the window, then the receivers
   copy the window out into their fresh outputs and tell every source it is free); ``p`` swizzles the scale
   rows into the grouped-along-M blocked layout after the last round;
-* combine backward: one put per (token, destination rank) of the BF16 gradient row and its route
-  weights (:func:`token_rows`);
+* combine backward: one put per (token, destination rank) of the BF16 gradient row, in rounds of
+  ``T_c`` tokens (below), and of its route weights (:func:`token_rows`);
 * combine direction (combine, dispatch backward): one row per (token, rank), as on the peer-pointer
-  paths: the kernel writes the partial of table entry ``(s, t)`` at staging row ``s * T_max + t``, and
-  one put per entry carries it to ``s``'s ``comb_q`` / ``comb_s`` at the send position of the token's
-  leading slot, in the copy the combine epoch's parity selects. These puts carry no signal (no remote
-  atomic per row); after a ``quiet`` one signal per destination says they arrived.
+  paths, in rounds of ``T_c`` tokens of every source (``plan.put_round_tokens``): the kernel writes the
+  partial of table entry ``(s, t)`` of the round's tokens ``[t0, t0 + T_c)`` at staging row ``s * T_c + t
+  - t0``, and one put per entry carries it to ``s``'s ``comb_q`` / ``comb_s`` at the send position of the
+  token's leading slot, in the copy the combine epoch's parity selects. These puts carry no signal (no
+  remote atomic per row); a ``quiet`` ends each round, and one signal per destination says they arrived.
 
 In the dispatch direction every rank puts exactly ``El`` payload entries and ``El`` scale entries (empty
 blocks only signal) to every rank per round, ``chunks`` pieces each, so a receiver expects
