@@ -283,6 +283,15 @@ def test_info_reports_environment_and_buffer_sizes():
     assert b["by_purpose"]["put_staging"] == buffer_sizes(cfg, 4).put_staging > 0
     assert b["total"] == sum(reg["bytes"] for reg in b["regions"]) == buffer_sizes(cfg, 4).total
     assert {"ep.stage_q", "ep.stage_s"} <= {reg["name"] for reg in b["regions"]}
+    # the put path's rounds: its dispatch window (and the worst routing's rounds through it), and above W = k the
+    # combine direction's rounds of T_max * k // W tokens
+    from mxcomm.ep.plan import max_recv_rows, recv_window_rows
+
+    assert b["path"] == "put" and b["recv_window_rows"] == recv_window_rows(cfg, 4, True)
+    assert b["worst_dispatch_rounds"] == -(-max_recv_rows(cfg, 4) // b["recv_window_rows"]) > 1
+    assert (b["round_tokens"], b["combine_rounds"]) == (128, 1)
+    wide = _run(["info", "--world", "16", "--tokens", "128", "--precision", "mxfp8", "--transport", "put"], timeout=60)
+    assert wide.returncode == 0 and "combine and combine backward in 2 round(s) of 64 tokens" in wide.stdout
 
 
 # ------------------------------------------------------------------------------- lazy imports ----

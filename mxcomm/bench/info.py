@@ -31,16 +31,25 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
                   align: int = 32, transport: str = "auto") -> dict:
     """Per-rank symmetric buffer bytes of the nvshmem backend for one config (ValueError if invalid)."""
     from ..ep.config import EPConfig
-    from ..ep.plan import buffer_regions, buffer_sizes, max_recv_rows
+    from ..ep.plan import buffer_regions, buffer_sizes, dispatch_path, max_recv_rows, put_round_tokens, recv_window_rows
     from ..transport import launcher_env, symmetric_size_for
 
     cfg = EPConfig(num_experts=experts, hidden=hidden, topk=topk, max_tokens_per_rank=tokens, align=align,
                    precision=precision, backend="nvshmem", transport=transport)
     cfg.validate(world)
     sizes = buffer_sizes(cfg, world)
+    path = dispatch_path(cfg, world)
+    R = max_recv_rows(cfg, world)
+    rounds = {}
+    if path in ("push", "put"):  # the receive window, and the rounds the worst-case routing takes through it
+        window = recv_window_rows(cfg, world, path == "put")
+        rounds.update(recv_window_rows=window, worst_dispatch_rounds=-(-R // window))
+    if path == "put":  # the combine direction and combine backward: T_c tokens of every source per round
+        tc = put_round_tokens(cfg, world)
+        rounds.update(round_tokens=tc, combine_rounds=-(-tokens // tc))
     return dict(
         precision=precision, world=world, tokens=tokens, hidden=hidden, topk=topk, experts=experts, align=align,
-        max_recv_rows=max_recv_rows(cfg, world),
+        path=path, max_recv_rows=R, **rounds,
         regions=[dict(name=r.name, shape=list(r.shape), dtype=str(r.dtype).replace("torch.", ""), bytes=r.nbytes)
                  for r in buffer_regions(cfg, world)],
         by_purpose=dict(dispatch_payload=sizes.dispatch_payload, dispatch_scales=sizes.dispatch_scales,
@@ -159,6 +168,12 @@ def format_info(d: dict) -> str:
         out.append(f"symmetric buffers per rank (nvshmem backend): {b['precision']}, EP={b['world']}, "
                    f"tokens={b['tokens']}, hidden={b['hidden']}, topk={b['topk']}, experts={b['experts']}, "
                    f"align={b['align']}  (max received rows {b['max_recv_rows']:,})")
+        if "recv_window_rows" in b:
+            out.append(f"  {b['path']} path: dispatch receive window {b['recv_window_rows']:,} rows (in rounds when a "
+                       f"rank receives more; {b['worst_dispatch_rounds']} at the worst routing)")
+        if "round_tokens" in b:
+            out.append(f"  {b['path']} path: combine and combine backward in {b['combine_rounds']} round(s) of "
+                       f"{b['round_tokens']:,} tokens of every source")
         for r in b["regions"]:
             out.append(f"  {r['name']:<12} {str(tuple(r['shape'])):<28} {r['dtype']:<6} {_mib(r['bytes']):>14}")
         out.append("  by purpose: " + ", ".join(f"{k} {_mib(v)}" for k, v in b["by_purpose"].items()))
