@@ -204,6 +204,13 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
         Variant("weighted rows + route grad", "pull_weighted_kernel", weighted,
                 dict(H=H, CHUNK=qdq, K=K, K_POW2=next_pow2(K), MX=True, MODE=0, INT_ROUND=False,
                      ZCHUNK=min(512, next_pow2(words)), ROUTE_GRAD=True, ARRIVE=True, WAIT=True), L.weighted_warps),
+        # the put path: a round's partials staged, a round's weighted rows from the rows puts delivered
+        Variant("partials, put path round", "combine_partials_kernel", part,
+                dict(pconst, MX=True, PASS=False, WEIGHTED=True, STAGED=True, WAIT=False), L.weighted_warps, False),
+        Variant("weighted rows, put path round", "pull_weighted_kernel", weighted,
+                dict(H=H, CHUNK=qdq, K=K, K_POW2=next_pow2(K), MX=True, MODE=0, INT_ROUND=False,
+                     ZCHUNK=min(512, next_pow2(words)), ROUTE_GRAD=True, ARRIVE=False, TOKEN_RANGE=True),
+                L.weighted_warps),
     ]
 
 
