@@ -169,6 +169,7 @@ def _run_ranks(world: ThreadWorld, fn, W: int, timeout_s: float = 240.0) -> list
     (3, 6, 2, 64, (9, 4, 7), "mxfp8", 32, True, None, False),
     (4, 8, 2, 64, (5, 7, 0, 6), "bf16", 32, False, None, False),
     (3, 6, 2, 64, (8, 5, 6), "mxfp8", 32, True, 16, True),
+    (3, 6, 2, 64, (6, 4, 5), "mxfp8", 32, False, 12, True),  # no-sync: the worst case's dispatch rounds
 ])
 def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_time, W, E, k, H, T, precision,
                                                                  align, exact, window, hot):
