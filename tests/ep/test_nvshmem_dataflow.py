@@ -1150,3 +1150,17 @@ def test_launch_config_refuses_settings_no_launch_can_take(field, value):
     with pytest.raises(ValueError, match=f"LaunchConfig.{field} "):
         LaunchConfig(**{field: value})
     LaunchConfig(partials_rows=1, dispatch_warps=32, qdq_chunk=32)  # the edges that are allowed
+
+
+def test_put_path_launches_its_puts_within_the_sm_budget():
+    """The put path's kernels (``csrc/put_signal.cu``) get ``LaunchConfig.put_per_sm * num_sms`` CUDA blocks at
+    most: the :class:`~mxcomm.ep.put_path.Puts` the path builds carries that budget to every put launch."""
+    from mxcomm.ep.nvshmem_backend import LaunchConfig, NvshmemBackend
+
+    for sms, per_sm in ((1, 4), (24, 3)):
+        cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=8, backend="nvshmem", num_sms=sms,
+                       transport="put")
+        be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(), launch=LaunchConfig(put_per_sm=per_sm))
+        assert be.impl.puts.blocks == sms * per_sm
+    with pytest.raises(ValueError, match="put_per_sm"):
+        LaunchConfig(put_per_sm=0)
