@@ -86,6 +86,8 @@ class LaunchConfig:
         route_grad_per_sm: ``route_weight_grad`` (4 warps per program; one rank).
         push_per_sm: ``push_entries_kernel``.
         put_per_sm: the put path's put launches (``csrc/put_signal.cu``; each block takes every grid-th piece).
+        put_chunks: pieces per entry of the put path's dispatch puts (receivers count ``entries * put_chunks``
+            signals per source: every rank must use the same).
         wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
             peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
             cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
@@ -105,6 +107,7 @@ class LaunchConfig:
     route_grad_per_sm: int = 8
     push_per_sm: int = 1
     put_per_sm: int = 4
+    put_chunks: int = 4
     wait_warps: int = 1
 
     def __post_init__(self):

@@ -34,7 +34,6 @@ class PutPath(PushPath):
         W, E, T, k, H, dev = e.world, e.config.num_experts, e.config.max_tokens_per_rank, e.config.topk, \
             e.config.hidden, e.device
         self.puts = put_path.Puts(blocks=e.sms * e.launch.put_per_sm) if puts is None else puts
-        self.put_chunks = 4  # pieces per put entry (same on every rank: the signal count depends on it)
         self.stage_q, self.stage_s = bufs["ep.stage_q"], bufs["ep.stage_s"]
         self.stage_list, self.stage_gw, self.recv_w = bufs["ep.stage_list"], bufs["ep.stage_gw"], bufs["ep.recv_w"]
         self._stage_ptrs = torch.full((W,), self.stage_q.local.data_ptr(), dtype=torch.int64, device=dev)
@@ -116,7 +115,7 @@ class PutPath(PushPath):
         destination rows fall in it, :func:`put_path.dispatch_blocks`), with ``first`` one put per destination's
         entries, then the wait for every source's signals of this round."""
         e = self.e
-        H, C = e.config.hidden, self.put_chunks
+        H, C = e.config.hidden, e.launch.put_chunks
         blocks = put_path.dispatch_blocks(plan, H if mx else 2 * H, H // 32 if mx else 0, window)
         sig = e.flag_rows[1]
         self.puts.put(self.recv_q.local, self.stage_q.local, blocks.payload, sig, e.rank, e.err, C)
