@@ -679,13 +679,13 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
 
 
 @triton.jit
-def _table_entry(n, T_max, t_lo, t_n, ROUND: tl.constexpr):
+def _table_entry(n, T_max, t_lo, W, ROUND: tl.constexpr):
     """The dispatch table's entry (``[W * T_max]``, source-major) of the ``n``-th entry a launch takes: ``n`` itself,
-    or (``ROUND``: the put path's rounds) the ``n``-th of the entries of the tokens ``[t_lo, t_lo + t_n)`` of every
-    source (source ``n // t_n``, token ``t_lo + n % t_n``)."""
+    or (``ROUND``: the put path's rounds) the ``n``-th of the entries of a round's tokens ``t_lo, t_lo + 1, ...`` of
+    every source, token-major (token ``t_lo + n // W``, source ``n % W``)."""
     i = n
     if ROUND:
-        i = (n // t_n) * T_max + t_lo + n % t_n
+        i = (n % W) * T_max + t_lo + n // W
     return i
 
 
@@ -742,7 +742,7 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
         n_entries = W * T_max
     n = pid
     while n < n_entries:
-        i = _table_entry(n, T_max, t_lo, t_n, TOKEN_RANGE)
+        i = _table_entry(n, T_max, t_lo, W, TOKEN_RANGE)
         e = table_ptr + i.to(tl.int64) * K
         if _listed_slots(e, K) != 0:
             s = i // T_max
@@ -946,7 +946,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * K`` slots per copy.
         STAGED (put path, one round): every ``*_peers`` entry is this rank's staging buffer; only the entries of the
             tokens ``[t_lo, t_lo + t_n)`` of every source are formed, the partial of source ``s``'s token ``t`` at
-            row ``s * t_n + t - t_lo`` there (one put per entry moves it to the origin's slot,
+            row ``(t - t_lo) * W + s`` there (one put per entry moves it to the origin's slot,
             :func:`mxcomm.ep.put_path.partial_rows`), and no flag is raised.
         ROWS: rows loaded together per step of a chunk's sum, taken from the entry's listed slots in ascending order
             (a slot elsewhere adds nothing, so only listed rows are loaded: the registers of the loads in flight hold
@@ -976,7 +976,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         n_entries = tl.where(failed, 0, W * T_max)
     n = pid
     while n < n_entries:
-        i = _table_entry(n, T_max, t_lo, t_n, STAGED)
+        i = _table_entry(n, T_max, t_lo, W, STAGED)
         e = table_ptr + i.to(tl.int64) * K
         listed = _listed_slots(e, K)
         if listed != 0:

@@ -16,10 +16,11 @@ the destination (``csrc/put_signal.cu`` through :mod:`mxcomm.transport.put_signa
   ``T_c`` tokens (below), and of its route weights (:func:`token_rows`);
 * combine direction (combine, dispatch backward): one row per (token, rank), as on the peer-pointer
   paths, in rounds of ``T_c`` tokens of every source (``plan.put_round_tokens``): the kernel writes the
-  partial of table entry ``(s, t)`` of the round's tokens ``[t0, t0 + T_c)`` at staging row ``s * T_c + t
-  - t0``, and one put per entry carries it to ``s``'s ``comb_q`` / ``comb_s`` at the send position of the
+  partial of table entry ``(s, t)`` of the round's tokens ``[t0, t0 + T_c)`` at staging row ``(t - t0) * W
+  + s``, and one put per entry carries it to ``s``'s ``comb_q`` / ``comb_s`` at the send position of the
   token's leading slot, in the copy the combine epoch's parity selects. These puts carry no signal (no
   remote atomic per row); a ``quiet`` ends each round, and one signal per destination says they arrived.
+  The entries are built once per call, token-major, and each round puts a slice of them.
 
 In the dispatch direction every rank puts exactly ``El`` payload entries and ``El`` scale entries (empty
 blocks only signal) to every rank per round, ``chunks`` pieces each, so a receiver expects
@@ -49,6 +50,10 @@ class BlockPuts:
 
     payload: PutBatch
     scales: PutBatch
+
+    def entries(self, lo: int, hi: int) -> "BlockPuts":
+        """Entries ``[lo, hi)`` of both batches (views)."""
+        return BlockPuts(payload=self.payload.entries(lo, hi), scales=self.scales.entries(lo, hi))
 
 
 def _batch(dst_row: torch.Tensor, src_row: torch.Tensor, n: torch.Tensor, pes: torch.Tensor, row_bytes: int,
@@ -95,16 +100,16 @@ def dispatch_blocks(plan: RoutingPlan, row_bytes: int, scale_bytes: int, window:
 
 
 def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_tokens: int, slot0: torch.Tensor,
-                 copy_bytes: int, row_bytes: int, scale_bytes: int, tokens: tuple[int, int] | None = None
-                 ) -> BlockPuts:
-    """Put entries of the combine direction from this rank: one per entry ``s * T_max + t`` of the dispatch's
-    table for the tokens ``t`` in ``[t0, t0 + n)`` of every source ``s`` (``tokens = (t0, n)``; None: every token),
-    i.e. one row per (token, rank), as the peer-pointer paths store them.
+                 copy_bytes: int, row_bytes: int, scale_bytes: int, round_tokens: int | None = None) -> BlockPuts:
+    """Put entries of the combine direction from this rank: one per entry ``(s, t)`` of the dispatch's table, i.e.
+    one row per (token, rank), as the peer-pointer paths store them, token-major: entry ``t * W + s``, so that the
+    entries of a round of ``T_c = round_tokens`` tokens (None: ``T_max``, one round) starting at token ``t0`` are
+    ``[t0 * W, (t0 + n) * W)`` (:meth:`BlockPuts.entries`).
 
-    The ``i``-th of them (source ``i // n``, token ``t0 + i % n``), with a slot here: staging row ``i`` (where
-    ``combine_partials_kernel(STAGED=True, t_lo=t0, t_n=n)`` put the partial) to slot ``slot0 + origin_pos[lead]``
-    of source ``s``'s combine buffers, ``lead`` being the row of the token's first slot on this rank; one without is
-    an empty entry to this rank.
+    Entry ``(s, t)`` with a slot here: staging row ``(t * W + s) mod (T_c * W)``, i.e. ``(t - t0) * W + s`` in its
+    round (where ``combine_partials_kernel(STAGED=True, t_lo=t0, t_n=n)`` put the partial), to slot ``slot0 +
+    origin_pos[lead]`` of source ``s``'s combine buffers, ``lead`` being the row of the token's first slot on this
+    rank; one without is an empty entry to this rank.
 
     Args:
         table: int32 ``[W * T_max, k]``, the handle's table (rows here per slot, -1 elsewhere).
@@ -114,15 +119,14 @@ def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_t
         copy_bytes: payload bytes per slot of a copy's stride in ``comb_q`` (2H): copy ``c`` starts at
             ``c * T_max * k * copy_bytes``; payload rows inside a copy are ``row_bytes`` apart.
         row_bytes: payload bytes per row (H MXFP8, 2H BF16), also the staging's row stride; scale_bytes: H/32 or 0.
-        tokens: ``(t0, n)``, the round's tokens (None: ``(0, T_max)``).
+        round_tokens: ``T_c``, tokens of every source per round (the staging holds ``T_c * W`` rows).
     Returns:
-        :class:`BlockPuts` of ``W * n`` entries each.
+        :class:`BlockPuts` of ``W * T_max`` entries each, token-major.
     """
-    if tokens is not None:
-        t0, nt = tokens
-        table = table.view(-1, max_tokens, table.shape[-1])[:, t0:t0 + nt].reshape(-1, table.shape[-1])
-    else:
-        nt = max_tokens
+    k = table.shape[-1]
+    W = table.shape[0] // max_tokens
+    table = table.view(W, max_tokens, k).transpose(0, 1).reshape(-1, k)  # token-major: row t * W + s
+    tc = max_tokens if round_tokens is None else int(round_tokens)
     n_entries = table.shape[0]
     dev = table.device
     listed = table >= 0
@@ -132,11 +136,12 @@ def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_t
     pos = torch.cat([origin_pos.to(torch.int64), origin_pos.new_zeros(1, dtype=torch.int64)])[lead]
     pos = torch.where(has, pos, 0)  # (an empty entry's offsets must pass the range check: origin_pos may be garbage)
     i = torch.arange(n_entries, dtype=torch.int64, device=dev)
-    pes = torch.where(has, i // nt, torch.full_like(i, rank))
+    pes = torch.where(has, i % W, torch.full_like(i, rank))
     n = has.to(torch.int64)
     s0 = slot0.to(torch.int64)
-    return BlockPuts(payload=_batch(pos, i, n, pes, row_bytes, dst_base=s0 * int(copy_bytes)),
-                     scales=_batch(s0 + pos, i, n, pes, scale_bytes))
+    stage_row = i % (tc * W)
+    return BlockPuts(payload=_batch(pos, stage_row, n, pes, row_bytes, dst_base=s0 * int(copy_bytes)),
+                     scales=_batch(s0 + pos, stage_row, n, pes, scale_bytes))
 
 
 def row_batch(world: int, rank: int, row_bytes: int, device) -> PutBatch:
@@ -173,27 +178,24 @@ def swap_batch(world: int, rank: int, row_bytes: int, device, stride: int | None
                     pes=p.to(torch.int32))
 
 
-def token_rows(plan: RoutingPlan, rank: int, dst_tokens: int, row_bytes: int,
-               tokens: tuple[int, int] | None = None) -> PutBatch:
-    """Put entries of one row per (token, destination rank) (combine backward on the put path) for the tokens ``t``
-    in ``[t0, t0 + n)`` (``tokens = (t0, n)``; None: every token, ``t0 = 0``): for slot ``(t, j)`` that leads its
-    rank (the token's first slot there), row ``t`` (``row_bytes`` bytes) of a local ``[T, *]`` buffer to row ``rank
-    * dst_tokens + t - t0`` of the destination's ``[W * dst_tokens, *]`` buffer; the other slots are empty entries
-    to this rank."""
+def token_rows(plan: RoutingPlan, rank: int, dst_tokens: int, row_bytes: int) -> PutBatch:
+    """Put entries of one row per (token, destination rank) (combine backward on the put path), entry ``t * k + j``
+    for slot ``(t, j)``, so that a round's tokens ``[t0, t0 + n)`` are entries ``[t0 * k, (t0 + n) * k)``
+    (:meth:`PutBatch.entries`): for a slot that leads its rank (the token's first slot there), row ``t``
+    (``row_bytes`` bytes) of a local ``[T, *]`` buffer to row ``rank * dst_tokens + t mod dst_tokens`` of the
+    destination's ``[W * dst_tokens, *]`` buffer (``dst_tokens``: ``T_c``, the rounds' tokens, or ``T_max``: every
+    token at its own row); the other slots are empty entries to this rank."""
     d = plan.dest_rank.to(torch.int64)
     T, k = d.shape
     dev = d.device
-    t0, nt = (0, T) if tokens is None else tokens
-    d = d[t0:t0 + nt]
-    n = d.shape[0]
     earlier = torch.tril(torch.ones(k, k, dtype=torch.bool, device=dev), diagonal=-1)  # [j, j'] j' < j
     same = (d[:, :, None] == d[:, None, :]) & earlier
     lead = ((d >= 0) & ~same.any(-1)).reshape(-1)
-    t = torch.arange(n, dtype=torch.int64, device=dev).view(n, 1).expand(n, k).reshape(-1)  # (token - t0)
+    t = torch.arange(T, dtype=torch.int64, device=dev).view(T, 1).expand(T, k).reshape(-1)
     pes = torch.where(lead, d.reshape(-1), torch.full_like(t, rank)).to(torch.int32)
     nb = int(row_bytes)
-    return PutBatch(dst_offsets=((rank * dst_tokens + t) * nb).contiguous(), src_offsets=((t0 + t) * nb).contiguous(),
-                    nbytes=(lead.to(torch.int64) * nb).contiguous(), pes=pes)
+    return PutBatch(dst_offsets=((rank * dst_tokens + t % dst_tokens) * nb).contiguous(),
+                    src_offsets=(t * nb).contiguous(), nbytes=(lead.to(torch.int64) * nb).contiguous(), pes=pes)
 
 
 class Puts:

@@ -129,6 +129,13 @@ class PutBatch:
     def device(self) -> torch.device:
         return self.pes.device
 
+    def entries(self, lo: int, hi: int) -> "PutBatch":
+        """Entries ``[lo, hi)`` (clamped to ``[0, n]``) as a batch of views (no copy)."""
+        lo, hi = max(0, min(lo, self.n)), max(0, min(hi, self.n))
+        hi = max(lo, hi)
+        return PutBatch(dst_offsets=self.dst_offsets[lo:hi], src_offsets=self.src_offsets[lo:hi],
+                        nbytes=self.nbytes[lo:hi], pes=self.pes[lo:hi])
+
     @staticmethod
     def from_lists(dst_offsets, src_offsets, nbytes, pes, device) -> "PutBatch":
         """Build from Python ints (copied to ``device``); ValueError if lengths differ."""

@@ -375,6 +375,7 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
     row_bytes = H if mx else 2 * H
     tc = tc or T_max
     for d in range(W):
+        every = partial_rows(rk.tables[d], rk.origins[d].pos, d, T_max, slot0, 2 * H, row_bytes, C if mx else 0, tc)
         for t0 in range(0, T_max, tc):
             nt = min(tc, T_max - t0)
             stage_q = torch.randint(0, 256, (W * tc, 2 * H), dtype=torch.uint8, generator=g)
@@ -384,8 +385,7 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
                 ins[d], scs[d], rk.tables[d], rk.origins[d].pos, comb_w[d], sq, ss, ptrs(flags), d, W, T_max, ep,
                 nslot, _no_error(), H=H, K=k, CHUNK=32, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0,
                 INT_ROUND=True, STAGED=True, t_lo=t0, t_n=nt, enable_fp_fusion=False)
-            b = partial_rows(rk.tables[d], rk.origins[d].pos, d, T_max, slot0, 2 * H, row_bytes, C if mx else 0,
-                             tokens=(t0, nt))
+            b = every.entries(t0 * W, (t0 + nt) * W)
             for batch, src, dsts in ((b.payload, stage_q, comb_q), (b.scales, stage_s, comb_s)):
                 sb = src.view(-1)
                 for i in range(batch.n):

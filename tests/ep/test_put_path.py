@@ -150,7 +150,8 @@ def _table(plans, d, T_max):
 def test_partial_rows_return_one_row_per_token_and_rank_to_its_leading_slot(W, E, k, align, Ts, parity, hot, tc):
     """``partial_rows``: every (token, rank) partial the staged kernel formed lands once at the token's leading slot
     of its origin's copy, nothing else is written; ``tc``: in rounds of ``tc`` tokens of every source (the staging
-    holds a round's ``W * tc`` rows, the put path's combine direction above ``W = k``)."""
+    holds a round's ``W * tc`` rows, token-major; the put path's combine direction above ``W = k``), each round a
+    slice of the entries built once."""
     plans = _plans(W, E, k, align, Ts, seed=W * 7 + E + 1, hot=hot)
     T_max = max(max(Ts), 1)
     nslot = T_max * k
@@ -158,20 +159,21 @@ def test_partial_rows_return_one_row_per_token_and_rank_to_its_leading_slot(W, E
     comb_q = [torch.zeros(2 * nslot * copy_bytes, dtype=torch.uint8) for _ in range(W)]
     comb_s = [torch.zeros(2 * nslot * SB, dtype=torch.uint8) for _ in range(W)]
     slot0 = torch.tensor([parity * nslot])
-    rounds = [None] if tc is None else [(t0, min(tc, T_max - t0)) for t0 in range(0, T_max, tc)]
+    rounds = [(t0, min(tc or T_max, T_max - t0)) for t0 in range(0, T_max, tc or T_max)]
     for d, p in enumerate(plans):
         table = _table(plans, d, T_max)
         pos = row_origins(p, int(p.num_rows)).pos
         moved = 0
-        for tokens in rounds:
-            t0, nt = (0, T_max) if tokens is None else tokens
+        every = partial_rows(table, pos, d, T_max, slot0, copy_bytes, RB, SB, tc)
+        assert every.payload.n == every.scales.n == W * T_max
+        for t0, nt in rounds:
             stage_q = torch.zeros(W * nt * RB, dtype=torch.uint8)
             stage_s = torch.zeros(W * nt * SB, dtype=torch.uint8)
-            for i in range(W * nt):  # the staged partials kernel: the round's i-th entry's partial at row i
-                e = (i // nt) * T_max + t0 + i % nt
+            for i in range(W * nt):  # the staged partials kernel: the round's i-th entry (token-major) at row i
+                e = (i % W) * T_max + t0 + i // W
                 stage_q[i * RB:(i + 1) * RB] = _tag(d, e, RB)
                 stage_s[i * SB:(i + 1) * SB] = _tag(d, e, SB)
-            b = partial_rows(table, pos, d, T_max, slot0, copy_bytes, RB, SB, tokens=tokens)
+            b = every.entries(t0 * W, (t0 + nt) * W)
             assert b.payload.n == W * nt and b.scales.n == W * nt
             moved += int(b.payload.nbytes.sum())
             assert int(b.scales.nbytes.sum()) * RB == int(b.payload.nbytes.sum()) * SB
@@ -247,16 +249,18 @@ def test_token_rows_put_one_row_per_token_and_rank(W, E, k, align, Ts, tc):
     written."""
     plans = _plans(W, E, k, align, Ts, seed=W * 13 + E)
     T_max = max(max(Ts), 1)
-    rounds = [(None, T_max)] if tc is None else [((t0, min(tc, T_max - t0)), tc) for t0 in range(0, T_max, tc)]
-    for tokens, rows_per_src in rounds:
-        t0, nt = (0, T_max) if tokens is None else tokens
+    rows_per_src = tc or T_max
+    every = [token_rows(p, s, rows_per_src, RB) for s, p in enumerate(plans)]
+    for t0 in range(0, T_max, rows_per_src):
+        nt = min(rows_per_src, T_max - t0)
         dst = [torch.zeros(W * rows_per_src * RB, dtype=torch.uint8) for _ in range(W)]
         for s, p in enumerate(plans):
             T = Ts[s]
             src = torch.zeros(max(T, 1) * RB, dtype=torch.uint8)
             for t in range(T):
                 src[t * RB:(t + 1) * RB] = _tag(s, t, RB)
-            rows = token_rows(p, s, rows_per_src, RB, tokens=tokens)
+            assert every[s].n == T * k
+            rows = every[s].entries(t0 * k, (t0 + nt) * k)  # the round's tokens: a slice
             mine = range(t0, min(t0 + nt, T))
             pairs = {(t, int(d)) for t in mine for d in p.dest_rank[t].tolist() if d >= 0}
             assert rows.n == len(mine) * k and int((rows.nbytes > 0).sum()) == len(pairs)

@@ -65,6 +65,14 @@ def test_put_args_match_the_kernel_signature():
         ps.put_args(dst, src, b, None, 0, 4, err)
 
 
+def test_batch_entries_are_views_of_a_range():
+    b = ps.PutBatch.from_lists([0, 10, 20, 30], [1, 2, 3, 4], [5, 6, 7, 8], [0, 1, 2, 3], "cpu")
+    mid = b.entries(1, 3)
+    assert mid.n == 2 and mid.dst_offsets.tolist() == [10, 20] and mid.pes.tolist() == [1, 2]
+    assert mid.nbytes.data_ptr() == b.nbytes.data_ptr() + 8  # a view, no copy
+    assert b.entries(3, 99).n == 1 and b.entries(5, 9).n == 0 and b.entries(2, 1).n == 0 and b.entries(-4, 1).n == 1
+
+
 def test_put_blocks_bound_the_grid():
     assert ps.put_blocks(3, 4, None) == 12  # one block per piece
     assert ps.put_blocks(3, 4, 5) == 5 and ps.put_blocks(3, 4, 64) == 12 and ps.put_blocks(0, 4, 8) == 0

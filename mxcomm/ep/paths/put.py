@@ -148,14 +148,15 @@ class PutPath(PushPath):
         one put per (token, rank) entry into the origins' ``comb_q`` / ``comb_s`` (no signal), ``quiet`` (the staging
         may be written again); then one signal per destination and the wait for every source's."""
         e = self.e
-        H = e.config.hidden
+        H, W = e.config.hidden, e.world
         slot0 = (e.c_epoch % 2) * e.nslot
         st = handle.backend_state
-        for tokens in self._token_rounds():
+        entries = put_path.partial_rows(st.table, st.origins.pos, e.rank, e.config.max_tokens_per_rank, slot0, 2 * H,
+                                        H if mx else 2 * H, H // 32 if mx else 0, self.round_tokens)
+        for t0, n in self._token_rounds():
             self._partials(payload, in_scales, handle, mx, passthrough, weights, self._stage_ptrs,
-                           self._stage_s_ptrs, staged=True, tokens=tokens)
-            rows = put_path.partial_rows(st.table, st.origins.pos, e.rank, e.config.max_tokens_per_rank, slot0,
-                                         2 * H, H if mx else 2 * H, H // 32 if mx else 0, tokens=tokens)
+                           self._stage_s_ptrs, staged=True, tokens=(t0, n))
+            rows = entries.entries(t0 * W, (t0 + n) * W)
             self.puts.put(e.comb[0].local, self.stage_q.local, rows.payload, None, None, e.err, 1)
             if mx:  # (BF16 partials carry no scale bytes)
                 self.puts.put(e.comb[1].local, self.stage_s.local, rows.scales, None, None, e.err, 1)
@@ -181,10 +182,11 @@ class PutPath(PushPath):
         weights = put_path.token_rows(plan, e.rank, e.config.max_tokens_per_rank, k * 4)
         self.puts.put(self.recv_w.local, self.send_w.local, weights, None, None, e.err, 1)
         out = self._new_backward_rows(handle, mx)
+        grads = put_path.token_rows(plan, e.rank, self.round_tokens, 2 * H)  # (a round's: a slice)
         for r, tokens in enumerate(self._token_rounds()):
             if r:
                 self._window_free()  # every rank's weighted rows of the round before read its recv_q
-            rows = put_path.token_rows(plan, e.rank, self.round_tokens, 2 * H, tokens=tokens)
+            rows = grads.entries(tokens[0] * k, (tokens[0] + tokens[1]) * k)
             self.puts.put(self.recv_q.local, self.send_q.local, rows, None, None, e.err, 1)
             self.puts.quiet()
             self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[1], e.rank, e.err, 1)
