@@ -74,7 +74,11 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
             o[~real] = float("nan")
             outs.append(o)
         tag = f"round {it} rank {rank}"
+        epoch0 = int(be.impl._window_epoch) if cfg.transport == "push" else 0
         d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])
+        if cfg.transport == "push":  # a handshake between the rounds that carry rows, none after them (no-sync mode)
+            need = max(1, -(-max(int(w.offs[-1]) for w in wants) // be.impl.window))
+            assert int(be.impl._window_epoch) - epoch0 == need - 1, (tag, need, int(be.impl._window_epoch) - epoch0)
         n = int(wants[rank].offs[-1])
         assert d.num_rows == (n if exact else be.R_max), tag
         assert torch.equal(d.offs, wants[rank].offs) and torch.equal(d.counts, wants[rank].counts), tag
@@ -190,6 +194,7 @@ def _mismatch_worker(rank, world, path, base, cfg, T, seed):
     # the push dispatch through a receive window of a few rows, in rounds
     (3, 6, 2, 64, (4, 6, 0), "mxfp8", True, "push", 11),
     (2, 4, 3, 64, (7, 8), "bf16", False, "push", 16),
+    (3, 6, 2, 64, (6, 2, 5), "mxfp8", False, "push", 8),  # no-sync: the worst case's rounds, most of them empty
 ])
 def test_peer_paths_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision, exact, transport, window):
     """The pull and push paths across processes. Dispatch bit-exact to the oracle (payload, the groups' scale tiles,

@@ -55,11 +55,13 @@ class PushPath(EnginePath):
             self._push_entries(plan, w, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
         self._wait_arrivals(1, e.sender_programs + (e.push_programs if first else 0))
 
-    def _window_free(self) -> None:
+    def _window_free(self, live: Optional[torch.Tensor] = None) -> None:
         """Between two rounds: tell every rank this one copied the window out, and wait (bounded) until every rank
-        did (``publish_kernel`` on the ``window`` flag row, its own epoch)."""
+        did (``publish_kernel`` on the ``window`` flag row, its own epoch). ``live`` (no-sync mode: int64 ``[1]``, 1
+        when the next round carries rows, the same on every rank): an empty round's handshake leaves the epoch where
+        it is, so its publish and wait are satisfied at once (nothing is written into the window after it)."""
         e = self.e
-        self._window_epoch.add_(1)
+        self._window_epoch.add_(1 if live is None else live)
         self._publish(e.err, 0, e.counts.peer_ptrs, 0, "window", self._window_epoch)
 
     def _after_rounds(self) -> None:
@@ -94,16 +96,18 @@ class PushPath(EnginePath):
         )
 
     def _rounds(self, plan: RoutingPlan, topk_idx: torch.Tensor) -> tuple:
-        """``(R, rounds)``: this rank's output rows and the dispatch's rounds through the receive window. Exact
-        sizes: read at the call's host sync, before any row is sent, where bad ids of this rank raise the detailed
-        ValueError (``topk_idx``), a peer's refusal PeerTimeout naming it and a failed counts exchange PeerTimeout
-        too (:meth:`output_rows`); the rounds from the most rows any rank receives. No-sync mode: the worst case of
-        both."""
+        """``(R, rounds, needed)``: this rank's output rows and the dispatch's rounds through the receive window.
+        Exact sizes: read at the call's host sync, before any row is sent, where bad ids of this rank raise the
+        detailed ValueError (``topk_idx``), a peer's refusal PeerTimeout naming it and a failed counts exchange
+        PeerTimeout too (:meth:`output_rows`); the rounds from the most rows any rank receives (``needed`` None).
+        No-sync mode: the worst case of both, and ``needed`` the rounds that carry rows (int64 ``[1]`` on the device,
+        the same on every rank)."""
         e = self.e
-        most = received_rows(plan).max() if e.config.exact_sizes else None
+        most = received_rows(plan).max()
         R = e.output_rows("dispatch counts", ids=topk_idx)
-        need = e.R_max if most is None else min(int(most), e.R_max)
-        return R, max(1, -(-need // self.window))
+        if e.config.exact_sizes:
+            return R, max(1, -(-min(int(most), e.R_max) // self.window)), None
+        return R, max(1, -(-e.R_max // self.window)), (most + self.window - 1).view(1) // self.window
 
     def dispatch(self, x, topk_idx, topk_weights):
         """Id check and counts exchange (every rank's refusal word with its counts), the plan, then the rows into the
@@ -119,7 +123,7 @@ class PushPath(EnginePath):
         po = e.plan_from_counts(ids)
         plan, mx, H = po.plan, e.mx, e.config.hidden
         w = fp32_weights(topk_weights.detach())
-        R, rounds = self._rounds(plan, topk_idx)
+        R, rounds, needed = self._rounds(plan, topk_idx)
         self._prepare(x, plan, w, mx)
         row_bytes = H * (1 if mx else 2)
         win_q = self.recv_q.local.view(-1)[: self.window * row_bytes].view(self.window, row_bytes)
@@ -128,7 +132,7 @@ class PushPath(EnginePath):
         srows = self._scale_rows(R, mx)
         for r in range(rounds):
             if r:
-                self._window_free()
+                self._window_free(None if needed is None else (needed > r).to(torch.int64))
             lo = r * self.window
             # (one round: every rank's rows fit the window, nothing to clip)
             self._send_round(x, plan, w, mx, (lo, lo + self.window) if rounds > 1 else None, r == 0)

@@ -127,8 +127,9 @@ class PutPath(PushPath):
             self.puts.put(self.pull_list.local, self.stage_list.local, batch, sig, e.rank, e.err, C)
         self._wait("dispatch", (2 * e.El + (1 if first else 0)) * C)
 
-    def _window_free(self):
-        """A signal to every rank on the ``window`` flag row, then the wait for every rank's."""
+    def _window_free(self, live=None):
+        """A signal to every rank on the ``window`` flag row, then the wait for every rank's (every round, ``live``
+        or not: the signals' count is the host's)."""
         e = self.e
         self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[FLAG_ROW["window"]],
                       e.rank, e.err, 1)
