@@ -221,7 +221,8 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
         tc = max(T) if W <= k else max(T) * k // W
         if window is not None:  # (a window the user sets bounds a round's gradient rows too)
             tc = min(tc, max(1, window * (H if mx else 2 * H) // (W * 2 * H)))
-        assert be.impl.round_tokens == tc and [t0 for t0, _ in rounds] == list(range(0, max(T), tc)), rounds
+        assert be.impl.round_tokens == tc and [r.start for r in rounds] == list(range(0, max(T), tc)), rounds
+        assert [t for r in rounds for t in r] == list(range(max(T))), rounds  # every token once
         res = []
         for it, (xs, idxs, ws, wants, _, gys) in enumerate(calls):
             d, h = be.dispatch(xs[r], idxs[r], ws[r])

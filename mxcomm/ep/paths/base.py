@@ -181,15 +181,15 @@ class EnginePath:
                        e.comb[1].peer_ptrs, staged=False)
 
     def _partials(self, payload, in_scales, handle, mx, passthrough, weights, q_ptrs, s_ptrs, staged,
-                  tokens: Optional[tuple] = None):
+                  tokens: Optional[range] = None):
         """``combine_partials_kernel``; not ``staged``, its last program waits for every rank's partials; ``staged``,
-        the entries of the round's ``tokens = (t0, n)`` only."""
+        the entries of the round's ``tokens`` only."""
         from ..nvshmem_kernels import combine_partials_kernel
 
         e = self.e
         H = e.config.hidden
         st = handle.backend_state
-        wait = dict(t_lo=tokens[0], t_n=tokens[1]) if staged else self._partials_wait
+        wait = dict(t_lo=tokens.start, t_n=len(tokens)) if staged else self._partials_wait
         fast_kernel(combine_partials_kernel)[(e.programs,)](
             payload, in_scales, st.table, st.origins.pos, e.err if weights is None else weights, q_ptrs, s_ptrs,
             e.flags.peer_ptrs, e.rank, e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, e.err, H=H,

@@ -1,6 +1,7 @@
 """The push path (:class:`PushPath`): dispatch stores into the receivers' window, in rounds."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -9,6 +10,17 @@ from ...kernels.launch import fast_kernel, next_pow2
 from ..nvshmem_state import DeliveredWeights, RowOrigins
 from ..plan import RoutingPlan, received_rows, recv_window_rows
 from .base import DispatchRows, EnginePath, fp32_weights
+
+
+@dataclass(frozen=True)
+class DispatchRounds:
+    """A dispatch's rounds through the receive window: ``rows`` this rank's output rows, ``count`` the rounds it
+    runs, ``carrying`` (no-sync mode) the rounds that carry rows, int64 ``[1]`` on the device (the same on every
+    rank; None in exact-size mode, where ``count`` is that number)."""
+
+    rows: int
+    count: int
+    carrying: Optional[torch.Tensor] = None
 
 
 class PushPath(EnginePath):
@@ -95,19 +107,19 @@ class PushPath(EnginePath):
             ROW_WORDS=words, CHUNK=min(512, next_pow2(words)), num_warps=4,
         )
 
-    def _rounds(self, plan: RoutingPlan, topk_idx: torch.Tensor) -> tuple:
-        """``(R, rounds, needed)``: this rank's output rows and the dispatch's rounds through the receive window.
-        Exact sizes: read at the call's host sync, before any row is sent, where bad ids of this rank raise the
-        detailed ValueError (``topk_idx``), a peer's refusal PeerTimeout naming it and a failed counts exchange
-        PeerTimeout too (:meth:`output_rows`); the rounds from the most rows any rank receives (``needed`` None).
-        No-sync mode: the worst case of both, and ``needed`` the rounds that carry rows (int64 ``[1]`` on the device,
-        the same on every rank)."""
+    def _rounds(self, plan: RoutingPlan, topk_idx: torch.Tensor) -> DispatchRounds:
+        """This rank's output rows and the dispatch's rounds through the receive window. Exact sizes: read at the
+        call's host sync, before any row is sent, where bad ids of this rank raise the detailed ValueError
+        (``topk_idx``), a peer's refusal PeerTimeout naming it and a failed counts exchange PeerTimeout too
+        (:meth:`output_rows`); the rounds from the most rows any rank receives. No-sync mode: the worst case of
+        both, and the rounds that carry rows counted on the device."""
         e = self.e
         most = received_rows(plan).max()
         R = e.output_rows("dispatch counts", ids=topk_idx)
         if e.config.exact_sizes:
-            return R, max(1, -(-min(int(most), e.R_max) // self.window)), None
-        return R, max(1, -(-e.R_max // self.window)), (most + self.window - 1).view(1) // self.window
+            return DispatchRounds(rows=R, count=max(1, -(-min(int(most), e.R_max) // self.window)))
+        return DispatchRounds(rows=R, count=max(1, -(-e.R_max // self.window)),
+                              carrying=(most + self.window - 1).view(1) // self.window)
 
     def dispatch(self, x, topk_idx, topk_weights):
         """Id check and counts exchange (every rank's refusal word with its counts), the plan, then the rows into the
@@ -123,19 +135,20 @@ class PushPath(EnginePath):
         po = e.plan_from_counts(ids)
         plan, mx, H = po.plan, e.mx, e.config.hidden
         w = fp32_weights(topk_weights.detach())
-        R, rounds, needed = self._rounds(plan, topk_idx)
+        rounds = self._rounds(plan, topk_idx)
+        R = rounds.rows
         self._prepare(x, plan, w, mx)
         row_bytes = H * (1 if mx else 2)
         win_q = self.recv_q.local.view(-1)[: self.window * row_bytes].view(self.window, row_bytes)
         o = e.origins_from(po, R)
         q = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)
         srows = self._scale_rows(R, mx)
-        for r in range(rounds):
+        for r in range(rounds.count):
             if r:
-                self._window_free(None if needed is None else (needed > r).to(torch.int64))
+                self._window_free(None if rounds.carrying is None else (rounds.carrying > r).to(torch.int64))
             lo = r * self.window
             # (one round: every rank's rows fit the window, nothing to clip)
-            self._send_round(x, plan, w, mx, (lo, lo + self.window) if rounds > 1 else None, r == 0)
+            self._send_round(x, plan, w, mx, (lo, lo + self.window) if rounds.count > 1 else None, r == 0)
             self._copy_rows(win_q, q, plan, o, lo)
             if mx:
                 self._copy_rows(self.recv_s.local, srows, plan, o, lo)

@@ -139,10 +139,11 @@ class PutPath(PushPath):
         """``quiet``: the staging may be written again."""
         self.puts.quiet()
 
-    def _token_rounds(self):
-        """``(t0, n)`` of every round of the combine direction and combine backward (:data:`round_tokens` each)."""
+    def _token_rounds(self) -> list:
+        """The tokens of every round of the combine direction and combine backward (``range`` objects of
+        :data:`round_tokens` tokens each, the last one shorter)."""
         T, Tc = self.e.config.max_tokens_per_rank, self.round_tokens
-        return [(t0, min(Tc, T - t0)) for t0 in range(0, T, Tc)]
+        return [range(t0, min(t0 + Tc, T)) for t0 in range(0, T, Tc)]
 
     def send_partials(self, payload, in_scales, handle, mx, passthrough, weights):
         """Per round (``T_c`` tokens of every source): the partials into staging at their entry's index in the round,
@@ -154,10 +155,10 @@ class PutPath(PushPath):
         st = handle.backend_state
         entries = put_path.partial_rows(st.table, st.origins.pos, e.rank, e.config.max_tokens_per_rank, slot0, 2 * H,
                                         H if mx else 2 * H, H // 32 if mx else 0, self.round_tokens)
-        for t0, n in self._token_rounds():
+        for tokens in self._token_rounds():
             self._partials(payload, in_scales, handle, mx, passthrough, weights, self._stage_ptrs,
-                           self._stage_s_ptrs, staged=True, tokens=(t0, n))
-            rows = entries.entries(t0 * W, (t0 + n) * W)
+                           self._stage_s_ptrs, staged=True, tokens=tokens)
+            rows = entries.entries(tokens.start * W, tokens.stop * W)
             self.puts.put(e.comb[0].local, self.stage_q.local, rows.payload, None, None, e.err, 1)
             if mx:  # (BF16 partials carry no scale bytes)
                 self.puts.put(e.comb[1].local, self.stage_s.local, rows.scales, None, None, e.err, 1)
@@ -187,13 +188,13 @@ class PutPath(PushPath):
         for r, tokens in enumerate(self._token_rounds()):
             if r:
                 self._window_free()  # every rank's weighted rows of the round before read its recv_q
-            rows = grads.entries(tokens[0] * k, (tokens[0] + tokens[1]) * k)
+            rows = grads.entries(tokens.start * k, tokens.stop * k)
             self.puts.put(self.recv_q.local, self.send_q.local, rows, None, None, e.err, 1)
             self.puts.quiet()
             self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[1], e.rank, e.err, 1)
             self._wait("dispatch", 1)
             self._weighted_rows(out, handle, mx, expert_out, copies=(0, 0), arrive=False, TOKEN_RANGE=True,
-                                t_lo=tokens[0], t_n=tokens[1])
+                                t_lo=tokens.start, t_n=len(tokens))
         grad_w = self._route_grads(plan, T) if expert_out is not None else None
         return BackwardRows(q=out.q, scale_rows=out.scale_rows, grad_w=grad_w)
 
