@@ -109,7 +109,10 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("fast", ["mxcomm.ep.nvshmem_backend", "mxcomm.ep.nvshmem_state", "mxcomm.ep.paths",
                                   "mxcomm.ep.paths.base", "mxcomm.ep.paths.local", "mxcomm.ep.paths.pull",
                                   "mxcomm.ep.paths.push", "mxcomm.ep.paths.put",
-                                  "mxcomm.ep.nvshmem_kernels",
+                                  "mxcomm.ep.nvshmem_kernels", "mxcomm.ep.nvshmem_kernels.signals",
+                                  "mxcomm.ep.nvshmem_kernels.layout", "mxcomm.ep.nvshmem_kernels.pack",
+                                  "mxcomm.ep.nvshmem_kernels.dispatch", "mxcomm.ep.nvshmem_kernels.pull",
+                                  "mxcomm.ep.nvshmem_kernels.combine",
                                   "mxcomm.ep.put_path",
                                   "mxcomm.ep.plan_kernels", "mxcomm.ep.plan_graph", "mxcomm.ep.steps",
                                   "mxcomm.ep.functions", "mxcomm.ep.compiled", "mxcomm.ep.group"])

@@ -189,7 +189,7 @@ class NvshmemBackend:
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
         self.nslot = config.max_tokens_per_rank * config.topk
         E = config.num_experts
-        # partials returned by combine, 2 copies (see nvshmem_kernels); none on the local path
+        # partials returned by combine, 2 copies (see nvshmem_kernels.combine); none on the local path
         self.comb = (bufs["ep.comb_q"], bufs["ep.comb_s"]) if "ep.comb_q" in bufs else None
         self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
         self.counts_mat = self.counts.local[:W * E].view(W, E)  # the counts matrix; then one refusal word per rank
@@ -386,7 +386,7 @@ class NvshmemBackend:
         ``status[3]`` = 1 + the lowest rank that refused (read at the call's host sync), for the torch plan (the
         Triton plan's tables program writes it). Exact-size mode only: in the no-sync mode bad ids are dropped and the
         call goes on."""
-        from .nvshmem_kernels import first_refusal_kernel
+        from .nvshmem_kernels.signals import first_refusal_kernel
 
         if self.config.exact_sizes:
             fast_kernel(first_refusal_kernel)[(1,)](self.refusal_words, self.world, self._refused_word,
@@ -506,7 +506,7 @@ class NvshmemBackend:
     def _grouped_scales(self, plan: RoutingPlan, R: int, scale_rows: torch.Tensor) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
         received rows (zeros for padding), from their row-major scale rows ``scale_rows`` (uint8 ``[>= R, H/32]``)."""
-        from .nvshmem_kernels import scale_rows_to_grouped_kernel
+        from .nvshmem_kernels.layout import scale_rows_to_grouped_kernel
 
         C = self.config.hidden // 32
         rows, cp = grouped_m_rows(R, self.El), round_up(C, 4)
@@ -668,7 +668,7 @@ class NvshmemBackend:
         and sends it to the origin, which sums the token's partials in fp32 (ranks in the order of
         their first slot). One rank: the reduce forms the one partial from the rows in place. Returns bf16 ``[T, H]``.
         """
-        from .nvshmem_kernels import combine_reduce_kernel
+        from .nvshmem_kernels.combine import combine_reduce_kernel
 
         self.impl.refuse_capture()
         cfg = self.config

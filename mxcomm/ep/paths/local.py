@@ -38,7 +38,7 @@ class LocalPath(EnginePath):
         ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized (MX), stored at every
         selection's expert-major row, its scale row into ``recv_s``; padding rows zeroed by the same launch
         (``ZERO_PAD``). No symmetric buffer holds the payload and nothing is copied afterwards."""
-        from ..nvshmem_kernels import dispatch_kernel
+        from ..nvshmem_kernels.dispatch import dispatch_kernel
 
         e = self.e
         T, H = x.shape

@@ -1,0 +1,48 @@
+"""Triton kernels of the ``nvshmem`` EP backend: they quantize in registers and store straight into
+peers' symmetric buffers through NVSHMEM peer pointers, then signal with release/acquire flags at
+system scope. Every wait is bounded (``mxcomm.transport.flags.wait_flag_geq``). Buffers: see
+:func:`mxcomm.ep.plan.buffer_regions` (the single source of their shapes) and docs/design.md.
+
+Modules by job (each imports only from those listed before it):
+
+* :mod:`.signals`: flags, publishing and bounded waits - ``publish_kernel`` (counts + refusal word, "ready", route
+  weights), ``wait_published_kernel``, ``wait_arrivals_kernel``, ``first_refusal_kernel`` and the device helpers the
+  other modules' kernels signal and wait with; the flags' arrival protocol;
+* :mod:`.layout`: the expert-major output at the receiver - ``copy_out_rows_kernel``,
+  ``scale_rows_to_grouped_kernel`` and the zeroing of padding rows that three other modules share;
+* :mod:`.pack`: a token's row and route weights into this rank's send copy (the pull dispatch's and combine
+  backward's packs);
+* :mod:`.dispatch`: ``dispatch_kernel``, the sending dispatch of the local, push and put paths;
+* :mod:`.pull`: the pull dispatch - ``pull_head_kernel``, ``scan_and_wait_kernel``, ``pack_rows_kernel``,
+  ``pull_rows_kernel`` - and the pull list every multi-rank path writes (``plan_entries_kernel``,
+  ``push_entries_kernel``, ``entries_table_kernel``); why the send copies come in two;
+* :mod:`.combine`: the combine direction (``combine_partials_kernel``, ``combine_reduce_kernel``) and combine backward
+  (``pack_ready_kernel``, ``pull_weighted_kernel``, ``gather_route_grad_kernel``); why ``comb_q`` comes in two.
+
+The kernels are re-exported here; the device helpers (``@triton.jit`` functions that are not launched) stay in their
+modules.
+"""
+from __future__ import annotations
+
+from .combine import (combine_partials_kernel, combine_reduce_kernel, gather_route_grad_kernel, pack_ready_kernel,
+                      pull_weighted_kernel)
+from .dispatch import dispatch_kernel
+from .layout import copy_out_rows_kernel, scale_rows_to_grouped_kernel
+from .pull import (entries_table_kernel, pack_rows_kernel, plan_entries_kernel, pull_head_kernel, pull_rows_kernel,
+                   push_entries_kernel, scan_and_wait_kernel)
+from .signals import first_refusal_kernel, publish_kernel, wait_arrivals_kernel, wait_published_kernel
+
+__all__ = [
+    # signals
+    "publish_kernel", "wait_published_kernel", "wait_arrivals_kernel", "first_refusal_kernel",
+    # layout
+    "copy_out_rows_kernel", "scale_rows_to_grouped_kernel",
+    # dispatch
+    "dispatch_kernel",
+    # pull
+    "pull_head_kernel", "scan_and_wait_kernel", "pack_rows_kernel", "push_entries_kernel", "plan_entries_kernel",
+    "entries_table_kernel", "pull_rows_kernel",
+    # combine
+    "combine_partials_kernel", "combine_reduce_kernel", "pack_ready_kernel", "pull_weighted_kernel",
+    "gather_route_grad_kernel",
+]

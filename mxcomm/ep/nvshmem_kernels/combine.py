@@ -1,0 +1,484 @@
+"""The combine direction (towards the origins) and combine backward (its gradient, towards the experts):
+
+* combine and dispatch backward: ``combine_partials_kernel`` (expert side, one row per (token, rank): the weighted
+  partial sum of the token's rows on this rank, rounded once) and ``combine_reduce_kernel`` (at the origin: the sum
+  of a token's partials), through the scalar slot helpers (``_table_entry``, ``_leading_slots``, ``_listed_slots``,
+  ``_bit_count``, ``_nth_slot``) and the row helpers (``_row_values``, ``_store_partial``, ``_bf16_saturated``);
+* combine backward: ``pack_ready_kernel`` (sender, pull and push paths: the gradient rows and route weights packed,
+  :mod:`.pack`, and the "ready" handshake's publish), ``pull_weighted_kernel`` (expert side: each gradient row read
+  once per (token, rank), weighted and quantized per slot where it lands, the route-weight gradient formed there)
+  and ``gather_route_grad_kernel`` (the route-weight gradient at the origin).
+
+Why two copies of ``comb_q`` (by combine epoch parity): the combine direction has no handshake before it writes into
+its peers. Combine epoch ``e+1`` of rank A may start while rank B still reduces epoch ``e``; it writes the other
+copy. It cannot lap B: A's epoch ``e+1`` began after A received B's epoch-``e`` partials, which B sent after it
+finished reducing epoch ``e-1`` (stream order), the copy ``e+1`` uses. ``comb_w`` needs one copy: A publishes its
+weights for ``e+1`` only after it received every rank's partials of ``e``, which each rank sent after reading A's
+weights of ``e``. ``comb_gw`` is written in combine backward after its "ready" handshake, which the origin joins
+only after it gathered the previous call's. (The send copies: see :mod:`.pull`.)
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, load_block_bytes, mx_decode_tile,
+                                  mx_qdq_tile, mx_quantize_tile, mx_quantize_tile_amax, mx_saturate, store_block_bytes,
+                                  to_fp32)
+from ...transport.flags import last_to_arrive
+from .layout import _zero_unfilled_rows
+from .pack import pack_row, pack_weights
+from .signals import _arrive_all, raise_flag, wait_every_source
+
+
+@triton.jit
+def pack_ready_kernel(g_ptr, T, send_q_ptr, epoch_ptr, T_max, copy_elems, w_ptr, send_w_ptr, ticket_ptr,
+                      flags_peers, row, W, me, H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr,
+                      K_POW2: tl.constexpr):
+    """Combine backward, sender (pull and push paths): epoch += 1, the gradient rows packed and the "ready"
+    handshake's publish in one launch. Every program packs tokens ``pid, pid + G, ...`` of the BF16 gradient ``g``
+    ``[T, H]`` (:func:`pack_row`, as they are) and their fp32 route weights ``w`` ``[T, K]`` (:func:`pack_weights`)
+    into send copy ``(epoch + 1) % 2`` (``send_q`` as bf16, ``send_w``; layouts as in :func:`pack_rows_kernel`);
+    the last program (:func:`~mxcomm.transport.flags.last_to_arrive` at GPU scope on the int32 ``ticket``, 0 between
+    launches: the rows are in this rank's own memory, and the release at system scope of each signal orders every
+    program's rows before it, through the ticket) stores the new int64 epoch and raises
+    ``flags[row, me]`` to it on every rank (:func:`raise_flag`). The wait for every rank's is
+    :func:`wait_published_kernel`'s. Grid: any (at least 1)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    epoch = tl.load(epoch_ptr) + 1
+    par = epoch % 2
+    t = pid
+    while t < T:
+        pack_row(g_ptr, t, send_q_ptr, send_q_ptr, par * T_max + t, par * copy_elems, H, CHUNK, False, 0, False,
+                 False)
+        pack_weights(w_ptr, t, send_w_ptr, par * T_max + t, K, K_POW2)
+        t += G
+    if last_to_arrive(ticket_ptr, G):
+        tl.store(epoch_ptr, epoch)
+        p = 0
+        while p < W:
+            raise_flag(p, flags_peers, row, W, me, epoch)
+            p += 1
+
+
+@triton.jit
+def _table_entry(n, T_max, t_lo, W, ROUND: tl.constexpr):
+    """The dispatch table's entry (``[W * T_max]``, source-major) of the ``n``-th entry a launch takes: ``n`` itself,
+    or (``ROUND``: the put path's rounds) the ``n``-th of the entries of a round's tokens ``t_lo, t_lo + 1, ...`` of
+    every source, token-major (token ``t_lo + n // W``, source ``n % W``)."""
+    i = n
+    if ROUND:
+        i = (n % W) * T_max + t_lo + n // W
+    return i
+
+
+@triton.jit
+def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, g_peers, w_peers,
+                         table_ptr, epoch_ptr, T_max, W, copy_elems, w_copy, out_ptr, gw_peers, flags_peers, me,
+                         H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
+                         MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ZCHUNK: tl.constexpr,
+                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True, ticket_ptr=None,
+                         flags_row_ptr=None, expect_row_ptr=None, err_ptr=None, timeout_ns=0,
+                         WAIT: tl.constexpr = False, TOKEN_RANGE: tl.constexpr = False, t_lo=0, t_n=0):
+    """Combine backward, expert side: every (source ``s``, token ``t``) of the dispatch's table has its BF16 gradient
+    row ``g[t]`` read ONCE from the source's send copy (through the peer pointer; on the put path a local copy that
+    puts delivered), and for each of its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read with the
+    row) is quantized (MX: the block maxima taken as ``|w| * max|g|``, exactly as ``dispatch_kernel``'s ``WEIGHTED``
+    mode) or rounded to BF16 and stored at the slot's expert-major row: the route weighting fused with the gradient
+    quantization where the rows land. With ``ROUTE_GRAD`` the route-weight gradient is formed here too, where the
+    expert rows are: ``grad_w[t, j] = <g[t], out[row_j]>`` (fp32), stored into source ``s``'s ``gw`` at ``[t, j]``;
+    then (``ARRIVE``) every program adds 1 to ``flags[4, me]`` on every rank. Finally the padding rows of every group
+    are zeroed (rows past ``n_rows`` are left as they are).
+
+    Args:
+        dst_ptr: the fresh output ``[R_out, H]``: uint8 (MX payload) or bf16.
+        dst_s_ptr: uint8 ``[>= n_rows, H/32]`` row-major scale rows (MX only; a fresh tensor).
+        offs_ptr / counts_ptr / n_rows_ptr / n_groups: the plan's group end offsets, real rows, ``offs[-1]``, ``El``.
+        g_peers / w_peers: int64 ``[W]`` addresses of each source's BF16 rows ``[T_max, H]`` (copy 1 starts
+            ``copy_elems`` values after copy 0) and fp32 weights ``[T_max, K]`` (copy 1 ``w_copy`` values after copy
+            0; both 0: one copy).
+        table_ptr: int32 ``[W * T_max, K]``, the dispatch's table (rows here per slot, -1 elsewhere).
+        epoch_ptr: int64 epoch of this call; the rows are in copy ``epoch % 2`` (``copy_elems = 0``: one copy).
+        out_ptr: bf16 ``[R, H]`` the expert rows the forward combine was given (``ROUTE_GRAD``).
+        gw_peers: int64 ``[W]`` addresses of each source's fp32 ``gw`` ``[T_max, K]`` (``ROUTE_GRAD``).
+        CHUNK: row chunk (a power of two, a multiple of 32); ZCHUNK: int64 words per store of the zeroing loop.
+        WAIT (with ``ROUTE_GRAD`` and ``ARRIVE``): the last program to finish (the int32 ``ticket``, 0 between
+            launches) then waits for every rank's route-weight gradients to this rank (:func:`wait_every_source` on
+            this rank's ``flags[4]`` / ``expect[4]`` rows, ``per_call`` = the grid; ``err_ptr`` the int64 error word).
+        TOKEN_RANGE (the put path's rounds): only the entries of the tokens ``[t_lo, t_lo + t_n)`` of every source,
+            whose gradient row ``t`` is row ``t - t_lo`` at ``g_peers[s]`` (the round's rows); weights, table and
+            ``gw`` by the token itself.
+    Grid: any fixed number of programs (identical on every rank with ``ARRIVE``); persistent over entries.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    GW: tl.constexpr = 8 if K_POW2 < 8 else K_POW2  # route-grad lanes: >= the 8 values a thread holds of a chunk
+    gk = tl.arange(0, GW)
+    par = tl.load(epoch_ptr) % 2
+    if TOKEN_RANGE:
+        n_entries = W * t_n
+    else:
+        n_entries = W * T_max
+    n = pid
+    while n < n_entries:
+        i = _table_entry(n, T_max, t_lo, W, TOKEN_RANGE)
+        e = table_ptr + i.to(tl.int64) * K
+        if _listed_slots(e, K) != 0:
+            s = i // T_max
+            t = (i % T_max).to(tl.int64)
+            if TOKEN_RANGE:
+                g_row = t - t_lo
+            else:
+                g_row = t
+            gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + g_row * H
+            wbase = tl.load(w_peers + s).to(tl.pointer_type(tl.float32)) + par * w_copy + t * K
+            # per-thread partial dot products, column j for slot j: one block reduction per entry, not per slot
+            gv = tl.zeros((CHUNK // GW, GW), tl.float32)
+            for c0 in tl.static_range(0, H, CHUNK):
+                m = (c0 + offs) < H
+                cols = c0 // 32 + bcols
+                cm = cols < C
+                # once over the link; 16-byte aligned rows (symmetric buffer, H % 32 == 0): without the hint an
+                # address read from the peer table carries no alignment, and every value is loaded alone
+                x = tl.load(tl.max_contiguous(tl.multiple_of(gbase + c0 + offs, 16), 16), mask=m, other=0.0)
+                xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
+                if MX:
+                    ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
+                for j in tl.static_range(K):
+                    r = tl.load(e + j).to(tl.int64)
+                    if r >= 0:
+                        if ROUTE_GRAD:  # issued first: no store of this slot comes before it
+                            o = to_fp32(tl.load(out_ptr + r * H + c0 + offs, mask=m, other=0.0), INT_ROUND)
+                        wv = tl.load(wbase + j)
+                        xw = wv * xf
+                        dst = dst_ptr + tl.multiple_of(r * H + c0, 16) + offs
+                        if MX:
+                            q2, sc = mx_quantize_tile_amax(tl.reshape(xw, (NB, 32)), tl.abs(wv) * ax, MODE, INT_ROUND, 1)
+                            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
+                            store_block_bytes(dst_s_ptr + r * C + cols, sc, cm, INT_ROUND)
+                        elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
+                            tl.store(dst, bf16_rne_int(xw), mask=m)
+                        else:
+                            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), xw.to(tl.bfloat16), mask=m)
+                        if ROUTE_GRAD:
+                            part = tl.sum(tl.reshape(o * xf, (CHUNK // GW, GW)), axis=1)
+                            gv = tl.where(gk[None, :] == j, gv + part[:, None], gv)
+            if ROUTE_GRAD:
+                gw = tl.sum(gv, axis=0)
+                rows = tl.load(e + gk, mask=gk < K, other=-1)
+                gwb = tl.load(gw_peers + s).to(tl.pointer_type(tl.float32)) + t * K
+                tl.store(gwb + gk, gw, mask=(gk < K) & (rows >= 0))
+        n += G
+    if ROUTE_GRAD and ARRIVE:
+        _arrive_all(flags_peers, 4, me, W)
+    WORDS: tl.constexpr = H // 8 if MX else H // 4
+    _zero_unfilled_rows(dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True), offs_ptr, counts_ptr, n_rows_ptr, R_out,
+                        n_groups, pid, G, WORDS, ZCHUNK)
+    if WAIT:
+        if last_to_arrive(ticket_ptr, G):
+            wait_every_source(flags_row_ptr, expect_row_ptr, G, W, err_ptr, timeout_ns)
+
+
+@triton.jit
+def gather_route_grad_kernel(gw_ptr, dest_rank_ptr, out_ptr, n, rank_stride, BLOCK: tl.constexpr):
+    """The route-weight gradient at the origin: ``out[t, j] = gw[dest_rank[t, j], t, j]`` (the value the slot's
+    expert rank formed and wrote into row ``dest_rank`` of this rank's ``comb_gw``), 0 for a dropped slot.
+
+    Args: gw_ptr fp32 ``[W, T_max, k]`` (``rank_stride = T_max * k``); dest_rank_ptr int32 ``[T, k]``; out_ptr fp32
+    ``[T, k]``; n = ``T * k``. Grid: ``(cdiv(n, BLOCK),)``."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    d = tl.load(dest_rank_ptr + i, mask=m, other=-1)
+    v = tl.load(gw_ptr + tl.maximum(d, 0).to(tl.int64) * rank_stride + i, mask=m & (d >= 0), other=0.0)
+    tl.store(out_ptr + i, v, mask=m)
+
+
+@triton.jit
+def _leading_slots(ranks_ptr, K: tl.constexpr):
+    """Bit ``j`` set where slot ``j`` of a token (``K`` int32 destination ranks at ``ranks_ptr``, -1 = dropped) leads
+    its rank: valid, and no earlier slot goes to the same rank. Scalar loads and compares only (no block reduction:
+    the loads of the slots' rows that follow stay free to overlap)."""
+    bits = tl.load(ranks_ptr) * 0
+    for j in tl.static_range(K):
+        d = tl.load(ranks_ptr + j)
+        ok = d >= 0
+        for i in tl.static_range(j):
+            ok = ok & (tl.load(ranks_ptr + i) != d)
+        bits = bits | (ok.to(tl.int32) << j)
+    return bits
+
+
+@triton.jit
+def _listed_slots(e, K: tl.constexpr):
+    """Bit ``j`` set where slot ``j`` of a table entry (``K`` int32 rows, -1 for a slot elsewhere) lists a row here.
+    Scalar work."""
+    bits = tl.load(e) * 0
+    for j in tl.static_range(K):
+        bits = bits | ((tl.load(e + j) >= 0).to(tl.int32) << j)
+    return bits
+
+
+@triton.jit
+def _bit_count(bits, K: tl.constexpr):
+    """The number of set bits among the low ``K`` of ``bits``. Scalar work."""
+    n = bits * 0
+    for j in tl.static_range(K):
+        n += (bits >> j) & 1
+    return n
+
+
+@triton.jit
+def _nth_slot(bits, n, K: tl.constexpr):
+    """The index of the ``n``-th set bit (from 0, lowest first) of the ``K``-bit mask ``bits``; -1 when fewer are
+    set. Scalar work."""
+    sel = bits * 0 - 1
+    cnt = bits * 0
+    for j in tl.static_range(K):
+        b = (bits >> j) & 1
+        sel = tl.where((b != 0) & (cnt == n), j, sel)
+        cnt += b
+    return sel
+
+
+@triton.jit
+def _row_values(src_ptr, src_s_ptr, r, ok, c0, offs, cols, m, cm, H: tl.constexpr, NB: tl.constexpr,
+                PASS: tl.constexpr, INT_ROUND: tl.constexpr):
+    """fp32 ``[CHUNK]`` values of row ``r`` (columns ``c0 + offs``) of an expert-side ``[R, H]`` tensor: bf16, or
+    (``PASS``) E4M3 payload with ROW scales at ``src_s_ptr`` decoded and saturated to bf16's range; 0 where ``ok``
+    is false (a masked load)."""
+    r64 = tl.maximum(r, 0).to(tl.int64)
+    if PASS:
+        q = tl.load(src_ptr + r64 * H + c0 + offs, mask=m & ok, other=0)
+        sb = tl.load(src_s_ptr + r64 * (H // 32) + cols, mask=cm & ok, other=127)
+        v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (NB * 32,))
+    else:
+        v = to_fp32(tl.load(src_ptr + r64 * H + c0 + offs, mask=m & ok, other=0.0), INT_ROUND)
+    return v
+
+
+@triton.jit
+def _store_partial(acc, qbase, sbase, slot, c0, offs, cols, m, cm, H: tl.constexpr, NB: tl.constexpr,
+                   MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+    """Store the fp32 chunk ``acc`` (``[CHUNK]``) of a partial at combine slot ``slot`` (int64: copy start + send
+    position): MX quantized (payload at byte ``2H * copy start + H * position``... given here as ``slot`` rows of
+    ``H`` bytes from ``qbase``, which the caller offsets by the copy) with its row scales at ``sbase + slot * H/32``;
+    else BF16 at element ``slot * H`` of ``qbase`` (bf16)."""
+    if MX:
+        q2, sc = mx_quantize_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1)
+        dst = qbase + tl.multiple_of(slot * H + c0, 16) + offs
+        tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (NB * 32,)), mask=m)
+        store_block_bytes(sbase + slot * (H // 32) + cols, sc, cm, INT_ROUND)
+    else:
+        dst = qbase + tl.multiple_of(slot * H + c0, 16) + offs
+        acc = _bf16_saturated(acc)
+        if INT_ROUND:
+            tl.store(dst, bf16_rne_int(acc), mask=m)
+        else:
+            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), acc.to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def _bf16_saturated(v):
+    """A finite fp32 tile clamped to +-BF16_MAX (its BF16 rounding then saturates instead of becoming Inf); Inf and
+    NaN as they are (``mxcomm.ep.reference.backward.bf16_saturated``)."""
+    return tl.where(tl.abs(v) <= FP32_MAX, mx_saturate(v, BF16_MAX), v)
+
+
+@triton.jit
+def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr, q_peers, s_peers, flags_peers,
+                            me, W, T_max, epoch_ptr, nslot, err_ptr,
+                            H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+                            MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr,
+                            INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False, ROWS: tl.constexpr = 2,
+                            ticket_ptr=None, flags_row_ptr=None, expect_row_ptr=None, timeout_ns=0,
+                            WAIT: tl.constexpr = False, t_lo=0, t_n=0):
+    """Combine / dispatch backward, expert side: ONE row per (source, token). For every (source ``s``, token ``t``)
+    this rank received (an entry of the dispatch's table), the partial sum of the token's rows here
+    ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then added: launch with
+    ``enable_fp_fusion=False``), rounded once for transport (MX: quantized, payload + row scales; else BF16) and stored
+    into the origin's combine buffer at the send position of the token's leading slot (its first slot on this rank);
+    then every program adds 1 to ``flags[2, me]`` on every rank. A call that starts with the error word set (a wait
+    of this call, such as the weights' exchange, or of an earlier one timed out) sends nothing and raises no flag: its
+    weights may not have arrived, and the origins' bounded waits then fail instead of summing partials formed with
+    other weights.
+
+    Args:
+        out_ptr: the expert rows ``[R, H]``: bf16, or (``PASS``) uint8 E4M3 payload with ``out_s_ptr`` uint8 ``[R,
+            H/32]`` ROW scales (decoded, saturated to bf16's range, before the sum).
+        table_ptr: int32 ``[W * T_max, K]``: entry ``s * T_max + t`` = the rows here of source ``s``'s token ``t``
+            per slot, -1 for slots elsewhere (every row -1: not received).
+        origin_pos_ptr: int32 ``[R]`` send position of each row's slot at its origin.
+        w_ptr: fp32 ``[W * T_max, K]`` route weights by table entry (``WEIGHTED``; else every weight is 1: dispatch
+            backward): the weights that came with the dispatch (the handle's), or ``comb_w`` after their exchange.
+        err_ptr: int64 error word of this rank's waits (read once, at the start).
+        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags`` per rank.
+        epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * K`` slots per copy.
+        STAGED (put path, one round): every ``*_peers`` entry is this rank's staging buffer; only the entries of the
+            tokens ``[t_lo, t_lo + t_n)`` of every source are formed, the partial of source ``s``'s token ``t`` at
+            row ``(t - t_lo) * W + s`` there (one put per entry moves it to the origin's slot,
+            :func:`mxcomm.ep.put_path.partial_rows`), and no flag is raised.
+        ROWS: rows loaded together per step of a chunk's sum, taken from the entry's listed slots in ascending order
+            (a slot elsewhere adds nothing, so only listed rows are loaded: the registers of the loads in flight hold
+            rows that exist, and more programs fit on an SM than with one load per slot of ``K``).
+        WAIT (not STAGED): the last program to finish (the int32 ``ticket``, 0 between launches) then waits for every
+            rank's partials to this rank (:func:`wait_every_source` on this rank's ``flags[2]`` / ``expect[2]`` rows,
+            ``per_call`` = the grid): the origin's reduce follows with no wait kernel between.
+
+    Destination layout (what the origin's :func:`combine_reduce_kernel` reads): slot ``pos`` of the copy starting at
+    slot ``slot0``: MX payload at byte ``slot0 * 2H + pos * H``, scales at byte ``(slot0 + pos) * H/32``; BF16 at
+    element ``(slot0 + pos) * H``.
+    Grid: any fixed number of programs (identical on every rank: receivers count arrivals); persistent over entries.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    slot0 = (tl.load(epoch_ptr) % 2) * nslot
+    if STAGED:
+        slot0 = slot0 * 0
+    failed = tl.load(err_ptr, volatile=True) != 0
+    if STAGED:
+        n_entries = tl.where(failed, 0, W * t_n)
+    else:
+        n_entries = tl.where(failed, 0, W * T_max)
+    n = pid
+    while n < n_entries:
+        i = _table_entry(n, T_max, t_lo, W, STAGED)
+        e = table_ptr + i.to(tl.int64) * K
+        listed = _listed_slots(e, K)
+        if listed != 0:
+            lead = tl.load(e + _nth_slot(listed, 0, K))
+            n_listed = _bit_count(listed, K)
+            s = i // T_max
+            if STAGED:
+                pos = n.to(tl.int64)
+            else:
+                pos = tl.load(origin_pos_ptr + lead).to(tl.int64)
+            if MX:  # MX rows are H bytes apart from the start of a copy (2H bytes a slot)
+                qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.uint8)) + slot0 * H
+            else:
+                qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.bfloat16))
+            sbase = tl.load(s_peers + s).to(tl.pointer_type(tl.uint8))
+            if WEIGHTED:  # the source's weights of this token, fp32 [K]
+                wbase = w_ptr + i.to(tl.int64) * K
+            for c0 in tl.static_range(0, H, CHUNK):
+                m = (c0 + offs) < H
+                cols = c0 // 32 + bcols
+                cm = cols < C
+                acc = tl.zeros((CHUNK,), tl.float32)
+                n0 = n_listed * 0
+                while n0 < n_listed:  # ROWS listed slots a step, ascending (scalar table loads: L1 hits)
+                    for u in tl.static_range(ROWS):
+                        j = _nth_slot(listed, n0 + u, K)
+                        ok = j >= 0
+                        r = tl.load(e + tl.maximum(j, 0), mask=ok, other=-1)
+                        v = _row_values(out_ptr, out_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND)
+                        if WEIGHTED:
+                            wv = tl.load(wbase + j, mask=ok, other=0.0)
+                            v = wv * v
+                        acc = acc + v  # past the last listed slot: +0 (acc is never -0: it starts at +0)
+                    n0 += ROWS
+                _store_partial(acc, qbase, sbase, slot0 + pos, c0, offs, cols, m, cm, H, NB, MX, MODE, INT_ROUND)
+        n += G
+    if not STAGED:
+        if not failed:
+            _arrive_all(flags_peers, 2, me, W)
+    if WAIT:
+        if last_to_arrive(ticket_ptr, G):
+            wait_every_source(flags_row_ptr, expect_row_ptr, G, W, err_ptr, timeout_ns)
+
+
+@triton.jit
+def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w_ptr, y_ptr, T, epoch_ptr, nslot,
+                          dest_row_ptr, own_ptr, own_s_ptr,
+                          H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr,
+                          MX: tl.constexpr, INT_ROUND: tl.constexpr, OWN: tl.constexpr = False,
+                          OWN_PASS: tl.constexpr = False, WEIGHTED: tl.constexpr = True, MODE: tl.constexpr = 0):
+    """Combine / dispatch backward at the origin: ``y[t] = sum_i P_i`` in fp32, bf16 out, over the partials ``P_i``
+    the token's ranks returned (one row per (token, rank), see :func:`combine_partials_kernel`), in the order of the
+    ranks' first appearance among the token's slots (a token without a valid slot gives 0).
+
+    The partial of the rank of slot ``j`` when ``j`` leads it (no earlier slot of the token goes to that rank): the row
+    at ``send_pos[t, j]`` in this rank's ``comb_q`` (MX: decoded, saturated to bf16's range). With ``OWN`` (one rank,
+    nothing travelled) the single partial is formed here exactly as the expert side would: ``P = sum_j w[t, j] *
+    out[dest_row[t, j]]`` (fp32, ``j`` ascending, no FMA: launch with ``enable_fp_fusion=False``; ``WEIGHTED`` False:
+    every weight 1), then rounded for transport in registers (MX: quantize + decode, :func:`mx_qdq_tile`; else the
+    BF16 store rounds it).
+
+    Args:
+        comb_q_ptr / comb_s_ptr: this rank's ``comb_q`` (uint8; BF16 transport: viewed as bf16) / ``comb_s``; the copy
+            is picked by the epoch's parity (``epoch_ptr``, ``nslot = T_max*K`` slots a copy). Unused with ``OWN``.
+        send_pos_ptr / dest_rank_ptr: int32 ``[T, K]`` (the plan's; -1 = dropped); w_ptr: fp32 ``[T, K]``
+            (``OWN`` with ``WEIGHTED`` only); y_ptr: bf16 ``[T, H]``.
+        dest_row_ptr, own_ptr, own_s_ptr (``OWN``): the plan's rows, the expert rows ``[R, H]`` (bf16, or uint8 E4M3
+            payload with ``OWN_PASS`` and their uint8 ``[R, H/32]`` row scales).
+        P: the most partials a token can have, ``min(K, W)`` (``OWN``: ``K``, the slots summed in place). A static
+            loop over them (not over the ``K`` slots) keeps the registers of the rows in flight to rows that exist.
+        MX: the partials travel (or, with ``OWN``, are rounded) as MXFP8; MODE: the scale mode.
+    Grid: ``(programs over tokens, programs over each row's CHUNK-value chunks)``; any sizes (persistent over tokens;
+    chunk ``c`` of a row belongs to the program with ``c % grid[1] == program_id(1)``).
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    hs = tl.program_id(1)  # the row's chunks are dealt out over the grid's second axis (few tokens: more programs)
+    HS = tl.num_programs(1)
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    slot0 = (tl.load(epoch_ptr) % 2) * nslot
+    t = pid
+    while t < T:
+        lead = _leading_slots(dest_rank_ptr + t * K, K)  # scalar work once a token: no reduction in the loops below
+        for c0 in tl.static_range(0, H, CHUNK):
+            if (c0 // CHUNK) % HS == hs:  # this program's share of the row's chunks
+                m = (c0 + offs) < H
+                cols = c0 // 32 + bcols
+                cm = cols < C
+                acc = tl.zeros((CHUNK,), tl.float32)
+                fin = offs >= 0  # every partial summed here so far is finite
+                for n in tl.static_range(P):
+                    if OWN:  # slot n
+                        ok = tl.load(dest_rank_ptr + t * K + n) >= 0
+                        r = tl.load(dest_row_ptr + t * K + n)
+                        v = _row_values(own_ptr, own_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, OWN_PASS, INT_ROUND)
+                        if WEIGHTED:
+                            v = tl.load(w_ptr + t * K + n, mask=ok, other=0.0) * v
+                    else:  # partial n: the n-th leading slot j (-1: the token has fewer partials, adds +0)
+                        j = _nth_slot(lead, n, K)
+                        ok = j >= 0
+                        p64 = tl.maximum(tl.load(send_pos_ptr + t * K + tl.maximum(j, 0)), 0).to(tl.int64)
+                        if MX:  # 8 payload bytes a thread: the layout of the 8 bf16 values a thread stores (16
+                            # bytes a thread would be converted to it through shared memory, with barriers)
+                            qp = comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs
+                            q = tl.load(tl.max_contiguous(tl.multiple_of(qp, 8), 8), mask=m & ok, other=0)
+                            sb = load_block_bytes(comb_s_ptr + (slot0 + p64) * C + cols, cm & ok, 127, INT_ROUND)
+                            v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (CHUNK,))
+                        else:
+                            v = to_fp32(tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0),
+                                        INT_ROUND)
+                        fin = fin & (tl.abs(v) <= FP32_MAX)
+                    acc = acc + v
+                if OWN:  # the transport rounding of the one partial in registers, then the origin's sum (0 + P: -0 -> +0)
+                    if MX:
+                        acc = tl.reshape(mx_qdq_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1, BF16_MAX), (CHUNK,))
+                    elif INT_ROUND:
+                        acc = to_fp32(bf16_rne_int(_bf16_saturated(acc)), INT_ROUND)
+                    else:
+                        acc = _bf16_saturated(acc).to(tl.bfloat16).to(tl.float32)
+                    fin = tl.abs(acc) <= FP32_MAX
+                    acc = tl.zeros((CHUNK,), tl.float32) + acc
+                # a sum of finite partials saturates at the BF16 range; an Inf or NaN partial passes through
+                acc = tl.where(fin, mx_saturate(acc, BF16_MAX), acc)
+                if INT_ROUND:
+                    tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
+                else:
+                    tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
+        t += G

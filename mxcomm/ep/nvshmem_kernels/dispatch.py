@@ -1,0 +1,153 @@
+"""The sending dispatch kernel of the local, push and put paths: ``dispatch_kernel`` reads each BF16 token row once,
+quantizes it in registers (MX) and stores payload and scales straight into each destination rank's buffers at their
+final expert-major rows, through NVSHMEM peer pointers (one rank: into the output itself; the put path: into this
+rank's staging buffer, whose puts signal), then signals their arrival (:mod:`.signals`). ``WEIGHTED``, it forms
+combine backward's rows on one rank. ``_store_slot``: one slot's stores of a row chunk.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...kernels.mx_device import (bf16_rne_int, block_amax, mx_quantize_tile, mx_quantize_tile_amax, store_block_bytes,
+                                  to_fp32)
+from .layout import _zero_unfilled_rows
+from .signals import _arrive_all
+
+
+@triton.jit
+def _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm,
+                H: tl.constexpr, C: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
+                OUT_DIRECT: tl.constexpr, HELD: tl.constexpr, INT_ROUND: tl.constexpr):
+    """dispatch_kernel: one slot's stores of a row chunk - payload ``q`` at ``row`` of rank ``rk``'s ``recv_q`` (or of
+    ``q_peers`` itself, ``OUT_DIRECT``), and (MX) its scales ``s`` at the same row of ``recv_s``, row-major; ``m`` /
+    ``cm`` mask values / scale columns. ``HELD``: the scales are stored by the threads that hold them
+    (:func:`store_block_bytes`; for scales quantized per slot, which a vector store would first move through shared
+    memory for every slot); else as one vector store."""
+    if OUT_DIRECT:
+        qbase = q_peers
+    elif MX:
+        qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.uint8))
+    else:
+        qbase = tl.load(q_peers + rk).to(tl.pointer_type(tl.bfloat16))
+    # 16-byte aligned contiguous row pieces (buffers 16-byte aligned, H % 32 == 0). Without these hints every peer
+    # store over NVLink is a single byte. They survive this helper (Triton 3.6): tests/ep/test_nvshmem_dataflow.py
+    # checks the sm_90 compile for 16-byte stores.
+    dst = qbase + tl.multiple_of(row * H + c0, 16) + offs
+    tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), q, mask=m)
+    if MX:
+        sbase = tl.load(s_peers + rk).to(tl.pointer_type(tl.uint8))
+        sp = sbase + row * C + cols
+        if HELD:
+            store_block_bytes(sp, s, cm, INT_ROUND)
+        else:
+            if C % 16 == 0 and (NB % 16 == 0 or CHUNK >= H):  # 16 aligned, contiguous bytes
+                sp = tl.max_contiguous(tl.multiple_of(sp, 16), 16)
+            tl.store(sp, s, mask=cm)
+
+
+@triton.jit
+def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, flags_peers, me, W, w_ptr,
+                    offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups,
+                    H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+                    MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr,
+                    ARRIVE: tl.constexpr = True, ZERO_PAD: tl.constexpr = False,
+                    OUT_DIRECT: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False):
+    """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
+    straight into each destination rank's buffers at their final expert-major rows.
+
+    Per token and row chunk: one load and (MX) one quantization, then one 1-D store per valid slot
+    (a uniform branch per slot; the slot's routing and base pointers are scalar loads that hit L1).
+    Scales go out row-major, ``H/32`` contiguous bytes at the payload's row: the receiver swizzles them
+    into the grouped blocked layout afterwards (``scale_rows_to_grouped_kernel``). Storing each row's
+    scales straight into the blocked layout (4 bytes every 512) cost ~50 % more time on one H200
+    (``bench/bench_ep_kernels.py``, ``--scales row,blocked``).
+
+    ``WEIGHTED`` (combine backward): slot ``j`` carries ``w[t, j] * x[t]`` (fp32 product), quantized per
+    slot - the route weighting fused with the gradient quantization; ``w_ptr`` fp32 ``[T, K]``.
+
+    Args:
+        x_ptr: bf16 ``[T, H]`` contiguous.
+        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]``: destination rank (-1 = dropped) and row there.
+        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``recv_q`` (uint8 ``[*, H]`` MX,
+            bf16 ``[*, H]`` otherwise) / ``recv_s`` (uint8 ``[*, H/32]``) / ``flags`` on every rank.
+        ARRIVE: add 1 to ``flags[1, me]`` on every rank after the stores (False on the put path, whose
+            puts signal; there every ``*_peers`` entry is this rank's staging buffer and the rows are
+            send positions).
+        ZERO_PAD (local path: ``q_peers`` holds the fresh ``[R_out, *]`` output's address): after its tokens, each
+            program zeroes its share of the rows no token fills (:func:`_zero_unfilled_rows` with the plan's
+            ``offs_ptr`` / ``counts_ptr`` / ``n_rows_ptr`` over ``n_groups`` groups) - in the same launch, where the
+            persistent loop's uneven end leaves the memory system idle. Those four are unused otherwise.
+        OUT_DIRECT (local path): ``q_peers`` IS that output (uint8 ``[R_out, H]`` MX, bf16 ``[R_out, H]``), not a
+            table of addresses (one fewer host operation per call than writing its address into a table).
+        SKIP_EMPTY: a token whose every slot is dropped is not read (the push path's rounds through a receive window,
+            where most tokens have no slot in a given round); the stores are the same either way.
+    Grid: any fixed number of programs (identical on every rank); persistent over tokens.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    t = pid
+    while t < T:  # persistent loop (a while: the interpreter rejects range(program_id, ...))
+        if SKIP_EMPTY:
+            live = tl.load(dest_rank_ptr + t * K) >= 0
+            for j in tl.static_range(1, K):
+                live = live | (tl.load(dest_rank_ptr + t * K + j) >= 0)
+        else:
+            live = True
+        if live:
+            for c0 in tl.static_range(0, H, CHUNK):
+                m = (c0 + offs) < H
+                cols = c0 // 32 + bcols
+                cm = cols < C
+                x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
+                if MX and not WEIGHTED:
+                    q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
+                    q = tl.reshape(q2, (CHUNK,))
+                if WEIGHTED:
+                    xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
+                    if MX:  # the chunk's block maxima, once for all slots (see below)
+                        ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
+                if not MX:
+                    s = cols  # no scales: a placeholder for _store_slot's unused argument
+                for j in tl.static_range(K):
+                    rk = tl.load(dest_rank_ptr + t * K + j)
+                    row = tl.load(dest_row_ptr + t * K + j).to(tl.int64)  # both loads issued before the branch
+                    if WEIGHTED:
+                        if rk >= 0:  # dropped slots store nothing (and quantize nothing)
+                            wv = tl.load(w_ptr + t * K + j)
+                            xw = wv * xf
+                            if MX:
+                                # block maxima of w * x without a reduction per slot: |w| * max|x|. Equal for
+                                # finite w (rounding a product is monotone in its magnitude); for w = +-Inf or NaN
+                                # both are Inf or NaN, which give the same scale byte (255) and payload (0x7F)
+                                q2, s = mx_quantize_tile_amax(tl.reshape(xw, (NB, 32)), tl.abs(wv) * ax, MODE,
+                                                              INT_ROUND, 1)
+                                q = tl.reshape(q2, (CHUNK,))
+                            elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
+                                q = bf16_rne_int(xw)
+                            else:
+                                q = xw.to(tl.bfloat16)
+                            _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX,
+                                        OUT_DIRECT, True, INT_ROUND)
+                    else:
+                        if not MX:
+                            q = x
+                        # no branch: a dropped slot's stores are masked off (its rank read as 0), so the stored
+                        # registers are packed once per chunk, not once per slot
+                        ok = rk >= 0
+                        _store_slot(q, s, q_peers, s_peers, tl.maximum(rk, 0), row, c0, offs, cols, m & ok, cm & ok,
+                                    H, C, NB, CHUNK, MX, OUT_DIRECT, False, INT_ROUND)
+        t += G
+    if ZERO_PAD:
+        WORDS: tl.constexpr = H // 8 if MX else H // 4
+        if OUT_DIRECT:
+            out = q_peers.to(tl.pointer_type(tl.int64), bitcast=True)
+        else:
+            out = tl.load(q_peers).to(tl.pointer_type(tl.int64))
+        _zero_unfilled_rows(out, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups, pid, G, WORDS, 512)
+    if ARRIVE:
+        _arrive_all(flags_peers, 1, me, W)
