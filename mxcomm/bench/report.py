@@ -20,12 +20,14 @@ Definitions (also written into the JSON under ``conventions`` and ``timing``):
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 import statistics
 from typing import Optional
 
+from ..ep.launch_config import LaunchConfig
 from .floor import floor_us as _floor_us
 from .floor import world_floor_bytes
 from .options import BACKWARD_TWIN, FORWARD_ONLY_IMPLS, OPS
@@ -259,6 +261,7 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
         "world_note": _world_note(options, rpg),
         "sm_count": {"device": sm_dev, "mxcomm_num_sms": options.get("num_sms") or sm_dev,
                      "baselines": "library defaults (NCCL / torch choose their own SM count)"},
+        "launch": dataclasses.asdict(LaunchConfig()),  # the nvshmem backend's kernel launch settings (defaults)
         "precisions": options["precisions"],
         "byte_conventions": ["dedup", "per_selection"],
         "conventions": CONVENTIONS,

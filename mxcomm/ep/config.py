@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from ..mx.modes import SCALE_MODES
+from .launch_config import LaunchConfig
 
 PRECISIONS = ("mxfp8", "bf16")
 BACKENDS = ("torch", "nvshmem")
@@ -69,6 +70,9 @@ class EPConfig:
             the put path at least what its ``recv_q`` holds for combine backward). A window set here also bounds the
             put path's combine backward, whose gradient rows then move in rounds that fit it
             (:func:`mxcomm.ep.plan.put_round_tokens`). Unused by the other paths.
+        launch: the ``nvshmem`` backend's kernel launch settings (:class:`~mxcomm.ep.launch_config.LaunchConfig`:
+            programs per SM, warps, row chunks); None: its defaults. Identical on every rank (receivers count the
+            senders' programs). Unused by ``torch``.
     """
 
     num_experts: int
@@ -84,6 +88,7 @@ class EPConfig:
     exact_sizes: bool = True
     transport: str = "auto"
     recv_window_rows: Optional[int] = None
+    launch: Optional[LaunchConfig] = None
 
     def num_local_experts(self, world_size: int) -> int:
         """Experts per rank, ``E / world`` (call :meth:`validate` first)."""
@@ -119,6 +124,8 @@ class EPConfig:
             errs.append(f"num_sms must be None or a positive int, got {self.num_sms!r}")
         if self.recv_window_rows is not None and (not _is_int(self.recv_window_rows) or self.recv_window_rows < 1):
             errs.append(f"recv_window_rows must be None or a positive int, got {self.recv_window_rows!r}")
+        if self.launch is not None and not isinstance(self.launch, LaunchConfig):
+            errs.append(f"launch must be None or a LaunchConfig, got {type(self.launch).__name__}")
         if (
             isinstance(self.timeout_s, bool)
             or not isinstance(self.timeout_s, (int, float))
@@ -142,8 +149,9 @@ class EPConfig:
     def fingerprint_codes(self) -> list[int]:
         """The fingerprint encoded as one int64 per field (for an all_gather of a plain tensor).
 
-        Ints map to themselves, floats to their IEEE-754 double bits, strings to a CRC32 tagged
-        so that it cannot collide with small ints, None to a fixed sentinel.
+        Ints map to themselves, floats to their IEEE-754 double bits, strings (and other values, such as a
+        :class:`LaunchConfig`, by their ``repr``) to a CRC32 tagged so that it cannot collide with small ints, None to
+        a fixed sentinel.
         """
         out = []
         for _, v in self.fingerprint():

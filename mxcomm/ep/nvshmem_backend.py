@@ -42,7 +42,6 @@ reduce forms the one partial from the expert rows in place.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
 import torch
@@ -52,6 +51,7 @@ from ..kernels.launch import cdiv, fast_kernel, next_pow2
 from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
 from .. import transport as tp
 from .config import EPConfig
+from .launch_config import LaunchConfig
 from . import plan_kernels
 from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from .ids import check_expert_ids
@@ -61,82 +61,6 @@ from .paths import PATHS, PUSH_BLOCK, fp32_weights
 from .nvshmem_state import NvshmemState, RowOrigins, handle_origins, row_origins
 
 _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently used dropped)
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Launch settings of the nvshmem backend's kernels (grids are ``per_sm * SMs``, the SMs being
-    ``EPConfig.num_sms`` or the whole GPU). Every rank of a group must use the same settings (receivers count the
-    senders' programs); ``python -m mxcomm.bench.tools.sweep`` measures them on a GPU.
-
-    Attributes:
-        dispatch_per_sm / dispatch_warps / dispatch_chunk: ``dispatch_kernel`` and ``pack_rows_kernel`` (memory-bound:
-            a whole row per chunk at H <= 8192); ``pull_rows_kernel`` uses the same grid.
-        weighted_warps / qdq_chunk: kernels that quantize or sum every slot (combine backward's weighted rows, the
-            one-rank reduce that rounds in registers; the warps also for the partial sums of combine): their chunk
-            divides H where it can (:func:`_qdq_chunk`), since a masked-off tail is computed all the same.
-        partials_chunk: ``combine_partials_kernel``'s row chunk (at most ``next_pow2(H)``; a masked tail where it does
-            not divide H): its per-chunk scalar work (the listed slots, their rows and weights) is paid per chunk, and
-            at 2048 values and 4 warps its MXFP8 stores are 16 bytes a thread.
-        partials_per_sm: ``combine_partials_kernel`` and ``pull_weighted_kernel`` (persistent over (token, rank)
-            entries; their arrivals are counted).
-        partials_rows: rows ``combine_partials_kernel`` loads together per step of a chunk's sum (its ``ROWS``).
-        reduce_chunk / reduce_mx_chunk / reduce_warps: ``combine_reduce_kernel`` on BF16 / MXFP8 partials that
-            arrived (its loads of a token's partials are issued together: registers bound its occupancy).
-        route_grad_per_sm: ``route_weight_grad`` (4 warps per program; one rank).
-        push_per_sm: ``push_entries_kernel``.
-        put_per_sm: the put path's put launches (``csrc/put_signal.cu``; each block takes every grid-th piece).
-        put_chunks: pieces per entry of the put path's dispatch puts (receivers count ``entries * put_chunks``
-            signals per source: every rank must use the same).
-        wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
-            peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
-            cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
-    """
-
-    dispatch_per_sm: int = 16
-    dispatch_warps: int = 8
-    dispatch_chunk: int = 8192
-    weighted_warps: int = 4
-    qdq_chunk: int = 1024
-    partials_per_sm: int = 32
-    partials_rows: int = 2
-    partials_chunk: int = 2048
-    reduce_chunk: int = 2048
-    reduce_mx_chunk: int = 8192
-    reduce_warps: int = 4
-    route_grad_per_sm: int = 8
-    push_per_sm: int = 1
-    put_per_sm: int = 4
-    put_chunks: int = 4
-    wait_warps: int = 1
-
-    def __post_init__(self):
-        """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
-        without progress): every field a positive int, chunks powers of two of at least 32 values, warps powers of
-        two up to 32."""
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LaunchConfig.{f.name} must be a positive int, got {v!r}")
-            if f.name.endswith("_chunk") and (v < 32 or v & (v - 1)):
-                raise ValueError(f"LaunchConfig.{f.name} must be a power of two >= 32, got {v}")
-            if f.name.endswith("_warps") and (v > 32 or v & (v - 1)):
-                raise ValueError(f"LaunchConfig.{f.name} must be a power of two <= 32, got {v}")
-
-    def row_chunk(self, H: int, weighted: bool = False) -> int:
-        """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot, as in
-        pull_weighted_kernel too)."""
-        return _qdq_chunk(H, self.qdq_chunk) if weighted else min(self.dispatch_chunk, next_pow2(H))
-
-    def partials_row_chunk(self, H: int) -> int:
-        """Row chunk (values) of combine_partials_kernel."""
-        return min(self.partials_chunk, next_pow2(H))
-
-    def reduce_row_chunk(self, H: int, own: bool, mx: bool) -> int:
-        """Row chunk of combine_reduce_kernel: ``own and mx`` quantizes every slot (compute-bound), the others read."""
-        if own and mx:
-            return _qdq_chunk(H, self.qdq_chunk)
-        return min(self.reduce_mx_chunk if mx else self.reduce_chunk, next_pow2(H))
 
 
 class NvshmemBackend:
@@ -149,7 +73,7 @@ class NvshmemBackend:
     device_side_checks = True  # expert ids are checked here (see checked_ids), not by the group
 
     def __init__(self, config: EPConfig, group, rank: int, world_size: int, *, group_id: int = 0, bounded=None,
-                 heap=None, puts=None, launch: Optional[LaunchConfig] = None):
+                 heap=None, puts=None):
         self.config = config
         self.group_id = group_id
         self.bounded = bounded  # the group's BoundedGroup (bootstrap side channel); the data path waits on the device
@@ -169,7 +93,7 @@ class NvshmemBackend:
         else:  # Triton interpreter (tests of the data path on CPU)
             sms = 1
         self.sms = sms
-        self.launch = launch if launch is not None else LaunchConfig()
+        self.launch = config.launch if config.launch is not None else LaunchConfig()
         # routing plan: "triton" (mxcomm.ep.plan_kernels: the id check + counts + per-block slot table in two kernels,
         # the plan in one, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the
         # GPU replayed from a CUDA graph captured per token count)
@@ -738,17 +662,4 @@ class NvshmemBackend:
         return CombineGrads(grad_expert_out=grad_out, grad_weights=rows.grad_w)
 
 
-def _qdq_chunk(H: int, cap: int = LaunchConfig.qdq_chunk, floor: int = 512) -> int:
-    """Row chunk of the kernels that quantize every slot: among the powers of two in ``[floor, cap]`` the one that
-    leaves the fewest values of the last chunk masked off (the larger on ties; below ``floor`` a 4-warp program
-    holds too few values per thread); ``next_pow2(H)`` when that is smaller."""
-    c = min(cap, next_pow2(H))
-    best = c
-    while c > floor:
-        c //= 2
-        if -H % c < -H % best:
-            best = c
-    return best
-
-
-__all__ = ["NvshmemBackend", "LaunchConfig", "row_origins", "RowOrigins", "handle_origins"]
+__all__ = ["NvshmemBackend", "row_origins", "RowOrigins", "handle_origins"]

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from mxcomm.ep import EPConfig, EPGroup
+from mxcomm.ep import EPConfig, EPGroup, LaunchConfig
 from mxcomm.ep.handle import DispatchResult
 from mxcomm.ep.plan import max_recv_rows
 from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
@@ -623,9 +623,15 @@ def config_mismatch_worker(rank: int, world: int) -> dict:
     progress("timeout mismatch")
     cfg = replace(base, timeout_s=5.0 + rank)
     _expect(fails, "timeout mismatch", ValueError, "timeout_s", lambda: EPGroup(cfg))
+    progress("launch settings mismatch")  # receivers count their senders' programs: the settings must agree
+    cfg = replace(base, launch=LaunchConfig(partials_per_sm=8 if rank == 1 else 32))
+    _expect(fails, "launch mismatch", ValueError, "'launch' (rank 0: LaunchConfig(", lambda: EPGroup(cfg))
     progress("invalid for world")
     bad = replace(base, num_experts=world + 1)
     _expect(fails, "invalid config", ValueError, "invalid EPConfig", lambda: EPGroup(bad))
+    bad = replace(base, launch={"partials_per_sm": 8})
+    _expect(fails, "launch not a LaunchConfig", ValueError, "launch must be None or a LaunchConfig",
+            lambda: EPGroup(bad))
     progress("agreeing config still works")
     EPGroup(base)
     return {"failures": fails}

@@ -9,6 +9,7 @@ test_put_path_ranks.py; real-NVSHMEM runs are GPU tests (tests/ep/test_nvshmem_g
 """
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from heap_fakes import FakeBuf, FakeCtx
 from rank_inputs import in_group_tile_rows
 from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.handle import with_weights
-from mxcomm.ep.nvshmem_backend import LaunchConfig, _qdq_chunk, row_origins
+from mxcomm.ep.launch_config import LaunchConfig, _qdq_chunk
+from mxcomm.ep.nvshmem_backend import row_origins
 from mxcomm.ep.reference.oracle import oracle_dispatch
 from mxcomm.ep.plan import FLAG_ROWS, build_plan, local_counts
 
@@ -547,7 +549,9 @@ def _loopback_backend(cfg, launch=None):
     from mxcomm.ep.nvshmem_backend import NvshmemBackend
 
     puts = LoopbackPuts() if cfg.transport == "put" else None
-    be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(), puts=puts, launch=launch)
+    if launch is not None:
+        cfg = dataclasses.replace(cfg, launch=launch)
+    be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(), puts=puts)
     assert be.put_mode == (cfg.transport == "put")
     assert be.path == {"auto": "local", "pull": "pull", "push": "push", "put": "put"}[cfg.transport]  # one rank
     assert be.memory_bytes == EPGroup.buffer_bytes(cfg, 1, put_path=be.put_mode)  # the report is what it allocates
@@ -1155,12 +1159,12 @@ def test_launch_config_refuses_settings_no_launch_can_take(field, value):
 def test_put_path_launches_its_puts_within_the_sm_budget():
     """The put path's kernels (``csrc/put_signal.cu``) get ``LaunchConfig.put_per_sm * num_sms`` CUDA blocks at
     most: the :class:`~mxcomm.ep.put_path.Puts` the path builds carries that budget to every put launch."""
-    from mxcomm.ep.nvshmem_backend import LaunchConfig, NvshmemBackend
+    from mxcomm.ep.nvshmem_backend import NvshmemBackend
 
     for sms, per_sm in ((1, 4), (24, 3)):
         cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=8, backend="nvshmem", num_sms=sms,
-                       transport="put")
-        be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap(), launch=LaunchConfig(put_per_sm=per_sm))
+                       transport="put", launch=LaunchConfig(put_per_sm=per_sm))
+        be = NvshmemBackend(cfg, None, 0, 1, heap=LoopbackHeap())
         assert be.impl.puts.blocks == sms * per_sm
     with pytest.raises(ValueError, match="put_per_sm"):
         LaunchConfig(put_per_sm=0)

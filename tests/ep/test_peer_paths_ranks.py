@@ -8,6 +8,7 @@ absent peer. Dispatch and combine
 backward's rows are compared with the single-process oracle, combine and dispatch backward with the plain-torch spec
 of one row per (token, rank) (tests/ep/combine_spec.py), all bit-exact. The CUDA kernels themselves run in the GPU
 tests."""
+import dataclasses
 import os
 import time
 
@@ -36,12 +37,13 @@ def _backend(rank, world, path, base, cfg):
     import torch.distributed as dist
 
     from heap_fakes import SharedHeap
-    from mxcomm.ep.nvshmem_backend import LaunchConfig, NvshmemBackend
+    from mxcomm.ep.launch_config import LaunchConfig
+    from mxcomm.ep.nvshmem_backend import NvshmemBackend
 
     heap = SharedHeap(path, base, rank, world, _PER_RANK)
     # a few programs per kernel (the interpreter runs them one by one), uneven counts
-    be = NvshmemBackend(cfg, None, rank, world, heap=heap,
-                        launch=LaunchConfig(dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2))
+    launch = LaunchConfig(dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2)
+    be = NvshmemBackend(dataclasses.replace(cfg, launch=launch), None, rank, world, heap=heap)
     assert be.path == cfg.transport, be.path
     dist.barrier()  # every rank's buffers exist before any rank writes into them
     return be

@@ -5,7 +5,7 @@ the nvshmem backend launches it.
     python -m mxcomm.bench.tools.kernel_report [--hidden 7168] [--topk 8] [--experts 256] [--world 4]
                                                [--kernels pack,reduce] [--json FILE]
 
-Every kernel variant the backend launches at these sizes (its default :class:`~mxcomm.ep.nvshmem_backend.LaunchConfig`:
+Every kernel variant the backend launches at these sizes (its default :class:`~mxcomm.ep.launch_config.LaunchConfig`:
 chunks, warps, rows a step) is compiled ahead of time for sm_90 with its tensor arguments specialized as 16-byte
 aligned, as Triton specializes a launch on torch tensors (:func:`compile_sm90`). An address a kernel reads from memory
 (a peer table, ``x`` by address) carries no such alignment: a kernel that loads rows through one needs the hints, and
@@ -114,7 +114,7 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     of each launch site in :mod:`mxcomm.ep.paths` and :mod:`mxcomm.ep.nvshmem_backend` (the gather's and the
     zeroing chunks, the scale layout's tiles of ``NvshmemBackend._grouped_scales``) written out here."""
     from mxcomm.ep import plan_kernels
-    from mxcomm.ep.nvshmem_backend import LaunchConfig
+    from mxcomm.ep.launch_config import LaunchConfig
     from mxcomm.ep.paths import PUSH_BLOCK
     from mxcomm.ep.plan import pull_entry_words
     from mxcomm.kernels.launch import next_pow2

@@ -4,7 +4,7 @@
     (several ranks on one GPU: start MPS first, ``mxcomm_mps_start 4`` of bench/gpu/env.sh)
 
 One EPGroup per precision (nvshmem backend, exact sizes; no-sync with --graph); for every routing-plan
-implementation and every combination of the backend's frozen :class:`~mxcomm.ep.nvshmem_backend.LaunchConfig` fields
+implementation and every combination of the backend's frozen :class:`~mxcomm.ep.launch_config.LaunchConfig` fields
 given with ``--set`` (e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend instance
 between measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch backward
 with CUDA events (median of --iters, the slowest rank), and with --profile prints rank 0's kernel-time table of five

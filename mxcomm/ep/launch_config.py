@@ -1,0 +1,111 @@
+"""LaunchConfig: the launch settings of the ``nvshmem`` backend's kernels (grids per SM, warps, row chunks).
+
+A frozen dataclass, given as ``EPConfig(launch=...)`` (None: these defaults, chosen on an H200 with
+``python -m mxcomm.bench.tools.sweep``; docs/benchmarks.md has the measurements). It is part of the config every
+rank must share: receivers count the programs their senders launch, so ranks with different settings would wait for
+arrivals that never come (``EPGroup`` refuses such a group at construction, naming the ranks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch settings of the nvshmem backend's kernels (grids are ``per_sm * SMs``, the SMs being
+    ``EPConfig.num_sms`` or the whole GPU). Given as ``EPConfig(launch=LaunchConfig(...))``; every rank of a group
+    must use the same settings (receivers count the senders' programs); ``python -m mxcomm.bench.tools.sweep``
+    measures them on a GPU.
+
+    Attributes:
+        dispatch_per_sm / dispatch_warps / dispatch_chunk: ``dispatch_kernel`` and ``pack_rows_kernel`` (memory-bound:
+            a whole row per chunk at H <= 8192); ``pull_rows_kernel`` uses the same grid.
+        weighted_warps / qdq_chunk: kernels that quantize or sum every slot (combine backward's weighted rows, the
+            one-rank reduce that rounds in registers; the warps also for the partial sums of combine): their chunk
+            divides H where it can (:func:`_qdq_chunk`), since a masked-off tail is computed all the same.
+        partials_chunk: ``combine_partials_kernel``'s row chunk (at most ``next_pow2(H)``; a masked tail where it does
+            not divide H): its per-chunk scalar work (the listed slots, their rows and weights) is paid per chunk, and
+            at 2048 values and 4 warps its MXFP8 stores are 16 bytes a thread.
+        partials_per_sm: ``combine_partials_kernel`` and ``pull_weighted_kernel`` (persistent over (token, rank)
+            entries; their arrivals are counted).
+        partials_rows: rows ``combine_partials_kernel`` loads together per step of a chunk's sum (its ``ROWS``).
+        reduce_chunk / reduce_mx_chunk / reduce_warps: ``combine_reduce_kernel`` on BF16 / MXFP8 partials that
+            arrived (its loads of a token's partials are issued together: registers bound its occupancy).
+        route_grad_per_sm: ``route_weight_grad`` (4 warps per program; one rank).
+        push_per_sm: ``push_entries_kernel``.
+        put_per_sm: the put path's put launches (``csrc/put_signal.cu``; each block takes every grid-th piece).
+        put_chunks: pieces per entry of the put path's dispatch puts (receivers count ``entries * put_chunks``
+            signals per source: every rank must use the same).
+        wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
+            peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
+            cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
+    """
+
+    dispatch_per_sm: int = 16
+    dispatch_warps: int = 8
+    dispatch_chunk: int = 8192
+    weighted_warps: int = 4
+    qdq_chunk: int = 1024
+    partials_per_sm: int = 32
+    partials_rows: int = 2
+    partials_chunk: int = 2048
+    reduce_chunk: int = 2048
+    reduce_mx_chunk: int = 8192
+    reduce_warps: int = 4
+    route_grad_per_sm: int = 8
+    push_per_sm: int = 1
+    put_per_sm: int = 4
+    put_chunks: int = 4
+    wait_warps: int = 1
+
+    def __post_init__(self):
+        """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
+        without progress): every field a positive int, chunks powers of two of at least 32 values, warps powers of
+        two up to 32."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LaunchConfig.{f.name} must be a positive int, got {v!r}")
+            if f.name.endswith("_chunk") and (v < 32 or v & (v - 1)):
+                raise ValueError(f"LaunchConfig.{f.name} must be a power of two >= 32, got {v}")
+            if f.name.endswith("_warps") and (v > 32 or v & (v - 1)):
+                raise ValueError(f"LaunchConfig.{f.name} must be a power of two <= 32, got {v}")
+
+    def row_chunk(self, H: int, weighted: bool = False) -> int:
+        """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot, as in
+        pull_weighted_kernel too)."""
+        return _qdq_chunk(H, self.qdq_chunk) if weighted else min(self.dispatch_chunk, _next_pow2(H))
+
+    def partials_row_chunk(self, H: int) -> int:
+        """Row chunk (values) of combine_partials_kernel."""
+        return min(self.partials_chunk, _next_pow2(H))
+
+    def reduce_row_chunk(self, H: int, own: bool, mx: bool) -> int:
+        """Row chunk of combine_reduce_kernel: ``own and mx`` quantizes every slot (compute-bound), the others read."""
+        if own and mx:
+            return _qdq_chunk(H, self.qdq_chunk)
+        return min(self.reduce_mx_chunk if mx else self.reduce_chunk, _next_pow2(H))
+
+
+def _next_pow2(n: int) -> int:
+    """:func:`mxcomm.kernels.launch.next_pow2` (loaded on first use: importing ``mxcomm.kernels`` loads Triton, and
+    :class:`~mxcomm.ep.config.EPConfig`, which imports this module, must not)."""
+    from ..kernels.launch import next_pow2
+
+    return next_pow2(n)
+
+
+def _qdq_chunk(H: int, cap: int = LaunchConfig.qdq_chunk, floor: int = 512) -> int:
+    """Row chunk of the kernels that quantize every slot: among the powers of two in ``[floor, cap]`` the one that
+    leaves the fewest values of the last chunk masked off (the larger on ties; below ``floor`` a 4-warp program
+    holds too few values per thread); ``next_pow2(H)`` when that is smaller."""
+    c = min(cap, _next_pow2(H))
+    best = c
+    while c > floor:
+        c //= 2
+        if -H % c < -H % best:
+            best = c
+    return best
+
+
+__all__ = ["LaunchConfig"]
