@@ -20,9 +20,9 @@ on the current CUDA stream:
    launches and torch ops.
    The copy of the status words the host sync reads and the copy of the plan the handle keeps (the checked ids and
    the plan share one buffer) are enqueued right after it, while the device still runs it;
-2. exact sizes: the call's ONE host sync (:meth:`NvshmemBackend._check`): the output size, the error words and the
-   refusals, one transfer; a rank with bad ids raises the detailed ValueError, the others PeerTimeout naming it,
-   before anything is gathered;
+2. exact sizes: the call's ONE host sync (:meth:`mxcomm.ep.status_words.StatusWords.check`): the output size, the
+   error words and the refusals, one transfer; a rank with bad ids raises the detailed ValueError, the others
+   PeerTimeout naming it, before anything is gathered;
 3. ``pull_rows_kernel``: each listed token's row read once from its source's send copy through the peer pointer and
    stored at all its rows of a fresh output tensor (the entries kept as the dispatch's table), padding rows zero;
    ``scale_rows_to_grouped_kernel``: the scale rows into a fresh grouped-along-M blocked matrix.
@@ -54,11 +54,11 @@ from .config import EPConfig
 from .launch_config import LaunchConfig
 from . import plan_kernels
 from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
-from .ids import check_expert_ids
 from .plan import FLAG_ROWS, RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from .paths import PATHS, PUSH_BLOCK, fp32_weights
 from .nvshmem_state import NvshmemState, RowOrigins, handle_origins, row_origins
+from .status_words import StatusWords
 
 _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently used dropped)
 
@@ -128,16 +128,11 @@ class NvshmemBackend:
         # the words the host reads at its one sync of an exact-size call (one transfer): [0] a bounded wait's timeout
         # (mxcomm.transport.errors), [1] bad expert ids seen on the device, [2] the row count of the last plan,
         # [3] 1 + the lowest rank that refused its input of the last dispatch (0: none; pull path)
-        self.status = torch.zeros(4, dtype=torch.int64, device=self.device)
-        self.err_words = self.status[0:2]
-        self.err, self.input_err, self._rows_word = self.status[0:1], self.status[1:2], self.status[2:3]
-        self._refused_word = self.status[3:4]
+        self.status_words = StatusWords(self.device, rank, config.num_experts, config.exact_sizes, self.capturing)
+        self.status = self.status_words.words
+        self.err, self.input_err = self.status_words.err, self.status_words.input_err
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
-        self._pending = None  # (pinned host error words, event, what) of the no-sync mode
-        self._pinned = None
-        self._status_host = None  # (pinned host copy of status, event): made once, for the exact-size sync
-        self._status_started = False  # a copy of status was enqueued at the end of a dispatch's middle
         self._plan_graphs: dict = {}  # ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph, LRU first
         self._seen_keys: dict = {}  # keys of run_middle seen once and not captured yet, oldest first
         # this call's counts (check_and_count writes them here) and, in the last word, whether this rank refused its
@@ -252,59 +247,6 @@ class NvshmemBackend:
         return dict(backend_state=NvshmemState(origins=RowOrigins(src=src, pos=pos), num_rows_dev=nrd,
                                                table=table[0] if table else None))
 
-    def _check(self, what: str, ids: torch.Tensor | None = None, started: bool = False) -> int:
-        """Raise now if a bounded wait (or the device-side input check) recorded an error: ONE host sync, which
-        reads the status words (one transfer). Returns the row count of the last plan (``status[2]``: written by
-        :meth:`compute_plan`, so after a dispatch's plan it is that dispatch's ``num_rows``). ``ids``: the caller's
-        ``topk_idx`` of this call, whose id check was deferred to this sync (bad ids raise the detailed error of
-        :func:`mxcomm.ep.ids.check_expert_ids`). ``started``: a dispatch's own sync, which reads the copy its middle
-        enqueued (:meth:`_start_status_read`) where there is one."""
-        self._pending = None
-        words = self._status_words(started)
-        if ids is not None and words[1]:
-            self._raise_bad_ids(ids)
-        if words[3] and self.config.exact_sizes:
-            self._raise_refusal(words[3] - 1, what)
-        self._raise_errors(words, what)
-        return words[2]
-
-    def _start_status_read(self) -> None:
-        """Enqueue the copy of the status words into pinned host memory now (the end of an exact-size dispatch's
-        middle, where they are final for its sync), so that the host's remaining work before the sync (the plan's
-        copies and views) overlaps the device's middle and the transfer; :meth:`_check` of the same call reads it.
-        No-op off CUDA, in the no-sync mode and inside a capture."""
-        if self.device.type != "cuda" or not self.config.exact_sizes or self.capturing():
-            return
-        if self._status_host is None:  # made once: pinned allocations cost milliseconds
-            self._status_host = (torch.empty(4, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-        host, ev = self._status_host
-        host.copy_(self.status, non_blocking=True)
-        ev.record()
-        self._status_started = True
-
-    def _status_words(self, started: bool) -> list:
-        """The status words as host ints: the copy :meth:`_start_status_read` enqueued (``started``: the dispatch's
-        own sync, right after its middle), else a copy made now. A started copy not consumed by that sync (an error
-        between the two) is dropped: every other read copies afresh."""
-        use = started and self._status_started
-        self._status_started = False
-        if not use:
-            return self.status.tolist()
-        host, ev = self._status_host
-        ev.synchronize()
-        return host.tolist()
-
-    def _raise_refusal(self, peer: int, what: str) -> None:
-        """A peer refused its input of this dispatch (its device id check found bad expert ids; it raises the
-        detailed ValueError itself): every rank abandons the call at the same sync, before anything is gathered, so
-        the group stays usable."""
-        self._refused_word.zero_()
-        raise tp.PeerTimeout(
-            peer, what, rank=self.rank, message=(
-                f"rank {self.rank}: peer {peer} refused its input of this dispatch (expert ids outside [-1, "
-                f"{self.config.num_experts}) or listed twice in one token) and raised; every rank abandoned the call "
-                "before any row was gathered, and the group stays usable"))
-
     def note_refusals(self) -> None:
         """After the counts exchange (inside a dispatch's middle): this rank's refusal word for its peers, and
         ``status[3]`` = 1 + the lowest rank that refused (read at the call's host sync), for the torch plan (the
@@ -313,24 +255,8 @@ class NvshmemBackend:
         from .nvshmem_kernels.signals import first_refusal_kernel
 
         if self.config.exact_sizes:
-            fast_kernel(first_refusal_kernel)[(1,)](self.refusal_words, self.world, self._refused_word,
+            fast_kernel(first_refusal_kernel)[(1,)](self.refusal_words, self.world, self.status_words.refused,
                                                     W_POW2=next_pow2(self.world))
-
-    def _raise_bad_ids(self, topk_idx: torch.Tensor) -> None:
-        """The device saw bad expert ids in this call's ``topk_idx``: clear the word, raise the detailed error."""
-        self.input_err.zero_()
-        check_expert_ids(topk_idx, self.config.num_experts)  # raises the detailed error
-        raise AssertionError("the device id check and check_expert_ids disagree")  # not reached
-
-    def _raise_errors(self, words: list, what: str) -> None:
-        """Raise for the host copy of ``status[:2]`` (ints): bad expert ids (reported once), then a wait's error."""
-        if words[1]:
-            self.input_err.zero_()
-            raise ValueError(
-                f"rank {self.rank}: an earlier dispatch got topk_idx with an expert id outside [-1, "
-                f"{self.config.num_experts}) or listed twice in one token; those slots were dropped (sent nowhere)"
-            )
-        tp.raise_error_words(words[:1], what=what, rank=self.rank)
 
     def _sanitize(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """Device-side check of expert ids (no host sync): out-of-range ids and repeats within a token
@@ -360,7 +286,7 @@ class NvshmemBackend:
         Exact-size mode: one small host sync reads ``input_err`` and raises the detailed ValueError of
         :func:`mxcomm.ep.ids.check_expert_ids` before anything is sent (``sync=False``: the caller reads it at its
         own next sync, before it writes any output - the local path). No-sync mode: a later call raises it
-        (see :meth:`_check_async`)."""
+        (see :meth:`StatusWords.check_async`)."""
         E = self.config.num_experts
         counts = self.counts_in[:E] if counts_out is None else counts_out
         word = self.counts_in[E:E + 1] if refusal_word else None
@@ -375,7 +301,7 @@ class NvshmemBackend:
         if new_epoch:
             self.d_epoch.add_(1)
         if sync and self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
-            self._raise_bad_ids(topk_idx)
+            self.status_words.raise_bad_ids(topk_idx)
         return ids
 
     def plan_store(self, topk_idx: torch.Tensor) -> Optional[torch.Tensor]:
@@ -396,36 +322,15 @@ class NvshmemBackend:
         peer timeout stays set (the group's protocol state is lost after it). The only error report of
         calls replayed from a CUDA graph (nothing is checked inside the graph). Capture of exact-size
         groups is refused by ``EPGroup`` before it gets here."""
-        self._check("device error words")
+        self.status_words.check("device error words")
 
     def after_call(self, what: str, waited: bool) -> None:
         """The error check that ends a call whose output sizes are known without the device (combine and both
-        backward passes), in both size modes: no host sync - :meth:`_check_async` raises an error an earlier call
-        recorded (a bounded wait that timed out), and the next exact-size dispatch (its one sync) or
+        backward passes), in both size modes: no host sync - :meth:`StatusWords.check_async` raises an error an
+        earlier call recorded (a bounded wait that timed out), and the next exact-size dispatch (its one sync) or
         :meth:`check_errors` raises this call's. A call that waited for nothing could not have recorded one."""
         if waited:
-            self._check_async(what)
-
-    def _check_async(self, what: str) -> None:
-        """No-host-sync mode: raise an error recorded by an EARLIER call (if its copy has landed), and
-        start the non-blocking copy of this call's error word; it is raised by a later call. While
-        capturing a CUDA graph nothing is checked (see :meth:`check_errors`)."""
-        if self.capturing():
-            return
-        if self._pending is not None and self._pending[1].query():
-            host, _, pwhat = self._pending
-            self._pending = None
-            self._raise_errors(host.tolist(), pwhat)
-        if self.device.type != "cuda":  # interpreter runs are synchronous anyway
-            self._check(what)
-            return
-        if self._pending is None:
-            if self._pinned is None:  # made once: pinned allocations cost milliseconds, events microseconds
-                self._pinned = (torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-            host, ev = self._pinned
-            host.copy_(self.err_words, non_blocking=True)
-            ev.record()
-            self._pending = (host, ev, what)
+            self.status_words.check_async(what)
 
     def _grouped_scales(self, plan: RoutingPlan, R: int, scale_rows: torch.Tensor) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
@@ -477,7 +382,7 @@ class NvshmemBackend:
             self.note_refusals()
         po = compute_plan(counts.clone(), topk_idx, self.rank, self.config.align, self._plan_extra)
         if exact:  # the output size, read at the call's one host sync with the error words
-            self._rows_word.copy_(po.plan.num_rows)
+            self.status_words.rows.copy_(po.plan.num_rows)
         return po
 
     def plan_from_counts(self, topk_idx: torch.Tensor) -> PlanOutputs:
@@ -519,7 +424,7 @@ class NvshmemBackend:
         path's, and ``counts_in``). Eager on the interpreter, for T = 0, and inside an outer capture (which records
         its kernels). Returns outputs the caller owns (a replay's are copied, :meth:`PlanGraph.snapshot`: the copies
         are enqueued at once, so an exact-size dispatch makes them while the device runs the middle, before its
-        host sync). The status words' copy for that sync is enqueued before them (:meth:`_start_status_read`)."""
+        host sync). The status words' copy for that sync is enqueued before them (:meth:`StatusWords.start_read`)."""
         T, k = topk_idx.shape
         graphs = self.device.type == "cuda" and T > 0 and not self.capturing()
         key = (self.path, T, topk_idx.dtype, self.plan_impl)
@@ -535,11 +440,11 @@ class NvshmemBackend:
                     self._seen_keys[key] = True
                 else:
                     self._remember_graph(key, PlanGraph(self.counts_mat, T, k, topk_idx.dtype, middle, warmup=False))
-            self._start_status_read()
+            self.status_words.start_read()
             return po
         self._remember_graph(key, g)
         g.replay(topk_idx)
-        self._start_status_read()  # before the snapshot's host work, which then overlaps the transfer
+        self.status_words.start_read()  # before the snapshot's host work, which then overlaps the transfer
         return g.snapshot()
 
     def _remember_graph(self, key, g: PlanGraph) -> None:
@@ -551,11 +456,11 @@ class NvshmemBackend:
 
     def output_rows(self, what: str, ids: torch.Tensor | None = None) -> int:
         """The row count of this dispatch's output: exact-size mode reads it at the call's one host sync with the error
-        words (:meth:`_check`; ``ids``: the caller's ids whose check was deferred to it); no-sync mode: the worst case
+        words (:meth:`StatusWords.check`; ``ids``: the caller's ids whose check was deferred to it); no-sync mode: the worst case
         ``R_max``, errors raised by a later call."""
         if self.config.exact_sizes:
-            return self._check(what, ids=ids, started=True)
-        self._check_async(what)
+            return self.status_words.check(what, ids=ids, started=True)
+        self.status_words.check_async(what)
         return self.R_max
 
     def origins_from(self, po: PlanOutputs, R: int) -> "RowOrigins":

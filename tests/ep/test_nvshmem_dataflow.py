@@ -792,30 +792,6 @@ def test_exact_dispatch_scale_matrix_is_fully_written(transport):
             f"{idx.shape[0]} tokens: the scale tile-rows past the groups are not written")
 
 
-def test_status_copy_of_a_middle_is_read_only_by_its_own_sync():
-    """The status words copied at the end of a dispatch's middle are read by that dispatch's sync alone: a sync that
-    did not start one (``check_errors``, a read after an error in between) copies the words afresh, and a started
-    copy is used at most once (a stale copy would hide an error recorded after it, or report one already cleared)."""
-
-    class Done:  # the copy's event, already complete
-        def synchronize(self):
-            pass
-
-    cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=8, backend="nvshmem", num_sms=1,
-                   timeout_s=5.0)
-    be = _loopback_backend(cfg)
-    be.status.copy_(torch.tensor([0, 0, 96, 0]))
-    stale = torch.tensor([0, 0, 32, 0])
-    be._status_host, be._status_started = (stale, Done()), True
-    assert be._status_words(started=False) == [0, 0, 96, 0]  # not the dispatch's sync: fresh words
-    assert be._status_words(started=True) == [0, 0, 96, 0]  # the copy was dropped by the read before
-    be._status_started = True
-    assert be._status_words(started=True) == [0, 0, 32, 0]  # the dispatch's own sync reads its middle's copy
-    assert be._status_words(started=True) == [0, 0, 96, 0]  # once
-    be._start_status_read()  # off CUDA: nothing enqueued, nothing marked
-    assert not be._status_started
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
 @pytest.mark.parametrize("plan_impl", ["torch", "triton"])
 def test_no_sync_mode_drops_bad_ids_and_raises(plan_impl):

@@ -1,0 +1,141 @@
+"""StatusWords: what the ``nvshmem`` backend's host learns from the device, and when it raises.
+
+Four int64 words on the device, read in one transfer:
+
+* ``err`` (word 0): a bounded wait's timeout or a bad put entry (``mxcomm.transport.errors``: code and peer);
+* ``input_err`` (word 1): bad expert ids seen by the device-side id check (out of range, or repeated in a token);
+* ``rows`` (word 2): the row count of the last routing plan (an exact-size dispatch's output size);
+* ``refused`` (word 3): 1 + the lowest rank that refused its input of the last dispatch (0: none).
+
+An exact-size dispatch reads them at its ONE host sync (:meth:`StatusWords.check`), from a copy enqueued right after
+its middle (:meth:`StatusWords.start_read`), so the host's work before the sync overlaps the transfer. Calls that do
+not sync (combine, the backward passes, every call in the no-sync mode) start a non-blocking copy of the error words
+and raise what an EARLIER call recorded once its copy has landed (:meth:`StatusWords.check_async`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import transport as tp
+from .ids import check_expert_ids
+
+
+class StatusWords:
+    """The status words of one backend (see module doc).
+
+    Args:
+        device: the backend's device (off CUDA every read is a plain copy: interpreter runs are synchronous).
+        rank: this rank (named in the errors); num_experts: E (named in the id errors).
+        exact_sizes: the config's size mode (peers' refusals abandon a call only in exact-size mode).
+        capturing: True while the current stream is being captured (nothing is read or checked then).
+    Attributes:
+        words: int64 ``[4]`` on ``device``; ``err`` / ``input_err`` / ``rows`` / ``refused``: its one-word views
+        (the kernels' arguments); ``err_words``: words 0-1.
+    """
+
+    def __init__(self, device: torch.device, rank: int, num_experts: int, exact_sizes: bool,
+                 capturing: Callable[[], bool]):
+        self.device, self.rank, self.num_experts, self.exact_sizes = device, rank, num_experts, exact_sizes
+        self.capturing = capturing
+        self.words = torch.zeros(4, dtype=torch.int64, device=device)
+        self.err_words = self.words[0:2]
+        self.err, self.input_err = self.words[0:1], self.words[1:2]
+        self.rows, self.refused = self.words[2:3], self.words[3:4]
+        self._pending = None  # (pinned host error words, event, what) of the no-sync mode
+        self._pinned = None
+        self._host = None  # (pinned host copy of the words, event): made once, for the exact-size sync
+        self._started = False  # a copy of the words was enqueued at the end of a dispatch's middle
+
+    def check(self, what: str, ids: Optional[torch.Tensor] = None, started: bool = False) -> int:
+        """Raise now if a bounded wait (or the device-side input check) recorded an error: ONE host sync, which
+        reads the words (one transfer). Returns the row count of the last plan (``rows``). ``ids``: the caller's
+        ``topk_idx`` of this call, whose id check was deferred to this sync (bad ids raise the detailed error of
+        :func:`mxcomm.ep.ids.check_expert_ids`). ``started``: a dispatch's own sync, which reads the copy its middle
+        enqueued (:meth:`start_read`) where there is one."""
+        self._pending = None
+        words = self.read(started)
+        if ids is not None and words[1]:
+            self.raise_bad_ids(ids)
+        if words[3] and self.exact_sizes:
+            self._raise_refusal(words[3] - 1, what)
+        self._raise_errors(words, what)
+        return words[2]
+
+    def start_read(self) -> None:
+        """Enqueue the copy of the words into pinned host memory now (the end of an exact-size dispatch's middle,
+        where they are final for its sync), so that the host's remaining work before the sync (the plan's copies and
+        views) overlaps the device's middle and the transfer; :meth:`check` of the same call reads it. No-op off
+        CUDA, in the no-sync mode and inside a capture."""
+        if self.device.type != "cuda" or not self.exact_sizes or self.capturing():
+            return
+        if self._host is None:  # made once: pinned allocations cost milliseconds
+            self._host = (torch.empty(4, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        host, ev = self._host
+        host.copy_(self.words, non_blocking=True)
+        ev.record()
+        self._started = True
+
+    def read(self, started: bool) -> list:
+        """The words as host ints: the copy :meth:`start_read` enqueued (``started``: the dispatch's own sync, right
+        after its middle), else a copy made now. A started copy not consumed by that sync (an error between the two)
+        is dropped: every other read copies afresh."""
+        use = started and self._started
+        self._started = False
+        if not use:
+            return self.words.tolist()
+        host, ev = self._host
+        ev.synchronize()
+        return host.tolist()
+
+    def check_async(self, what: str) -> None:
+        """No-host-sync check: raise an error recorded by an EARLIER call (if its copy has landed), and start the
+        non-blocking copy of this call's error words; a later call raises it. While capturing a CUDA graph nothing
+        is checked (``EPGroup.check_errors`` after the replays is their report)."""
+        if self.capturing():
+            return
+        if self._pending is not None and self._pending[1].query():
+            host, _, pwhat = self._pending
+            self._pending = None
+            self._raise_errors(host.tolist(), pwhat)
+        if self.device.type != "cuda":  # interpreter runs are synchronous anyway
+            self.check(what)
+            return
+        if self._pending is None:
+            if self._pinned is None:  # made once: pinned allocations cost milliseconds, events microseconds
+                self._pinned = (torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            host, ev = self._pinned
+            host.copy_(self.err_words, non_blocking=True)
+            ev.record()
+            self._pending = (host, ev, what)
+
+    def raise_bad_ids(self, topk_idx: torch.Tensor) -> None:
+        """The device saw bad expert ids in this call's ``topk_idx``: clear the word, raise the detailed error."""
+        self.input_err.zero_()
+        check_expert_ids(topk_idx, self.num_experts)  # raises the detailed error
+        raise AssertionError("the device id check and check_expert_ids disagree")  # not reached
+
+    def _raise_refusal(self, peer: int, what: str) -> None:
+        """A peer refused its input of this dispatch (its device id check found bad expert ids; it raises the
+        detailed ValueError itself): every rank abandons the call at the same sync, before anything is gathered, so
+        the group stays usable."""
+        self.refused.zero_()
+        raise tp.PeerTimeout(
+            peer, what, rank=self.rank, message=(
+                f"rank {self.rank}: peer {peer} refused its input of this dispatch (expert ids outside [-1, "
+                f"{self.num_experts}) or listed twice in one token) and raised; every rank abandoned the call "
+                "before any row was gathered, and the group stays usable"))
+
+    def _raise_errors(self, words: list, what: str) -> None:
+        """Raise for the host copy of words 0-1 (ints): bad expert ids (reported once), then a wait's error."""
+        if words[1]:
+            self.input_err.zero_()
+            raise ValueError(
+                f"rank {self.rank}: an earlier dispatch got topk_idx with an expert id outside [-1, "
+                f"{self.num_experts}) or listed twice in one token; those slots were dropped (sent nowhere)"
+            )
+        tp.raise_error_words(words[:1], what=what, rank=self.rank)
+
+
+__all__ = ["StatusWords"]

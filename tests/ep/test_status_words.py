@@ -1,0 +1,98 @@
+"""The status words of the nvshmem backend (``mxcomm.ep.status_words``): what the host raises at its one sync of an
+exact-size dispatch and, without a sync, one call later; on CPU (the copies are plain reads off CUDA)."""
+import pytest
+import torch
+
+from mxcomm.ep.status_words import StatusWords
+from mxcomm.transport import PeerTimeout
+from mxcomm.transport.errors import TIMEOUT_CODE, error_word
+
+
+def _words(exact_sizes=True, capturing=False):
+    return StatusWords(torch.device("cpu"), rank=1, num_experts=4, exact_sizes=exact_sizes,
+                       capturing=lambda: capturing)
+
+
+def test_the_views_are_the_words():
+    """The one-word views the kernels write are the words the host reads."""
+    sw = _words()
+    sw.err.fill_(7)
+    sw.input_err.fill_(1)
+    sw.rows.fill_(96)
+    sw.refused.fill_(3)
+    assert sw.words.tolist() == [7, 1, 96, 3]
+    assert sw.err_words.tolist() == [7, 1]
+
+
+def test_check_returns_the_row_count_and_raises_in_order():
+    """A clean read returns the plan's row count; bad ids of this call raise the detailed id error (and are cleared);
+    a peer's refusal raises PeerTimeout naming it (cleared: the group stays usable); a wait's timeout raises
+    PeerTimeout naming the peer and stays set."""
+    sw = _words()
+    sw.rows.fill_(96)
+    assert sw.check("dispatch") == 96
+    sw.input_err.fill_(1)
+    bad = torch.tensor([[0, 4]])  # expert 4 of 4 is out of range
+    with pytest.raises(ValueError, match="expert"):
+        sw.check("dispatch", ids=bad)
+    assert sw.input_err.item() == 0
+    sw.refused.fill_(1 + 2)
+    with pytest.raises(PeerTimeout, match="peer 2 refused its input"):
+        sw.check("dispatch")
+    assert sw.refused.item() == 0
+    assert sw.check("dispatch") == 96
+    sw.err.fill_(error_word(TIMEOUT_CODE, 3))
+    for _ in range(2):
+        with pytest.raises(PeerTimeout) as e:
+            sw.check("combine")
+        assert e.value.peer == 3
+
+
+def test_bad_ids_of_an_earlier_call_are_reported_once():
+    """Without the call's ids (a later check) bad ids raise the generic error once."""
+    sw = _words()
+    sw.input_err.fill_(1)
+    with pytest.raises(ValueError, match="an earlier dispatch"):
+        sw.check("device error words")
+    assert sw.check("device error words") == 0
+
+
+def test_refusals_abandon_only_exact_size_calls():
+    """In the no-sync mode bad ids are dropped and the call goes on: a refusal word does not raise."""
+    sw = _words(exact_sizes=False)
+    sw.refused.fill_(1)
+    assert sw.check("dispatch") == 0
+
+
+def test_check_async_checks_at_once_off_cuda_and_nothing_while_capturing():
+    """Off CUDA the no-sync check reads at once (the interpreter runs synchronously); inside a capture it reads
+    nothing (the replays' report is ``check_errors``)."""
+    sw = _words()
+    sw.err.fill_(error_word(TIMEOUT_CODE, 0))
+    with pytest.raises(PeerTimeout):
+        sw.check_async("combine")
+    cap = _words(capturing=True)
+    cap.err.fill_(error_word(TIMEOUT_CODE, 0))
+    cap.check_async("combine")  # nothing read, nothing raised
+
+
+def test_status_copy_of_a_middle_is_read_only_by_its_own_sync():
+    """The words copied at the end of a dispatch's middle are read by that dispatch's sync alone: a sync that did not
+    start one (``check_errors``, a read after an error in between) copies the words afresh, and a started copy is
+    used at most once (a stale copy would hide an error recorded after it, or report one already cleared)."""
+
+    class Done:  # the copy's event, already complete
+        def synchronize(self):
+            pass
+
+    sw = _words()
+    sw.words.copy_(torch.tensor([0, 0, 96, 0]))
+    stale = torch.tensor([0, 0, 32, 0])
+    sw._host, sw._started = (stale, Done()), True
+    assert sw.read(started=False) == [0, 0, 96, 0]  # not the dispatch's sync: fresh words
+    assert sw.read(started=True) == [0, 0, 96, 0]  # the copy was dropped by the read before
+    sw._started = True
+    assert sw.read(started=True) == [0, 0, 32, 0]  # the dispatch's own sync reads its middle's copy
+    assert sw.read(started=True) == [0, 0, 96, 0]  # once
+    sw.start_read()  # off CUDA: nothing enqueued, nothing marked
+    assert not sw._started
