@@ -68,6 +68,25 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def _settings(text: str) -> dict:
+    """``FIELD=INT[,FIELD=INT...]`` (``--launch``) -> ``{field: int}``; the fields are checked by
+    :meth:`BenchOptions.validate` (against :class:`mxcomm.ep.LaunchConfig`)."""
+    out = {}
+    for part in str(text).replace(" ", "").split(","):
+        if not part:
+            continue
+        name, eq, value = part.partition("=")
+        try:
+            if not (eq and name):
+                raise ValueError
+            out[name] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not FIELD=INTEGER (e.g. partials_per_sm=16)") from None
+    if not out:
+        raise argparse.ArgumentTypeError("empty list")
+    return out
+
+
 def _str_list(text: str) -> list[str]:
     out = [p.strip().lower() for p in str(text).split(",") if p.strip()]
     if not out:
@@ -156,6 +175,7 @@ class BenchOptions:
     mps: str = "check"
     start: str = "auto"
     l2_flush: bool = True
+    launch: dict = field(default_factory=dict)
 
     @property
     def max_tokens(self) -> int:
@@ -169,6 +189,12 @@ class BenchOptions:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+    def launch_config(self):
+        """The :class:`mxcomm.ep.LaunchConfig` of this run (its defaults with ``launch``'s fields set)."""
+        from ..ep.launch_config import LaunchConfig
+
+        return LaunchConfig(**self.launch)
+
     def ep_config(self, precision: str, backend: Optional[str] = None):
         """The :class:`mxcomm.ep.EPConfig` of this run for one payload precision."""
         from ..ep.config import EPConfig
@@ -178,7 +204,7 @@ class BenchOptions:
             align=self.align, precision=precision, backend=backend or self.backend, num_sms=self.num_sms,
             # CUDA graphs need the no-host-sync mode (the reference backend is never captured)
             exact_sizes=self.exact_sizes and not (self.cuda_graph and (backend or self.backend) == "nvshmem"),
-            transport=self.transport,
+            transport=self.transport, launch=self.launch_config() if self.launch else None,
         )
 
     def validate(self) -> None:
@@ -234,6 +260,19 @@ class BenchOptions:
             bad(f"--num-sms must be a positive integer, got {self.num_sms}")
         if self.align not in ALIGNS:
             bad(f"--align must be one of {ALIGNS}, got {self.align}")
+        if self.launch:
+            if self.backend != "nvshmem":
+                bad("--launch sets the nvshmem backend's kernel launches; the reference backend launches none")
+            from ..ep.launch_config import LaunchConfig
+
+            names = [f.name for f in dataclasses.fields(LaunchConfig)]
+            unknown = [k for k in self.launch if k not in names]
+            if unknown:
+                bad(f"--launch: no LaunchConfig field {', '.join(unknown)} (fields: {', '.join(names)})")
+            try:
+                self.launch_config()
+            except ValueError as e:
+                bad(f"--launch: {e}")
         if self.iters < 1:
             bad(f"--iters must be >= 1, got {self.iters}")
         if self.warmup < 0:
@@ -281,6 +320,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "times measure nothing): check (default) refuses to start without a running MPS daemon; start "
                         "starts a daemon for this run and stops it at the end")
     w.add_argument("--num-sms", type=int, help="SMs the mxcomm GPU kernels may use (default: all)")
+    w.add_argument("--launch", type=_settings, metavar="FIELD=N[,...]",
+                   help="nvshmem kernel launch settings (mxcomm.ep.LaunchConfig fields, e.g. partials_per_sm=16)")
     w.add_argument("--no-exact-sizes", action="store_true",
                    help="EPConfig(exact_sizes=False): worst-case output sizes, no host sync in the GPU backend")
     w.add_argument("--transport", choices=TRANSPORTS, default="auto",
@@ -376,7 +417,7 @@ def options_from_args(args: argparse.Namespace, *, world_size: Optional[int] = N
         check=not args.no_check, exact_sizes=not args.no_exact_sizes, cuda_graph=args.cuda_graph,
         transport=args.transport, timeout_s=args.timeout if args.timeout is not None else (900.0 if device == "cuda" else 300.0),
         pg_timeout_s=args.pg_timeout, progress=not args.no_progress, mps=args.mps,
-        start=args.start, l2_flush=not args.no_l2_flush,
+        start=args.start, l2_flush=not args.no_l2_flush, launch=dict(args.launch or {}),
     )
     if opts.side_channel == "auto":
         opts.side_channel = "nccl" if device == "cuda" and rpg == 1 else "gloo"

@@ -261,7 +261,9 @@ def build_report(*, options: dict, world: dict, meta: dict, phases: list, comman
         "world_note": _world_note(options, rpg),
         "sm_count": {"device": sm_dev, "mxcomm_num_sms": options.get("num_sms") or sm_dev,
                      "baselines": "library defaults (NCCL / torch choose their own SM count)"},
-        "launch": dataclasses.asdict(LaunchConfig()),  # the nvshmem backend's kernel launch settings (defaults)
+        # the nvshmem kernels' launch settings (None: the reference backend launches none)
+        "launch": (dataclasses.asdict(LaunchConfig(**(options.get("launch") or {})))
+                   if options.get("backend") == "nvshmem" else None),
         "precisions": options["precisions"],
         "byte_conventions": ["dedup", "per_selection"],
         "conventions": CONVENTIONS,
