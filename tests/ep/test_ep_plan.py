@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mxcomm.ep import EPConfig, EPGroup, build_plan, buffer_sizes, local_counts, max_recv_rows, recv_rows
+from mxcomm.ep import (EPConfig, EPGroup, LaunchConfig, build_plan, buffer_sizes, local_counts, max_recv_rows,
+                       recv_rows)
 from mxcomm.ep.ids import check_expert_ids
 from mxcomm.ep.validate import dispatch_inputs as validate_dispatch_inputs
 from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
@@ -67,7 +68,7 @@ def test_fingerprint_distinguishes_every_field():
     assert dict(BASE.fingerprint())["topk"] == 2
     changes = dict(num_experts=16, hidden=256, topk=3, max_tokens_per_rank=17, align=128, precision="bf16",
                    scale_mode="floor", backend="nvshmem", num_sms=4, timeout_s=31.0, exact_sizes=False,
-                   transport="put", recv_window_rows=64)
+                   transport="put", recv_window_rows=64, launch=LaunchConfig(partials_per_sm=8))
     assert set(changes) == {n for n, _ in BASE.fingerprint()}
     base_codes = BASE.fingerprint_codes()
     for name, v in changes.items():
