@@ -2,7 +2,7 @@
 the device copy ceiling and, for dispatch, a naive baseline kernel.
 
     python3 bench/bench_ep_kernels.py [--tokens 8192] [--hidden 7168] [--topk 8] [--experts 256]
-                                      [--impls mxcomm.ep.nvshmem_kernels,other.module]
+                                      [--impls mxcomm.ep.nvshmem.kernels,other.module]
 
 No NVSHMEM: with one rank every slot stays on this GPU, so the kernels are launched with one-entry pointer
 tables that point at plain CUDA tensors (what the backend passes in loopback, minus the symmetric heap).
@@ -802,7 +802,7 @@ def main() -> None:
                          "gaps); events: CUDA events around one eager launch (it includes "
                          "part of the host's launch time, up to ~30 µs per Triton launch)")
     ap.add_argument("--ops", default="dispatch,naive,reduce")
-    ap.add_argument("--impls", default="mxcomm.ep.nvshmem_kernels")
+    ap.add_argument("--impls", default="mxcomm.ep.nvshmem.kernels")
     ap.add_argument("--programs", default="4,tokens", help="programs per SM, or 'tokens' (one per token)")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--chunks", default="1024")

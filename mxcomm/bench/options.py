@@ -191,7 +191,7 @@ class BenchOptions:
 
     def launch_config(self):
         """The :class:`mxcomm.ep.LaunchConfig` of this run (its defaults with ``launch``'s fields set)."""
-        from ..ep.launch_config import LaunchConfig
+        from ..ep.nvshmem.launch_config import LaunchConfig
 
         return LaunchConfig(**self.launch)
 
@@ -263,7 +263,7 @@ class BenchOptions:
         if self.launch:
             if self.backend != "nvshmem":
                 bad("--launch sets the nvshmem backend's kernel launches; the reference backend launches none")
-            from ..ep.launch_config import LaunchConfig
+            from ..ep.nvshmem.launch_config import LaunchConfig
 
             names = [f.name for f in dataclasses.fields(LaunchConfig)]
             unknown = [k for k in self.launch if k not in names]

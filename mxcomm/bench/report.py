@@ -27,7 +27,7 @@ import os
 import statistics
 from typing import Optional
 
-from ..ep.launch_config import LaunchConfig
+from ..ep.nvshmem.launch_config import LaunchConfig
 from .floor import floor_us as _floor_us
 from .floor import world_floor_bytes
 from .options import BACKWARD_TWIN, FORWARD_ONLY_IMPLS, OPS

@@ -4,14 +4,14 @@ Public API: :class:`EPConfig` (with the GPU backend's :class:`LaunchConfig`), :c
 ``combine``, autograd-aware; ``steps``: the collectives without autograd), the values :class:`Dispatched` /
 :class:`EPHandle` (and, for a call on a communication stream, :class:`EPEvent` / :class:`Combined`), and the shared
 routing plan (:mod:`mxcomm.ep.plan`). Backends: ``"torch"`` (the reference, :mod:`mxcomm.ep.reference`, which
-also holds the single-process oracles the tests use) and ``"nvshmem"`` (GPU). Names load on first use, so ``import
-mxcomm.ep`` costs nothing until one is touched.
+also holds the single-process oracles the tests use) and ``"nvshmem"`` (GPU, :mod:`mxcomm.ep.nvshmem`). Names load on
+first use, so ``import mxcomm.ep`` costs nothing until one is touched.
 """
 import importlib
 
 _NAMES = {
     "EPConfig": ".config", "PATHS": ".config", "TRANSPORTS": ".config", "PRECISIONS": ".config",
-    "LaunchConfig": ".launch_config",
+    "LaunchConfig": ".nvshmem.launch_config",
     "EPGroup": ".group", "EPSteps": ".steps",
     "Dispatched": ".handle", "EPHandle": ".handle", "CombineSaved": ".handle", "CombineGrads": ".handle",
     "RoutingPlan": ".plan", "build_plan": ".plan", "local_counts": ".plan", "recv_rows": ".plan",

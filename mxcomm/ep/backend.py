@@ -1,7 +1,7 @@
 """The small protocol between :class:`~mxcomm.ep.group.EPGroup` and a backend, and the factory that builds one.
 
 Backends: ``"torch"`` (:class:`mxcomm.ep.reference.TorchBackend`, the reference: quantize + torch.distributed
-all-to-all; CPU/gloo and GPU/NCCL) and ``"nvshmem"`` (:class:`mxcomm.ep.nvshmem_backend.NvshmemBackend`, GPU kernels
+all-to-all; CPU/gloo and GPU/NCCL) and ``"nvshmem"`` (:class:`mxcomm.ep.nvshmem.backend.NvshmemBackend`, GPU kernels
 over NVSHMEM symmetric buffers; loaded lazily). The group validates every argument before it calls a backend
 (:mod:`mxcomm.ep.validate`); every method is collective.
 """
@@ -82,7 +82,7 @@ def make_backend(config: EPConfig, group, rank: int, world_size: int, group_id: 
         return TorchBackend(config, group, rank, world_size, group_id=group_id, bounded=bounded)
     if config.backend == "nvshmem":
         try:
-            from .nvshmem_backend import NvshmemBackend  # type: ignore[import-not-found]
+            from .nvshmem.backend import NvshmemBackend  # type: ignore[import-not-found]
         except ImportError as e:
             raise ImportError(f"the 'nvshmem' EP backend is not available: {e}") from e
         return NvshmemBackend(config, group, rank, world_size, group_id=group_id, bounded=bounded)

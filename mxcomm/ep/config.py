@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from ..mx.modes import SCALE_MODES
-from .launch_config import LaunchConfig
+from .nvshmem.launch_config import LaunchConfig
 
 PRECISIONS = ("mxfp8", "bf16")
 BACKENDS = ("torch", "nvshmem")
@@ -70,9 +70,9 @@ class EPConfig:
             the put path at least what its ``recv_q`` holds for combine backward). A window set here also bounds the
             put path's combine backward, whose gradient rows then move in rounds that fit it
             (:func:`mxcomm.ep.plan.put_round_tokens`). Unused by the other paths.
-        launch: the ``nvshmem`` backend's kernel launch settings (:class:`~mxcomm.ep.launch_config.LaunchConfig`:
-            programs per SM, warps, row chunks); None: its defaults. Identical on every rank (receivers count the
-            senders' programs). Unused by ``torch``.
+        launch: the ``nvshmem`` backend's kernel launch settings
+            (:class:`~mxcomm.ep.nvshmem.launch_config.LaunchConfig`: programs per SM, warps, row chunks); None: its
+            defaults. Identical on every rank (receivers count the senders' programs). Unused by ``torch``.
     """
 
     num_experts: int

@@ -30,7 +30,7 @@ def _lab_results(tmp_path, *args) -> list:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run uses the CPU interpreter")
 def test_bench_ep_kernels_smoke(tmp_path):
     res = _lab_results(tmp_path, "--ops", "dispatch,naive,reduce,pattern")
-    mod = "mxcomm.ep.nvshmem_kernels"
+    mod = "mxcomm.ep.nvshmem.kernels"
     ops = ("dispatch", "copyout", "swizzle", "pack", "gather", "push_path", "pull_path", "local_path", "reduce",
            "reduce_own")
     assert {(x["op"], x["impl"]) for x in res} == {(op, mod) for op in ops} | {("dispatch", "naive")} | {

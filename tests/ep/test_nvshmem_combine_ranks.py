@@ -12,7 +12,7 @@ import triton
 
 from combine_spec import BF16_MAX, routings, assert_bf16_same, combine as spec_combine, partial as spec_partial, ptrs, \
     route_grad, token_ranks, tq
-from mxcomm.ep.nvshmem_backend import row_origins
+from mxcomm.ep.nvshmem.backend import row_origins
 from mxcomm.ep.plan import FLAG_ROWS, build_plan, local_counts, pull_entry_words
 from mxcomm.mx import quantize
 
@@ -58,7 +58,7 @@ class Ranks:
         return t
 
     def _tables(self, g):
-        from mxcomm.ep.nvshmem_kernels import entries_table_kernel, push_entries_kernel
+        from mxcomm.ep.nvshmem.kernels import entries_table_kernel, push_entries_kernel
 
         W, k, T_max, ep = self.W, self.k, self.T_max, torch.tensor([self.epoch])
         EW = pull_entry_words(k)
@@ -184,7 +184,7 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
     order of the ranks' first appearance. Bit-exact against the spec at the stored partials (payload and scale bytes)
     and at the result; the other copy, the non-leading slots and every padding row (NaN) are never touched or read; a
     NaN / Inf expert row poisons exactly the tokens with a slot on it; a token without a valid slot gives 0."""
-    from mxcomm.ep.nvshmem_kernels import combine_partials_kernel, combine_reduce_kernel
+    from mxcomm.ep.nvshmem.kernels import combine_partials_kernel, combine_reduce_kernel
 
     g = torch.Generator().manual_seed(zlib.crc32(repr((W, E, k, H, Ts, mx, weighted, passthrough, hot)).encode()))
     rk = Ranks(W, E, k, Ts, g, hot=None if hot is None else hot)
@@ -262,7 +262,7 @@ def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
     summed) that is finite in fp32 is stored as +-BF16_MAX, not Inf (BF16 transport; MXFP8 decodes saturated), and
     the origin's sum of finite partials saturates at the BF16 range too; a partial that overflows fp32 passes through
     as Inf. Bit-exact to the spec at the stored partials and at the result, across simulated ranks."""
-    from mxcomm.ep.nvshmem_kernels import combine_partials_kernel, combine_reduce_kernel
+    from mxcomm.ep.nvshmem.kernels import combine_partials_kernel, combine_reduce_kernel
 
     E, k, H, Ts = 4 * W, 3, 64, [6] * W
     g = torch.Generator().manual_seed(77 + W + mx)
@@ -315,7 +315,7 @@ def test_partials_send_nothing_after_a_failed_wait(staged):
     or of an earlier call timed out) writes no partial and raises no arrival flag, so that its peers' bounded waits
     fail instead of summing partials formed with weights that may not have arrived; with a clear word the same launch
     writes every listed token's partial and raises the flags (the control)."""
-    from mxcomm.ep.nvshmem_kernels import combine_partials_kernel
+    from mxcomm.ep.nvshmem.kernels import combine_partials_kernel
 
     W, E, k, H, Ts = 3, 9, 3, 64, [5, 4, 6]
     g = torch.Generator().manual_seed(11 + staged)
@@ -357,8 +357,8 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
     raises no flag; the entries of ``put_path.partial_rows`` (one per (token, rank), applied as byte copies) carry it
     to the origin's slot in the copy of the epoch's parity, and the reduce there gives the spec's result (weighted;
     unweighted with MX input rows). ``tc``: tokens per round (None: one round)."""
-    from mxcomm.ep.nvshmem_kernels import combine_partials_kernel, combine_reduce_kernel
-    from mxcomm.ep.put_path import partial_rows
+    from mxcomm.ep.nvshmem.kernels import combine_partials_kernel, combine_reduce_kernel
+    from mxcomm.ep.nvshmem.put_path import partial_rows
 
     g = torch.Generator().manual_seed(W * 1000 + E * 10 + k + H)
     rk = Ranks(W, E, k, Ts, g)
@@ -428,7 +428,7 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
     Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with zero tokens, dropped slots. ``tc``: the put
     path's rounds (``TOKEN_RANGE``), each launch the entries of ``tc`` tokens of every source, whose gradient rows
     are the round's (a ``[tc, H]`` buffer per source)."""
-    from mxcomm.ep.nvshmem_kernels import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel
+    from mxcomm.ep.nvshmem.kernels import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel
 
     g = torch.Generator().manual_seed(W * 31 + E + k + H + copies)
     rk = Ranks(W, E, k, Ts, g, epoch=7)
@@ -560,7 +560,7 @@ def test_publish_without_wait_then_wait_published(W, silent):
     waiting (no error word, even before its peers have published). ``wait_published_kernel`` then returns at once
     on every rank when all published; when ``silent`` did not, every rank's wait times out naming it. Only the
     publishers' rows of the counts matrix are written."""
-    from mxcomm.ep.nvshmem_kernels import publish_kernel, wait_published_kernel
+    from mxcomm.ep.nvshmem.kernels import publish_kernel, wait_published_kernel
     from mxcomm.transport.errors import TIMEOUT_CODE, error_word
     from mxcomm.transport.flags import timeout_ns
 
@@ -600,7 +600,7 @@ def test_publish_counts_with_refusal_word_then_first_refusal(W, refusing):
     nobody. Nothing else of the buffers is written. ``first_refusal_kernel`` then gives 1 + the lowest refusing rank
     (0: none) on every rank. The route weights (``[T, k]`` words, no tail) and the "ready" handshake (no words)
     publish the same way on their own flag rows."""
-    from mxcomm.ep.nvshmem_kernels import first_refusal_kernel, publish_kernel
+    from mxcomm.ep.nvshmem.kernels import first_refusal_kernel, publish_kernel
     from mxcomm.transport.errors import TIMEOUT_CODE, error_word
     from mxcomm.transport.flags import timeout_ns
 

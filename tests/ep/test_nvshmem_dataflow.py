@@ -19,8 +19,8 @@ from heap_fakes import FakeBuf, FakeCtx
 from rank_inputs import in_group_tile_rows
 from mxcomm.ep import EPConfig, EPGroup
 from mxcomm.ep.handle import with_weights
-from mxcomm.ep.launch_config import LaunchConfig, _qdq_chunk
-from mxcomm.ep.nvshmem_backend import row_origins
+from mxcomm.ep.nvshmem.launch_config import LaunchConfig, _qdq_chunk
+from mxcomm.ep.nvshmem.backend import row_origins
 from mxcomm.ep.reference.oracle import oracle_dispatch
 from mxcomm.ep.plan import FLAG_ROWS, build_plan, local_counts
 
@@ -75,7 +75,7 @@ class LoopbackHeap:
 
 
 class LoopbackPuts:
-    """In-process stand-in for ``mxcomm.ep.put_path.Puts`` (the CUDA put-with-signal kernels) seen from rank 0:
+    """In-process stand-in for ``mxcomm.ep.nvshmem.put_path.Puts`` (the CUDA put-with-signal kernels) seen from rank 0:
     a put to PE 0 copies each entry's bytes after the same range check as ``mx_put_signal`` and adds
     ``entries * chunks`` to the signal word; entries for other PEs (``world > 1``: ranks that never run) are
     range-checked and dropped. A wait records a timeout error word for a word still short (nothing runs
@@ -127,7 +127,7 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     weights the entry carries as the table's weights (0 for one not received), and ignores entries of an older epoch
     (pre-filled garbage with an old tag, some with the same low 32 bits as this epoch).
     Ranks with zero tokens, dropped slots, tokens with several experts on one rank; the odd epoch reads copy 1."""
-    from mxcomm.ep.nvshmem_kernels import pull_rows_kernel, push_entries_kernel
+    from mxcomm.ep.nvshmem.kernels import pull_rows_kernel, push_entries_kernel
     from mxcomm.ep.plan import FLAG_ROWS, pull_entry_words
 
     g = torch.Generator().manual_seed(W * 10 + E + k)
@@ -207,9 +207,9 @@ def test_plan_entries_is_the_plan_and_the_entries_in_one_launch(T, absent):
     source and call, whatever the token count: none too) and waits for every source's: ``expect`` advances by one
     per source, and a source that never arrived is named in the error word; its ticket is back at 0. Three ranks
     simulated in one process (pointer tables), rank 1 under test, the other sources' arrivals set by hand."""
-    from mxcomm.ep.nvshmem_kernels import plan_entries_kernel, push_entries_kernel
+    from mxcomm.ep.nvshmem.kernels import plan_entries_kernel, push_entries_kernel
     from mxcomm.ep.plan import pull_entry_words
-    from mxcomm.ep.plan_kernels import PlanJobs, check_and_count, triton_plan
+    from mxcomm.ep.nvshmem.plan_kernels import PlanJobs, check_and_count, triton_plan
     from mxcomm.transport.errors import TIMEOUT_CODE, error_word
 
     W, me, E, k, T_max, align, epoch = 3, 1, 12, 3, 40, 4, 6
@@ -272,9 +272,9 @@ def test_pull_head_does_what_its_steps_do(T, G, epoch, mx, absent):
     parity, the error word (a rank that never published: named); tickets and totals back at 0. Bad ids (out of
     range, repeats), NaN/Inf rows, more blocks than programs and more programs than tokens, no tokens; the scan
     in tiles smaller than the table (several row steps)."""
-    from mxcomm.ep.nvshmem_kernels import (pack_rows_kernel, publish_kernel, pull_head_kernel, scan_and_wait_kernel,
+    from mxcomm.ep.nvshmem.kernels import (pack_rows_kernel, publish_kernel, pull_head_kernel, scan_and_wait_kernel,
                                            wait_published_kernel)
-    from mxcomm.ep.plan_kernels import check_and_count, slot_blocks, tokens_per_block
+    from mxcomm.ep.nvshmem.plan_kernels import check_and_count, slot_blocks, tokens_per_block
 
     W, me, E, k, H, T_max = 3, 1, 16, 8, 64, 48
     g = torch.Generator().manual_seed(T * 7 + G)
@@ -356,7 +356,7 @@ def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode, weighted, grid):
     fill the last program; ``k`` not a power of two; ``H = 96`` (a masked chunk); a row's two chunks on one program
     or dealt out over the grid's second axis (2 programs, or 3: one without a chunk)."""
     from combine_spec import assert_bf16_same, combine as spec_combine
-    from mxcomm.ep.nvshmem_kernels import combine_reduce_kernel
+    from mxcomm.ep.nvshmem.kernels import combine_reduce_kernel
     from mxcomm.mx import quantize
 
     g = torch.Generator().manual_seed(E * 10 + k + weighted)
@@ -406,7 +406,7 @@ def test_one_rank_reduce_gives_plus_zero(mx):
     ``-1e-3`` beside ``1000`` in one 32-block quantizes to -0; BF16: an fp32 product below bf16's smallest subnormal
     rounds to -0."""
     from combine_spec import combine as spec_combine
-    from mxcomm.ep.nvshmem_kernels import combine_reduce_kernel
+    from mxcomm.ep.nvshmem.kernels import combine_reduce_kernel
 
     H, k = 32, 1
     idx = torch.tensor([[0], [0]])
@@ -433,7 +433,7 @@ def test_one_rank_reduce_saturates_near_max(mx, weighted):
     partial that is finite in fp32 but past the BF16 range comes out +-BF16_MAX (BF16 transport saturates it; MXFP8
     decodes saturated), one that overflows fp32 stays Inf; bit-exact to the spec."""
     from combine_spec import BF16_MAX, assert_bf16_same, combine as spec_combine
-    from mxcomm.ep.nvshmem_kernels import combine_reduce_kernel
+    from mxcomm.ep.nvshmem.kernels import combine_reduce_kernel
 
     H, k, E = 64, 2, 4
     idx = torch.tensor([[0, -1], [1, 2], [3, -1], [2, 0]])
@@ -460,7 +460,7 @@ def test_dispatch_kernel_zero_pad_zeroes_exactly_the_unfilled_rows(E, k, align, 
     ``tail`` rows past ``n_rows`` (a worst-case-sized output) are not written; every real row holds what the same
     kernel without ``ZERO_PAD`` stores there. Empty groups, a group with every token, odd counts, fewer programs than
     groups."""
-    from mxcomm.ep.nvshmem_kernels import dispatch_kernel
+    from mxcomm.ep.nvshmem.kernels import dispatch_kernel
 
     g = torch.Generator().manual_seed(E + k + tail)
     T, H = 13, 64
@@ -509,7 +509,7 @@ def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_
     not written without it (the worst-case tail of the no-sync mode).
     ``word``: the 4-byte-column variant (what the backend runs when ``C % 4 == 0``)."""
     import triton
-    from mxcomm.ep.nvshmem_kernels import scale_rows_to_grouped_kernel
+    from mxcomm.ep.nvshmem.kernels import scale_rows_to_grouped_kernel
     from mxcomm.mx import grouped_m_rows, round_up, to_grouped_m
 
     g = torch.Generator().manual_seed(El * 1000 + C)
@@ -546,7 +546,7 @@ def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_
 
 
 def _loopback_backend(cfg, launch=None):
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
 
     puts = LoopbackPuts() if cfg.transport == "put" else None
     if launch is not None:
@@ -617,7 +617,7 @@ def test_delivered_weights_are_the_dispatched_tensor_unchanged():
     alias (``detach``, a full view) counts; a copy with the same values (an empty one too: empty tensors share the
     address 0), another layout, offset or dtype, or the same tensor after an in-place change (its version counter
     moved) does not."""
-    from mxcomm.ep.nvshmem_state import DeliveredWeights
+    from mxcomm.ep.nvshmem.state import DeliveredWeights
 
     w = torch.rand(6, 4)
     d = DeliveredWeights.of(torch.zeros(12, 4), w)
@@ -797,7 +797,7 @@ def test_exact_dispatch_scale_matrix_is_fully_written(transport):
 def test_no_sync_mode_drops_bad_ids_and_raises(plan_impl):
     """exact_sizes=False checks ids on the device: a bad id is dropped (nothing written out of bounds),
     the rest of the rows arrive, and the error is raised (here at once: the interpreter is synchronous)."""
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
 
     cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=8, backend="nvshmem", num_sms=1,
                    exact_sizes=False, timeout_s=5.0)
@@ -901,7 +901,7 @@ def test_peer_that_never_arrives_raises_naming_it():
     rank 0's dispatch raises PeerTimeout naming rank 1 after about timeout_s instead of hanging."""
     import time
 
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
     from mxcomm.transport import PeerTimeout
 
     cfg = EPConfig(num_experts=4, hidden=32, topk=2, max_tokens_per_rank=4, backend="nvshmem", num_sms=1,
@@ -920,7 +920,7 @@ _AOT = '''
 import re
 
 from mxcomm.bench.tools.kernel_report import compile_sm90
-from mxcomm.ep import nvshmem_kernels as nk
+from mxcomm.ep.nvshmem import kernels as nk
 
 def compile(fn, types, fusion=True, **consts):
     # tensor arguments 16-byte aligned, as a launch specializes them (the layouts, and so the vector widths and the
@@ -1057,7 +1057,7 @@ ent = dict(dest_rank_ptr=i32, dest_row_ptr=i32, w_ptr="*fp32", list_peers=i64, f
 for one in ({}, dict(me=1), dict(me=1, T_max=1, T=1)):  # a launch specializes ints equal to 1 as constants
     compile(nk.push_entries_kernel, ent, K=8, EW=32, BLOCK=64, **one)
 # the pull path's plan with its entries and their wait (its last program: a ticket at system scope)
-from mxcomm.ep import plan_kernels as pk
+from mxcomm.ep.nvshmem import plan_kernels as pk
 plan_ptrs = {n: "*i64" if n == "status_ptr" else i32 for n in pk.plan_kernel.arg_names if n.endswith("_ptr")}
 ptx = compile(nk.plan_entries_kernel, dict(plan_ptrs, w_ptr="*fp32", list_peers=i64, flags_peers=i64, epoch_ptr=i64,
               ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64, err_ptr=i64, timeout_ns="i64"), W_POW2=4,
@@ -1094,7 +1094,7 @@ def test_ep_kernels_compile_for_sm90_both_paths(tmp_path):
 def test_put_path_peer_that_never_signals_raises_naming_it():
     """Put path: rank 1 never runs, so no count signal arrives from it; rank 0's dispatch raises PeerTimeout
     naming rank 1 (the signal wait records the source's index, the backend turns it into the error)."""
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
     from mxcomm.transport import PeerTimeout
 
     cfg = EPConfig(num_experts=4, hidden=32, topk=2, max_tokens_per_rank=4, backend="nvshmem", num_sms=1,
@@ -1134,8 +1134,8 @@ def test_launch_config_refuses_settings_no_launch_can_take(field, value):
 
 def test_put_path_launches_its_puts_within_the_sm_budget():
     """The put path's kernels (``csrc/put_signal.cu``) get ``LaunchConfig.put_per_sm * num_sms`` CUDA blocks at
-    most: the :class:`~mxcomm.ep.put_path.Puts` the path builds carries that budget to every put launch."""
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    most: the :class:`~mxcomm.ep.nvshmem.put_path.Puts` the path builds carries that budget to every put launch."""
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
 
     for sms, per_sm in ((1, 4), (24, 3)):
         cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=8, backend="nvshmem", num_sms=sms,

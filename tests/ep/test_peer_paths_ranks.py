@@ -37,8 +37,8 @@ def _backend(rank, world, path, base, cfg):
     import torch.distributed as dist
 
     from heap_fakes import SharedHeap
-    from mxcomm.ep.launch_config import LaunchConfig
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.launch_config import LaunchConfig
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
 
     heap = SharedHeap(path, base, rank, world, _PER_RANK)
     # a few programs per kernel (the interpreter runs them one by one), uneven counts

@@ -1,5 +1,5 @@
-"""mxcomm.ep.plan_graph.OutputCopier: the copies a dispatch handle keeps of a replayed plan - outputs sharing one
-storage come back as views of one clone of it (dtype, shape, stride kept), the others through the int32 buffer
+"""mxcomm.ep.nvshmem.plan_graph.OutputCopier: the copies a dispatch handle keeps of a replayed plan - outputs sharing
+one storage come back as views of one clone of it (dtype, shape, stride kept), the others through the int32 buffer
 that ``fill`` writes; every copy equals its source and owns its memory. On CPU (the copier is plain torch; the
 captured graph around it runs in the GPU tests: test_nvshmem_gpu.py's replayed-dispatch test)."""
 import pytest
@@ -7,11 +7,11 @@ import torch
 
 from _triton_mode import load_kernels
 
-load_kernels("mxcomm.ep.plan_kernels")
+load_kernels("mxcomm.ep.nvshmem.plan_kernels")
 
-from mxcomm.ep import plan_kernels as pk  # noqa: E402
+from mxcomm.ep.nvshmem import plan_kernels as pk  # noqa: E402
 from mxcomm.ep.plan import PLAN_TENSORS, local_counts  # noqa: E402
-from mxcomm.ep.plan_graph import OutputCopier  # noqa: E402
+from mxcomm.ep.nvshmem.plan_graph import OutputCopier  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

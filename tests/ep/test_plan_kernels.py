@@ -1,4 +1,4 @@
-"""The routing plan in Triton kernels (mxcomm.ep.plan_kernels) against the torch plan (build_plan,
+"""The routing plan in Triton kernels (mxcomm.ep.nvshmem.plan_kernels) against the torch plan (build_plan,
 row_origins): every tensor identical, on random routings with dropped slots, empty
 experts, all tokens on one expert, all slots on one expert, all slots dropped, zero tokens, worlds 1-8,
 align 32/128, slots over several blocks of the slot kernels (also with small blocks and scan tiles).
@@ -11,10 +11,10 @@ import torch
 
 from _triton_mode import load_kernels, run_aot
 
-load_kernels("mxcomm.ep.plan_kernels")
+load_kernels("mxcomm.ep.nvshmem.plan_kernels")
 
-from mxcomm.ep import plan_kernels as pk  # noqa: E402
-from mxcomm.ep.nvshmem_backend import row_origins  # noqa: E402
+from mxcomm.ep.nvshmem import plan_kernels as pk  # noqa: E402
+from mxcomm.ep.nvshmem.backend import row_origins  # noqa: E402
 from mxcomm.ep.plan import PLAN_TENSORS, build_plan, local_counts  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -198,7 +198,7 @@ _AOT = '''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mxcomm.ep import plan_kernels as pk
+from mxcomm.ep.nvshmem import plan_kernels as pk
 
 def compile(fn, **consts):
     names = list(fn.arg_names)

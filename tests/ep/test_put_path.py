@@ -1,4 +1,4 @@
-"""The put path's block entries (mxcomm.ep.put_path) for several ranks, on CPU: staging buffers filled the
+"""The put path's block entries (mxcomm.ep.nvshmem.put_path) for several ranks, on CPU: staging buffers filled the
 way the sending kernels fill them, every rank's entries applied as plain byte copies, and the receivers'
 buffers compared with where the peer-pointer path stores each row (``dest_row`` / the origin's send
 position). Byte copies here stand in for NVSHMEM; the real kernels run in the GPU tests."""
@@ -7,8 +7,8 @@ import torch
 
 from combine_spec import routings
 from mxcomm.ep.plan import build_plan, local_counts, received_rows
-from mxcomm.ep.nvshmem_state import row_origins
-from mxcomm.ep.put_path import counts_batch, dispatch_blocks, partial_rows, row_batch, swap_batch, token_rows
+from mxcomm.ep.nvshmem.state import row_origins
+from mxcomm.ep.nvshmem.put_path import counts_batch, dispatch_blocks, partial_rows, row_batch, swap_batch, token_rows
 
 RB, SB = 16, 2  # payload / scale bytes per row (small, distinct)
 

@@ -65,7 +65,7 @@ class ThreadWorld:
 
 
 class ThreadPuts:
-    """``mxcomm.ep.put_path.Puts`` for rank ``rank`` of a :class:`ThreadWorld` (same arguments and semantics:
+    """``mxcomm.ep.nvshmem.put_path.Puts`` for rank ``rank`` of a :class:`ThreadWorld` (same arguments and semantics:
     range-checked entries, ``entries * chunks`` added to the destination's signal word, bounded waits that give up
     once the error word is set)."""
 
@@ -182,7 +182,7 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
     With ``W > k`` the combine direction and combine backward move ``T_max * k // W`` tokens of every source per
     round (``put_round_tokens``)."""
     from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
     from mxcomm.ep.plan import max_recv_rows, recv_window_rows
 
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=max(T), align=align, precision=precision,
@@ -284,7 +284,7 @@ def test_put_path_refusal_then_clean_call_then_absent_peer(one_kernel_at_a_time,
     before any row is put (the refusal word travels with the counts); the next dispatch and combine on both ranks
     are exact (the group stays usable); then a rank that never enters the dispatch makes the other's bounded wait
     raise PeerTimeout naming it, within its timeout."""
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
 
     W, T, E, k, H = 2, (6, 5), 4, 2, 64
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
@@ -307,7 +307,7 @@ def test_put_path_peer_gone_mid_backward_fails_after_one_timeout(one_kernel_at_a
     combine; the others' combine backward raises PeerTimeout naming it after about one ``timeout_s`` - the first wait
     that fails sets the error word and every later wait of the call gives up at once (``mx_wait_signals``, like the
     Triton waits), rather than each waiting out its own timeout."""
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
     from mxcomm.transport.errors import PeerTimeout
 
     W, T, E, k, H, timeout = 3, (6, 5, 6), 6, 2, 64, 1.0

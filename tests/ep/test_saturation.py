@@ -82,7 +82,7 @@ def test_reference_backend_keeps_near_max_inputs_finite(world):
 def test_nvshmem_kernels_keep_near_max_inputs_finite(transport):
     from test_nvshmem_dataflow import LoopbackHeap  # the one-rank fake heap of the dataflow tests
     from mxcomm.ep import EPConfig
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
 
     E, H, k, T = 4, 64, 2, 6
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=T, backend="nvshmem", num_sms=1,

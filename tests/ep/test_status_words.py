@@ -1,9 +1,9 @@
-"""The status words of the nvshmem backend (``mxcomm.ep.status_words``): what the host raises at its one sync of an
-exact-size dispatch and, without a sync, one call later; on CPU (the copies are plain reads off CUDA)."""
+"""The status words of the nvshmem backend (``mxcomm.ep.nvshmem.status_words``): what the host raises at its one sync of
+an exact-size dispatch and, without a sync, one call later; on CPU (the copies are plain reads off CUDA)."""
 import pytest
 import torch
 
-from mxcomm.ep.status_words import StatusWords
+from mxcomm.ep.nvshmem.status_words import StatusWords
 from mxcomm.transport import PeerTimeout
 from mxcomm.transport.errors import TIMEOUT_CODE, error_word
 

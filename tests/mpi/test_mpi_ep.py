@@ -109,7 +109,7 @@ def test_mpirun_nvshmem_two_ranks_one_gpu(nvshmem_route, transport, tmp_path):
 
     env = mpi_launch.child_env(launcher_env(2 << 30))
     env.pop("TRITON_INTERPRET", None)
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
 
     backward = HAVE_BACKWARD and all(hasattr(NvshmemBackend, op) for op in
                                      ("combine_for_backward", "combine_backward", "dispatch_backward"))

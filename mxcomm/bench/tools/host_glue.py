@@ -94,7 +94,7 @@ def loopback_group(cfg, device: torch.device, world: int = 1):
     :class:`LoopbackHeap` (the group is made with the ``torch`` backend - no NVSHMEM needed - and its config, backend
     and steps swapped). Needs a torch.distributed world of 1."""
     from mxcomm.ep import EPGroup
-    from mxcomm.ep.nvshmem_backend import NvshmemBackend
+    from mxcomm.ep.nvshmem.backend import NvshmemBackend
     from mxcomm.ep.steps import EPSteps
 
     g = EPGroup(dataclasses.replace(cfg, backend="torch"))
@@ -135,7 +135,7 @@ def stub_kernels(rows: int) -> Callable[[], None]:
     count (what an exact-size dispatch reads back). Returns the function that undoes it."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from mxcomm.ep import plan_kernels
+    from mxcomm.ep.nvshmem import plan_kernels
 
     real = InterpretedFunction.run
     plan = plan_kernels.plan_kernel

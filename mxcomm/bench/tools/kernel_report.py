@@ -5,11 +5,12 @@ the nvshmem backend launches it.
     python -m mxcomm.bench.tools.kernel_report [--hidden 7168] [--topk 8] [--experts 256] [--world 4]
                                                [--kernels pack,reduce] [--json FILE]
 
-Every kernel variant the backend launches at these sizes (its default :class:`~mxcomm.ep.launch_config.LaunchConfig`:
-chunks, warps, rows a step) is compiled ahead of time for sm_90 with its tensor arguments specialized as 16-byte
-aligned, as Triton specializes a launch on torch tensors (:func:`compile_sm90`). An address a kernel reads from memory
-(a peer table, ``x`` by address) carries no such alignment: a kernel that loads rows through one needs the hints, and
-a row load of 1 or 2 bytes in the table below is the sign that it has none. Per variant:
+Every kernel variant the backend launches at these sizes (its default
+:class:`~mxcomm.ep.nvshmem.launch_config.LaunchConfig`: chunks, warps, rows a step) is compiled ahead of time for sm_90
+with its tensor arguments specialized as 16-byte aligned, as Triton specializes a launch on torch tensors
+(:func:`compile_sm90`). An address a kernel reads from memory (a peer table, ``x`` by address) carries no such
+alignment: a kernel that loads rows through one needs the hints, and a row load of 1 or 2 bytes in the table below is
+the sign that it has none. Per variant:
 
 * ``regs`` / ``spill``: registers a thread and local-memory bytes (``cuobjdump --dump-resource-usage`` of the cubin,
   from Triton's NVIDIA backend; ``-`` when it is missing);
@@ -40,7 +41,7 @@ _MEM = re.compile(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+?)*?(?:\.v(\d))?\.[bfsu]
 
 @dataclass(frozen=True)
 class Variant:
-    """One launch of a kernel: its name in the report, the kernel (a name in ``module``, under ``mxcomm.ep``),
+    """One launch of a kernel: its name in the report, the kernel (a name in ``module``, under ``mxcomm.ep.nvshmem``),
     argument types (``"*bf16"``, ``"i64"``, ...; unnamed arguments are ``i32``), constexprs, warps and whether FMA
     contraction is on (the partial sums launch with it off)."""
 
@@ -50,7 +51,7 @@ class Variant:
     consts: dict
     warps: int = 4
     fusion: bool = True
-    module: str = "nvshmem_kernels"
+    module: str = "kernels"
 
 
 @dataclass
@@ -111,11 +112,11 @@ def _resources(cubin: bytes) -> tuple[Optional[int], Optional[int]]:
 def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     """The kernel variants the nvshmem backend launches for hidden ``H``, top-``K`` of ``E`` experts and ``W`` ranks,
     with the default launch settings: chunks from the :class:`LaunchConfig` methods the backend calls; the constexprs
-    of each launch site in :mod:`mxcomm.ep.paths` and :mod:`mxcomm.ep.nvshmem_backend` (the gather's and the
+    of each launch site in :mod:`mxcomm.ep.nvshmem.paths` and :mod:`mxcomm.ep.nvshmem.backend` (the gather's and the
     zeroing chunks, the scale layout's tiles of ``NvshmemBackend._grouped_scales``) written out here."""
-    from mxcomm.ep import plan_kernels
-    from mxcomm.ep.launch_config import LaunchConfig
-    from mxcomm.ep.paths import PUSH_BLOCK
+    from mxcomm.ep.nvshmem import plan_kernels
+    from mxcomm.ep.nvshmem.launch_config import LaunchConfig
+    from mxcomm.ep.nvshmem.paths import PUSH_BLOCK
     from mxcomm.ep.plan import pull_entry_words
     from mxcomm.kernels.launch import next_pow2
 
@@ -218,7 +219,7 @@ def report(v: Variant) -> Report:
     """Compile one variant and read its figures."""
     import importlib
 
-    kernel = getattr(importlib.import_module(f"mxcomm.ep.{v.module}"), v.kernel)
+    kernel = getattr(importlib.import_module(f"mxcomm.ep.nvshmem.{v.module}"), v.kernel)
     k = compile_sm90(kernel, v.types, v.warps, v.fusion, **v.consts)
     regs, spill = _resources(k.asm["cubin"])
     loads, stores = memory_widths(k.asm["ptx"])

@@ -4,11 +4,11 @@
     (several ranks on one GPU: start MPS first, ``mxcomm_mps_start 4`` of bench/gpu/env.sh)
 
 One EPGroup per precision (nvshmem backend, exact sizes; no-sync with --graph); for every routing-plan
-implementation and every combination of the backend's frozen :class:`~mxcomm.ep.launch_config.LaunchConfig` fields
-given with ``--set`` (e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend instance
-between measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch backward
-with CUDA events (median of --iters, the slowest rank), and with --profile prints rank 0's kernel-time table of five
-calls of each op (each started after a barrier). With --graph every op runs in the no-sync mode as a CUDA-graph
+implementation and every combination of the backend's frozen :class:`~mxcomm.ep.nvshmem.launch_config.LaunchConfig`
+fields given with ``--set`` (e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend
+instance between measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch
+backward with CUDA events (median of --iters, the slowest rank), and with --profile prints rank 0's kernel-time table of
+five calls of each op (each started after a barrier). With --graph every op runs in the no-sync mode as a CUDA-graph
 replay (captured once per launch setting, after eager warm-up calls), as ``mxcomm bench --cuda-graph`` times it; the
 profile then shows the replays' kernels (no host work between them: what is not kernel time is waiting on the
 device). Output: text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...transport.flags import deadline_after, signal_peer, wait_flag_geq
+from ....transport.flags import deadline_after, signal_peer, wait_flag_geq
 
 
 @triton.jit

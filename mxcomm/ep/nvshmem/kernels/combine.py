@@ -22,10 +22,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, load_block_bytes, mx_decode_tile,
-                                  mx_qdq_tile, mx_quantize_tile, mx_quantize_tile_amax, mx_saturate, store_block_bytes,
-                                  to_fp32)
-from ...transport.flags import last_to_arrive
+from ....kernels.mx_device import (BF16_MAX, FP32_MAX, bf16_rne_int, block_amax, load_block_bytes, mx_decode_tile,
+                                   mx_qdq_tile, mx_quantize_tile, mx_quantize_tile_amax, mx_saturate, store_block_bytes,
+                                   to_fp32)
+from ....transport.flags import last_to_arrive
 from .layout import _zero_unfilled_rows
 from .pack import pack_row, pack_weights
 from .signals import _arrive_all, raise_flag, wait_every_source
@@ -321,7 +321,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         STAGED (put path, one round): every ``*_peers`` entry is this rank's staging buffer; only the entries of the
             tokens ``[t_lo, t_lo + t_n)`` of every source are formed, the partial of source ``s``'s token ``t`` at
             row ``(t - t_lo) * W + s`` there (one put per entry moves it to the origin's slot,
-            :func:`mxcomm.ep.put_path.partial_rows`), and no flag is raised.
+            :func:`mxcomm.ep.nvshmem.put_path.partial_rows`), and no flag is raised.
         ROWS: rows loaded together per step of a chunk's sum, taken from the entry's listed slots in ascending order
             (a slot elsewhere adds nothing, so only listed rows are loaded: the registers of the loads in flight hold
             rows that exist, and more programs fit on an SM than with one load per slot of ``K``).

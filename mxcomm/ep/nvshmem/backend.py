@@ -3,8 +3,8 @@ peers' NVSHMEM symmetric buffers (peer pointers, release/acquire flags at system
 
 This module is the engine every path shares (epochs, flags and counts, error words and bounded waits, the routing
 plan and its captured graphs, output formatting, the reduce at the origin, the compiled-op state);
-:mod:`mxcomm.ep.paths` holds one class per path (local, pull, push, put), each owning its buffers and
-launching its kernels (:mod:`mxcomm.ep.nvshmem_kernels`). docs/design.md describes the protocol.
+:mod:`mxcomm.ep.nvshmem.paths` holds one class per path (local, pull, push, put), each owning its buffers and
+launching its kernels (:mod:`mxcomm.ep.nvshmem.kernels`). docs/design.md describes the protocol.
 
 One call of :meth:`NvshmemBackend.dispatch` with the default pull dispatch (``transport="auto"`` on one node), all
 on the current CUDA stream:
@@ -20,8 +20,8 @@ on the current CUDA stream:
    launches and torch ops.
    The copy of the status words the host sync reads and the copy of the plan the handle keeps (the checked ids and
    the plan share one buffer) are enqueued right after it, while the device still runs it;
-2. exact sizes: the call's ONE host sync (:meth:`mxcomm.ep.status_words.StatusWords.check`): the output size, the
-   error words and the refusals, one transfer; a rank with bad ids raises the detailed ValueError, the others
+2. exact sizes: the call's ONE host sync (:meth:`mxcomm.ep.nvshmem.status_words.StatusWords.check`): the output size,
+   the error words and the refusals, one transfer; a rank with bad ids raises the detailed ValueError, the others
    PeerTimeout naming it, before anything is gathered;
 3. ``pull_rows_kernel``: each listed token's row read once from its source's send copy through the peer pointer and
    stored at all its rows of a fresh output tensor (the entries kept as the dispatch's table), padding rows zero;
@@ -46,18 +46,18 @@ from typing import Callable, Optional
 
 import torch
 
-from ..kernels.mx_device import SCALE_MODE_IDS
-from ..kernels.launch import cdiv, fast_kernel, next_pow2
-from ..mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
-from .. import transport as tp
-from .config import EPConfig
+from ...kernels.mx_device import SCALE_MODE_IDS
+from ...kernels.launch import cdiv, fast_kernel, next_pow2
+from ...mx import MXTensor, ScaleLayout, grouped_m_rows, round_up
+from ... import transport as tp
+from ..config import EPConfig
 from .launch_config import LaunchConfig
 from . import plan_kernels
-from .handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
-from .plan import FLAG_ROWS, RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows
+from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
+from ..plan import FLAG_ROWS, RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from .paths import PATHS, PUSH_BLOCK, fp32_weights
-from .nvshmem_state import NvshmemState, RowOrigins, handle_origins, row_origins
+from .state import NvshmemState, RowOrigins, handle_origins, row_origins
 from .status_words import StatusWords
 
 _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently used dropped)
@@ -94,9 +94,9 @@ class NvshmemBackend:
             sms = 1
         self.sms = sms
         self.launch = config.launch if config.launch is not None else LaunchConfig()
-        # routing plan: "triton" (mxcomm.ep.plan_kernels: the id check + counts + per-block slot table in two kernels,
-        # the plan in one, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops, on the
-        # GPU replayed from a CUDA graph captured per token count)
+        # routing plan: "triton" (mxcomm.ep.nvshmem.plan_kernels: the id check + counts + per-block slot table in two
+        # kernels, the plan in one, bit-identical to the torch ops) where its tables fit, else "torch" (~60 torch ops,
+        # on the GPU replayed from a CUDA graph captured per token count)
         self.plan_impl = "triton" if plan_kernels.fits(W, config.num_experts) else "torch"
         # the per-block slot table of this call's ids (check_and_count or the pull head writes it, the plan reads it):
         # a fixed address, so the captured plan reads the current call's table
@@ -113,7 +113,7 @@ class NvshmemBackend:
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
         self.nslot = config.max_tokens_per_rank * config.topk
         E = config.num_experts
-        # partials returned by combine, 2 copies (see nvshmem_kernels.combine); none on the local path
+        # partials returned by combine, 2 copies (see kernels.combine); none on the local path
         self.comb = (bufs["ep.comb_q"], bufs["ep.comb_s"]) if "ep.comb_q" in bufs else None
         self.counts, self.flags = bufs["ep.counts"], bufs["ep.flags"]
         self.counts_mat = self.counts.local[:W * E].view(W, E)  # the counts matrix; then one refusal word per rank
@@ -145,13 +145,13 @@ class NvshmemBackend:
         # "ready". And the head's per-expert totals (zero between launches)
         self.tickets = torch.zeros(6, dtype=torch.int32, device=self.device)
         self.count_totals = torch.zeros(E + 1, dtype=torch.int32, device=self.device)
-        # the path object: its buffers and kernels (mxcomm.ep.paths)
+        # the path object: its buffers and kernels (mxcomm.ep.nvshmem.paths)
         impl = PATHS[self.path]
         self.impl = impl(self, bufs, puts) if self.path == "put" else impl(self, bufs)
 
     @property
     def puts(self):
-        """The put path's NVSHMEM put/wait interface (``mxcomm.ep.put_path.Puts``); AttributeError elsewhere."""
+        """The put path's NVSHMEM put/wait interface (``mxcomm.ep.nvshmem.put_path.Puts``); AttributeError elsewhere."""
         return self.impl.puts
 
     @staticmethod
@@ -252,7 +252,7 @@ class NvshmemBackend:
         ``status[3]`` = 1 + the lowest rank that refused (read at the call's host sync), for the torch plan (the
         Triton plan's tables program writes it). Exact-size mode only: in the no-sync mode bad ids are dropped and the
         call goes on."""
-        from .nvshmem_kernels.signals import first_refusal_kernel
+        from .kernels.signals import first_refusal_kernel
 
         if self.config.exact_sizes:
             fast_kernel(first_refusal_kernel)[(1,)](self.refusal_words, self.world, self.status_words.refused,
@@ -335,7 +335,7 @@ class NvshmemBackend:
     def _grouped_scales(self, plan: RoutingPlan, R: int, scale_rows: torch.Tensor) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
         received rows (zeros for padding), from their row-major scale rows ``scale_rows`` (uint8 ``[>= R, H/32]``)."""
-        from .nvshmem_kernels.layout import scale_rows_to_grouped_kernel
+        from .kernels.layout import scale_rows_to_grouped_kernel
 
         C = self.config.hidden // 32
         rows, cp = grouped_m_rows(R, self.El), round_up(C, 4)
@@ -497,7 +497,7 @@ class NvshmemBackend:
         and sends it to the origin, which sums the token's partials in fp32 (ranks in the order of
         their first slot). One rank: the reduce forms the one partial from the rows in place. Returns bf16 ``[T, H]``.
         """
-        from .nvshmem_kernels.combine import combine_reduce_kernel
+        from .kernels.combine import combine_reduce_kernel
 
         self.impl.refuse_capture()
         cfg = self.config

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.launch import cdiv, fast_kernel, next_pow2
-from ..nvshmem_state import DeliveredWeights
-from ..plan import RoutingPlan
+from ....kernels.launch import cdiv, fast_kernel, next_pow2
+from ..state import DeliveredWeights
+from ...plan import RoutingPlan
 from ..plan_graph import PlanOutputs
 from .base import FLAG_ROW, PUBLISH_BLOCK, DispatchRows, EnginePath
 
@@ -44,9 +44,9 @@ class PullPath(EnginePath):
 
     def _make_plan_jobs(self):
         """The pull-list entries and the wait for every source's as jobs of the plan's launch
-        (``plan_entries_kernel``, :class:`~mxcomm.ep.plan_kernels.PlanJobs`; every argument fixed per engine: made
-        once, in ``__init__``)."""
-        from ..nvshmem_kernels.pull import plan_entries_kernel
+        (``plan_entries_kernel``, :class:`~mxcomm.ep.nvshmem.plan_kernels.PlanJobs`; every argument fixed per engine:
+        made once, in ``__init__``)."""
+        from ..kernels.pull import plan_entries_kernel
         from ..plan_kernels import PlanJobs
 
         e = self.e
@@ -59,7 +59,7 @@ class PullPath(EnginePath):
     def _pack(self, T: int) -> None:
         """This rank's ``T`` token rows (bf16 ``[T, H]`` at the address in ``x_slot``), quantized once (MX), into this
         epoch's send copy (the pull dispatch with the torch plan; with the Triton plan the head kernel packs)."""
-        from ..nvshmem_kernels.pull import pack_rows_kernel
+        from ..kernels.pull import pack_rows_kernel
 
         e = self.e
         H = e.config.hidden
@@ -76,7 +76,7 @@ class PullPath(EnginePath):
         counts into the engine's ``slot_prefix``), the refusal word (``counts_in[E]``), epoch += 1, the publish of both
         to every rank, and the pack of ``x`` (from ``x_slot``) into this epoch's send copy, in one launch that waits
         for nothing. Returns the checked int32 ids ``[T, k]`` (the head of ``store``)."""
-        from ..nvshmem_kernels.pull import pull_head_kernel
+        from ..kernels.pull import pull_head_kernel
         from ..plan_kernels import tokens_per_block
 
         e = self.e
@@ -96,7 +96,7 @@ class PullPath(EnginePath):
     def _scan_and_wait(self, T: int) -> None:
         """Triton plan, after :meth:`_head`: ``scan_and_wait_kernel`` - the block counts of ``T`` tokens into the
         plan's table (``slot_prefix``), then the bounded wait for every rank's counts."""
-        from ..nvshmem_kernels.pull import scan_and_wait_kernel
+        from ..kernels.pull import scan_and_wait_kernel
         from ..plan_kernels import scan_tile, slot_blocks
 
         e = self.e
@@ -127,7 +127,7 @@ class PullPath(EnginePath):
         # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]; epoch += 1
         ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True, new_epoch=True)
         self.exchange(e.counts_in, wait=False)
-        # the pack runs while the peers' counts arrive: its copy is not being read (see nvshmem_kernels.pull, send_q),
+        # the pack runs while the peers' counts arrive: its copy is not being read (see kernels.pull, send_q),
         # and no peer reads it before this rank's entries, pushed after it in stream order
         self._pack(ids.shape[0])
         self.wait_for_counts()
@@ -141,7 +141,7 @@ class PullPath(EnginePath):
         from its source's send copy and stored at all its rows, padding rows zero; (MX) a fresh uint8 ``[R, H/32]``
         of their scale rows, row-major (unfilled rows undefined). The pull list's entries go to ``table`` (int32
         ``[W * T_max, k]``: the dispatch's table), their route weights to ``wtab`` (fp32, the same shape)."""
-        from ..nvshmem_kernels.pull import pull_rows_kernel
+        from ..kernels.pull import pull_rows_kernel
 
         e = self.e
         out = torch.empty(R, row_bytes, dtype=torch.uint8, device=e.device)

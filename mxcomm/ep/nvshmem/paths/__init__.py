@@ -18,7 +18,7 @@ and forms the route-weight gradient there (:meth:`EnginePath.combine_backward`).
 
 Each path owns its buffers (taken by name from the symmetric heap's allocation of
 :func:`mxcomm.ep.plan.buffer_regions`) and launches its own kernels; the engine (:class:`NvshmemBackend
-<mxcomm.ep.nvshmem_backend.NvshmemBackend>`) holds what every path shares: the epochs, flags and counts, the error
+<mxcomm.ep.nvshmem.backend.NvshmemBackend>`) holds what every path shares: the epochs, flags and counts, the error
 words and bounded waits, the routing plan and its captured graphs, the output formatting and the reduce at the
 origin. What a path does per call:
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .plan import PLAN_TENSORS, RoutingPlan, build_plan
+from ..plan import PLAN_TENSORS, RoutingPlan, build_plan
 
 
 @dataclass(frozen=True)

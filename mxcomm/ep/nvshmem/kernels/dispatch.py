@@ -9,8 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...kernels.mx_device import (bf16_rne_int, block_amax, mx_quantize_tile, mx_quantize_tile_amax, store_block_bytes,
-                                  to_fp32)
+from ....kernels.mx_device import (bf16_rne_int, block_amax, mx_quantize_tile, mx_quantize_tile_amax, store_block_bytes,
+                                   to_fp32)
 from .layout import _zero_unfilled_rows
 from .signals import _arrive_all
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...transport.flags import deadline_after, last_to_arrive, wait_flag_geq
+from ....transport.flags import deadline_after, last_to_arrive, wait_flag_geq
 from ..plan_kernels import check_hist_block, counts_tile, place_slots, scan_keys, slot_tables, table_or_origin_job
 from .layout import _zero_unfilled_rows
 from .pack import pack_row
@@ -71,7 +71,7 @@ def pull_head_kernel(idx_ptr, ids_ptr, hist_ptr, input_err_ptr, T, E, totals_ptr
     waiting for another.
 
     1. Every program checks and counts blocks ``pid, pid + G, ...`` of ``TOK`` tokens
-       (:func:`~mxcomm.ep.plan_kernels.check_hist_block`: the checked int32 ids into ``ids`` ``[T, K]``, bad ids
+       (:func:`~mxcomm.ep.nvshmem.plan_kernels.check_hist_block`: the checked int32 ids into ``ids`` ``[T, K]``, bad ids
        counted into the int64 ``input_err[0]``, each block's per-key counts into its row of ``hist`` int32
        ``[cdiv(T, TOK), E + 1]``) and adds each block's counts into ``totals`` (int32 ``[E + 1]``, zero before the
        launch).
@@ -132,8 +132,8 @@ def pull_head_kernel(idx_ptr, ids_ptr, hist_ptr, input_err_ptr, T, E, totals_ptr
 def scan_and_wait_kernel(hist_ptr, counts_ptr, n_blocks, n_keys, ticket_ptr, flags_local, row, W, epoch_ptr, err_ptr,
                          timeout_ns, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
     """Pull path, after :func:`pull_head_kernel`: its per-block counts ``hist`` int32 ``[n_blocks, n_keys]`` become
-    the plan's prefix table (:func:`~mxcomm.ep.plan_kernels.scan_keys`, one program per ``BLOCK_K`` keys; the totals,
-    the head's ``counts[:E]`` again, into ``counts``), then the last program (the int32 ``ticket``, 0 between
+    the plan's prefix table (:func:`~mxcomm.ep.nvshmem.plan_kernels.scan_keys`, one program per ``BLOCK_K`` keys; the
+    totals, the head's ``counts[:E]`` again, into ``counts``), then the last program (the int32 ``ticket``, 0 between
     launches) waits (bounded, one deadline) for every rank's counts of this epoch, as :func:`wait_published_kernel`
     does: the plan's launch follows. Grid: ``cdiv(n_keys, BLOCK_K)``."""
     scan_keys(hist_ptr, counts_ptr, n_blocks, n_keys, tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K), BLOCK_B)
@@ -214,8 +214,8 @@ def plan_entries_kernel(counts_ptr, c_stride, idx_ptr, pre_ptr, cnt_ptr, tab_ptr
                         err_ptr, timeout_ns, W_POW2: tl.constexpr, EL_POW2: tl.constexpr, S: tl.constexpr,
                         S_POW2: tl.constexpr, BLOCK: tl.constexpr, STATUS: tl.constexpr, K: tl.constexpr,
                         EW: tl.constexpr):
-    """Pull path: :func:`~mxcomm.ep.plan_kernels.plan_kernel`'s jobs (same arguments first, same outputs) and the
-    pull-list entries in one launch. Each slot program, as soon as it has placed a block of ``S`` slots (``S // K``
+    """Pull path: :func:`~mxcomm.ep.nvshmem.plan_kernels.plan_kernel`'s jobs (same arguments first, same outputs) and
+    the pull-list entries in one launch. Each slot program, as soon as it has placed a block of ``S`` slots (``S // K``
     whole tokens), writes those tokens' entries into every destination's pull list (:func:`list_entries`: rows there,
     route weights from ``w`` fp32 ``[T, K]``, tagged with the int64 epoch). The last program of the launch
     (:func:`~mxcomm.transport.flags.last_to_arrive` at system scope on the int32 ``ticket``, 0 between launches: every

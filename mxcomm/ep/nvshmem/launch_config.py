@@ -90,7 +90,7 @@ class LaunchConfig:
 def _next_pow2(n: int) -> int:
     """:func:`mxcomm.kernels.launch.next_pow2` (loaded on first use: importing ``mxcomm.kernels`` loads Triton, and
     :class:`~mxcomm.ep.config.EPConfig`, which imports this module, must not)."""
-    from ..kernels.launch import next_pow2
+    from ...kernels.launch import next_pow2
 
     return next_pow2(n)
 

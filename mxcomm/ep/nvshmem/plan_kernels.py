@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.launch import cdiv, fast_kernel, next_pow2
-from .plan import RoutingPlan
+from ...kernels.launch import cdiv, fast_kernel, next_pow2
+from ..plan import RoutingPlan
 
 MAX_TABLE = 16384  # W_POW2 * W_POW2 * El_POW2: the counts tile every program of plan_kernel holds
 # slot kernels (H200, T=8192, k=8, E=256: 512 blocks; 64-256 within 10%): slots per block (rounded down to whole
@@ -521,7 +521,7 @@ def plan_numel(W: int, E: int, T: int, k: int, n_orig: int) -> int:
 def plan_storage(W: int, E: int, T: int, k: int, n_orig: int, device) -> torch.Tensor:
     """One fresh int32 buffer for a dispatch's checked ids (the first ``T * k`` values: ``check_and_count(...,
     ids_out=)``) and its plan (the rest: ``triton_plan(..., out=)``), so that every output of a captured middle shares
-    one storage (one copy per replay, :class:`mxcomm.ep.plan_graph.OutputCopier`)."""
+    one storage (one copy per replay, :class:`mxcomm.ep.nvshmem.plan_graph.OutputCopier`)."""
     return torch.empty(T * k + plan_numel(W, E, T, k, n_orig), dtype=torch.int32, device=device)
 
 

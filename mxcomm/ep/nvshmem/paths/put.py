@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import put_path
-from ..plan import put_round_tokens
+from ...plan import put_round_tokens
 from .base import FLAG_ROW, BackwardRows
 from .push import PushPath
 
@@ -104,7 +104,7 @@ class PutPath(PushPath):
     def _prepare(self, x, plan, w, mx):
         """The rows into staging at their send positions and the entries (with the route weights ``w``) into the
         staging list, once for every round."""
-        from ..nvshmem_kernels.dispatch import dispatch_kernel
+        from ..kernels.dispatch import dispatch_kernel
 
         self._dispatch_kernel(dispatch_kernel, x, plan, plan.dest_rank, plan.send_pos, self._stage_ptrs,
                               self._stage_s_ptrs, mx, arrive=False)

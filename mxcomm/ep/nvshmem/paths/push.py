@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from ...kernels.launch import fast_kernel, next_pow2
-from ..nvshmem_state import DeliveredWeights, RowOrigins
-from ..plan import RoutingPlan, received_rows, recv_window_rows
+from ....kernels.launch import fast_kernel, next_pow2
+from ..state import DeliveredWeights, RowOrigins
+from ...plan import RoutingPlan, received_rows, recv_window_rows
 from .base import DispatchRows, EnginePath, fp32_weights
 
 
@@ -53,7 +53,7 @@ class PushPath(EnginePath):
         ``mx``; with ``window = (lo, hi)`` only the slots whose rows fall in it, at ``row - lo``, and a token with none
         there is not read), with ``first`` one pull-list entry per (token, destination) and its route weights ``w``
         (fp32 ``[T, k]``); then wait for every source's."""
-        from ..nvshmem_kernels.dispatch import dispatch_kernel
+        from ..kernels.dispatch import dispatch_kernel
 
         e = self.e
         ranks, rows = plan.dest_rank, plan.dest_row
@@ -94,7 +94,7 @@ class PushPath(EnginePath):
         """Rows ``[row0, row0 + n)`` of the fresh ``dst`` (uint8 ``[R, B]``) from rows ``[0, n)`` of the receive
         buffer ``src`` (uint8 ``[n, B]``): padding rows zero, rows past the plan's ``n_rows`` not written
         (``copy_out_rows_kernel``)."""
-        from ..nvshmem_kernels.layout import copy_out_rows_kernel
+        from ..kernels.layout import copy_out_rows_kernel
 
         e = self.e
         R, B = dst.shape

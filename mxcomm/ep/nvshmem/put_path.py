@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..transport.put_signal import PutBatch
-from .plan import RoutingPlan, padded_group_rows
+from ...transport.put_signal import PutBatch
+from ..plan import RoutingPlan, padded_group_rows
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ class Puts:
             signal_index: int | None, err: torch.Tensor, chunks: int) -> None:
         """Each entry's bytes to its PE, ``chunks`` pieces each; with ``signals``, every piece adds 1 to
         ``signals[signal_index]`` there after its bytes; without (None), plain puts (a ``quiet`` completes them)."""
-        from ..transport import put_signal as ps
+        from ...transport import put_signal as ps
 
         if signals is None:
             ps.put(dst, src, batch, err, chunks=chunks, blocks=self.blocks)
@@ -218,12 +218,12 @@ class Puts:
 
     def wait(self, signals: torch.Tensor, indices: torch.Tensor, epoch: torch.Tensor, per_epoch: int,
              err: torch.Tensor, timeout_ns: int) -> None:
-        from ..transport import put_signal as ps
+        from ...transport import put_signal as ps
 
         ps.wait_signals(signals, indices, epoch, per_epoch, err, timeout_ns=timeout_ns)
 
     def quiet(self) -> None:
-        from ..transport import put_signal as ps
+        from ...transport import put_signal as ps
 
         ps.quiet()
 

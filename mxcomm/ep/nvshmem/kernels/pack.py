@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...kernels.mx_device import mx_quantize_tile, store_block_bytes
+from ....kernels.mx_device import mx_quantize_tile, store_block_bytes
 
 
 @triton.jit

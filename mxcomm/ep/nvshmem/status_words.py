@@ -18,8 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import transport as tp
-from .ids import check_expert_ids
+from ... import transport as tp
+from ..ids import check_expert_ids
 
 
 class StatusWords:

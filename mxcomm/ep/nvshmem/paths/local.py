@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.launch import fast_kernel
-from ..plan import RoutingPlan
+from ....kernels.launch import fast_kernel
+from ...plan import RoutingPlan
 from ..plan_graph import PlanOutputs
 from .base import BackwardRows, DispatchRows, EnginePath
 
@@ -38,7 +38,7 @@ class LocalPath(EnginePath):
         ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized (MX), stored at every
         selection's expert-major row, its scale row into ``recv_s``; padding rows zeroed by the same launch
         (``ZERO_PAD``). No symmetric buffer holds the payload and nothing is copied afterwards."""
-        from ..nvshmem_kernels.dispatch import dispatch_kernel
+        from ..kernels.dispatch import dispatch_kernel
 
         e = self.e
         T, H = x.shape
@@ -61,7 +61,7 @@ class LocalPath(EnginePath):
                             origins=None)
 
     def combine_backward(self, g, w, handle, mx, expert_out):
-        from ...kernels.route_grad import route_weight_grad
+        from ....kernels.route_grad import route_weight_grad
 
         e = self.e
         q = self._out(g, handle.plan, handle.num_rows, mx, w, weighted=True)  # no handshake, nothing to wait for

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...kernels.mx_device import blocked_scale_offset
+from ....kernels.mx_device import blocked_scale_offset
 
 
 @triton.jit

@@ -7,10 +7,10 @@ from typing import Optional
 
 import torch
 
-from ...kernels.launch import cdiv, fast_kernel, next_pow2
-from ..handle import EPHandle
-from ..plan import FLAG_ROWS, RoutingPlan
-from ..nvshmem_state import DeliveredWeights, RowOrigins
+from ....kernels.launch import cdiv, fast_kernel, next_pow2
+from ...handle import EPHandle
+from ...plan import FLAG_ROWS, RoutingPlan
+from ..state import DeliveredWeights, RowOrigins
 from ..plan_graph import PlanOutputs
 
 PUSH_BLOCK = 64  # tokens per block of push_entries_kernel
@@ -55,7 +55,7 @@ class BackwardRows:
 
 
 class EnginePath:
-    """One way of moving rows (see the module doc). ``engine``: the :class:`~mxcomm.ep.nvshmem_backend.NvshmemBackend`
+    """One way of moving rows (see the module doc). ``engine``: the :class:`~mxcomm.ep.nvshmem.backend.NvshmemBackend`
     that owns this path (this module does not import it: the engine imports the paths); ``bufs``: its symmetric
     buffers by name. The base class moves rows through peer pointers (the pull and push paths share its combine
     direction and its combine backward)."""
@@ -95,7 +95,7 @@ class EnginePath:
     # -- handshakes ---------------------------------------------------------------------------
     def _publish(self, src: torch.Tensor, n_words: int, dst_peers: torch.Tensor, dst_word0: int, row: str,
                  epoch: torch.Tensor, tail_word: int = -1, wait: bool = True) -> None:
-        from ..nvshmem_kernels.signals import publish_kernel
+        from ..kernels.signals import publish_kernel
 
         e = self.e
         fast_kernel(publish_kernel)[(e.world,)](
@@ -118,7 +118,7 @@ class EnginePath:
     def wait_for_counts(self) -> None:
         """The wait (bounded) for every rank's counts of this dispatch epoch that ``exchange(..., wait=False)`` left
         out."""
-        from ..nvshmem_kernels.signals import wait_published_kernel
+        from ..kernels.signals import wait_published_kernel
 
         e = self.e
         fast_kernel(wait_published_kernel)[(e.world,)](e.flags.local, FLAG_ROW["counts"], e.world, e.d_epoch, e.err,
@@ -127,7 +127,7 @@ class EnginePath:
     def _wait_arrivals(self, row: int, per_call: int) -> None:
         """The bounded wait for every source's ``per_call`` arrivals of this call on flag row ``row``
         (``wait_arrivals_kernel``; each source's programs add 1 there when done)."""
-        from ..nvshmem_kernels.signals import wait_arrivals_kernel
+        from ..kernels.signals import wait_arrivals_kernel
 
         e = self.e
         fast_kernel(wait_arrivals_kernel)[(e.world,)](e.flag_rows[row], e.expect_rows[row], per_call, e.err,
@@ -184,7 +184,7 @@ class EnginePath:
                   tokens: Optional[range] = None):
         """``combine_partials_kernel``; not ``staged``, its last program waits for every rank's partials; ``staged``,
         the entries of the round's ``tokens`` only."""
-        from ..nvshmem_kernels.combine import combine_partials_kernel
+        from ..kernels.combine import combine_partials_kernel
 
         e = self.e
         H = e.config.hidden
@@ -205,7 +205,7 @@ class EnginePath:
         them into this rank's send copy and publish "ready" in one launch (``pack_ready_kernel``), then wait for every
         rank's "ready" (every rank packed; every rank finished reading the copy of the previous call in this
         direction)."""
-        from ..nvshmem_kernels.combine import pack_ready_kernel
+        from ..kernels.combine import pack_ready_kernel
 
         e = self.e
         T, H, k = g.shape[0], e.config.hidden, e.config.topk
@@ -244,7 +244,7 @@ class EnginePath:
         ``self.w_src`` (``copies``: their copy strides, 0 for one copy), weighted and quantized per slot into
         ``rows``; with ``expert_out`` the route-weight gradients into ``self.gw_dst`` (``arrive``: raising
         ``flags[4]`` on every rank). ``extra``: the kernel's wait or token-range arguments."""
-        from ..nvshmem_kernels.combine import pull_weighted_kernel
+        from ..kernels.combine import pull_weighted_kernel
 
         e = self.e
         plan, R = handle.plan, handle.num_rows
@@ -266,7 +266,7 @@ class EnginePath:
         return self._gather_route_grads(plan, T)
 
     def _gather_route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
-        from ..nvshmem_kernels.combine import gather_route_grad_kernel
+        from ..kernels.combine import gather_route_grad_kernel
 
         e = self.e
         k = e.config.topk
@@ -294,7 +294,7 @@ class EnginePath:
         """One pull-list entry per (token, destination rank) into ``list_ptrs[d]`` (the destinations' pull lists),
         with the token's rows there and its route weights (fp32, rows ``[:T]`` of ``w``): ``push_programs`` programs
         per destination, each then raising ``flags[1, me]`` on its destination."""
-        from ..nvshmem_kernels.pull import push_entries_kernel
+        from ..kernels.pull import push_entries_kernel
 
         e = self.e
         fast_kernel(push_entries_kernel)[(e.push_programs, e.world)](
@@ -314,7 +314,7 @@ class EnginePath:
     def _table_from_list(self) -> tuple:
         """The dispatch's table and its weights (:meth:`_new_table`) from this rank's pull list (entries of this
         epoch)."""
-        from ..nvshmem_kernels.pull import entries_table_kernel
+        from ..kernels.pull import entries_table_kernel
 
         e = self.e
         k = e.config.topk

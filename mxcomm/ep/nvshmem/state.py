@@ -1,8 +1,8 @@
 """Where each row of a dispatch output came from, on the ``nvshmem`` backend: :class:`RowOrigins` (origin rank and
 send position per expert-major row), :func:`row_origins` (from the plan, torch), :func:`handle_origins` (kept by the
 dispatch, or computed when a later op needs them), and :class:`NvshmemState`, the backend's part of an
-:class:`~mxcomm.ep.handle.EPHandle`. Shared by the engine (:mod:`mxcomm.ep.nvshmem_backend`) and its paths
-(:mod:`mxcomm.ep.paths`)."""
+:class:`~mxcomm.ep.handle.EPHandle`. Shared by the engine (:mod:`mxcomm.ep.nvshmem.backend`) and its paths
+(:mod:`mxcomm.ep.nvshmem.paths`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 
 from . import plan_kernels
-from .handle import EPHandle
-from .plan import RoutingPlan, recv_rows
+from ..handle import EPHandle
+from ..plan import RoutingPlan, recv_rows
 
 
 @dataclass(frozen=True)
