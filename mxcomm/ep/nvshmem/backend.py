@@ -456,8 +456,8 @@ class NvshmemBackend:
 
     def output_rows(self, what: str, ids: torch.Tensor | None = None) -> int:
         """The row count of this dispatch's output: exact-size mode reads it at the call's one host sync with the error
-        words (:meth:`StatusWords.check`; ``ids``: the caller's ids whose check was deferred to it); no-sync mode: the worst case
-        ``R_max``, errors raised by a later call."""
+        words (:meth:`StatusWords.check`; ``ids``: the caller's ids whose check was deferred to it); no-sync mode: the
+        worst case ``R_max``, errors raised by a later call."""
         if self.config.exact_sizes:
             return self.status_words.check(what, ids=ids, started=True)
         self.status_words.check_async(what)
