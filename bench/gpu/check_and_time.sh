@@ -13,7 +13,8 @@
 #    the whole GPU, checked against the reference).
 # DEADLINE (s, default 540): a step that would not end before it is skipped (and said so), so the call always ends
 # with its results packed into OUT/results.tgz. TESTS=0 leaves out step 1 (the benches alone, after the tests ran).
-# The tests take 4-6 minutes on an H200, so with them the last one-rank benches usually pass the deadline: a full
+# The tests take 4-6 minutes on an H200 (longer on a cold Triton cache, where the 4-rank MPS tests' four processes
+# compile), so with them the last one-rank benches usually pass the deadline: a full
 # set of results is a TESTS=0 call (or the skipped benches' commands run alone in the next call).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -44,7 +45,7 @@ TESTS=${TESTS:-1}
     -k "not four_ranks and not mps and not soak and not nccl" \
     tests/ep/test_nvshmem_gpu.py tests/ep/test_cuda_graph_gpu.py tests/ep/test_autograd_gpu.py tests/kernels/test_launch.py
 if (( TESTS )) && mxcomm_mps_start 4; then
-  step 120 tests_ep_mps python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "four_ranks_one_gpu_mps" \
+  step 200 tests_ep_mps python3 -m pytest -q -m nvshmem -p no:cacheprovider -k "four_ranks_one_gpu_mps" \
       tests/ep/test_nvshmem_gpu.py
   mxcomm_mps_stop
 fi
