@@ -7,8 +7,8 @@ Two kinds of checks, both in one spawn per world size (process start-up is the s
   (:mod:`mxcomm.ep.reference.oracle`): expert-side gradients bit-exact (payload, grouped scales, BF16
   bytes), ``y`` and ``grad_x`` within fp32-reduction tolerance (and counted when exact: the reference
   backend must be exact), ``grad_w`` against a float64 dot with the expert output as given.
-* MoE training (:func:`moe_worker`): a MoE block written with ``mxcomm.ep.autograd.dispatch`` /
-  ``combine`` and plain torch experts, ``loss.backward()``, against a single-process float64 MoE
+* MoE training (:func:`moe_worker`): a MoE block written with ``EPGroup.dispatch`` /
+  ``EPGroup.combine`` and plain torch experts, ``loss.backward()``, against a single-process float64 MoE
   (plain loops over experts, no quantization). Returns signal/noise energies per quantity so the
   test computes the SQNR over the whole world; "exact" cases use small-integer data for which every
   transport and reduction is exact, and must match the float64 reference bit for bit.
