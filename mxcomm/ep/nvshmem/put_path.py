@@ -178,24 +178,47 @@ def swap_batch(world: int, rank: int, row_bytes: int, device, stride: int | None
                     pes=p.to(torch.int32))
 
 
+@dataclass(frozen=True)
+class TokenSlots:
+    """The slots of a dispatch as combine backward's puts on the put path see them, slot ``(t, j)`` at ``t * k + j``:
+    ``token`` int64 ``[T * k]`` (``t``), ``lead`` bool ``[T * k]`` (the token's first slot on its destination rank:
+    the one slot of the (token, rank) that carries a row), ``pes`` int32 ``[T * k]`` (that rank; this rank for the
+    others), ``rank`` this rank. Made once per call (:meth:`of`); each buffer's entries from it by :meth:`rows`."""
+
+    rank: int
+    token: torch.Tensor
+    lead: torch.Tensor
+    pes: torch.Tensor
+
+    @staticmethod
+    def of(plan: RoutingPlan, rank: int) -> "TokenSlots":
+        d = plan.dest_rank.to(torch.int64)
+        T, k = d.shape
+        dev = d.device
+        earlier = torch.tril(torch.ones(k, k, dtype=torch.bool, device=dev), diagonal=-1)  # [j, j'] j' < j
+        same = (d[:, :, None] == d[:, None, :]) & earlier
+        lead = ((d >= 0) & ~same.any(-1)).reshape(-1)
+        t = torch.arange(T, dtype=torch.int64, device=dev).view(T, 1).expand(T, k).reshape(-1)
+        pes = torch.where(lead, d.reshape(-1), torch.full_like(t, rank)).to(torch.int32)
+        return TokenSlots(rank=rank, token=t, lead=lead, pes=pes)
+
+    def rows(self, dst_tokens: int, row_bytes: int) -> PutBatch:
+        """Put entries of one row per (token, destination rank), entry ``t * k + j`` for slot ``(t, j)``, so that a
+        round's tokens ``[t0, t0 + n)`` are entries ``[t0 * k, (t0 + n) * k)`` (:meth:`PutBatch.entries`): for a
+        slot that leads its rank, row ``t`` (``row_bytes`` bytes) of a local ``[T, *]`` buffer to row ``rank *
+        dst_tokens + t mod dst_tokens`` of the destination's ``[W * dst_tokens, *]`` buffer (``dst_tokens``:
+        ``T_c``, the rounds' tokens, or ``T_max``: every token at its own row); the other slots are empty entries to
+        this rank."""
+        t, nb = self.token, int(row_bytes)
+        return PutBatch(dst_offsets=((self.rank * dst_tokens + t % dst_tokens) * nb).contiguous(),
+                        src_offsets=(t * nb).contiguous(), nbytes=(self.lead.to(torch.int64) * nb).contiguous(),
+                        pes=self.pes)
+
+
 def token_rows(plan: RoutingPlan, rank: int, dst_tokens: int, row_bytes: int) -> PutBatch:
-    """Put entries of one row per (token, destination rank) (combine backward on the put path), entry ``t * k + j``
-    for slot ``(t, j)``, so that a round's tokens ``[t0, t0 + n)`` are entries ``[t0 * k, (t0 + n) * k)``
-    (:meth:`PutBatch.entries`): for a slot that leads its rank (the token's first slot there), row ``t``
-    (``row_bytes`` bytes) of a local ``[T, *]`` buffer to row ``rank * dst_tokens + t mod dst_tokens`` of the
-    destination's ``[W * dst_tokens, *]`` buffer (``dst_tokens``: ``T_c``, the rounds' tokens, or ``T_max``: every
-    token at its own row); the other slots are empty entries to this rank."""
-    d = plan.dest_rank.to(torch.int64)
-    T, k = d.shape
-    dev = d.device
-    earlier = torch.tril(torch.ones(k, k, dtype=torch.bool, device=dev), diagonal=-1)  # [j, j'] j' < j
-    same = (d[:, :, None] == d[:, None, :]) & earlier
-    lead = ((d >= 0) & ~same.any(-1)).reshape(-1)
-    t = torch.arange(T, dtype=torch.int64, device=dev).view(T, 1).expand(T, k).reshape(-1)
-    pes = torch.where(lead, d.reshape(-1), torch.full_like(t, rank)).to(torch.int32)
-    nb = int(row_bytes)
-    return PutBatch(dst_offsets=((rank * dst_tokens + t % dst_tokens) * nb).contiguous(),
-                    src_offsets=(t * nb).contiguous(), nbytes=(lead.to(torch.int64) * nb).contiguous(), pes=pes)
+    """:meth:`TokenSlots.rows` of the dispatch ``plan`` (one buffer's entries; a call that puts several buffers makes
+    the :class:`TokenSlots` once)."""
+    return TokenSlots.of(plan, rank).rows(dst_tokens, row_bytes)
 
 
 class Puts:
@@ -229,4 +252,4 @@ class Puts:
 
 
 __all__ = ["BlockPuts", "dispatch_blocks", "partial_rows", "row_batch", "counts_batch", "swap_batch", "token_rows",
-           "Puts"]
+           "TokenSlots", "Puts"]

@@ -181,10 +181,11 @@ class PutPath(PushPath):
         self.send_q.local[0].view(-1)[: T * 2 * H].copy_(g.reshape(-1).view(torch.uint8))
         self.send_w.local[0].view(-1)[: T * k].copy_(w.reshape(-1))
         plan = handle.plan
-        weights = put_path.token_rows(plan, e.rank, e.config.max_tokens_per_rank, k * 4)
+        slots = put_path.TokenSlots.of(plan, e.rank)  # (one row per (token, rank): the weights, then the rows)
+        weights = slots.rows(e.config.max_tokens_per_rank, k * 4)
         self.puts.put(self.recv_w.local, self.send_w.local, weights, None, None, e.err, 1)
         out = self._new_backward_rows(handle, mx)
-        grads = put_path.token_rows(plan, e.rank, self.round_tokens, 2 * H)  # (a round's: a slice)
+        grads = slots.rows(self.round_tokens, 2 * H)  # (a round's: a slice)
         for r, tokens in enumerate(self._token_rounds()):
             if r:
                 self._window_free()  # every rank's weighted rows of the round before read its recv_q
