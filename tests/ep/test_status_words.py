@@ -3,7 +3,7 @@ an exact-size dispatch and, without a sync, one call later; on CPU (the copies a
 import pytest
 import torch
 
-from mxcomm.ep.nvshmem.status_words import StatusWords
+from mxcomm.ep.nvshmem.status_words import StatusWords, SyncedSizes
 from mxcomm.transport import PeerTimeout
 from mxcomm.transport.errors import TIMEOUT_CODE, error_word
 
@@ -20,17 +20,19 @@ def test_the_views_are_the_words():
     sw.input_err.fill_(1)
     sw.rows.fill_(96)
     sw.refused.fill_(3)
-    assert sw.words.tolist() == [7, 1, 96, 3]
+    sw.most.fill_(160)
+    assert sw.words.tolist() == [7, 1, 96, 3, 160]
     assert sw.err_words.tolist() == [7, 1]
 
 
 def test_check_returns_the_row_count_and_raises_in_order():
-    """A clean read returns the plan's row count; bad ids of this call raise the detailed id error (and are cleared);
-    a peer's refusal raises PeerTimeout naming it (cleared: the group stays usable); a wait's timeout raises
-    PeerTimeout naming the peer and stays set."""
+    """A clean read returns the plan's row count and the most rows any rank receives; bad ids of this call raise the
+    detailed id error (and are cleared); a peer's refusal raises PeerTimeout naming it (cleared: the group stays
+    usable); a wait's timeout raises PeerTimeout naming the peer and stays set."""
     sw = _words()
     sw.rows.fill_(96)
-    assert sw.check("dispatch") == 96
+    sw.most.fill_(128)
+    assert sw.check("dispatch") == SyncedSizes(rows=96, most=128)
     sw.input_err.fill_(1)
     bad = torch.tensor([[0, 4]])  # expert 4 of 4 is out of range
     with pytest.raises(ValueError, match="expert"):
@@ -40,7 +42,7 @@ def test_check_returns_the_row_count_and_raises_in_order():
     with pytest.raises(PeerTimeout, match="peer 2 refused its input"):
         sw.check("dispatch")
     assert sw.refused.item() == 0
-    assert sw.check("dispatch") == 96
+    assert sw.check("dispatch").rows == 96
     sw.err.fill_(error_word(TIMEOUT_CODE, 3))
     for _ in range(2):
         with pytest.raises(PeerTimeout) as e:
@@ -54,14 +56,14 @@ def test_bad_ids_of_an_earlier_call_are_reported_once():
     sw.input_err.fill_(1)
     with pytest.raises(ValueError, match="an earlier dispatch"):
         sw.check("device error words")
-    assert sw.check("device error words") == 0
+    assert sw.check("device error words").rows == 0
 
 
 def test_refusals_abandon_only_exact_size_calls():
     """In the no-sync mode bad ids are dropped and the call goes on: a refusal word does not raise."""
     sw = _words(exact_sizes=False)
     sw.refused.fill_(1)
-    assert sw.check("dispatch") == 0
+    assert sw.check("dispatch").rows == 0
 
 
 def test_check_async_checks_at_once_off_cuda_and_nothing_while_capturing():
@@ -86,13 +88,13 @@ def test_status_copy_of_a_middle_is_read_only_by_its_own_sync():
             pass
 
     sw = _words()
-    sw.words.copy_(torch.tensor([0, 0, 96, 0]))
-    stale = torch.tensor([0, 0, 32, 0])
+    sw.words.copy_(torch.tensor([0, 0, 96, 0, 0]))
+    stale = torch.tensor([0, 0, 32, 0, 0])
     sw._host, sw._started = (stale, Done()), True
-    assert sw.read(started=False) == [0, 0, 96, 0]  # not the dispatch's sync: fresh words
-    assert sw.read(started=True) == [0, 0, 96, 0]  # the copy was dropped by the read before
+    assert sw.read(started=False) == [0, 0, 96, 0, 0]  # not the dispatch's sync: fresh words
+    assert sw.read(started=True) == [0, 0, 96, 0, 0]  # the copy was dropped by the read before
     sw._started = True
-    assert sw.read(started=True) == [0, 0, 32, 0]  # the dispatch's own sync reads its middle's copy
-    assert sw.read(started=True) == [0, 0, 96, 0]  # once
+    assert sw.read(started=True) == [0, 0, 32, 0, 0]  # the dispatch's own sync reads its middle's copy
+    assert sw.read(started=True) == [0, 0, 96, 0, 0]  # once
     sw.start_read()  # off CUDA: nothing enqueued, nothing marked
     assert not sw._started

@@ -326,7 +326,7 @@ class NvshmemBackend:
 
     def after_call(self, what: str, waited: bool) -> None:
         """The error check that ends a call whose output sizes are known without the device (combine and both
-        backward passes), in both size modes: no host sync - :meth:`StatusWords.check_async` raises an error an
+        backward passes; the push and put dispatches' rounds after their one sync), in both size modes: no host sync - :meth:`StatusWords.check_async` raises an error an
         earlier call recorded (a bounded wait that timed out), and the next exact-size dispatch (its one sync) or
         :meth:`check_errors` raises this call's. A call that waited for nothing could not have recorded one."""
         if waited:
@@ -459,7 +459,7 @@ class NvshmemBackend:
         words (:meth:`StatusWords.check`; ``ids``: the caller's ids whose check was deferred to it); no-sync mode: the
         worst case ``R_max``, errors raised by a later call."""
         if self.config.exact_sizes:
-            return self.status_words.check(what, ids=ids, started=True)
+            return self.status_words.check(what, ids=ids, started=True).rows
         self.status_words.check_async(what)
         return self.R_max
 

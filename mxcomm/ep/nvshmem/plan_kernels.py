@@ -537,7 +537,7 @@ def triton_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: 
             ``[-1, E)``, no repeats within a token; other integer dtypes are converted).
         rank, align: as :func:`build_plan`. n_rows: rows of the row-origin maps (``R_max`` of the backend).
         prefix: :attr:`CheckedIds.slot_prefix` of these ids (:func:`check_and_count`), else computed here.
-        status: int64 ``[4]`` status words to write ``status[2]`` (the row count) into, and ``status[3]`` from
+        status: int64 ``[>= 4]`` status words to write ``status[2]`` (the row count) into, and ``status[3]`` from
             ``refusals`` (int32 ``[W]`` refusal words of the counts exchange): see :func:`plan_kernel`.
         out: int32 with at least :func:`plan_numel` values to hold the plan (else a fresh buffer).
         jobs: launch this kernel instead of ``plan_kernel`` (the same plan, and its own jobs besides).

@@ -1,11 +1,13 @@
 """StatusWords: what the ``nvshmem`` backend's host learns from the device, and when it raises.
 
-Four int64 words on the device, read in one transfer:
+Five int64 words on the device, read in one transfer:
 
 * ``err`` (word 0): a bounded wait's timeout or a bad put entry (``mxcomm.transport.errors``: code and peer);
 * ``input_err`` (word 1): bad expert ids seen by the device-side id check (out of range, or repeated in a token);
 * ``rows`` (word 2): the row count of the last routing plan (an exact-size dispatch's output size);
-* ``refused`` (word 3): 1 + the lowest rank that refused its input of the last dispatch (0: none).
+* ``refused`` (word 3): 1 + the lowest rank that refused its input of the last dispatch (0: none);
+* ``most`` (word 4): the most expert-major rows any rank receives in the last dispatch (written by the push and put
+  paths before their sync: the number of rounds through their receive window).
 
 An exact-size dispatch reads them at its ONE host sync (:meth:`StatusWords.check`), from a copy enqueued right after
 its middle (:meth:`StatusWords.start_read`), so the host's work before the sync overlaps the transfer. Calls that do
@@ -14,12 +16,22 @@ and raise what an EARLIER call recorded once its copy has landed (:meth:`StatusW
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from ... import transport as tp
 from ..ids import check_expert_ids
+
+
+@dataclass(frozen=True)
+class SyncedSizes:
+    """What an exact-size dispatch learns at its one host sync: ``rows`` its output's row count (word 2) and ``most``
+    the most rows any rank receives (word 4; the push and put paths' rounds, 0 where no path wrote it)."""
+
+    rows: int
+    most: int
 
 
 class StatusWords:
@@ -31,28 +43,28 @@ class StatusWords:
         exact_sizes: the config's size mode (peers' refusals abandon a call only in exact-size mode).
         capturing: True while the current stream is being captured (nothing is read or checked then).
     Attributes:
-        words: int64 ``[4]`` on ``device``; ``err`` / ``input_err`` / ``rows`` / ``refused``: its one-word views
-        (the kernels' arguments); ``err_words``: words 0-1.
+        words: int64 ``[5]`` on ``device``; ``err`` / ``input_err`` / ``rows`` / ``refused`` / ``most``: its
+        one-word views (the kernels' arguments); ``err_words``: words 0-1.
     """
 
     def __init__(self, device: torch.device, rank: int, num_experts: int, exact_sizes: bool,
                  capturing: Callable[[], bool]):
         self.device, self.rank, self.num_experts, self.exact_sizes = device, rank, num_experts, exact_sizes
         self.capturing = capturing
-        self.words = torch.zeros(4, dtype=torch.int64, device=device)
+        self.words = torch.zeros(5, dtype=torch.int64, device=device)
         self.err_words = self.words[0:2]
         self.err, self.input_err = self.words[0:1], self.words[1:2]
-        self.rows, self.refused = self.words[2:3], self.words[3:4]
+        self.rows, self.refused, self.most = self.words[2:3], self.words[3:4], self.words[4:5]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
         self._host = None  # (pinned host copy of the words, event): made once, for the exact-size sync
         self._started = False  # a copy of the words was enqueued at the end of a dispatch's middle
 
-    def check(self, what: str, ids: Optional[torch.Tensor] = None, started: bool = False) -> int:
+    def check(self, what: str, ids: Optional[torch.Tensor] = None, started: bool = False) -> SyncedSizes:
         """Raise now if a bounded wait (or the device-side input check) recorded an error: ONE host sync, which
-        reads the words (one transfer). Returns the row count of the last plan (``rows``). ``ids``: the caller's
-        ``topk_idx`` of this call, whose id check was deferred to this sync (bad ids raise the detailed error of
-        :func:`mxcomm.ep.ids.check_expert_ids`). ``started``: a dispatch's own sync, which reads the copy its middle
+        reads the words (one transfer). Returns the sizes words 2 and 4 hold (:class:`SyncedSizes`). ``ids``: the
+        caller's ``topk_idx`` of this call, whose id check was deferred to this sync (bad ids raise the detailed error
+        of :func:`mxcomm.ep.ids.check_expert_ids`). ``started``: a dispatch's own sync, which reads the copy its middle
         enqueued (:meth:`start_read`) where there is one."""
         self._pending = None
         words = self.read(started)
@@ -61,7 +73,7 @@ class StatusWords:
         if words[3] and self.exact_sizes:
             self._raise_refusal(words[3] - 1, what)
         self._raise_errors(words, what)
-        return words[2]
+        return SyncedSizes(rows=words[2], most=words[4])
 
     def start_read(self) -> None:
         """Enqueue the copy of the words into pinned host memory now (the end of an exact-size dispatch's middle,
@@ -71,7 +83,7 @@ class StatusWords:
         if self.device.type != "cuda" or not self.exact_sizes or self.capturing():
             return
         if self._host is None:  # made once: pinned allocations cost milliseconds
-            self._host = (torch.empty(4, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            self._host = (torch.empty(len(self.words), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
         host, ev = self._host
         host.copy_(self.words, non_blocking=True)
         ev.record()
@@ -138,4 +150,4 @@ class StatusWords:
         tp.raise_error_words(words[:1], what=what, rank=self.rank)
 
 
-__all__ = ["StatusWords"]
+__all__ = ["StatusWords", "SyncedSizes"]

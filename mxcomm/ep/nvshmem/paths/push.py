@@ -108,16 +108,18 @@ class PushPath(EnginePath):
         )
 
     def _rounds(self, plan: RoutingPlan, topk_idx: torch.Tensor) -> DispatchRounds:
-        """This rank's output rows and the dispatch's rounds through the receive window. Exact sizes: read at the
-        call's host sync, before any row is sent, where bad ids of this rank raise the detailed ValueError
-        (``topk_idx``), a peer's refusal PeerTimeout naming it and a failed counts exchange PeerTimeout too
-        (:meth:`output_rows`); the rounds from the most rows any rank receives. No-sync mode: the worst case of
-        both, and the rounds that carry rows counted on the device."""
+        """This rank's output rows and the dispatch's rounds through the receive window. Exact sizes: both read at the
+        call's one host sync, before any row is sent (the most rows any rank receives travels in the status words,
+        ``most``, beside the row count), where bad ids of this rank raise the detailed ValueError (``topk_idx``), a
+        peer's refusal PeerTimeout naming it and a failed counts exchange PeerTimeout too. No-sync mode: the worst
+        case of both, and the rounds that carry rows counted on the device."""
         e = self.e
         most = received_rows(plan).max()
-        R = e.output_rows("dispatch counts", ids=topk_idx)
         if e.config.exact_sizes:
-            return DispatchRounds(rows=R, count=max(1, -(-min(int(most), e.R_max) // self.window)))
+            e.status_words.most.copy_(most.view(1))
+            sizes = e.status_words.check("dispatch counts", ids=topk_idx)
+            return DispatchRounds(rows=sizes.rows, count=max(1, -(-min(sizes.most, e.R_max) // self.window)))
+        R = e.output_rows("dispatch counts", ids=topk_idx)
         return DispatchRounds(rows=R, count=max(1, -(-e.R_max // self.window)),
                               carrying=(most + self.window - 1).view(1) // self.window)
 
@@ -125,9 +127,10 @@ class PushPath(EnginePath):
         """Id check and counts exchange (every rank's refusal word with its counts), the plan, then the rows into the
         receivers' window in rounds (:meth:`_send_round`; one when every rank's rows fit the window), each copied
         out of ``recv_q`` / ``recv_s`` into fresh tensors before :meth:`_window_free` lets the next round in. Exact
-        sizes sync with the host twice: before any row is sent (the rows and the rounds; bad ids, refusals and a
-        failed counts exchange raise there on every rank, so the group stays usable) and after the last round (the
-        arrival waits' errors)."""
+        sizes sync with the host once, before any row is sent (the rows and the rounds; bad ids, refusals and a
+        failed counts exchange raise there on every rank, so the group stays usable); a bounded wait of the rounds
+        that timed out is raised without a sync, as combine's are (:meth:`NvshmemBackend.after_call`: by the next
+        call that finds its error word on the host, the next dispatch's sync or ``check_errors``)."""
         e = self.e
         ids = e.checked_ids(topk_idx, sync=False, refusal_word=True)  # (counts and refusal word into counts_in)
         e.d_epoch.add_(1)
@@ -154,7 +157,7 @@ class PushPath(EnginePath):
                 self._copy_rows(self.recv_s.local, srows, plan, o, lo)
         self._after_rounds()
         table, wtab = self._table_from_list()
-        if e.config.exact_sizes:
-            e.output_rows("dispatch arrivals")  # the rounds' waits: their errors raise here
+        if e.config.exact_sizes:  # (no-sync mode: the check at the start of the call started the copy)
+            e.after_call("dispatch arrivals", waited=True)
         return DispatchRows(q=q, scale_rows=srows, kept=po, ids=ids, num_rows=R, origins=o, table=table,
                             weights=DeliveredWeights.of(wtab, topk_weights))
