@@ -272,7 +272,7 @@ class NvshmemBackend:
         self.input_err.add_(bad.any().to(torch.int64))
         return torch.where(bad, torch.full_like(idx, -1), idx).to(topk_idx.dtype)
 
-    def checked_ids(self, topk_idx: torch.Tensor, sync: bool = True, store: Optional[torch.Tensor] = None,
+    def checked_ids(self, topk_idx: torch.Tensor, store: Optional[torch.Tensor] = None,
                     counts_out: Optional[torch.Tensor] = None, refusal_word: bool = False,
                     new_epoch: bool = False) -> torch.Tensor:
         """The expert ids checked on the device (bad ids and repeats within a token become -1: nothing is sent for
@@ -283,10 +283,10 @@ class NvshmemBackend:
         ``input_err`` into ``counts_in[E]``, the refusal word the counts exchange publishes. ``new_epoch``: also
         advance the dispatch epoch ``d_epoch``. (The Triton plan's pull dispatch does both in its head kernel.)
 
-        Exact-size mode: one small host sync reads ``input_err`` and raises the detailed ValueError of
-        :func:`mxcomm.ep.ids.check_expert_ids` before anything is sent (``sync=False``: the caller reads it at its
-        own next sync, before it writes any output - the local path). No-sync mode: a later call raises it
-        (see :meth:`StatusWords.check_async`)."""
+        No host sync here. Exact-size mode: the caller's one sync reads ``input_err`` with the other status words,
+        before anything is sent or written, and raises the detailed ValueError of
+        :func:`mxcomm.ep.ids.check_expert_ids` (:meth:`StatusWords.check` with the caller's ids). No-sync mode: a
+        later call raises it (see :meth:`StatusWords.check_async`)."""
         E = self.config.num_experts
         counts = self.counts_in[:E] if counts_out is None else counts_out
         word = self.counts_in[E:E + 1] if refusal_word else None
@@ -300,8 +300,6 @@ class NvshmemBackend:
             word.copy_(self.input_err)
         if new_epoch:
             self.d_epoch.add_(1)
-        if sync and self.config.exact_sizes and topk_idx.numel() and self.input_err.item():  # the host sync
-            self.status_words.raise_bad_ids(topk_idx)
         return ids
 
     def plan_store(self, topk_idx: torch.Tensor) -> Optional[torch.Tensor]:

@@ -29,7 +29,7 @@ class LocalPath(EnginePath):
         on one rank waits for a flag). ``extra["ids"]``: the checked ids."""
         e = self.e
         store = e.plan_store(topk_idx)
-        ids = e.checked_ids(topk_idx, sync=False, store=store, counts_out=counts_buf[0])
+        ids = e.checked_ids(topk_idx, store=store, counts_out=counts_buf[0])
         po = e.compute_plan(counts_buf, ids, store=store)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 

@@ -125,7 +125,7 @@ class PullPath(EnginePath):
             po = e.compute_plan(counts_buf, ids, refusals=True, store=store, jobs=self._plan_jobs)
             return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
         # counts into counts_in[:E], the refusal word (bad ids seen by the id check) into counts_in[E]; epoch += 1
-        ids = e.checked_ids(topk_idx, sync=False, store=store, refusal_word=True, new_epoch=True)
+        ids = e.checked_ids(topk_idx, store=store, refusal_word=True, new_epoch=True)
         self.exchange(e.counts_in, wait=False)
         # the pack runs while the peers' counts arrive: its copy is not being read (see kernels.pull, send_q),
         # and no peer reads it before this rank's entries, pushed after it in stream order

@@ -132,7 +132,7 @@ class PushPath(EnginePath):
         that timed out is raised without a sync, as combine's are (:meth:`NvshmemBackend.after_call`: by the next
         call that finds its error word on the host, the next dispatch's sync or ``check_errors``)."""
         e = self.e
-        ids = e.checked_ids(topk_idx, sync=False, refusal_word=True)  # (counts and refusal word into counts_in)
+        ids = e.checked_ids(topk_idx, refusal_word=True)  # (counts and refusal word into counts_in)
         e.d_epoch.add_(1)
         self.exchange(e.counts_in)
         po = e.plan_from_counts(ids)
