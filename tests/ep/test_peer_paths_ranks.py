@@ -57,6 +57,7 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
     from mxcomm.ep.handle import with_weights
     from mxcomm.ep.plan import FLAG_ROWS
     from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch
+    from status_reads import status_reads
 
     be = _backend(rank, world, path, base, cfg)
     E, k, H, mx, exact = cfg.num_experts, cfg.topk, cfg.hidden, cfg.precision == "mxfp8", cfg.exact_sizes
@@ -77,7 +78,10 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
             outs.append(o)
         tag = f"round {it} rank {rank}"
         epoch0 = int(be.impl._window_epoch) if cfg.transport == "push" else 0
-        d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])
+        with status_reads(be.status_words) as reads:
+            d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])
+        # an exact-size dispatch syncs with the host once, on every path (the no-sync check starts a copy instead)
+        assert reads["sync"] == (1 if exact else 0), (tag, reads)
         if cfg.transport == "push":  # a handshake between the rounds that carry rows, none after them (no-sync mode)
             need = max(1, -(-max(int(w.offs[-1]) for w in wants) // be.impl.window))
             assert int(be.impl._window_epoch) - epoch0 == need - 1, (tag, need, int(be.impl._window_epoch) - epoch0)

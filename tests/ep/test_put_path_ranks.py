@@ -14,6 +14,7 @@ import torch
 
 from heap_fakes import FakeBuf, FakeCtx
 from rank_inputs import in_group_tile_rows, rank_inputs, real_rows, refusal_clean_absent
+from status_reads import status_reads
 from mxcomm.ep import EPConfig
 from mxcomm.ep.reference.oracle import oracle_combine_backward, oracle_dispatch
 
@@ -225,7 +226,10 @@ def test_put_path_several_ranks_forward_and_backward_match_spec(one_kernel_at_a_
         assert [t for r in rounds for t in r] == list(range(max(T))), rounds  # every token once
         res = []
         for it, (xs, idxs, ws, wants, _, gys) in enumerate(calls):
-            d, h = be.dispatch(xs[r], idxs[r], ws[r])
+            with status_reads(be.status_words) as reads:
+                d, h = be.dispatch(xs[r], idxs[r], ws[r])
+            # an exact-size dispatch syncs with the host once, whatever its rounds (no-sync mode: never)
+            assert reads["sync"] == (1 if exact else 0), (f"round {it} rank {r}", reads)
             out = expert_out(it, r, h.num_rows, wants[r])
             y, saved = be.combine_for_backward(out, h, mx)
             y_bf16 = be.combine(out, h, False)
