@@ -174,6 +174,29 @@ def _stalled_worker(rank, world, path, base, cfg, T, seed):
             int(flags[1, 1]) < int(be.expect[1, 1]), clean)
 
 
+def _push_stalled_worker(rank, world, path, base, cfg, T, seed):
+    """Push path: rank 1 takes part in the dispatch's counts exchange (id check, counts and refusal word, epoch) and
+    stops there, before it sends any row; rank 0's dispatch passes the exchange and its one host sync, sends its rows
+    and then waits for rank 1's. Rank 0 returns what its dispatch raised and whether rank 1's counts had arrived."""
+    from mxcomm.ep.plan import FLAG_ROWS
+    from mxcomm.transport.errors import PeerTimeout
+
+    be = _backend(rank, world, path, base, cfg)
+    xs, idxs, ws = rank_inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
+    if rank == 1:
+        be.checked_ids(idxs[1], refusal_word=True)
+        be.d_epoch.add_(1)
+        be.impl.exchange(be.counts_in)  # (waits, bounded, for rank 0's counts)
+        return "stopped"
+    start = time.monotonic()
+    try:
+        be.dispatch(xs[0], idxs[0], ws[0])
+        raised = "returned"
+    except PeerTimeout as e:
+        raised = ("PeerTimeout", e.peer, time.monotonic() - start < 4 * cfg.timeout_s)
+    return raised, int(be.flags.local[FLAG_ROWS.index("counts"), 1]) == int(be.d_epoch)
+
+
 def _mismatch_worker(rank, world, path, base, cfg, T, seed):
     """Rank 0 combines with other weights (it exchanges), the others with the dispatch's (they do not): every rank's
     combine must fail with a PeerTimeout, none may return partial sums formed with weights it was not given."""
@@ -273,6 +296,20 @@ def test_peer_that_stops_before_its_entries_is_named(tmp_path):
                    num_sms=1, timeout_s=3.0, transport="pull")
     out = _run_mapped(tmp_path, 2, _stalled_worker, cfg, (6, 5), 13, timeout=300)
     assert out == [(("PeerTimeout", 1, True), True, True, True), "stopped"], out
+
+
+def test_push_peer_that_stops_before_its_rows_is_named(tmp_path):
+    """Push path: a rank that takes part in the counts exchange and then stops (it never sends its rows). The other
+    rank's dispatch passes its one host sync (the sizes and rounds) and its wait for the missing rows fails within its
+    timeout; the error is raised naming the peer - on CPU by the dispatch itself (the interpreter's no-sync check
+    reads at once), on a GPU by the next call that finds the error word, the next dispatch's sync or
+    ``check_errors()``, as for combine."""
+    from mxcomm.ep import EPConfig
+
+    cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=6, precision="mxfp8", backend="nvshmem",
+                   num_sms=1, timeout_s=3.0, transport="push")
+    out = _run_mapped(tmp_path, 2, _push_stalled_worker, cfg, (6, 5), 17, timeout=300)
+    assert out == [(("PeerTimeout", 1, True), True), "stopped"], out
 
 
 def _mapped_entry(rank, world, fn, path, bases, *args):
