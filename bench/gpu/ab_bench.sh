@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1
 root=$PWD
 tmp=$(mktemp -d /tmp/mxcomm-ab-bench.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
-git archive "$REV" mxcomm | tar -x -C "$tmp" || exit 1
+git archive "$REV" mxcomm csrc | tar -x -C "$tmp" || exit 1  # (csrc: the CUDA sources the put path builds)
 source bench/gpu/env.sh $((4 << 30)) || exit 1
 here=$PYTHONPATH
 : > "$OUT/ab.txt"
