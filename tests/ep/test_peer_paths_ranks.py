@@ -143,6 +143,19 @@ def _fault_worker(rank, world, path, base, cfg, T, seed):
     return refusal_clean_absent(be, rank, xs, idxs, ws, want, cfg.timeout_s)
 
 
+def _dispatch_outcome(be, x, idx, w, timeout_s):
+    """What ``be.dispatch(x, idx, w)`` did: "returned", or ("PeerTimeout", the peer it named, whether it raised within
+    four timeouts)."""
+    from mxcomm.transport.errors import PeerTimeout
+
+    start = time.monotonic()
+    try:
+        be.dispatch(x, idx, w)
+        return "returned"
+    except PeerTimeout as e:
+        return "PeerTimeout", e.peer, time.monotonic() - start < 4 * timeout_s
+
+
 def _stalled_worker(rank, world, path, base, cfg, T, seed):
     """Rank 1 runs the pull dispatch's first launch (check, counts and their publish, pack) and stops there, before
     the launch that would write its pull-list entries; rank 0 starts its dispatch once rank 1's counts are out.
@@ -151,7 +164,6 @@ def _stalled_worker(rank, world, path, base, cfg, T, seed):
     import torch.distributed as dist
 
     from mxcomm.ep.plan import FLAG_ROWS
-    from mxcomm.transport.errors import PeerTimeout
 
     be = _backend(rank, world, path, base, cfg)
     xs, idxs, ws = rank_inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
@@ -161,12 +173,7 @@ def _stalled_worker(rank, world, path, base, cfg, T, seed):
     dist.barrier()
     if rank == 1:
         return "stopped"
-    start = time.monotonic()
-    try:
-        be.dispatch(xs[0], idxs[0], ws[0])
-        raised = "returned"
-    except PeerTimeout as e:
-        raised = ("PeerTimeout", e.peer, time.monotonic() - start < 4 * cfg.timeout_s)
+    raised = _dispatch_outcome(be, xs[0], idxs[0], ws[0], cfg.timeout_s)
     flags = be.flags.local
     epoch = int(be.d_epoch)
     clean = not be.tickets.any() and not be.count_totals.any()  # the failed call left its tickets and totals at 0
@@ -179,7 +186,6 @@ def _push_stalled_worker(rank, world, path, base, cfg, T, seed):
     stops there, before it sends any row; rank 0's dispatch passes the exchange and its one host sync, sends its rows
     and then waits for rank 1's. Rank 0 returns what its dispatch raised and whether rank 1's counts had arrived."""
     from mxcomm.ep.plan import FLAG_ROWS
-    from mxcomm.transport.errors import PeerTimeout
 
     be = _backend(rank, world, path, base, cfg)
     xs, idxs, ws = rank_inputs(world, T, cfg.num_experts, cfg.topk, cfg.hidden, seed)
@@ -188,12 +194,7 @@ def _push_stalled_worker(rank, world, path, base, cfg, T, seed):
         be.d_epoch.add_(1)
         be.impl.exchange(be.counts_in)  # (waits, bounded, for rank 0's counts)
         return "stopped"
-    start = time.monotonic()
-    try:
-        be.dispatch(xs[0], idxs[0], ws[0])
-        raised = "returned"
-    except PeerTimeout as e:
-        raised = ("PeerTimeout", e.peer, time.monotonic() - start < 4 * cfg.timeout_s)
+    raised = _dispatch_outcome(be, xs[0], idxs[0], ws[0], cfg.timeout_s)
     return raised, int(be.flags.local[FLAG_ROWS.index("counts"), 1]) == int(be.d_epoch)
 
 
