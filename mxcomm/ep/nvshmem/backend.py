@@ -324,9 +324,10 @@ class NvshmemBackend:
 
     def after_call(self, what: str, waited: bool) -> None:
         """The error check that ends a call whose output sizes are known without the device (combine and both
-        backward passes; the push and put dispatches' rounds after their one sync), in both size modes: no host sync - :meth:`StatusWords.check_async` raises an error an
-        earlier call recorded (a bounded wait that timed out), and the next exact-size dispatch (its one sync) or
-        :meth:`check_errors` raises this call's. A call that waited for nothing could not have recorded one."""
+        backward passes; the push and put dispatches' rounds after their one sync), in both size modes: no host
+        sync - :meth:`StatusWords.check_async` raises an error an earlier call recorded (a bounded wait that timed
+        out), and the next exact-size dispatch (its one sync) or :meth:`check_errors` raises this call's. A call that
+        waited for nothing could not have recorded one."""
         if waited:
             self.status_words.check_async(what)
 

@@ -28,7 +28,8 @@ from ..ids import check_expert_ids
 @dataclass(frozen=True)
 class SyncedSizes:
     """What an exact-size dispatch learns at its one host sync: ``rows`` its output's row count (word 2) and ``most``
-    the most rows any rank receives (word 4; the push and put paths' rounds, 0 where no path wrote it)."""
+    the most rows any rank receives (word 4: the push and put paths' rounds; those paths write it right before their
+    sync, the others leave it as it was)."""
 
     rows: int
     most: int
