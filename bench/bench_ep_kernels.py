@@ -7,9 +7,9 @@ the device copy ceiling and, for dispatch, a naive baseline kernel.
 No NVSHMEM: with one rank every slot stays on this GPU, so the kernels are launched with one-entry pointer
 tables that point at plain CUDA tensors (what the backend passes in loopback, minus the symmetric heap).
 The routing plan is the library's (``mxcomm.ep.plan.build_plan``; random top-k routing, every expert
-local), built once outside the timed region. ``--impls`` names modules providing ``dispatch_kernel`` and
-``combine_reduce_kernel`` with the library's signatures (to compare an implementation against another in
-the same run).
+local), built once outside the timed region. ``--impls`` names modules providing the library's kernels
+(``push_rows_kernel``, ``local_rows_kernel``, ``combine_reduce_kernel``, ``local_reduce_kernel``, ...) with its
+signatures (to compare an implementation against another in the same run).
 
 Timed (``--timer graph``, the default: median CUDA-event time of a CUDA-graph replay of 10 launches, divided by
 10, so the host's launch time is not counted; ``--timer events``: events around one eager launch, which counts
@@ -50,9 +50,9 @@ it), for each module and (programs, warps, chunk):
   expert row read for ``<g, out[row]>`` into that source's ``gw``: one BF16 row read per listed entry + ``R*H*2``
   read + ``R*(H + H/32)`` written. Checked bit for bit (payload, row-major scales) against the reference quantization
   of the fp32 products, the route-weight gradients against a float64 dot, and every program's arrival;
-* ``local_path``: the one-rank dispatch (``dispatch_kernel`` straight into the fresh output, the unfilled rows
-  zeroed at the end of the same launch (``ZERO_PAD``), then the swizzle), checked like the other paths;
-* ``reduce_own``: the one-rank combine (``combine_reduce_kernel(OWN=True)``: every row read as bf16 from the expert
+* ``local_path``: the one-rank dispatch (``local_rows_kernel`` straight into the fresh output, the unfilled rows
+  zeroed at the end of the same launch, then the swizzle), checked like the other paths;
+* ``reduce_own``: the one-rank combine (``local_reduce_kernel``: every row read as bf16 from the expert
   output, the weighted sum quantized in registers): ``S*H*2`` read + ``T*H*2`` written; same check as ``reduce``.
 * ``pattern`` (``--ops pattern``): ceilings of the dispatch's access pattern - the same reads, writes, rows and
   order without the quantization (``pattern_scatter_kernel``: plain, through TMA descriptors, writes alone), a
@@ -120,7 +120,7 @@ def naive_dispatch_kernel(x_ptr, T, dest_row_ptr, srow_ptr, q_ptr, s_ptr, n_col_
 def pattern_scatter_kernel(x_ptr, xdesc, T, dest_row_ptr, q_ptr, s_ptr, H: tl.constexpr, K: tl.constexpr,
                            CHUNK: tl.constexpr, LOAD: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr):
     """The dispatch's memory traffic without its arithmetic (a ceiling for that access pattern): program ``t``
-    (persistent over tokens, like ``dispatch_kernel``) reads row ``x[t, :]`` (int16 ``[T, H]``, the bf16 bits)
+    (persistent over tokens, like ``local_rows_kernel``) reads row ``x[t, :]`` (int16 ``[T, H]``, the bf16 bits)
     once, ``CHUNK`` at a time, and stores its high bytes to payload row ``q[dest_row[t, j]]`` (uint8 ``[*, H]``) and
     ``NB`` bytes ``t + column`` to scale row ``s[dest_row[t, j]]`` (uint8 ``[*, H/32]``) for each valid slot ``j``.
     ``LOAD`` False: no reads (payload bytes ``t + offset``; writes alone). ``TMA_LOAD`` / ``TMA_STORE``: the row
@@ -284,7 +284,7 @@ class Lab:
         return check
 
     def bench_dispatch(self, mod, impl: str) -> None:
-        """The module's push dispatch (``dispatch_kernel``: row-major scales at the payload rows), the receiver's
+        """The module's push dispatch (``push_rows_kernel``: row-major scales at the payload rows), the receiver's
         ``copyout`` (``copy_out_rows_kernel``) and ``swizzle`` (``scale_rows_to_grouped_kernel``, byte and word
         columns), and the pull dispatch (``pack`` = ``pack_rows_kernel``, then ``gather`` = ``pull_rows_kernel``
         over the pull list of ``push_entries_kernel``); ``push_path`` / ``pull_path`` time each path's three
@@ -300,10 +300,9 @@ class Lab:
         chunk0 = _ints(a.chunks)[0]
 
         def push(programs, warps, chunk):
-            mod.dispatch_kernel[(programs,)](
-                self.x, T, self.plan.dest_rank, self.plan.dest_row, qp, sp, fp, 0, 1, w, self.plan.offs,
-                self.plan.expert_counts, self.plan.num_rows, 0, 0, H=H, K=self.k, CHUNK=chunk, MX=True, MODE=0,
-                INT_ROUND=self.interp, WEIGHTED=False, num_warps=warps)
+            mod.push_rows_kernel[(programs,)](
+                self.x, T, self.plan.dest_rank, self.plan.dest_row, qp, sp, fp, 0, 1, H=H, K=self.k, CHUNK=chunk,
+                MX=True, MODE=0, INT_ROUND=self.interp, SKIP_EMPTY=False, num_warps=warps)
 
         for programs in self.grids():
             for warps in _ints(a.warps):
@@ -432,14 +431,13 @@ class Lab:
                     lambda: (push(g0, w0, chunk0), copy_rows(), scales()), both(rows_check, scales_check))
         self.record("pull_path", impl, dict(programs=progs, warps=4, chunk=chunk0),
                     lambda: (pack(), pull_rows(), scales()), both(rows_check, scales_check))
-        if "ZERO_PAD" in mod.dispatch_kernel.arg_names:  # the local path (one rank): straight into the output
-            outp = self.ptrs(out_q)
+        if hasattr(mod, "local_rows_kernel"):  # the local path (one rank): straight into the output
 
             def local():
-                mod.dispatch_kernel[(g0,)](
-                    self.x, T, self.plan.dest_rank, self.plan.dest_row, outp, sp, fp, 0, 1, w, self.plan.offs,
+                mod.local_rows_kernel[(g0,)](
+                    self.x, T, self.plan.dest_rank, self.plan.dest_row, out_q, sp, w, self.plan.offs,
                     self.plan.expert_counts, self.plan.num_rows, R, E, H=H, K=self.k, CHUNK=chunk0, MX=True, MODE=0,
-                    INT_ROUND=self.interp, WEIGHTED=False, ARRIVE=False, ZERO_PAD=True, num_warps=w0)
+                    INT_ROUND=self.interp, WEIGHTED=False, num_warps=w0)
                 scales()
 
             self.record("local_path", impl, dict(programs=g0, warps=w0, chunk=chunk0), local,
@@ -547,10 +545,9 @@ class Lab:
             ok = bool((d <= tol).all())
             return ok, dict(max_abs_diff=float(d.max()) if d.numel() else 0.0)
 
-        own = "OWN" in kern.arg_names  # the own-rows variant (one rank: the partial formed from the expert rows)
-        rest = (self.plan.dest_row, self.own_x, self.comb_s)
-        args = (self.comb_q, self.comb_s, self.plan.send_pos, self.plan.dest_rank, self.w, y, self.T, epoch,
-                self.nslot, *rest)
+        own = getattr(mod, "local_reduce_kernel", None)  # one rank: the partial formed from the expert rows
+        args = (self.comb_q, self.comb_s, self.plan.send_pos, self.plan.dest_rank, y, self.T, epoch, self.nslot)
+        own_args = (self.own_x, self.comb_s, self.plan.dest_rank, self.plan.dest_row, self.w, y, self.T)
         for programs in self.grids():
             for warps in _ints(a.warps):
                 for chunk in _ints(a.chunks):
@@ -559,10 +556,10 @@ class Lab:
                         num_warps=warps, enable_fp_fusion=False))
                     self.record("reduce", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check,
                                 nbytes=self.T * (self.H + self.H // 32) + self.T * self.H * 2)
-                    if own:  # one rank: every slot's row read as bf16 from the expert output, summed, quantized here
-                        fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
-                            *args, H=self.H, K=self.k, P=self.k, CHUNK=chunk, MX=True, INT_ROUND=self.interp,
-                            OWN=True, MODE=0, num_warps=warps, enable_fp_fusion=False))
+                    if own is not None:  # one rank: every slot's row read as bf16, summed, quantized here
+                        fn = (lambda programs=programs, warps=warps, chunk=chunk: own[(programs,)](
+                            *own_args, H=self.H, K=self.k, CHUNK=chunk, MX=True, PASS=False, WEIGHTED=True, MODE=0,
+                            INT_ROUND=self.interp, num_warps=warps, enable_fp_fusion=False))
                         self.record("reduce_own", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check,
                                     nbytes=self.S * self.H * 2 + self.T * self.H * 2)
 
@@ -612,9 +609,8 @@ class Lab:
             for warps in _ints(a.warps):
                 for chunk in _ints(a.chunks):
                     fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
-                        comb_q, comb_s, send_pos, dest_rank, self.w, y, T, epoch, nslot, plan.dest_row, y, comb_s,
-                        H=H, K=k, P=min(k, W), CHUNK=chunk, MX=True, INT_ROUND=self.interp, num_warps=warps,
-                        enable_fp_fusion=False))
+                        comb_q, comb_s, send_pos, dest_rank, y, T, epoch, nslot, H=H, K=k, P=min(k, W), CHUNK=chunk,
+                        MX=True, INT_ROUND=self.interp, num_warps=warps, enable_fp_fusion=False))
                     self.record("reduce_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk, world=W,
                                                            partials=P), fn, check, nbytes=P * (H + C) + T * H * 2)
 
@@ -714,7 +710,7 @@ class Lab:
                         fn = (lambda programs=programs, warps=warps, chunk=chunk, rows=rows: kern[(programs,)](
                             out, comb_s[0], table, origin_pos, v.ws, ptrs["q"], ptrs["s"], ptrs["f"], 0, W, T,
                             epoch, nslot, v.err, H=H, K=k, CHUNK=chunk, MX=True, PASS=False, WEIGHTED=True, MODE=0,
-                            INT_ROUND=self.interp, STAGED=False, ROWS=rows, num_warps=warps, enable_fp_fusion=False))
+                            INT_ROUND=self.interp, ROWS=rows, num_warps=warps, enable_fp_fusion=False))
                         self.record("partials_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk,
                                                                  rows=rows, world=W, expert_rows=R),
                                     fn, check_for(programs), nbytes=R * H * 2 + int(listed.numel()) * (H + C))
@@ -779,8 +775,7 @@ class Lab:
                     fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
                         dst, dst_s, one_group, one_group, one_group, 1, R, ptrs["g"], ptrs["w"], table, epoch, T, W,
                         0, 0, out, ptrs["gw"], ptrs["f"], 0, H=H, CHUNK=chunk, K=k, K_POW2=triton.next_power_of_2(k),
-                        MX=True, MODE=0, INT_ROUND=self.interp, ZCHUNK=512, ROUTE_GRAD=True, ARRIVE=True,
-                        num_warps=warps))
+                        MX=True, MODE=0, INT_ROUND=self.interp, ZCHUNK=512, ROUTE_GRAD=True, num_warps=warps))
                     self.record("weighted_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk, world=W,
                                                              expert_rows=R),
                                 fn, check_for(programs), nbytes=entries * H * 2 + R * (2 * H + H + C))

@@ -8,7 +8,7 @@
   and other major versions are not admitted either: PyTorch builds the MXFP8 grouped kernel for
   sm_100/sm_103, and a wrong guess costs the process.
 * ``dequant`` - Hopper emulation: dequantize the MXFP8 operands to BF16 (Triton kernel) and run
-  ``torch._grouped_mm`` in BF16 (CUTLASS, ~765 TFLOP/s on an H200). Default on CUDA below sm_100.
+  ``torch._grouped_mm`` in BF16 (CUTLASS). Default on CUDA below sm_100.
 * ``triton`` - Hopper emulation in one kernel: a Triton grouped GEMM that decodes E4M3 and applies the
   per-32 scale in its load path (exactly the BF16 operand ``dequant`` would build) and multiplies in BF16
   with fp32 accumulation. Chosen explicitly (the GEMM benchmark reports which one is faster).

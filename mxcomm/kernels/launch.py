@@ -34,8 +34,8 @@ across calls but the wrapper itself, the driver check and, per compiled kernel, 
 own caches stay the only source of compiled kernels, and the knobs are read at every launch. Inside CUDA graph
 capture the launch is recorded as Triton's would be (the same compiled launch on the capturing stream).
 
-Counters ``fast_launches`` / ``slow_launches`` say which path each launch took. Measured on one H200
-(``python -m mxcomm.bench.tools.host_costs``): the binder and the launcher's own C launch are most of what is left.
+Counters ``fast_launches`` / ``slow_launches`` say which path each launch took. ``python -m
+mxcomm.bench.tools.host_costs`` times what is left (the binder and the launcher's own C launch; docs/benchmarks.md).
 """
 from __future__ import annotations
 

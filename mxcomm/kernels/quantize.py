@@ -277,7 +277,7 @@ def default_rows_config(M: int, K: int, device: torch.device, interpret: bool) -
 
 def default_cols_config(M: int, K: int, device: torch.device, interpret: bool) -> QuantizeConfig:
     """Heuristic tiles for the column-wise (32x1) kernels: 64 rows x 256 columns per program on GPU,
-    4 warps (best of the H200 sweep: 2.29 TB/s against 1.11 TB/s for 32 x 256 with 8 warps), fewer
+    4 warps (the best of ``bench/bench_quantize.py --sweep``; docs/benchmarks.md has the measurements), fewer
     columns when K is small."""
     if interpret:
         bk = min(next_pow2(max(K, 32)), 1024)

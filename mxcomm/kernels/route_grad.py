@@ -80,10 +80,8 @@ def route_weight_grad(grad_y: torch.Tensor, rows: Union[MXTensor, torch.Tensor],
         send_pos: int32/int64 ``[T, k]`` row of each slot in ``rows``, -1 = dropped.
         programs: persistent programs (grid size cap); num_warps: warps per program.
 
-    Launch settings measured on one H200 at T = 8192, H = 7168, k = 8 (MXFP8 rows; each program loads a ``[k, 512]``
-    tile of rows per step): 8 programs per SM of 4 warps 172.9 µs (83 % of the copy ceiling by the bytes read),
-    against 215.3 µs at 4 programs per SM of 8 warps (the earlier setting); ``bench/bench_route_grad.py``,
-    ``bench/results/h200/s10/``.
+    Each program loads a ``[k, 512]`` tile of rows per step; ``bench/bench_route_grad.py`` sweeps the launch
+    settings (docs/benchmarks.md, route-weight gradient, has the measurements).
     """
     T, H = grad_y.shape
     k = send_pos.shape[1]

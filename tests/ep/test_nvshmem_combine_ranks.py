@@ -202,7 +202,7 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
         combine_partials_kernel[(G,)](
             ins[d], scs[d], rk.tables[d], rk.origins[d].pos, comb_w[d], ptrs(comb_q), ptrs(comb_s), ptrs(flags), d, W,
             T_max, ep, nslot, _no_error(), H=H, K=k, CHUNK=chunk, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0,
-            INT_ROUND=True, STAGED=False, enable_fp_fusion=False)
+            INT_ROUND=True, enable_fp_fusion=False)
     for d in range(W):  # every program of every sender raised the combine flag once
         assert flags[d][2].tolist() == [G] * W, d
         assert not flags[d][[0, 1, 3, 4, 5]].any(), d
@@ -236,10 +236,8 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
             continue
         y = torch.full((Ts[s], H), 5.0, dtype=torch.bfloat16)
         combine_reduce_kernel[(2,)](
-            comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank,
-            torch.full((Ts[s], k), float("nan")), y, Ts[s], ep, nslot, p.dest_row, torch.zeros(1, dtype=torch.bfloat16),
-            torch.zeros(1, dtype=torch.uint8), H=H, K=k, P=min(k, W), CHUNK=chunk, MX=mx, INT_ROUND=True, OWN=False,
-            OWN_PASS=False, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
+            comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank, y, Ts[s], ep,
+            nslot, H=H, K=k, P=min(k, W), CHUNK=chunk, MX=mx, INT_ROUND=True, enable_fp_fusion=False)
         want = spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx)
         assert_bf16_same(y, want, f"origin {s}")
         # poisoned rows reach exactly the tokens with a slot on them; a token without a valid slot gives 0
@@ -285,7 +283,7 @@ def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
         combine_partials_kernel[(2,)](
             outs[d], torch.zeros(1, dtype=torch.uint8), rk.tables[d], rk.origins[d].pos, comb_w[d], ptrs(comb_q),
             ptrs(comb_s), ptrs(flags), d, W, T_max, ep, nslot, _no_error(), H=H, K=k, CHUNK=32, MX=mx, PASS=False,
-            WEIGHTED=weighted, MODE=0, INT_ROUND=True, STAGED=False, enable_fp_fusion=False)
+            WEIGHTED=weighted, MODE=0, INT_ROUND=True, enable_fp_fusion=False)
     saturated = 0
     for s in range(W):
         p = rk.plans[s]
@@ -299,10 +297,8 @@ def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
                     saturated += int((got.float().abs() == BF16_MAX).sum())
         y = torch.empty(Ts[s], H, dtype=torch.bfloat16)
         combine_reduce_kernel[(2,)](
-            comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank, torch.zeros(1), y,
-            Ts[s], ep, nslot, p.dest_row, torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8),
-            H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, OWN=False, OWN_PASS=False, WEIGHTED=weighted,
-            MODE=0, enable_fp_fusion=False)
+            comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank, y, Ts[s], ep,
+            nslot, H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, enable_fp_fusion=False)
         want = spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx)
         assert_bf16_same(y, want, f"origin {s}")
         saturated += int((y.float().abs() == BF16_MAX).sum())  # near-max sums that stayed finite
@@ -315,7 +311,7 @@ def test_partials_send_nothing_after_a_failed_wait(staged):
     or of an earlier call timed out) writes no partial and raises no arrival flag, so that its peers' bounded waits
     fail instead of summing partials formed with weights that may not have arrived; with a clear word the same launch
     writes every listed token's partial and raises the flags (the control)."""
-    from mxcomm.ep.nvshmem.kernels import combine_partials_kernel
+    from mxcomm.ep.nvshmem.kernels import combine_partials_kernel, stage_partials_kernel
 
     W, E, k, H, Ts = 3, 9, 3, 64, [5, 4, 6]
     g = torch.Generator().manual_seed(11 + staged)
@@ -329,11 +325,14 @@ def test_partials_send_nothing_after_a_failed_wait(staged):
         comb_s = [torch.zeros(2, nslot, C, dtype=torch.uint8) for _ in range(W)]
         flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
         stage = torch.zeros(2 * nslot, 2 * H, dtype=torch.uint8)
-        q_ptrs = torch.full((W,), stage.data_ptr()) if staged else ptrs(comb_q)
-        combine_partials_kernel[(2,)](
-            ins[1], scs[1], rk.tables[1], rk.origins[1].pos, comb_w[1], q_ptrs, ptrs(comb_s), ptrs(flags), 1, W, T_max,
-            ep, nslot, err, H=H, K=k, CHUNK=32, MX=False, PASS=False, WEIGHTED=True, MODE=0, INT_ROUND=True,
-            STAGED=staged, t_lo=0, t_n=T_max, enable_fp_fusion=False)
+        consts = dict(H=H, K=k, CHUNK=32, MX=False, PASS=False, WEIGHTED=True, MODE=0, INT_ROUND=True,
+                      enable_fp_fusion=False)
+        if staged:
+            stage_partials_kernel[(2,)](ins[1], scs[1], rk.tables[1], comb_w[1], torch.full((W,), stage.data_ptr()),
+                                        ptrs(comb_s), W, T_max, err, 0, T_max, **consts)
+        else:
+            combine_partials_kernel[(2,)](ins[1], scs[1], rk.tables[1], rk.origins[1].pos, comb_w[1], ptrs(comb_q),
+                                          ptrs(comb_s), ptrs(flags), 1, W, T_max, ep, nslot, err, **consts)
         sent = int(stage.any(dim=1).sum()) if staged else sum(int(q.view(-1, 2 * H).any(dim=1).sum()) for q in comb_q)
         raised = [int(f[2, 1]) for f in flags]
         if int(err):
@@ -352,12 +351,12 @@ def test_partials_send_nothing_after_a_failed_wait(staged):
     (3, 9, 1, 96, (6, 3, 4), False, False, 1),
 ])
 def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H, Ts, mx, passthrough, tc):
-    """The put path's combine direction across ranks: ``combine_partials_kernel(STAGED=True)`` writes each partial
+    """The put path's combine direction across ranks: ``stage_partials_kernel`` writes each partial
     of the round's tokens ``[t0, t0 + n)`` into the expert rank's staging at its entry's index in the round and
     raises no flag; the entries of ``put_path.partial_rows`` (one per (token, rank), applied as byte copies) carry it
     to the origin's slot in the copy of the epoch's parity, and the reduce there gives the spec's result (weighted;
     unweighted with MX input rows). ``tc``: tokens per round (None: one round)."""
-    from mxcomm.ep.nvshmem.kernels import combine_partials_kernel, combine_reduce_kernel
+    from mxcomm.ep.nvshmem.kernels import combine_reduce_kernel, stage_partials_kernel
     from mxcomm.ep.nvshmem.put_path import partial_rows
 
     g = torch.Generator().manual_seed(W * 1000 + E * 10 + k + H)
@@ -369,7 +368,6 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
     comb_w = _comb_w(rk, [w if w is not None else torch.zeros(T, k) for w, T in zip(ws, Ts)], g)
     comb_q = [torch.randint(0, 256, (2, nslot, 2 * H), dtype=torch.uint8, generator=g) for _ in range(W)]
     comb_s = [torch.randint(0, 256, (2, nslot, C), dtype=torch.uint8, generator=g) for _ in range(W)]
-    flags = [torch.zeros(NF, W, dtype=torch.int64) for _ in range(W)]
     ep = torch.tensor([epoch])
     slot0 = (ep % 2) * nslot
     row_bytes = H if mx else 2 * H
@@ -381,10 +379,9 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
             stage_q = torch.randint(0, 256, (W * tc, 2 * H), dtype=torch.uint8, generator=g)
             stage_s = torch.randint(0, 256, (W * tc, C), dtype=torch.uint8, generator=g)
             sq, ss = torch.full((W,), stage_q.data_ptr()), torch.full((W,), stage_s.data_ptr())
-            combine_partials_kernel[(2,)](
-                ins[d], scs[d], rk.tables[d], rk.origins[d].pos, comb_w[d], sq, ss, ptrs(flags), d, W, T_max, ep,
-                nslot, _no_error(), H=H, K=k, CHUNK=32, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0,
-                INT_ROUND=True, STAGED=True, t_lo=t0, t_n=nt, enable_fp_fusion=False)
+            stage_partials_kernel[(2,)](
+                ins[d], scs[d], rk.tables[d], comb_w[d], sq, ss, W, T_max, _no_error(), t0, nt, H=H, K=k, CHUNK=32,
+                MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0, INT_ROUND=True, enable_fp_fusion=False)
             b = every.entries(t0 * W, (t0 + nt) * W)
             for batch, src, dsts in ((b.payload, stage_q, comb_q), (b.scales, stage_s, comb_s)):
                 sb = src.view(-1)
@@ -392,17 +389,14 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
                     pe, n = int(batch.pes[i]), int(batch.nbytes[i])
                     do, so = int(batch.dst_offsets[i]), int(batch.src_offsets[i])
                     dsts[pe].view(-1)[do:do + n] = sb[so:so + n]
-    assert not any(f.any() for f in flags)  # staged: the puts signal, the kernel does not
     for s in range(W):
         p = rk.plans[s]
         if Ts[s] == 0:
             continue
         y = torch.empty(Ts[s], H, dtype=torch.bfloat16)
         combine_reduce_kernel[(2,)](
-            comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank,
-            torch.zeros(1), y, Ts[s], ep, nslot, p.dest_row, torch.zeros(1, dtype=torch.bfloat16),
-            torch.zeros(1, dtype=torch.uint8), H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, OWN=False,
-            OWN_PASS=False, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
+            comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank, y, Ts[s], ep,
+            nslot, H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, enable_fp_fusion=False)
         assert_bf16_same(y, spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx), f"origin {s}")
 
 
@@ -412,23 +406,24 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
     (2, 4, 2, 96, (4, 5), False, True, 2, None),
     (3, 9, 3, 64, (3, 6, 2), False, False, 2, None),
     (4, 16, 3, 64, (2, 5, 0, 4), True, False, 1, None),
-    (3, 6, 2, 64, (5, 0, 4), True, True, 1, 2),  # the put path's rounds (TOKEN_RANGE): 2, 2, 1 tokens
+    (3, 6, 2, 64, (5, 0, 4), True, True, 1, 2),  # the put path's rounds: 2, 2, 1 tokens
     (4, 16, 2, 96, (2, 5, 0, 4), False, True, 1, 3),
 ])
 def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, route_grad, copies, tc):
     """Combine backward on the expert ranks, ranks simulated in one process: each source's BF16 gradient rows and fp32
     route weights sit in its send copy (``copies=2``: the pull path, copy 1 of an odd epoch, weights read with their
-    copy stride; ``copies=1``: the put path's received rows, stride 0); ``pull_weighted_kernel`` walks the receiver's
-    table and stores ``w[t, j] * g[t]`` quantized per slot (MX: payload + row-major scale rows) or rounded to BF16 at
-    each slot's row - bit-exact to plain torch -, zeroes the padding rows inside groups and leaves the rows past
-    ``n_rows`` as they were. With ``ROUTE_GRAD`` it forms ``grad_w[t, j] = <g[t], out[row_j]>`` (fp32, within rounding
-    of a float64 dot with the expert rows; padding rows hold NaN and are never read) into row ``me`` of the origin's
-    ``comb_gw`` for exactly the slots on this rank, raising ``flags[4, me]`` once per program (pull path);
-    ``gather_route_grad_kernel`` at the origin picks each slot's value from its rank's row (0 for a dropped slot).
-    Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with zero tokens, dropped slots. ``tc``: the put
-    path's rounds (``TOKEN_RANGE``), each launch the entries of ``tc`` tokens of every source, whose gradient rows
-    are the round's (a ``[tc, H]`` buffer per source)."""
-    from mxcomm.ep.nvshmem.kernels import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel
+    copy stride; ``copies=1``: the put path's received rows, one copy); ``pull_weighted_kernel`` (pull path) or
+    ``round_weighted_kernel`` (put path) walks the receiver's table and stores ``w[t, j] * g[t]`` quantized per slot
+    (MX: payload + row-major scale rows) or rounded to BF16 at each slot's row - bit-exact to plain torch -, zeroes the
+    padding rows inside groups and leaves the rows past ``n_rows`` as they were. With ``ROUTE_GRAD`` it forms
+    ``grad_w[t, j] = <g[t], out[row_j]>`` (fp32, within rounding of a float64 dot with the expert rows; padding rows
+    hold NaN and are never read) into row ``me`` of the origin's ``comb_gw`` for exactly the slots on this rank, raising
+    ``flags[4, me]`` once per program (pull path); ``gather_route_grad_kernel`` at the origin picks each slot's value
+    from its rank's row (0 for a dropped slot). Gradient rows with Inf / NaN, weights 0 / tiny / negative, ranks with
+    zero tokens, dropped slots. ``tc``: the put path's rounds, each launch the entries of ``tc`` tokens of every source,
+    whose gradient rows are the round's (a ``[tc, H]`` buffer per source; None: one round of every token)."""
+    from mxcomm.ep.nvshmem.kernels import (gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel,
+                                           round_weighted_kernel)
 
     g = torch.Generator().manual_seed(W * 31 + E + k + H + copies)
     rk = Ranks(W, E, k, Ts, g, epoch=7)
@@ -485,20 +480,20 @@ def test_pull_weighted_rows_and_route_grad_from_the_table(W, E, k, H, Ts, mx, ro
         srows = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)
         gw_peers = torch.tensor([comb_gw[s].data_ptr() + d * T_max * k * 4 for s in range(W)], dtype=torch.int64)
         args = (dst if mx else dst.view(torch.bfloat16), srows, p.offs, p.expert_counts, p.num_rows, rk.El, R)
-        rest = (ptrs(send_w), rk.tables[d], ep, T_max, W, T_max * H if copies == 2 else 0,
-                T_max * k if copies == 2 else 0, outs[d] if route_grad else torch.zeros(1, dtype=torch.bfloat16),
-                gw_peers, ptrs(flags), d)
+        expert_rows = outs[d] if route_grad else torch.zeros(1, dtype=torch.bfloat16)
         consts = dict(H=H, CHUNK=32, K=k, K_POW2=P2(k), MX=mx, MODE=0, INT_ROUND=True, ZCHUNK=4,
-                      ROUTE_GRAD=route_grad, ARRIVE=copies == 2)
-        if tc is None:
-            pull_weighted_kernel[(G,)](*args, ptrs(send_g), *rest, **consts)
+                      ROUTE_GRAD=route_grad)
+        if copies == 2:
+            pull_weighted_kernel[(G,)](*args, ptrs(send_g), ptrs(send_w), rk.tables[d], ep, T_max, W, T_max * H,
+                                       T_max * k, expert_rows, gw_peers, ptrs(flags), d, **consts)
         else:
-            for t0 in range(0, T_max, tc):  # the round's rows of every source, garbage past them
-                nt = min(tc, T_max - t0)
-                rnd = [torch.randn(tc, H, generator=g).to(torch.bfloat16) for _ in range(W)]
+            for t0 in range(0, T_max, tc or T_max):  # the round's rows of every source, garbage past them
+                nt = min(tc or T_max, T_max - t0)
+                rnd = [torch.randn(tc or T_max, H, generator=g).to(torch.bfloat16) for _ in range(W)]
                 for s in range(W):
                     rnd[s][:nt] = send_g[s][0, t0:t0 + nt]
-                pull_weighted_kernel[(G,)](*args, ptrs(rnd), *rest, TOKEN_RANGE=True, t_lo=t0, t_n=nt, **consts)
+                round_weighted_kernel[(G,)](*args, ptrs(rnd), ptrs(send_w), rk.tables[d], T_max, W, expert_rows,
+                                            gw_peers, t0, nt, **consts)
         want = torch.zeros(R, H * B, dtype=torch.uint8)
         want[n_rows:] = before[n_rows:]
         real = torch.zeros(R, dtype=torch.bool)

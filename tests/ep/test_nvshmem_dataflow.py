@@ -348,15 +348,15 @@ def test_pull_head_does_what_its_steps_do(T, G, epoch, mx, absent):
     (8, 3, "quant", True, (3,)), (6, 4, "pass", False, (3, 2)), (4, 2, "bf16", True, (2, 3)),
     (5, 5, "quant", False, (3, 2)), (6, 3, "pass", True, (3,)), (4, 3, "bf16", False, (4, 2))])
 def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode, weighted, grid):
-    """One rank (``OWN``): the reduce forms the token's single partial from the expert output at its dispatch rows -
-    bf16 rows, or MXFP8 rows (``OWN_PASS``) decoded - weighted (combine) or not (dispatch backward), in fp32 ``j``
-    ascending, and rounds it in registers (MXFP8 quantize + decode, or BF16): bit-exact to the spec; the comb_q buffer
-    it would otherwise read holds garbage, padding rows hold NaN (never read), dropped slots carry NaN weights (never
-    read). A NaN row poisons exactly its tokens; a token without a valid slot gives 0; a token count that does not
-    fill the last program; ``k`` not a power of two; ``H = 96`` (a masked chunk); a row's two chunks on one program
-    or dealt out over the grid's second axis (2 programs, or 3: one without a chunk)."""
+    """One rank (``local_reduce_kernel``): the reduce forms the token's single partial from the expert output at its
+    dispatch rows - bf16 rows, or MXFP8 rows (``PASS``) decoded - weighted (combine) or not (dispatch backward), in fp32
+    ``j`` ascending, and rounds it in registers (MXFP8 quantize + decode, or BF16): bit-exact to the spec; padding rows
+    hold NaN (never read), dropped slots carry NaN weights (never read). A NaN row poisons exactly its tokens; a token
+    without a valid slot gives 0; a token count that does not fill the last program; ``k`` not a power of two; ``H =
+    96`` (a masked chunk); a row's two chunks on one program or dealt out over the grid's second axis (2 programs, or 3:
+    one without a chunk)."""
     from combine_spec import assert_bf16_same, combine as spec_combine
-    from mxcomm.ep.nvshmem.kernels import combine_reduce_kernel
+    from mxcomm.ep.nvshmem.kernels import local_reduce_kernel
     from mxcomm.mx import quantize
 
     g = torch.Generator().manual_seed(E * 10 + k + weighted)
@@ -382,14 +382,9 @@ def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode, weighted, grid):
     else:
         own, own_s = out, torch.zeros(1, dtype=torch.uint8)
         vals = out.float()
-    nslot = T * k
-    comb_q = torch.randint(0, 256, (2, nslot, 2 * H), dtype=torch.uint8, generator=g)  # never read
-    comb_s = torch.randint(0, 256, (2, nslot, H // 32), dtype=torch.uint8, generator=g)
     y = torch.full((T, H), 7.0, dtype=torch.bfloat16)
-    combine_reduce_kernel[grid](comb_q if mx else comb_q.view(torch.bfloat16), comb_s, plan.send_pos, plan.dest_rank,
-                                w, y, T, torch.tensor([1]), nslot, plan.dest_row, own, own_s, H=H, K=k, P=k,
-                                CHUNK=64, MX=mx, INT_ROUND=True, OWN=True,
-                                OWN_PASS=passthrough, WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
+    local_reduce_kernel[grid](own, own_s, plan.dest_rank, plan.dest_row, w, y, T, H=H, K=k, CHUNK=64, MX=mx,
+                              PASS=passthrough, WEIGHTED=weighted, MODE=0, INT_ROUND=True, enable_fp_fusion=False)
     want = spec_combine(plan.dest_rank, plan.dest_row, [vals], w if weighted else None, mx)
     assert_bf16_same(y, want)  # (the sign of a zero too: test_one_rank_reduce_gives_plus_zero)
     hit = (plan.dest_row == nan_row).any(1)
@@ -400,13 +395,13 @@ def test_combine_reduce_reads_own_rows_on_one_rank(E, k, mode, weighted, grid):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through combine)")
 @pytest.mark.parametrize("mx", [True, False])
 def test_one_rank_reduce_gives_plus_zero(mx):
-    """The combine formula adds the token's rounded partials to a +0 accumulator: ``y = bf16(0 + Tq(P))``, so an
-    element whose partial rounds to -0 comes out +0 (as on several ranks, where the origin sums decoded partials from
-    +0, and in the reference backend). One rank (``OWN``) forms the single partial and rounds it in registers: MXFP8:
-    ``-1e-3`` beside ``1000`` in one 32-block quantizes to -0; BF16: an fp32 product below bf16's smallest subnormal
-    rounds to -0."""
+    """The combine formula adds the token's rounded partials to a +0 accumulator: ``y = bf16(0 + Tq(P))``, so an element
+    whose partial rounds to -0 comes out +0 (as on several ranks, where the origin sums decoded partials from +0, and in
+    the reference backend). One rank (``local_reduce_kernel``) forms the single partial and rounds it in registers:
+    MXFP8: ``-1e-3`` beside ``1000`` in one 32-block quantizes to -0; BF16: an fp32 product below bf16's smallest
+    subnormal rounds to -0."""
     from combine_spec import combine as spec_combine
-    from mxcomm.ep.nvshmem.kernels import combine_reduce_kernel
+    from mxcomm.ep.nvshmem.kernels import local_reduce_kernel
 
     H, k = 32, 1
     idx = torch.tensor([[0], [0]])
@@ -416,10 +411,9 @@ def test_one_rank_reduce_gives_plus_zero(mx):
     out[:2, 1] = -1e-3 if mx else -(2.0 ** -133)  # bf16's smallest subnormal
     w = torch.tensor([[1.0], [0.25]])
     y = torch.full((2, H), 7.0, dtype=torch.bfloat16)
-    combine_reduce_kernel[(1,)](out, torch.zeros(1, dtype=torch.uint8), plan.send_pos, plan.dest_rank, w, y, 2,
-                                torch.tensor([1]), 2, plan.dest_row, out, torch.zeros(1, dtype=torch.uint8), H=H, K=k, P=k,
-                                CHUNK=32, MX=mx, INT_ROUND=True, OWN=True, OWN_PASS=False, WEIGHTED=True,
-                                MODE=0, enable_fp_fusion=False)
+    local_reduce_kernel[(1,)](out, torch.zeros(1, dtype=torch.uint8), plan.dest_rank, plan.dest_row, w, y, 2, H=H,
+                              K=k, CHUNK=32, MX=mx, PASS=False, WEIGHTED=True, MODE=0, INT_ROUND=True,
+                              enable_fp_fusion=False)
     want = spec_combine(plan.dest_rank, plan.dest_row, [out.float()], w, mx)
     t = 0 if mx else 1
     assert want[t, 1] == 0 and not torch.signbit(want[t, 1])  # the formula: +0
@@ -429,11 +423,11 @@ def test_one_rank_reduce_gives_plus_zero(mx):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through combine)")
 @pytest.mark.parametrize("mx,weighted", [(True, True), (False, True), (False, False)])
 def test_one_rank_reduce_saturates_near_max(mx, weighted):
-    """One rank (``OWN``): expert rows at BF16's largest value, one slot weighted by 1.003 or two slots summed: a
-    partial that is finite in fp32 but past the BF16 range comes out +-BF16_MAX (BF16 transport saturates it; MXFP8
-    decodes saturated), one that overflows fp32 stays Inf; bit-exact to the spec."""
+    """One rank (``local_reduce_kernel``): expert rows at BF16's largest value, one slot weighted by 1.003 or two slots
+    summed: a partial that is finite in fp32 but past the BF16 range comes out +-BF16_MAX (BF16 transport saturates it;
+    MXFP8 decodes saturated), one that overflows fp32 stays Inf; bit-exact to the spec."""
     from combine_spec import BF16_MAX, assert_bf16_same, combine as spec_combine
-    from mxcomm.ep.nvshmem.kernels import combine_reduce_kernel
+    from mxcomm.ep.nvshmem.kernels import local_reduce_kernel
 
     H, k, E = 64, 2, 4
     idx = torch.tensor([[0, -1], [1, 2], [3, -1], [2, 0]])
@@ -444,10 +438,9 @@ def test_one_rank_reduce_saturates_near_max(mx, weighted):
     w = torch.full((T, k), 1.003)
     w[2, 0] = 0.5
     y = torch.empty(T, H, dtype=torch.bfloat16)
-    combine_reduce_kernel[(2,)](out, torch.zeros(1, dtype=torch.uint8), plan.send_pos, plan.dest_rank, w, y, T,
-                                torch.tensor([1]), T * k, plan.dest_row, out, torch.zeros(1, dtype=torch.uint8), H=H,
-                                K=k, P=k, CHUNK=32, MX=mx, INT_ROUND=True, OWN=True, OWN_PASS=False,
-                                WEIGHTED=weighted, MODE=0, enable_fp_fusion=False)
+    local_reduce_kernel[(2,)](out, torch.zeros(1, dtype=torch.uint8), plan.dest_rank, plan.dest_row, w, y, T, H=H,
+                              K=k, CHUNK=32, MX=mx, PASS=False, WEIGHTED=weighted, MODE=0, INT_ROUND=True,
+                              enable_fp_fusion=False)
     want = spec_combine(plan.dest_rank, plan.dest_row, [out.float()], w if weighted else None, mx)
     assert_bf16_same(y, want)
     assert (y[:, :16].float().abs() == BF16_MAX).any()  # reaches the BF16 range, finite
@@ -455,12 +448,12 @@ def test_one_rank_reduce_saturates_near_max(mx, weighted):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (the GPU suite covers it through dispatch)")
 @pytest.mark.parametrize("E,k,align,tail,programs", [(8, 3, 32, 0, 3), (5, 2, 128, 40, 7), (4, 4, 32, 7, 2)])
-def test_dispatch_kernel_zero_pad_zeroes_exactly_the_unfilled_rows(E, k, align, tail, programs):
-    """The local path's ``dispatch_kernel(ZERO_PAD=True)``: every padding row of every group becomes zero, the
-    ``tail`` rows past ``n_rows`` (a worst-case-sized output) are not written; every real row holds what the same
-    kernel without ``ZERO_PAD`` stores there. Empty groups, a group with every token, odd counts, fewer programs than
-    groups."""
-    from mxcomm.ep.nvshmem.kernels import dispatch_kernel
+def test_local_rows_kernel_zeroes_exactly_the_unfilled_rows(E, k, align, tail, programs):
+    """The local path's ``local_rows_kernel``: every padding row of every group becomes zero, the ``tail`` rows past
+    ``n_rows`` (a worst-case-sized output) are not written; every real row holds what the same sending loop stores
+    there without the zeroing (``stage_rows_kernel`` through an address table, the rows as its positions). Empty
+    groups, a group with every token, odd counts, fewer programs than groups."""
+    from mxcomm.ep.nvshmem.kernels import local_rows_kernel, stage_rows_kernel
 
     g = torch.Generator().manual_seed(E + k + tail)
     T, H = 13, 64
@@ -471,28 +464,31 @@ def test_dispatch_kernel_zero_pad_zeroes_exactly_the_unfilled_rows(E, k, align, 
     R = int(plan.num_rows) + tail
     x = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
     garbage = torch.randint(1, 256, (R, H), dtype=torch.uint8, generator=g)  # no zero byte anywhere
-    outs, scales = {}, {}
-    # (ZERO_PAD, OUT_DIRECT): the output through an address table, or passed itself (what the backend launches)
-    for zero_pad, direct in ((False, False), (True, False), (True, True)):
+    outs, scales = [], []
+    for local in (False, True):
         out, s = garbage.clone(), torch.zeros(R, H // 32, dtype=torch.uint8)
-        ptrs = torch.tensor([out.data_ptr()], dtype=torch.int64)
-        dispatch_kernel[(programs,)](
-            x, T, plan.dest_rank, plan.dest_row, out if direct else ptrs, torch.tensor([s.data_ptr()], dtype=torch.int64),
-            ptrs, 0, 1, torch.zeros(1), plan.offs, plan.expert_counts, plan.num_rows, R, E, H=H, K=k, CHUNK=H, MX=True,
-            MODE=0, INT_ROUND=True, WEIGHTED=False, ARRIVE=False, ZERO_PAD=zero_pad, OUT_DIRECT=direct)
-        outs[zero_pad, direct], scales[zero_pad, direct] = out, s
+        s_ptrs = torch.tensor([s.data_ptr()], dtype=torch.int64)
+        consts = dict(H=H, K=k, CHUNK=H, MX=True, MODE=0, INT_ROUND=True)
+        if local:
+            local_rows_kernel[(programs,)](x, T, plan.dest_rank, plan.dest_row, out, s_ptrs, torch.zeros(1),
+                                           plan.offs, plan.expert_counts, plan.num_rows, R, E, WEIGHTED=False,
+                                           **consts)
+        else:
+            stage_rows_kernel[(programs,)](x, T, plan.dest_rank, plan.dest_row,
+                                           torch.tensor([out.data_ptr()], dtype=torch.int64), s_ptrs, **consts)
+        outs.append(out)
+        scales.append(s)
     real = torch.zeros(R, dtype=torch.bool)
     real[plan.dest_row[plan.dest_row >= 0].long()] = True
     pad = ~real
     pad[int(plan.num_rows):] = False
     assert int(real.sum()) == int(plan.expert_counts.sum()) and int(pad.sum()) > 0
-    plain = outs[False, False]
-    assert torch.equal(plain[~real], garbage[~real])  # without ZERO_PAD those rows are not touched
-    for key in ((True, False), (True, True)):
-        assert torch.equal(outs[key][real], plain[real]), key
-        assert torch.equal(scales[key], scales[False, False]), key
-        assert not outs[key][pad].any(), key
-        assert torch.equal(outs[key][int(plan.num_rows):], garbage[int(plan.num_rows):]), key  # the tail: as it was
+    plain, out = outs
+    assert torch.equal(plain[~real], garbage[~real])  # without the zeroing those rows are not touched
+    assert torch.equal(out[real], plain[real])
+    assert torch.equal(scales[1], scales[0])
+    assert not out[pad].any()
+    assert torch.equal(out[int(plan.num_rows):], garbage[int(plan.num_rows):])  # the tail: as it was
 
 
 _SCALE_CASES = [(4, 7, 32, 0), (3, 224, 128, 0), (5, 12, 32, 40), (1, 4, 32, 0)]
@@ -932,20 +928,16 @@ def compile(fn, types, fusion=True, **consts):
     return ptx
 
 i32, i64, u8 = "*i32", "*i64", "*u8"
-disp = dict(x_ptr="*bf16", dest_rank_ptr=i32, dest_row_ptr=i32, q_peers=i64, s_peers=i64, flags_peers=i64,
-            w_ptr="*fp32", offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32)
-for arrive in (True, False):  # peer-pointer path, put path
-    for weighted in (False, True):
-        for mx in (True, False):
-            ptx = compile(nk.dispatch_kernel, disp, H=7168, K=8, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False,
-                          WEIGHTED=weighted, ARRIVE=arrive, ZERO_PAD=False, OUT_DIRECT=False)
-            # the payload stores (through _store_slot, to a pointer read from the peer table) stay 16-byte vectors:
-            # without the alignment hints every peer store over NVLink would be a single byte
-            assert "st.global.v4.b32" in ptx, (arrive, weighted, mx)
-for mx in (True, False):  # the push path's rounds: tokens without a slot in the window are not read
-    ptx = compile(nk.dispatch_kernel, disp, H=7168, K=8, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False, WEIGHTED=False,
-                  ARRIVE=True, SKIP_EMPTY=True)
-    assert "st.global.v4.b32" in ptx, ("skip empty", mx)
+disp = dict(x_ptr="*bf16", dest_rank_ptr=i32, dest_row_ptr=i32, send_pos_ptr=i32, q_peers=i64, s_peers=i64,
+            flags_peers=i64, w_ptr="*fp32", offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32)
+for mx in (True, False):
+    # the push path (skip_empty: its rounds, where tokens without a slot in the window are not read) and the put path
+    for kernel, extra in ((nk.push_rows_kernel, dict(SKIP_EMPTY=False)), (nk.push_rows_kernel, dict(SKIP_EMPTY=True)),
+                          (nk.stage_rows_kernel, {})):
+        ptx = compile(kernel, disp, H=7168, K=8, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False, **extra)
+        # the payload stores (through _store_slot, to a pointer read from the peer table) stay 16-byte vectors:
+        # without the alignment hints every peer store over NVLink would be a single byte
+        assert "st.global.v4.b32" in ptx, (kernel.__name__, extra, mx)
 # combine and dispatch backward, expert side: one partial per (token, rank), to the origins' comb_q or (put path) staged
 part = dict(out_ptr="*bf16", out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptr="*fp32", q_peers=i64,
             s_peers=i64, flags_peers=i64, epoch_ptr=i64, err_ptr=i64)
@@ -953,15 +945,16 @@ for staged, mx, weighted in ((False, True, True), (False, False, False), (True, 
     # the partial's payload store (MXFP8 bytes or BF16 values, through _store_partial to a pointer read from the peer
     # table) stays a 16-byte vector store where a thread holds 16 bytes of the chunk: MXFP8 needs a 2048-value chunk
     # at 4 warps (the backend's LaunchConfig.partials_chunk; at 1024 values a thread holds 8 bytes: checked below)
-    ptx = compile(nk.combine_partials_kernel, part, False, H=4096, K=8, CHUNK=2048 if mx else 1024, MX=mx,
-                  PASS=False, WEIGHTED=weighted, MODE=0, INT_ROUND=False, STAGED=staged)
+    kernel = nk.stage_partials_kernel if staged else nk.combine_partials_kernel
+    ptx = compile(kernel, part, False, H=4096, K=8, CHUNK=2048 if mx else 1024, MX=mx, PASS=False, WEIGHTED=weighted,
+                  MODE=0, INT_ROUND=False)
     assert "st.global.v4.b32" in ptx, ("partials", staged, mx, weighted)
 for rows in (1, 4):  # the launch setting's other values
     compile(nk.combine_partials_kernel, part, False, H=7168, K=8, CHUNK=1024, MX=True, PASS=False, WEIGHTED=True,
             MODE=0, INT_ROUND=False, ROWS=rows)
 for pas, chunk in ((False, 1024), (True, 1024), (False, 2048), (True, 2048)):  # 2048: the backend's, 4 warps
     ptx = compile(nk.combine_partials_kernel, dict(part, out_ptr=u8) if pas else part, False, H=7168, K=8,
-                  CHUNK=chunk, MX=True, PASS=pas, WEIGHTED=not pas, MODE=0, INT_ROUND=False, STAGED=False)
+                  CHUNK=chunk, MX=True, PASS=pas, WEIGHTED=not pas, MODE=0, INT_ROUND=False)
     # MXFP8 payload stores: 8-byte vectors at 1024 values, 16-byte at 2048 (a masked tail at 7168 values)
     assert re.search(r"st[.]global[.]v2[.]b32" if chunk == 1024 else r"st[.]global[.]v4[.]b32", ptx), (pas, chunk)
     # the scale bytes are stored by the threads that hold them (store_block_bytes): no trip through shared memory
@@ -970,24 +963,24 @@ for pas, chunk in ((False, 1024), (True, 1024), (False, 2048), (True, 2048)):  #
 # as the peer-pointer paths launch it: the last program waits for every rank's partials (a ticket)
 ptx = compile(nk.combine_partials_kernel, dict(part, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64,
               timeout_ns="i64"), False, H=7168, K=8, CHUNK=2048, MX=True, PASS=False, WEIGHTED=True, MODE=0,
-              INT_ROUND=False, STAGED=False, WAIT=True)
+              INT_ROUND=False, WAIT=True)
 assert "st.global.v4.b32" in ptx and re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "partials' wait"
-red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_ptr="*fp32", y_ptr="*bf16",
-           epoch_ptr=i64, dest_row_ptr=i32, own_ptr="*bf16", own_s_ptr=u8)
+red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, y_ptr="*bf16", epoch_ptr=i64)
+own = dict(rows_ptr="*bf16", rows_s_ptr=u8, dest_rank_ptr=i32, dest_row_ptr=i32, w_ptr="*fp32", y_ptr="*bf16")
 # partials from comb_q; one rank: the expert rows in place, bf16 (combine) or MX (dispatch backward of an MX gradient)
-for own, own_pass, weighted in ((False, False, True), (True, False, True), (True, True, False)):
-    ptx = compile(nk.combine_reduce_kernel, dict(red, own_ptr=u8) if own_pass else red, False, H=4096, K=8,
-                  P=8 if own else 4, CHUNK=1024 if own else 2048, MX=True, INT_ROUND=False, OWN=own, OWN_PASS=own_pass,
-                  WEIGHTED=weighted, MODE=0)
-    assert ptx.count("bar.sync") <= 2, ("reduce", own, own_pass, ptx.count("bar.sync"))
+ptx = compile(nk.combine_reduce_kernel, red, False, H=4096, K=8, P=4, CHUNK=2048, MX=True, INT_ROUND=False)
+assert ptx.count("bar.sync") <= 2, ("reduce", ptx.count("bar.sync"))
+for pas, weighted in ((False, True), (True, False)):
+    ptx = compile(nk.local_reduce_kernel, dict(own, rows_ptr=u8) if pas else own, False, H=4096, K=8, CHUNK=1024,
+                  MX=True, PASS=pas, WEIGHTED=weighted, MODE=0, INT_ROUND=False)
+    assert ptx.count("bar.sync") <= 2, ("one-rank reduce", pas, ptx.count("bar.sync"))
 # the backend's MXFP8 reduce (whole rows, 4 warps): the partials' scale bytes loaded where the decode holds them
 # (load_block_bytes) and 8 payload bytes a thread, the layout of the bf16 stores: no trip through shared memory (16
 # barriers before: 2 per partial's scales, 8 for the stores)
-ptx = compile(nk.combine_reduce_kernel, red, False, H=7168, K=8, P=4, CHUNK=8192, MX=True, INT_ROUND=False, OWN=False,
-              OWN_PASS=False, WEIGHTED=True, MODE=0)
+ptx = compile(nk.combine_reduce_kernel, red, False, H=7168, K=8, P=4, CHUNK=8192, MX=True, INT_ROUND=False)
 assert ptx.count("bar.sync") == 0 and "ld.global.v2.b32" in ptx, ("reduce", ptx.count("bar.sync"))
 compile(nk.combine_reduce_kernel, dict(red, comb_q_ptr="*bf16"), False, H=4096, K=6, P=6, CHUNK=4096, MX=False,
-        INT_ROUND=False, OWN=False, OWN_PASS=False, WEIGHTED=True, MODE=0)  # BF16 transport; k not a power of two
+        INT_ROUND=False)  # BF16 transport; k not a power of two
 pub = dict(src_ptr=i32, dst_peers=i64, flags_peers=i64, flags_local=i64, epoch_ptr=i64, err_ptr=i64, timeout_ns="i64")
 for wait in (True, False):
     compile(nk.publish_kernel, pub, BLOCK=1024, WAIT=wait)
@@ -1009,8 +1002,8 @@ compile(nk.copy_out_rows_kernel, dict(src_ptr=u8, dst_ptr=u8, n_rows_ptr=i32, ro
         CHUNK=256)  # the put path's scale rows out of its receive window
 for weighted in (False, True):  # local path: straight into the output; the unfilled rows zeroed by the same launch
     for mx in (True, False):
-        ptx = compile(nk.dispatch_kernel, dict(disp, q_peers=u8 if mx else "*bf16"), H=7168, K=8, CHUNK=4096, MX=mx,
-                      MODE=0, INT_ROUND=False, WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True)
+        ptx = compile(nk.local_rows_kernel, dict(disp, out_ptr=u8 if mx else "*bf16"), H=7168, K=8, CHUNK=4096, MX=mx,
+                      MODE=0, INT_ROUND=False, WEIGHTED=weighted)
         assert "st.global.v4.b32" in ptx, ("local", weighted, mx)
         if weighted and mx:  # scales quantized per slot, stored where they are held (2 barriers a slot before)
             assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("weighted scales", ptx.count("bar.sync"))
@@ -1036,18 +1029,19 @@ ptx = compile(nk.pack_ready_kernel, dict(g_ptr="*bf16", send_q_ptr="*bf16", epoc
               send_w_ptr="*fp32", ticket_ptr=i32, flags_peers=i64), H=7168, CHUNK=2048, K=8, K_POW2=8)
 assert "st.global.v4.b32" in ptx and re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "pack + ready"
 assert re.search(r"atom[.]global[.]sys[.]release[.]exch", ptx), "ready's release"
-# route-weight gradient on the pull path (arrivals), on the put path (its puts signal), none
+# route-weight gradient on the pull path (arrivals), on the put path's rounds (its puts signal), none
 weighted = dict(dst_ptr=u8, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32, g_peers=i64, w_peers=i64,
                 table_ptr=i32, epoch_ptr=i64, out_ptr="*bf16", gw_peers=i64, flags_peers=i64)
 # as the peer-pointer paths launch it: the last program waits for every rank's route-weight gradients (a ticket)
 ptx = compile(nk.pull_weighted_kernel, dict(weighted, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64,
               err_ptr=i64, timeout_ns="i64"), H=4096, CHUNK=2048, K=8, K_POW2=8, MX=True, MODE=0, INT_ROUND=False,
-              ZCHUNK=512, ROUTE_GRAD=True, ARRIVE=True, WAIT=True)
+              ZCHUNK=512, ROUTE_GRAD=True, WAIT=True)
 assert re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "pull weighted's wait"
-for mx, route_grad, arrive in ((True, True, True), (False, True, False), (True, False, True), (False, False, True)):
-    ptx = compile(nk.pull_weighted_kernel, dict(weighted, dst_ptr=u8 if mx else "*bf16"), H=4096,
-                  CHUNK=2048 if mx else 1024, K=8, K_POW2=8, MX=mx, MODE=0, INT_ROUND=False, ZCHUNK=512,
-                  ROUTE_GRAD=route_grad, ARRIVE=arrive)
+for mx, route_grad, kernel in ((True, True, nk.pull_weighted_kernel), (False, True, nk.round_weighted_kernel),
+                               (True, False, nk.pull_weighted_kernel), (False, False, nk.pull_weighted_kernel),
+                               (True, True, nk.round_weighted_kernel)):
+    ptx = compile(kernel, dict(weighted, dst_ptr=u8 if mx else "*bf16"), H=4096, CHUNK=2048 if mx else 1024, K=8,
+                  K_POW2=8, MX=mx, MODE=0, INT_ROUND=False, ZCHUNK=512, ROUTE_GRAD=route_grad)
     assert "st.global.v4.b32" in ptx, ("pull weighted", mx, route_grad)
     # the gradient rows, through the peer table, in 16-byte loads (without the alignment hint, one load per value)
     assert "ld.global.b16" not in ptx, ("pull weighted's loads", mx, route_grad)

@@ -124,18 +124,16 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     C, words = H // 32, H // 8
     i32, i64, u8, bf16, f32 = "*i32", "*i64", "*u8", "*bf16", "*fp32"
     row_chunk, qdq = L.row_chunk(H), L.row_chunk(H, weighted=True)
-    disp = dict(x_ptr=bf16, dest_rank_ptr=i32, dest_row_ptr=i32, q_peers=u8, s_peers=i64, flags_peers=i64, w_ptr=f32,
-                offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32)
-    local = dict(H=H, K=K, MX=True, MODE=0, INT_ROUND=False, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True)
+    disp = dict(x_ptr=bf16, dest_rank_ptr=i32, dest_row_ptr=i32, out_ptr=u8, s_peers=i64, w_ptr=f32, offs_ptr=i32,
+                counts_ptr=i32, n_rows_ptr=i32)
+    local = dict(H=H, K=K, MX=True, MODE=0, INT_ROUND=False)
     pack = dict(x_ptr=i64, send_q_ptr=u8, send_s_ptr=u8, epoch_ptr=i64)
     part = dict(out_ptr=bf16, out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptr=f32, q_peers=i64, s_peers=i64,
                 flags_peers=i64, epoch_ptr=i64, err_ptr=i64, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64,
                 timeout_ns="i64")
-    pconst = dict(H=H, K=K, CHUNK=L.partials_row_chunk(H), MODE=0, INT_ROUND=False, STAGED=False,
-                  ROWS=L.partials_rows, WAIT=True)
-    red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, w_ptr=f32, y_ptr=bf16,
-               epoch_ptr=i64, dest_row_ptr=i32, own_ptr=bf16, own_s_ptr=u8)
-    rconst = dict(H=H, K=K, INT_ROUND=False, MODE=0)
+    pconst = dict(H=H, K=K, CHUNK=L.partials_row_chunk(H), MODE=0, INT_ROUND=False, ROWS=L.partials_rows)
+    red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, y_ptr=bf16, epoch_ptr=i64)
+    own = dict(rows_ptr=bf16, rows_s_ptr=u8, dest_rank_ptr=i32, dest_row_ptr=i32, w_ptr=f32, y_ptr=bf16)
     weighted = dict(dst_ptr=u8, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32, g_peers=i64, w_peers=i64,
                     table_ptr=i32, epoch_ptr=i64, out_ptr=bf16, gw_peers=i64, flags_peers=i64, ticket_ptr=i32,
                     flags_row_ptr=i64, expect_row_ptr=i64, err_ptr=i64, timeout_ns="i64")
@@ -150,9 +148,9 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
         Variant("routing plan", "plan_kernel", plan_ptrs,
                 dict(W_POW2=next_pow2(W), EL_POW2=next_pow2(E // W), S=tok * K, S_POW2=next_pow2(tok * K),
                      BLOCK=how.origin_rows, STATUS=True), how.warps, module="plan_kernels"),
-        Variant("dispatch, one rank", "dispatch_kernel", disp, dict(local, CHUNK=row_chunk, WEIGHTED=False),
+        Variant("dispatch, one rank", "local_rows_kernel", disp, dict(local, CHUNK=row_chunk, WEIGHTED=False),
                 L.dispatch_warps),
-        Variant("combine backward rows, one rank", "dispatch_kernel", disp, dict(local, CHUNK=qdq, WEIGHTED=True),
+        Variant("combine backward rows, one rank", "local_rows_kernel", disp, dict(local, CHUNK=qdq, WEIGHTED=True),
                 L.weighted_warps),
         Variant("pack, x by address", "pack_rows_kernel", pack,
                 dict(H=H, CHUNK=row_chunk, MX=True, MODE=0, INT_ROUND=False, X_SLOT=True), L.dispatch_warps),
@@ -187,31 +185,30 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
                 dict(rows_ptr=u8, out_ptr=u8, offs_ptr=i32, n_rows_ptr=i32, counts_ptr=i32),
                 dict(C=C, CB=next_pow2(-(-C // 4)) if C % 4 == 0 else min(32, next_pow2(C)), G_POW2=next_pow2(E // W),
                      WORD=C % 4 == 0, TAIL=True)),
-        Variant("partials, combine", "combine_partials_kernel", part, dict(pconst, MX=True, PASS=False, WEIGHTED=True),
-                L.weighted_warps, False),
+        Variant("partials, combine", "combine_partials_kernel", part,
+                dict(pconst, MX=True, PASS=False, WEIGHTED=True, WAIT=True), L.weighted_warps, False),
         Variant("partials, MX dispatch backward", "combine_partials_kernel", dict(part, out_ptr=u8),
-                dict(pconst, MX=True, PASS=True, WEIGHTED=False), L.weighted_warps, False),
+                dict(pconst, MX=True, PASS=True, WEIGHTED=False, WAIT=True), L.weighted_warps, False),
         Variant("partials, BF16 transport", "combine_partials_kernel", part,
-                dict(pconst, MX=False, PASS=False, WEIGHTED=True), L.weighted_warps, False),
+                dict(pconst, MX=False, PASS=False, WEIGHTED=True, WAIT=True), L.weighted_warps, False),
         Variant("reduce, MX partials", "combine_reduce_kernel", red,
-                dict(rconst, P=min(K, W), CHUNK=L.reduce_row_chunk(H, False, True), MX=True, OWN=False,
-                     OWN_PASS=False, WEIGHTED=True), L.reduce_warps, False),
+                dict(H=H, K=K, P=min(K, W), CHUNK=L.reduce_row_chunk(H, False, True), MX=True, INT_ROUND=False),
+                L.reduce_warps, False),
         Variant("reduce, BF16 partials", "combine_reduce_kernel", dict(red, comb_q_ptr=bf16),
-                dict(rconst, P=min(K, W), CHUNK=L.reduce_row_chunk(H, False, False), MX=False, OWN=False,
-                     OWN_PASS=False, WEIGHTED=True), L.reduce_warps, False),
-        Variant("reduce, one rank (MX rounding)", "combine_reduce_kernel", red,
-                dict(rconst, P=K, CHUNK=L.reduce_row_chunk(H, True, True), MX=True, OWN=True, OWN_PASS=False,
-                     WEIGHTED=True), 4, False),
+                dict(H=H, K=K, P=min(K, W), CHUNK=L.reduce_row_chunk(H, False, False), MX=False, INT_ROUND=False),
+                L.reduce_warps, False),
+        Variant("reduce, one rank (MX rounding)", "local_reduce_kernel", own,
+                dict(H=H, K=K, CHUNK=L.reduce_row_chunk(H, True, True), MX=True, PASS=False, WEIGHTED=True, MODE=0,
+                     INT_ROUND=False), 4, False),
         Variant("weighted rows + route grad", "pull_weighted_kernel", weighted,
                 dict(H=H, CHUNK=qdq, K=K, K_POW2=next_pow2(K), MX=True, MODE=0, INT_ROUND=False,
-                     ZCHUNK=min(512, next_pow2(words)), ROUTE_GRAD=True, ARRIVE=True, WAIT=True), L.weighted_warps),
+                     ZCHUNK=min(512, next_pow2(words)), ROUTE_GRAD=True, WAIT=True), L.weighted_warps),
         # the put path: a round's partials staged, a round's weighted rows from the rows puts delivered
-        Variant("partials, put path round", "combine_partials_kernel", part,
-                dict(pconst, MX=True, PASS=False, WEIGHTED=True, STAGED=True, WAIT=False), L.weighted_warps, False),
-        Variant("weighted rows, put path round", "pull_weighted_kernel", weighted,
+        Variant("partials, put path round", "stage_partials_kernel", part,
+                dict(pconst, MX=True, PASS=False, WEIGHTED=True), L.weighted_warps, False),
+        Variant("weighted rows, put path round", "round_weighted_kernel", weighted,
                 dict(H=H, CHUNK=qdq, K=K, K_POW2=next_pow2(K), MX=True, MODE=0, INT_ROUND=False,
-                     ZCHUNK=min(512, next_pow2(words)), ROUTE_GRAD=True, ARRIVE=False, TOKEN_RANGE=True),
-                L.weighted_warps),
+                     ZCHUNK=min(512, next_pow2(words)), ROUTE_GRAD=True), L.weighted_warps),
     ]
 
 

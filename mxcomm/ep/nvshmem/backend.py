@@ -36,8 +36,8 @@ rank, each expert rank forms the weighted partial sum of a token's rows on it in
 (``combine_partials_kernel``), and the origin sums the partials (``combine_reduce_kernel``). Combine backward brings
 each BF16 gradient row once per (token, rank) to the expert rank, which weights and quantizes it per slot where it
 lands and forms the route-weight gradient from the expert rows there (``pull_weighted_kernel``). None of them syncs
-with the host. One rank (``"local"``): nothing travels; dispatch writes its output directly (``dispatch_kernel``), the
-reduce forms the one partial from the expert rows in place.
+with the host. One rank (``"local"``): nothing travels; dispatch writes its output directly (``local_rows_kernel``),
+the reduce forms the one partial from the expert rows in place (``local_reduce_kernel``).
 """
 from __future__ import annotations
 
@@ -182,12 +182,13 @@ class NvshmemBackend:
 
     @property
     def dispatch_programs(self) -> int:
-        """Programs of dispatch_kernel / pack_rows_kernel / pull_rows_kernel / the reduce, at most: a launch takes no
-        more than its work units (:meth:`output_programs`; the pack, tokens; the reduce, :meth:`_reduce_grid`)."""
+        """Programs of the sending dispatch kernels / pack_rows_kernel / pull_rows_kernel / the reduce, at most: a
+        launch takes no more than its work units (:meth:`output_programs`; the pack, tokens; the reduce,
+        :meth:`_reduce_grid`)."""
         return self.sms * self.launch.dispatch_per_sm
 
     def output_programs(self, units: int) -> int:
-        """Grid of the kernels that write a fresh expert-major output (the local path's ``dispatch_kernel``,
+        """Grid of the kernels that write a fresh expert-major output (the local path's ``local_rows_kernel``,
         ``pull_rows_kernel``): their programs take ``units`` work items (tokens, or pull-list entries) and then the
         groups' padding rows, a group each, so programs past both counts would only start and exit (four ranks,
         ``max_tokens_per_rank`` 128, 132 SMs: 512 programs of 2112). No receiver counts them (they signal nothing),
@@ -196,7 +197,8 @@ class NvshmemBackend:
 
     @property
     def sender_programs(self) -> int:
-        """Programs of the push path's dispatch_kernel, which signals every rank: capped at ``T_max`` tokens."""
+        """Programs of the push and put paths' sending kernels (``push_rows_kernel`` signals every rank): capped at
+        ``T_max`` tokens."""
         return min(self.dispatch_programs, self.config.max_tokens_per_rank)
 
     @property
@@ -210,13 +212,14 @@ class NvshmemBackend:
         return self.sms * self.launch.route_grad_per_sm
 
     def dispatch_warps(self, weighted: bool) -> int:
-        """Warps per program of dispatch_kernel (``weighted``: combine backward's per-slot quantization)."""
+        """Warps per program of the sending dispatch kernels (``weighted``: combine backward's per-slot
+        quantization)."""
         return self.launch.weighted_warps if weighted else self.launch.dispatch_warps
 
     def _reduce_grid(self, T: int, H: int, chunk: int) -> tuple:
-        """Grid of combine_reduce_kernel for ``T > 0`` tokens: up to ``dispatch_programs`` programs over the tokens;
-        when there are fewer tokens than that, each row's chunks are dealt out over a second axis as well (at 128
-        tokens a program per token would walk its whole row alone)."""
+        """Grid of combine_reduce_kernel / local_reduce_kernel for ``T > 0`` tokens: up to ``dispatch_programs``
+        programs over the tokens; when there are fewer tokens than that, each row's chunks are dealt out over a second
+        axis as well (at 128 tokens a program per token would walk its whole row alone)."""
         tokens = min(T, self.dispatch_programs)
         return tokens, max(1, min(cdiv(H, chunk), self.dispatch_programs // tokens))
 
@@ -496,7 +499,7 @@ class NvshmemBackend:
         and sends it to the origin, which sums the token's partials in fp32 (ranks in the order of
         their first slot). One rank: the reduce forms the one partial from the rows in place. Returns bf16 ``[T, H]``.
         """
-        from .kernels.combine import combine_reduce_kernel
+        from .kernels.combine import combine_reduce_kernel, local_reduce_kernel
 
         self.impl.refuse_capture()
         cfg = self.config
@@ -519,16 +522,20 @@ class NvshmemBackend:
             self.c_epoch.add_(1)  # picks the comb_q copy (parity); tags the weights
             w_src = self.impl.combine_weights(weights, handle)
             self.impl.send_partials(payload, in_scales, handle, mx, passthrough, w_src)
-        if T:
-            comb = (None, None) if own else self.comb
-            chunk = self.launch.reduce_row_chunk(H, own, mx)
+        if T and own:
+            chunk = self.launch.reduce_row_chunk(H, True, mx)
+            fast_kernel(local_reduce_kernel)[self._reduce_grid(T, H, chunk)](
+                payload, in_scales, plan.dest_rank, plan.dest_row, self.err if w is None else w, y, T, H=H, K=k,
+                CHUNK=chunk, MX=mx, PASS=passthrough, WEIGHTED=w is not None, MODE=self.mode_id,
+                INT_ROUND=self.int_round, num_warps=4, enable_fp_fusion=False,
+            )
+        elif T:
+            comb_q, comb_s = self.comb
+            chunk = self.launch.reduce_row_chunk(H, False, mx)
             fast_kernel(combine_reduce_kernel)[self._reduce_grid(T, H, chunk)](
-                payload if own else (comb[0].local if mx else comb[0].local.view(torch.bfloat16)),
-                in_scales if own else comb[1].local, plan.send_pos, plan.dest_rank, self.err if w is None else w, y,
-                T, self.c_epoch, self.nslot, plan.dest_row, payload, in_scales,
-                H=H, K=k, P=k if own else min(k, self.world), CHUNK=chunk, MX=mx,
-                INT_ROUND=self.int_round, OWN=own, OWN_PASS=own and passthrough, WEIGHTED=w is not None,
-                MODE=self.mode_id, num_warps=4 if own else self.launch.reduce_warps, enable_fp_fusion=False,
+                comb_q.local if mx else comb_q.local.view(torch.bfloat16), comb_s.local, plan.send_pos,
+                plan.dest_rank, y, T, self.c_epoch, self.nslot, H=H, K=k, P=min(k, self.world), CHUNK=chunk, MX=mx,
+                INT_ROUND=self.int_round, num_warps=self.launch.reduce_warps, enable_fp_fusion=False,
             )
         self.after_call(what, waited=not own)
         return y

@@ -18,7 +18,8 @@ class LaunchConfig:
     measures them on a GPU.
 
     Attributes:
-        dispatch_per_sm / dispatch_warps / dispatch_chunk: ``dispatch_kernel`` and ``pack_rows_kernel`` (memory-bound:
+        dispatch_per_sm / dispatch_warps / dispatch_chunk: the sending dispatch kernels (``local_rows_kernel``,
+            ``push_rows_kernel``, ``stage_rows_kernel``) and ``pack_rows_kernel`` (memory-bound:
             a whole row per chunk at H <= 8192); ``pull_rows_kernel`` uses the same grid.
         weighted_warps / qdq_chunk: kernels that quantize or sum every slot (combine backward's weighted rows, the
             one-rank reduce that rounds in registers; the warps also for the partial sums of combine): their chunk
@@ -72,8 +73,8 @@ class LaunchConfig:
                 raise ValueError(f"LaunchConfig.{f.name} must be a power of two <= 32, got {v}")
 
     def row_chunk(self, H: int, weighted: bool = False) -> int:
-        """Row chunk (values) of dispatch_kernel / pack_rows_kernel (``weighted``: one quantization per slot, as in
-        pull_weighted_kernel too)."""
+        """Row chunk (values) of the sending dispatch kernels / pack_rows_kernel (``weighted``: one quantization per
+        slot, as in the weighted rows' kernels too)."""
         return _qdq_chunk(H, self.qdq_chunk) if weighted else min(self.dispatch_chunk, _next_pow2(H))
 
     def partials_row_chunk(self, H: int) -> int:
@@ -81,7 +82,8 @@ class LaunchConfig:
         return min(self.partials_chunk, _next_pow2(H))
 
     def reduce_row_chunk(self, H: int, own: bool, mx: bool) -> int:
-        """Row chunk of combine_reduce_kernel: ``own and mx`` quantizes every slot (compute-bound), the others read."""
+        """Row chunk of the reduce: ``own`` (``local_reduce_kernel``) ``and mx`` quantizes every slot
+        (compute-bound); the others read (``combine_reduce_kernel``, or ``local_reduce_kernel`` with BF16)."""
         if own and mx:
             return _qdq_chunk(H, self.qdq_chunk)
         return min(self.reduce_mx_chunk if mx else self.reduce_chunk, _next_pow2(H))

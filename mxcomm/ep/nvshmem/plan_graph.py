@@ -1,8 +1,8 @@
 """CUDA-graph replay of the routing plan (``build_plan`` or the Triton plan, + the nvshmem backend's row maps).
 
-Building the plan is ~100 small torch ops, or one Triton kernel after the counts exchange; launching torch ops one by
-one costs the host more than the GPU work (measured on the H200: ~2.4 ms of host time against ~0.8 ms of GPU work for
-8192 tokens with the torch ops; ~40-60 µs of host time per Triton launch against ~2-9 µs of GPU time).
+Building the plan is ~100 small torch ops, or one Triton kernel after the counts exchange; launching them one by one
+costs the host more than their GPU work (a launch's host time against these kernels' GPU time: docs/benchmarks.md,
+``python -m mxcomm.bench.tools.host_costs``).
 The plan depends only on the exchanged counts matrix (a symmetric buffer: fixed address) and the
 (sanitised) ``topk_idx`` of this call, so it is captured once per token count ``T`` and replayed:
 the call copies ``topk_idx`` into the graph's static input and replays (:meth:`PlanGraph.replay`); what it uses and

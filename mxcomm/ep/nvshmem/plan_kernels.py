@@ -42,9 +42,8 @@ from ...kernels.launch import cdiv, fast_kernel, next_pow2
 from ..plan import RoutingPlan
 
 MAX_TABLE = 16384  # W_POW2 * W_POW2 * El_POW2: the counts tile every program of plan_kernel holds
-# slot kernels (H200, T=8192, k=8, E=256: 512 blocks; 64-256 within 10%): slots per block (rounded down to whole
-# tokens), a [128, 128] comparison tile in slot_place_kernel; slot_scan_kernel's tile, blocks x keys (2K values:
-# no spills)
+# slot kernels: slots per block (rounded down to whole tokens), a [128, 128] comparison tile in slot_place_kernel;
+# slot_scan_kernel's tile, blocks x keys (2K values: no spills)
 _SLOT_BLOCK = 128
 _SCAN_ROWS, _SCAN_KEYS = 256, 8
 # plan_kernel: rows per block of the row-origin maps; most programs of each of its two groups (each loops over its

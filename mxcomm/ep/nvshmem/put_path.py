@@ -107,7 +107,7 @@ def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_t
     ``[t0 * W, (t0 + n) * W)`` (:meth:`BlockPuts.entries`).
 
     Entry ``(s, t)`` with a slot here: staging row ``(t * W + s) mod (T_c * W)``, i.e. ``(t - t0) * W + s`` in its
-    round (where ``combine_partials_kernel(STAGED=True, t_lo=t0, t_n=n)`` put the partial), to slot ``slot0 +
+    round (where ``stage_partials_kernel(..., t_lo=t0, t_n=n)`` put the partial), to slot ``slot0 +
     origin_pos[lead]`` of source ``s``'s combine buffers, ``lead`` being the row of the token's first slot on this
     rank; one without is an empty entry to this rank.
 

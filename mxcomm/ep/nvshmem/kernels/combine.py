@@ -1,13 +1,20 @@
-"""The combine direction (towards the origins) and combine backward (its gradient, towards the experts):
+"""The combine direction (towards the origins) and combine backward (its gradient, towards the experts), one kernel
+per job and path over shared device helpers:
 
-* combine and dispatch backward: ``combine_partials_kernel`` (expert side, one row per (token, rank): the weighted
-  partial sum of the token's rows on this rank, rounded once) and ``combine_reduce_kernel`` (at the origin: the sum
-  of a token's partials), through the scalar slot helpers (``_table_entry``, ``_leading_slots``, ``_listed_slots``,
-  ``_bit_count``, ``_nth_slot``) and the row helpers (``_row_values``, ``_store_partial``, ``_bf16_saturated``);
+* combine and dispatch backward, expert side (one row per (token, rank): the weighted partial sum of the token's rows
+  on this rank, rounded once, :func:`_entry_partial`): ``combine_partials_kernel`` (pull and push paths: into the
+  origins' ``comb_q`` through peer pointers, then signalled) and ``stage_partials_kernel`` (the put path's rounds:
+  into this rank's staging, whose puts signal);
+* at the origin (the sum of a token's partials): ``combine_reduce_kernel`` (from ``comb_q``) and
+  ``local_reduce_kernel`` (one rank: the one partial formed from the expert rows in place and rounded in registers);
+  the scalar slot helpers (``_leading_slots``, ``_listed_slots``, ``_bit_count``, ``_nth_slot``) and the row helpers
+  (``_row_values``, ``_store_partial``, ``_bf16_saturated``, ``_origin_sum_store``) serve both sides;
 * combine backward: ``pack_ready_kernel`` (sender, pull and push paths: the gradient rows and route weights packed,
-  :mod:`.pack`, and the "ready" handshake's publish), ``pull_weighted_kernel`` (expert side: each gradient row read
-  once per (token, rank), weighted and quantized per slot where it lands, the route-weight gradient formed there)
-  and ``gather_route_grad_kernel`` (the route-weight gradient at the origin).
+  :mod:`.pack`, and the "ready" handshake's publish), the expert side - each gradient row read once per (token,
+  rank), weighted and quantized per slot where it lands, the route-weight gradient formed there
+  (:func:`_weighted_entry`) - as ``pull_weighted_kernel`` (pull and push paths, through peer pointers) and
+  ``round_weighted_kernel`` (the put path's rounds, rows that puts delivered), and ``gather_route_grad_kernel`` (the
+  route-weight gradient at the origin).
 
 Why two copies of ``comb_q`` (by combine epoch parity): the combine direction has no handshake before it writes into
 its peers. Combine epoch ``e+1`` of rank A may start while rank B still reduces epoch ``e``; it writes the other
@@ -63,14 +70,73 @@ def pack_ready_kernel(g_ptr, T, send_q_ptr, epoch_ptr, T_max, copy_elems, w_ptr,
 
 
 @triton.jit
-def _table_entry(n, T_max, t_lo, W, ROUND: tl.constexpr):
-    """The dispatch table's entry (``[W * T_max]``, source-major) of the ``n``-th entry a launch takes: ``n`` itself,
-    or (``ROUND``: the put path's rounds) the ``n``-th of the entries of a round's tokens ``t_lo, t_lo + 1, ...`` of
-    every source, token-major (token ``t_lo + n // W``, source ``n % W``)."""
-    i = n
-    if ROUND:
-        i = (n % W) * T_max + t_lo + n // W
-    return i
+def _round_entry(n, T_max, t_lo, W):
+    """The dispatch table's entry (``[W * T_max]``, source-major) of the ``n``-th entry of a put-path round: the
+    entries of the round's tokens ``t_lo, t_lo + 1, ...`` of every source, token-major (token ``t_lo + n // W``,
+    source ``n % W``)."""
+    return (n % W) * T_max + t_lo + n // W
+
+
+@triton.jit
+def _weighted_lanes(CHUNK: tl.constexpr, K_POW2: tl.constexpr):
+    """``(offs, bcols, gk)`` of :func:`_weighted_entry`: ``arange(CHUNK)``, ``arange(CHUNK / 32)`` and the route-grad
+    lanes ``arange(max(8, K_POW2))`` (at least the 8 values a thread holds of a chunk), made once per program."""
+    GW: tl.constexpr = 8 if K_POW2 < 8 else K_POW2
+    return tl.arange(0, CHUNK), tl.arange(0, CHUNK // 32), tl.arange(0, GW)
+
+
+@triton.jit
+def _weighted_entry(e, s, t, g_row, g_peers, w_peers, par, copy_elems, w_copy, dst_ptr, dst_s_ptr, out_ptr, gw_peers,
+                    offs, bcols, gk, H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
+                    MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ROUTE_GRAD: tl.constexpr):
+    """Combine backward's work for one table entry ``e`` (int32 ``[K]``: rows here per slot, -1 elsewhere) of source
+    ``s``'s token ``t``: its BF16 gradient row (row ``g_row`` of copy ``par`` at ``g_peers[s]``) read once, and for
+    each slot ``j`` here ``w[t, j] * g[t]`` (fp32; ``w`` from ``w_peers[s]``) quantized (MX: the block maxima taken
+    as ``|w| * max|g|``, exactly as :func:`~mxcomm.ep.nvshmem.kernels.dispatch._send_rows`'s ``WEIGHTED``) or rounded
+    to BF16 and stored at the slot's row of ``dst`` (MX scale rows into ``dst_s``); with ``ROUTE_GRAD`` also
+    ``grad_w[t, j] = <g[t], out[row_j]>`` (fp32) into ``gw_peers[s]`` at ``[t, j]``. ``offs`` / ``bcols`` / ``gk``:
+    the aranges of a chunk's values, its scale columns and the route-grad lanes (:func:`_weighted_lanes`)."""
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    GW: tl.constexpr = 8 if K_POW2 < 8 else K_POW2
+    gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + g_row * H
+    wbase = tl.load(w_peers + s).to(tl.pointer_type(tl.float32)) + par * w_copy + t * K
+    # per-thread partial dot products, column j for slot j: one block reduction per entry, not per slot
+    gv = tl.zeros((CHUNK // GW, GW), tl.float32)
+    for c0 in tl.static_range(0, H, CHUNK):
+        m = (c0 + offs) < H
+        cols = c0 // 32 + bcols
+        cm = cols < C
+        # once over the link; 16-byte aligned rows (symmetric buffer, H % 32 == 0): without the hint an
+        # address read from the peer table carries no alignment, and every value is loaded alone
+        x = tl.load(tl.max_contiguous(tl.multiple_of(gbase + c0 + offs, 16), 16), mask=m, other=0.0)
+        xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
+        if MX:
+            ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
+        for j in tl.static_range(K):
+            r = tl.load(e + j).to(tl.int64)
+            if r >= 0:
+                if ROUTE_GRAD:  # issued first: no store of this slot comes before it
+                    o = to_fp32(tl.load(out_ptr + r * H + c0 + offs, mask=m, other=0.0), INT_ROUND)
+                wv = tl.load(wbase + j)
+                xw = wv * xf
+                dst = dst_ptr + tl.multiple_of(r * H + c0, 16) + offs
+                if MX:
+                    q2, sc = mx_quantize_tile_amax(tl.reshape(xw, (NB, 32)), tl.abs(wv) * ax, MODE, INT_ROUND, 1)
+                    tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
+                    store_block_bytes(dst_s_ptr + r * C + cols, sc, cm, INT_ROUND)
+                elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
+                    tl.store(dst, bf16_rne_int(xw), mask=m)
+                else:
+                    tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), xw.to(tl.bfloat16), mask=m)
+                if ROUTE_GRAD:
+                    part = tl.sum(tl.reshape(o * xf, (CHUNK // GW, GW)), axis=1)
+                    gv = tl.where(gk[None, :] == j, gv + part[:, None], gv)
+    if ROUTE_GRAD:
+        gw = tl.sum(gv, axis=0)
+        rows = tl.load(e + gk, mask=gk < K, other=-1)
+        gwb = tl.load(gw_peers + s).to(tl.pointer_type(tl.float32)) + t * K
+        tl.store(gwb + gk, gw, mask=(gk < K) & (rows >= 0))
 
 
 @triton.jit
@@ -78,18 +144,14 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
                          table_ptr, epoch_ptr, T_max, W, copy_elems, w_copy, out_ptr, gw_peers, flags_peers, me,
                          H: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
                          MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ZCHUNK: tl.constexpr,
-                         ROUTE_GRAD: tl.constexpr = False, ARRIVE: tl.constexpr = True, ticket_ptr=None,
-                         flags_row_ptr=None, expect_row_ptr=None, err_ptr=None, timeout_ns=0,
-                         WAIT: tl.constexpr = False, TOKEN_RANGE: tl.constexpr = False, t_lo=0, t_n=0):
-    """Combine backward, expert side: every (source ``s``, token ``t``) of the dispatch's table has its BF16 gradient
-    row ``g[t]`` read ONCE from the source's send copy (through the peer pointer; on the put path a local copy that
-    puts delivered), and for each of its slots ``j`` here the product ``w[t, j] * g[t]`` (fp32; ``w`` read with the
-    row) is quantized (MX: the block maxima taken as ``|w| * max|g|``, exactly as ``dispatch_kernel``'s ``WEIGHTED``
-    mode) or rounded to BF16 and stored at the slot's expert-major row: the route weighting fused with the gradient
-    quantization where the rows land. With ``ROUTE_GRAD`` the route-weight gradient is formed here too, where the
-    expert rows are: ``grad_w[t, j] = <g[t], out[row_j]>`` (fp32), stored into source ``s``'s ``gw`` at ``[t, j]``;
-    then (``ARRIVE``) every program adds 1 to ``flags[4, me]`` on every rank. Finally the padding rows of every group
-    are zeroed (rows past ``n_rows`` are left as they are).
+                         ROUTE_GRAD: tl.constexpr, ticket_ptr=None, flags_row_ptr=None, expect_row_ptr=None,
+                         err_ptr=None, timeout_ns=0, WAIT: tl.constexpr = False):
+    """Combine backward, expert side (pull and push paths): every (source ``s``, token ``t``) of the dispatch's table
+    has its BF16 gradient row ``g[t]`` read ONCE from the source's send copy through the peer pointer and weighted and
+    quantized per slot where it lands (:func:`_weighted_entry`: the route weighting fused with the gradient
+    quantization), with ``ROUTE_GRAD`` the route-weight gradient formed there too, where the expert rows are, and
+    stored into source ``s``'s ``gw``; then (``ROUTE_GRAD``) every program adds 1 to ``flags[4, me]`` on every rank.
+    Finally the padding rows of every group are zeroed (rows past ``n_rows`` are left as they are).
 
     Args:
         dst_ptr: the fresh output ``[R_out, H]``: uint8 (MX payload) or bf16.
@@ -103,78 +165,26 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
         out_ptr: bf16 ``[R, H]`` the expert rows the forward combine was given (``ROUTE_GRAD``).
         gw_peers: int64 ``[W]`` addresses of each source's fp32 ``gw`` ``[T_max, K]`` (``ROUTE_GRAD``).
         CHUNK: row chunk (a power of two, a multiple of 32); ZCHUNK: int64 words per store of the zeroing loop.
-        WAIT (with ``ROUTE_GRAD`` and ``ARRIVE``): the last program to finish (the int32 ``ticket``, 0 between
-            launches) then waits for every rank's route-weight gradients to this rank (:func:`wait_every_source` on
-            this rank's ``flags[4]`` / ``expect[4]`` rows, ``per_call`` = the grid; ``err_ptr`` the int64 error word).
-        TOKEN_RANGE (the put path's rounds): only the entries of the tokens ``[t_lo, t_lo + t_n)`` of every source,
-            whose gradient row ``t`` is row ``t - t_lo`` at ``g_peers[s]`` (the round's rows); weights, table and
-            ``gw`` by the token itself.
-    Grid: any fixed number of programs (identical on every rank with ``ARRIVE``); persistent over entries.
+        WAIT (with ``ROUTE_GRAD``): the last program to finish (the int32 ``ticket``, 0 between launches) then waits
+            for every rank's route-weight gradients to this rank (:func:`wait_every_source` on this rank's
+            ``flags[4]`` / ``expect[4]`` rows, ``per_call`` = the grid; ``err_ptr`` the int64 error word).
+    Grid: any fixed number of programs (identical on every rank with ``ROUTE_GRAD``); persistent over entries.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    NB: tl.constexpr = CHUNK // 32
-    C: tl.constexpr = H // 32
-    offs = tl.arange(0, CHUNK)
-    bcols = tl.arange(0, NB)
-    GW: tl.constexpr = 8 if K_POW2 < 8 else K_POW2  # route-grad lanes: >= the 8 values a thread holds of a chunk
-    gk = tl.arange(0, GW)
+    offs, bcols, gk = _weighted_lanes(CHUNK, K_POW2)
     par = tl.load(epoch_ptr) % 2
-    if TOKEN_RANGE:
-        n_entries = W * t_n
-    else:
-        n_entries = W * T_max
+    n_entries = W * T_max
     n = pid
     while n < n_entries:
-        i = _table_entry(n, T_max, t_lo, W, TOKEN_RANGE)
-        e = table_ptr + i.to(tl.int64) * K
+        e = table_ptr + n.to(tl.int64) * K
         if _listed_slots(e, K) != 0:
-            s = i // T_max
-            t = (i % T_max).to(tl.int64)
-            if TOKEN_RANGE:
-                g_row = t - t_lo
-            else:
-                g_row = t
-            gbase = tl.load(g_peers + s).to(tl.pointer_type(tl.bfloat16)) + par * copy_elems + g_row * H
-            wbase = tl.load(w_peers + s).to(tl.pointer_type(tl.float32)) + par * w_copy + t * K
-            # per-thread partial dot products, column j for slot j: one block reduction per entry, not per slot
-            gv = tl.zeros((CHUNK // GW, GW), tl.float32)
-            for c0 in tl.static_range(0, H, CHUNK):
-                m = (c0 + offs) < H
-                cols = c0 // 32 + bcols
-                cm = cols < C
-                # once over the link; 16-byte aligned rows (symmetric buffer, H % 32 == 0): without the hint an
-                # address read from the peer table carries no alignment, and every value is loaded alone
-                x = tl.load(tl.max_contiguous(tl.multiple_of(gbase + c0 + offs, 16), 16), mask=m, other=0.0)
-                xf = to_fp32(x, INT_ROUND)  # (the interpreter's plain bf16 cast flushes subnormals)
-                if MX:
-                    ax = block_amax(tl.reshape(xf, (NB, 32)), 1, INT_ROUND)
-                for j in tl.static_range(K):
-                    r = tl.load(e + j).to(tl.int64)
-                    if r >= 0:
-                        if ROUTE_GRAD:  # issued first: no store of this slot comes before it
-                            o = to_fp32(tl.load(out_ptr + r * H + c0 + offs, mask=m, other=0.0), INT_ROUND)
-                        wv = tl.load(wbase + j)
-                        xw = wv * xf
-                        dst = dst_ptr + tl.multiple_of(r * H + c0, 16) + offs
-                        if MX:
-                            q2, sc = mx_quantize_tile_amax(tl.reshape(xw, (NB, 32)), tl.abs(wv) * ax, MODE, INT_ROUND, 1)
-                            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), tl.reshape(q2, (CHUNK,)), mask=m)
-                            store_block_bytes(dst_s_ptr + r * C + cols, sc, cm, INT_ROUND)
-                        elif INT_ROUND:  # the interpreter's bf16 cast truncates; round to nearest even
-                            tl.store(dst, bf16_rne_int(xw), mask=m)
-                        else:
-                            tl.store(tl.max_contiguous(tl.multiple_of(dst, 16), 16), xw.to(tl.bfloat16), mask=m)
-                        if ROUTE_GRAD:
-                            part = tl.sum(tl.reshape(o * xf, (CHUNK // GW, GW)), axis=1)
-                            gv = tl.where(gk[None, :] == j, gv + part[:, None], gv)
-            if ROUTE_GRAD:
-                gw = tl.sum(gv, axis=0)
-                rows = tl.load(e + gk, mask=gk < K, other=-1)
-                gwb = tl.load(gw_peers + s).to(tl.pointer_type(tl.float32)) + t * K
-                tl.store(gwb + gk, gw, mask=(gk < K) & (rows >= 0))
+            s = n // T_max
+            t = (n % T_max).to(tl.int64)
+            _weighted_entry(e, s, t, t, g_peers, w_peers, par, copy_elems, w_copy, dst_ptr, dst_s_ptr, out_ptr,
+                            gw_peers, offs, bcols, gk, H, CHUNK, K, K_POW2, MX, MODE, INT_ROUND, ROUTE_GRAD)
         n += G
-    if ROUTE_GRAD and ARRIVE:
+    if ROUTE_GRAD:
         _arrive_all(flags_peers, 4, me, W)
     WORDS: tl.constexpr = H // 8 if MX else H // 4
     _zero_unfilled_rows(dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True), offs_ptr, counts_ptr, n_rows_ptr, R_out,
@@ -182,6 +192,38 @@ def pull_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n
     if WAIT:
         if last_to_arrive(ticket_ptr, G):
             wait_every_source(flags_row_ptr, expect_row_ptr, G, W, err_ptr, timeout_ns)
+
+
+@triton.jit
+def round_weighted_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, g_peers, w_peers,
+                          table_ptr, T_max, W, out_ptr, gw_peers, t_lo, t_n, H: tl.constexpr, CHUNK: tl.constexpr,
+                          K: tl.constexpr, K_POW2: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
+                          INT_ROUND: tl.constexpr, ZCHUNK: tl.constexpr, ROUTE_GRAD: tl.constexpr):
+    """Combine backward, expert side, one round of the put path: the entries of the tokens ``[t_lo, t_lo + t_n)``
+    of every source (token-major), whose gradient row ``t`` NVSHMEM puts delivered as row ``t - t_lo`` at
+    ``g_peers[s]`` (one copy); weights, table and ``gw`` by the token itself. Per entry as
+    :func:`pull_weighted_kernel` (:func:`_weighted_entry`); no flag is raised (the route-weight gradients travel by
+    puts that signal); the padding rows of every group are zeroed by every round's launch.
+
+    Args: as :func:`pull_weighted_kernel` (``w_peers``: the received weights ``[T_max, K]`` of each source, one copy).
+    Grid: any number of programs; persistent over the round's entries."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs, bcols, gk = _weighted_lanes(CHUNK, K_POW2)
+    n_entries = W * t_n
+    n = pid
+    while n < n_entries:
+        i = _round_entry(n, T_max, t_lo, W)
+        e = table_ptr + i.to(tl.int64) * K
+        if _listed_slots(e, K) != 0:
+            s = i // T_max
+            t = (i % T_max).to(tl.int64)
+            _weighted_entry(e, s, t, t - t_lo, g_peers, w_peers, 0, 0, 0, dst_ptr, dst_s_ptr, out_ptr, gw_peers, offs,
+                            bcols, gk, H, CHUNK, K, K_POW2, MX, MODE, INT_ROUND, ROUTE_GRAD)
+        n += G
+    WORDS: tl.constexpr = H // 8 if MX else H // 4
+    _zero_unfilled_rows(dst_ptr.to(tl.pointer_type(tl.int64), bitcast=True), offs_ptr, counts_ptr, n_rows_ptr, R_out,
+                        n_groups, pid, G, WORDS, ZCHUNK)
 
 
 @triton.jit
@@ -290,22 +332,69 @@ def _bf16_saturated(v):
 
 
 @triton.jit
+def _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, i, qbase, sbase, slot, offs, bcols,
+                   H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, PASS: tl.constexpr,
+                   WEIGHTED: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ROWS: tl.constexpr):
+    """The partial of one table entry ``e`` (int32 ``[K]`` rows here per slot; ``listed``: its listed slots' bits,
+    ``n_listed`` of them): ``P = sum_j w[i, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then
+    added: the kernel launches with ``enable_fp_fusion=False``; ``WEIGHTED`` False: every weight 1), per row chunk,
+    rounded once for transport and stored at combine slot ``slot`` of ``qbase`` / ``sbase`` (:func:`_store_partial`).
+    ``ROWS`` listed slots are loaded together per step of a chunk's sum, in ascending order: a slot elsewhere adds
+    nothing, so only listed rows are loaded (the registers of the loads in flight hold rows that exist, and more
+    programs fit on an SM than with one load per slot of ``K``). ``offs`` / ``bcols``: ``arange(CHUNK)`` and
+    ``arange(CHUNK / 32)``, made once per program."""
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    if WEIGHTED:  # the source's weights of this token, fp32 [K]
+        wbase = w_ptr + i.to(tl.int64) * K
+    for c0 in tl.static_range(0, H, CHUNK):
+        m = (c0 + offs) < H
+        cols = c0 // 32 + bcols
+        cm = cols < C
+        acc = tl.zeros((CHUNK,), tl.float32)
+        n0 = n_listed * 0
+        while n0 < n_listed:  # ROWS listed slots a step, ascending (scalar table loads: L1 hits)
+            for u in tl.static_range(ROWS):
+                j = _nth_slot(listed, n0 + u, K)
+                ok = j >= 0
+                r = tl.load(e + tl.maximum(j, 0), mask=ok, other=-1)
+                v = _row_values(out_ptr, out_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND)
+                if WEIGHTED:
+                    wv = tl.load(wbase + j, mask=ok, other=0.0)
+                    v = wv * v
+                acc = acc + v  # past the last listed slot: +0 (acc is never -0: it starts at +0)
+            n0 += ROWS
+        _store_partial(acc, qbase, sbase, slot, c0, offs, cols, m, cm, H, NB, MX, MODE, INT_ROUND)
+
+
+@triton.jit
+def _partial_bases(q_peers, s_peers, s, slot0, H: tl.constexpr, MX: tl.constexpr):
+    """``(qbase, sbase)``: where the partials for rank ``s`` go - its entry of ``q_peers`` (uint8: MX rows are H
+    bytes apart from the start of copy ``slot0``, 2H bytes a slot; else bf16) and of ``s_peers`` (uint8)."""
+    if MX:
+        qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.uint8)) + slot0 * H
+    else:
+        qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.bfloat16))
+    sbase = tl.load(s_peers + s).to(tl.pointer_type(tl.uint8))
+    return qbase, sbase
+
+
+@triton.jit
 def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr, q_peers, s_peers, flags_peers,
                             me, W, T_max, epoch_ptr, nslot, err_ptr,
                             H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
                             MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr,
-                            INT_ROUND: tl.constexpr, STAGED: tl.constexpr = False, ROWS: tl.constexpr = 2,
+                            INT_ROUND: tl.constexpr, ROWS: tl.constexpr = 2,
                             ticket_ptr=None, flags_row_ptr=None, expect_row_ptr=None, timeout_ns=0,
-                            WAIT: tl.constexpr = False, t_lo=0, t_n=0):
-    """Combine / dispatch backward, expert side: ONE row per (source, token). For every (source ``s``, token ``t``)
-    this rank received (an entry of the dispatch's table), the partial sum of the token's rows here
-    ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then added: launch with
-    ``enable_fp_fusion=False``), rounded once for transport (MX: quantized, payload + row scales; else BF16) and stored
-    into the origin's combine buffer at the send position of the token's leading slot (its first slot on this rank);
-    then every program adds 1 to ``flags[2, me]`` on every rank. A call that starts with the error word set (a wait
-    of this call, such as the weights' exchange, or of an earlier one timed out) sends nothing and raises no flag: its
-    weights may not have arrived, and the origins' bounded waits then fail instead of summing partials formed with
-    other weights.
+                            WAIT: tl.constexpr = False):
+    """Combine / dispatch backward, expert side (pull and push paths): ONE row per (source, token). For every
+    (source ``s``, token ``t``) this rank received (an entry of the dispatch's table), the partial sum of the token's
+    rows here ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending, rounded once for transport (MX: quantized,
+    payload + row scales; else BF16; :func:`_entry_partial`) and stored through the peer pointer into the origin's
+    combine buffer at the send position of the token's leading slot (its first slot on this rank); then every program
+    adds 1 to ``flags[2, me]`` on every rank. A call that starts with the error word set (a wait of this call, such as
+    the weights' exchange, or of an earlier one timed out) sends nothing and raises no flag: its weights may not have
+    arrived, and the origins' bounded waits then fail instead of summing partials formed with other weights.
 
     Args:
         out_ptr: the expert rows ``[R, H]``: bf16, or (``PASS``) uint8 E4M3 payload with ``out_s_ptr`` uint8 ``[R,
@@ -318,15 +407,9 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
         err_ptr: int64 error word of this rank's waits (read once, at the start).
         q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags`` per rank.
         epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * K`` slots per copy.
-        STAGED (put path, one round): every ``*_peers`` entry is this rank's staging buffer; only the entries of the
-            tokens ``[t_lo, t_lo + t_n)`` of every source are formed, the partial of source ``s``'s token ``t`` at
-            row ``(t - t_lo) * W + s`` there (one put per entry moves it to the origin's slot,
-            :func:`mxcomm.ep.nvshmem.put_path.partial_rows`), and no flag is raised.
-        ROWS: rows loaded together per step of a chunk's sum, taken from the entry's listed slots in ascending order
-            (a slot elsewhere adds nothing, so only listed rows are loaded: the registers of the loads in flight hold
-            rows that exist, and more programs fit on an SM than with one load per slot of ``K``).
-        WAIT (not STAGED): the last program to finish (the int32 ``ticket``, 0 between launches) then waits for every
-            rank's partials to this rank (:func:`wait_every_source` on this rank's ``flags[2]`` / ``expect[2]`` rows,
+        ROWS: rows loaded together per step of a chunk's sum (:func:`_entry_partial`).
+        WAIT: the last program to finish (the int32 ``ticket``, 0 between launches) then waits for every rank's
+            partials to this rank (:func:`wait_every_source` on this rank's ``flags[2]`` / ``expect[2]`` rows,
             ``per_call`` = the grid): the origin's reduce follows with no wait kernel between.
 
     Destination layout (what the origin's :func:`combine_reduce_kernel` reads): slot ``pos`` of the copy starting at
@@ -336,92 +419,93 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    NB: tl.constexpr = CHUNK // 32
-    C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
-    bcols = tl.arange(0, NB)
+    bcols = tl.arange(0, CHUNK // 32)
     slot0 = (tl.load(epoch_ptr) % 2) * nslot
-    if STAGED:
-        slot0 = slot0 * 0
     failed = tl.load(err_ptr, volatile=True) != 0
-    if STAGED:
-        n_entries = tl.where(failed, 0, W * t_n)
-    else:
-        n_entries = tl.where(failed, 0, W * T_max)
+    n_entries = tl.where(failed, 0, W * T_max)
     n = pid
     while n < n_entries:
-        i = _table_entry(n, T_max, t_lo, W, STAGED)
-        e = table_ptr + i.to(tl.int64) * K
+        e = table_ptr + n.to(tl.int64) * K
         listed = _listed_slots(e, K)
         if listed != 0:
             lead = tl.load(e + _nth_slot(listed, 0, K))
             n_listed = _bit_count(listed, K)
-            s = i // T_max
-            if STAGED:
-                pos = n.to(tl.int64)
-            else:
-                pos = tl.load(origin_pos_ptr + lead).to(tl.int64)
-            if MX:  # MX rows are H bytes apart from the start of a copy (2H bytes a slot)
-                qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.uint8)) + slot0 * H
-            else:
-                qbase = tl.load(q_peers + s).to(tl.pointer_type(tl.bfloat16))
-            sbase = tl.load(s_peers + s).to(tl.pointer_type(tl.uint8))
-            if WEIGHTED:  # the source's weights of this token, fp32 [K]
-                wbase = w_ptr + i.to(tl.int64) * K
-            for c0 in tl.static_range(0, H, CHUNK):
-                m = (c0 + offs) < H
-                cols = c0 // 32 + bcols
-                cm = cols < C
-                acc = tl.zeros((CHUNK,), tl.float32)
-                n0 = n_listed * 0
-                while n0 < n_listed:  # ROWS listed slots a step, ascending (scalar table loads: L1 hits)
-                    for u in tl.static_range(ROWS):
-                        j = _nth_slot(listed, n0 + u, K)
-                        ok = j >= 0
-                        r = tl.load(e + tl.maximum(j, 0), mask=ok, other=-1)
-                        v = _row_values(out_ptr, out_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND)
-                        if WEIGHTED:
-                            wv = tl.load(wbase + j, mask=ok, other=0.0)
-                            v = wv * v
-                        acc = acc + v  # past the last listed slot: +0 (acc is never -0: it starts at +0)
-                    n0 += ROWS
-                _store_partial(acc, qbase, sbase, slot0 + pos, c0, offs, cols, m, cm, H, NB, MX, MODE, INT_ROUND)
+            s = n // T_max
+            pos = tl.load(origin_pos_ptr + lead).to(tl.int64)
+            qbase, sbase = _partial_bases(q_peers, s_peers, s, slot0, H, MX)
+            _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, n, qbase, sbase, slot0 + pos, offs, bcols, H,
+                           K, CHUNK, MX, PASS, WEIGHTED, MODE, INT_ROUND, ROWS)
         n += G
-    if not STAGED:
-        if not failed:
-            _arrive_all(flags_peers, 2, me, W)
+    if not failed:
+        _arrive_all(flags_peers, 2, me, W)
     if WAIT:
         if last_to_arrive(ticket_ptr, G):
             wait_every_source(flags_row_ptr, expect_row_ptr, G, W, err_ptr, timeout_ns)
 
 
 @triton.jit
-def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w_ptr, y_ptr, T, epoch_ptr, nslot,
-                          dest_row_ptr, own_ptr, own_s_ptr,
-                          H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr,
-                          MX: tl.constexpr, INT_ROUND: tl.constexpr, OWN: tl.constexpr = False,
-                          OWN_PASS: tl.constexpr = False, WEIGHTED: tl.constexpr = True, MODE: tl.constexpr = 0):
-    """Combine / dispatch backward at the origin: ``y[t] = sum_i P_i`` in fp32, bf16 out, over the partials ``P_i``
-    the token's ranks returned (one row per (token, rank), see :func:`combine_partials_kernel`), in the order of the
-    ranks' first appearance among the token's slots (a token without a valid slot gives 0).
+def stage_partials_kernel(out_ptr, out_s_ptr, table_ptr, w_ptr, q_peers, s_peers, W, T_max, err_ptr, t_lo, t_n,
+                          H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
+                          PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr,
+                          ROWS: tl.constexpr = 2):
+    """Combine / dispatch backward, expert side, one round of the put path: the partial of every entry of the tokens
+    ``[t_lo, t_lo + t_n)`` of every source (:func:`_entry_partial`, as :func:`combine_partials_kernel` forms it), the
+    partial of source ``s``'s token ``t`` at row ``(t - t_lo) * W + s`` of this rank's staging buffer (one put per
+    entry then moves it to the origin's slot, :func:`mxcomm.ep.nvshmem.put_path.partial_rows`); no flag is raised
+    (the puts signal). A call that starts with the error word set stages nothing.
 
-    The partial of the rank of slot ``j`` when ``j`` leads it (no earlier slot of the token goes to that rank): the row
-    at ``send_pos[t, j]`` in this rank's ``comb_q`` (MX: decoded, saturated to bf16's range). With ``OWN`` (one rank,
-    nothing travelled) the single partial is formed here exactly as the expert side would: ``P = sum_j w[t, j] *
-    out[dest_row[t, j]]`` (fp32, ``j`` ascending, no FMA: launch with ``enable_fp_fusion=False``; ``WEIGHTED`` False:
-    every weight 1), then rounded for transport in registers (MX: quantize + decode, :func:`mx_qdq_tile`; else the
-    BF16 store rounds it).
+    Args: as :func:`combine_partials_kernel`; ``q_peers`` / ``s_peers``: int64 ``[W]`` whose every entry is the
+    address of the staging payload ``stage_q`` (uint8, MX rows H bytes apart; bf16) / scale rows ``stage_s``.
+    Grid: any number of programs; persistent over the round's entries."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, CHUNK // 32)
+    failed = tl.load(err_ptr, volatile=True) != 0
+    n_entries = tl.where(failed, 0, W * t_n)
+    n = pid
+    while n < n_entries:
+        i = _round_entry(n, T_max, t_lo, W)
+        e = table_ptr + i.to(tl.int64) * K
+        listed = _listed_slots(e, K)
+        if listed != 0:
+            n_listed = _bit_count(listed, K)
+            s = i // T_max
+            qbase, sbase = _partial_bases(q_peers, s_peers, s, 0, H, MX)
+            _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, i, qbase, sbase, n.to(tl.int64), offs, bcols,
+                           H, K, CHUNK, MX, PASS, WEIGHTED, MODE, INT_ROUND, ROWS)
+        n += G
+
+
+@triton.jit
+def _origin_sum_store(acc, fin, y_ptr, t, c0, offs, m, H: tl.constexpr, INT_ROUND: tl.constexpr):
+    """Store chunk ``c0`` of ``y[t]`` (bf16 ``[T, H]``) from the origin's fp32 sum ``acc``: a sum of finite partials
+    (``fin``) saturates at the BF16 range; an Inf or NaN partial passes through."""
+    acc = tl.where(fin, mx_saturate(acc, BF16_MAX), acc)
+    if INT_ROUND:
+        tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
+    else:
+        tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, y_ptr, T, epoch_ptr, nslot,
+                          H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
+                          INT_ROUND: tl.constexpr):
+    """Combine / dispatch backward at the origin (several ranks): ``y[t] = sum_i P_i`` in fp32, bf16 out, over the
+    partials ``P_i`` the token's ranks returned (one row per (token, rank), see :func:`combine_partials_kernel`), in
+    the order of the ranks' first appearance among the token's slots (a token without a valid slot gives 0). The
+    partial of the rank of slot ``j`` when ``j`` leads it (no earlier slot of the token goes to that rank): the row at
+    ``send_pos[t, j]`` in this rank's ``comb_q`` (MX: decoded, saturated to bf16's range).
 
     Args:
         comb_q_ptr / comb_s_ptr: this rank's ``comb_q`` (uint8; BF16 transport: viewed as bf16) / ``comb_s``; the copy
-            is picked by the epoch's parity (``epoch_ptr``, ``nslot = T_max*K`` slots a copy). Unused with ``OWN``.
-        send_pos_ptr / dest_rank_ptr: int32 ``[T, K]`` (the plan's; -1 = dropped); w_ptr: fp32 ``[T, K]``
-            (``OWN`` with ``WEIGHTED`` only); y_ptr: bf16 ``[T, H]``.
-        dest_row_ptr, own_ptr, own_s_ptr (``OWN``): the plan's rows, the expert rows ``[R, H]`` (bf16, or uint8 E4M3
-            payload with ``OWN_PASS`` and their uint8 ``[R, H/32]`` row scales).
-        P: the most partials a token can have, ``min(K, W)`` (``OWN``: ``K``, the slots summed in place). A static
-            loop over them (not over the ``K`` slots) keeps the registers of the rows in flight to rows that exist.
-        MX: the partials travel (or, with ``OWN``, are rounded) as MXFP8; MODE: the scale mode.
+            is picked by the epoch's parity (``epoch_ptr``, ``nslot = T_max*K`` slots a copy).
+        send_pos_ptr / dest_rank_ptr: int32 ``[T, K]`` (the plan's; -1 = dropped); y_ptr: bf16 ``[T, H]``.
+        P: the most partials a token can have, ``min(K, W)``. A static loop over them (not over the ``K`` slots)
+            keeps the registers of the rows in flight to rows that exist.
+        MX: the partials travel as MXFP8.
     Grid: ``(programs over tokens, programs over each row's CHUNK-value chunks)``; any sizes (persistent over tokens;
     chunk ``c`` of a row belongs to the program with ``c % grid[1] == program_id(1)``).
     """
@@ -444,41 +528,73 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, w
                 cm = cols < C
                 acc = tl.zeros((CHUNK,), tl.float32)
                 fin = offs >= 0  # every partial summed here so far is finite
-                for n in tl.static_range(P):
-                    if OWN:  # slot n
-                        ok = tl.load(dest_rank_ptr + t * K + n) >= 0
-                        r = tl.load(dest_row_ptr + t * K + n)
-                        v = _row_values(own_ptr, own_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, OWN_PASS, INT_ROUND)
-                        if WEIGHTED:
-                            v = tl.load(w_ptr + t * K + n, mask=ok, other=0.0) * v
-                    else:  # partial n: the n-th leading slot j (-1: the token has fewer partials, adds +0)
-                        j = _nth_slot(lead, n, K)
-                        ok = j >= 0
-                        p64 = tl.maximum(tl.load(send_pos_ptr + t * K + tl.maximum(j, 0)), 0).to(tl.int64)
-                        if MX:  # 8 payload bytes a thread: the layout of the 8 bf16 values a thread stores (16
-                            # bytes a thread would be converted to it through shared memory, with barriers)
-                            qp = comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs
-                            q = tl.load(tl.max_contiguous(tl.multiple_of(qp, 8), 8), mask=m & ok, other=0)
-                            sb = load_block_bytes(comb_s_ptr + (slot0 + p64) * C + cols, cm & ok, 127, INT_ROUND)
-                            v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (CHUNK,))
-                        else:
-                            v = to_fp32(tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0),
-                                        INT_ROUND)
-                        fin = fin & (tl.abs(v) <= FP32_MAX)
-                    acc = acc + v
-                if OWN:  # the transport rounding of the one partial in registers, then the origin's sum (0 + P: -0 -> +0)
-                    if MX:
-                        acc = tl.reshape(mx_qdq_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1, BF16_MAX), (CHUNK,))
-                    elif INT_ROUND:
-                        acc = to_fp32(bf16_rne_int(_bf16_saturated(acc)), INT_ROUND)
+                for n in tl.static_range(P):  # partial n: the n-th leading slot j (-1: fewer partials, adds +0)
+                    j = _nth_slot(lead, n, K)
+                    ok = j >= 0
+                    p64 = tl.maximum(tl.load(send_pos_ptr + t * K + tl.maximum(j, 0)), 0).to(tl.int64)
+                    if MX:  # 8 payload bytes a thread: the layout of the 8 bf16 values a thread stores (16
+                        # bytes a thread would be converted to it through shared memory, with barriers)
+                        qp = comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs
+                        q = tl.load(tl.max_contiguous(tl.multiple_of(qp, 8), 8), mask=m & ok, other=0)
+                        sb = load_block_bytes(comb_s_ptr + (slot0 + p64) * C + cols, cm & ok, 127, INT_ROUND)
+                        v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (CHUNK,))
                     else:
-                        acc = _bf16_saturated(acc).to(tl.bfloat16).to(tl.float32)
-                    fin = tl.abs(acc) <= FP32_MAX
-                    acc = tl.zeros((CHUNK,), tl.float32) + acc
-                # a sum of finite partials saturates at the BF16 range; an Inf or NaN partial passes through
-                acc = tl.where(fin, mx_saturate(acc, BF16_MAX), acc)
-                if INT_ROUND:
-                    tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
+                        v = to_fp32(tl.load(comb_q_ptr + (slot0 + p64) * H + c0 + offs, mask=m & ok, other=0.0),
+                                    INT_ROUND)
+                    fin = fin & (tl.abs(v) <= FP32_MAX)
+                    acc = acc + v
+                _origin_sum_store(acc, fin, y_ptr, t, c0, offs, m, H, INT_ROUND)
+        t += G
+
+
+@triton.jit
+def local_reduce_kernel(rows_ptr, rows_s_ptr, dest_rank_ptr, dest_row_ptr, w_ptr, y_ptr, T,
+                        H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, PASS: tl.constexpr,
+                        WEIGHTED: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+    """Combine / dispatch backward on one rank (nothing travels): the token's single partial formed here exactly as
+    an expert rank would, ``P = sum_j w[t, j] * rows[dest_row[t, j]]`` (fp32, ``j`` ascending, no FMA: launch with
+    ``enable_fp_fusion=False``; ``WEIGHTED`` False: every weight 1), rounded for transport in registers (MX: quantize
+    + decode, :func:`mx_qdq_tile`; else BF16), then the origin's sum of it: ``y[t] = 0 + P`` (bf16; -0 becomes +0).
+
+    Args:
+        rows_ptr: the expert rows ``[R, H]``: bf16, or (``PASS``) uint8 E4M3 payload with ``rows_s_ptr`` uint8 ``[R,
+            H/32]`` row scales (decoded, saturated to bf16's range, before the sum).
+        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan's; -1 = dropped). w_ptr: fp32 ``[T, K]``
+            (``WEIGHTED`` only). y_ptr: bf16 ``[T, H]``.
+        MX: the partial is rounded as MXFP8 (MODE: the scale mode), else as BF16.
+    Grid: as :func:`combine_reduce_kernel`'s.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    hs = tl.program_id(1)
+    HS = tl.num_programs(1)
+    NB: tl.constexpr = CHUNK // 32
+    C: tl.constexpr = H // 32
+    offs = tl.arange(0, CHUNK)
+    bcols = tl.arange(0, NB)
+    t = pid
+    while t < T:
+        for c0 in tl.static_range(0, H, CHUNK):
+            if (c0 // CHUNK) % HS == hs:
+                m = (c0 + offs) < H
+                cols = c0 // 32 + bcols
+                cm = cols < C
+                acc = tl.zeros((CHUNK,), tl.float32)
+                for n in tl.static_range(K):  # slot n
+                    ok = tl.load(dest_rank_ptr + t * K + n) >= 0
+                    r = tl.load(dest_row_ptr + t * K + n)
+                    v = _row_values(rows_ptr, rows_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND)
+                    if WEIGHTED:
+                        v = tl.load(w_ptr + t * K + n, mask=ok, other=0.0) * v
+                    acc = acc + v
+                # the transport rounding of the one partial in registers, then the origin's sum (0 + P: -0 -> +0)
+                if MX:
+                    acc = tl.reshape(mx_qdq_tile(tl.reshape(acc, (NB, 32)), MODE, INT_ROUND, 1, BF16_MAX), (CHUNK,))
+                elif INT_ROUND:
+                    acc = to_fp32(bf16_rne_int(_bf16_saturated(acc)), INT_ROUND)
                 else:
-                    tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
+                    acc = _bf16_saturated(acc).to(tl.bfloat16).to(tl.float32)
+                fin = tl.abs(acc) <= FP32_MAX
+                acc = tl.zeros((CHUNK,), tl.float32) + acc
+                _origin_sum_store(acc, fin, y_ptr, t, c0, offs, m, H, INT_ROUND)
         t += G

@@ -1,8 +1,9 @@
-"""The sending dispatch kernel of the local, push and put paths: ``dispatch_kernel`` reads each BF16 token row once,
-quantizes it in registers (MX) and stores payload and scales straight into each destination rank's buffers at their
-final expert-major rows, through NVSHMEM peer pointers (one rank: into the output itself; the put path: into this
-rank's staging buffer, whose puts signal), then signals their arrival (:mod:`.signals`). ``WEIGHTED``, it forms
-combine backward's rows on one rank. ``_store_slot``: one slot's stores of a row chunk.
+"""The sending dispatch kernels, one per path over one loop (:func:`_send_rows`): each BF16 token row is read once,
+quantized in registers (MX) and stored straight at every slot's final row - ``local_rows_kernel`` (one rank: into the
+output itself, padding zeroed in the same launch; also combine backward's weighted rows), ``push_rows_kernel``
+(through NVSHMEM peer pointers into the destinations' receive windows, then signalling their arrival,
+:mod:`.signals`) and ``stage_rows_kernel`` (the put path: into this rank's staging buffer, whose puts signal).
+``_store_slot``: one slot's stores of a row chunk.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from .signals import _arrive_all
 def _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm,
                 H: tl.constexpr, C: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
                 OUT_DIRECT: tl.constexpr, HELD: tl.constexpr, INT_ROUND: tl.constexpr):
-    """dispatch_kernel: one slot's stores of a row chunk - payload ``q`` at ``row`` of rank ``rk``'s ``recv_q`` (or of
-    ``q_peers`` itself, ``OUT_DIRECT``), and (MX) its scales ``s`` at the same row of ``recv_s``, row-major; ``m`` /
+    """:func:`_send_rows`: one slot's stores of a row chunk - payload ``q`` at ``row`` of rank ``rk``'s ``recv_q`` (or
+    of ``q_peers`` itself, ``OUT_DIRECT``), and (MX) its scales ``s`` at the same row of ``recv_s``, row-major; ``m`` /
     ``cm`` mask values / scale columns. ``HELD``: the scales are stored by the threads that hold them
     (:func:`store_block_bytes`; for scales quantized per slot, which a vector store would first move through shared
     memory for every slot); else as one vector store."""
@@ -47,45 +48,23 @@ def _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm,
 
 
 @triton.jit
-def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, flags_peers, me, W, w_ptr,
-                    offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups,
-                    H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
-                    MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr,
-                    ARRIVE: tl.constexpr = True, ZERO_PAD: tl.constexpr = False,
-                    OUT_DIRECT: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False):
-    """Read each BF16 token row once, quantize it in registers (MX) and store payload and scales
-    straight into each destination rank's buffers at their final expert-major rows.
+def _send_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, w_ptr, q_dst, s_peers, pid, G,
+               H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
+               INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr, OUT_DIRECT: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+    """The sending kernels' loop: program ``pid`` of ``G`` reads token rows ``pid, pid + G, ...`` of the BF16 ``x``
+    ``[T, H]`` once per row chunk, quantizes each chunk once (MX) and stores it per valid slot ``j`` at row
+    ``dest_row[t, j]`` of rank ``dest_rank[t, j]`` (-1 = dropped; int32 ``[T, K]`` both) through :func:`_store_slot`:
+    into ``q_dst`` itself (``OUT_DIRECT``: the output ``[*, H]``, uint8 MX / bf16) or into the buffer whose address
+    entry ``rk`` of ``q_dst`` (int64 ``[W]``) holds; the scale rows through ``s_peers`` likewise (int64 ``[W]``).
 
-    Per token and row chunk: one load and (MX) one quantization, then one 1-D store per valid slot
-    (a uniform branch per slot; the slot's routing and base pointers are scalar loads that hit L1).
-    Scales go out row-major, ``H/32`` contiguous bytes at the payload's row: the receiver swizzles them
-    into the grouped blocked layout afterwards (``scale_rows_to_grouped_kernel``). Storing each row's
-    scales straight into the blocked layout (4 bytes every 512) cost ~50 % more time on one H200
-    (``bench/bench_ep_kernels.py``, ``--scales row,blocked``).
+    A uniform branch per slot; the slot's routing and base pointers are scalar loads that hit L1. Scales go out
+    row-major, ``H/32`` contiguous bytes at the payload's row (the receiver swizzles them into the grouped blocked
+    layout afterwards, ``scale_rows_to_grouped_kernel``; storing each row's scales straight into the blocked layout,
+    4 bytes every 512, cost ~50 % more time on one H200: ``bench/bench_ep_kernels.py --scales row,blocked``).
 
-    ``WEIGHTED`` (combine backward): slot ``j`` carries ``w[t, j] * x[t]`` (fp32 product), quantized per
-    slot - the route weighting fused with the gradient quantization; ``w_ptr`` fp32 ``[T, K]``.
-
-    Args:
-        x_ptr: bf16 ``[T, H]`` contiguous.
-        dest_rank_ptr / dest_row_ptr: int32 ``[T, K]``: destination rank (-1 = dropped) and row there.
-        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``recv_q`` (uint8 ``[*, H]`` MX,
-            bf16 ``[*, H]`` otherwise) / ``recv_s`` (uint8 ``[*, H/32]``) / ``flags`` on every rank.
-        ARRIVE: add 1 to ``flags[1, me]`` on every rank after the stores (False on the put path, whose
-            puts signal; there every ``*_peers`` entry is this rank's staging buffer and the rows are
-            send positions).
-        ZERO_PAD (local path: ``q_peers`` holds the fresh ``[R_out, *]`` output's address): after its tokens, each
-            program zeroes its share of the rows no token fills (:func:`_zero_unfilled_rows` with the plan's
-            ``offs_ptr`` / ``counts_ptr`` / ``n_rows_ptr`` over ``n_groups`` groups) - in the same launch, where the
-            persistent loop's uneven end leaves the memory system idle. Those four are unused otherwise.
-        OUT_DIRECT (local path): ``q_peers`` IS that output (uint8 ``[R_out, H]`` MX, bf16 ``[R_out, H]``), not a
-            table of addresses (one fewer host operation per call than writing its address into a table).
-        SKIP_EMPTY: a token whose every slot is dropped is not read (the push path's rounds through a receive window,
-            where most tokens have no slot in a given round); the stores are the same either way.
-    Grid: any fixed number of programs (identical on every rank); persistent over tokens.
-    """
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
+    ``WEIGHTED`` (combine backward): slot ``j`` carries ``w[t, j] * x[t]`` (fp32 product; ``w_ptr`` fp32 ``[T, K]``),
+    quantized per slot: the route weighting fused with the gradient quantization. ``SKIP_EMPTY``: a token whose every
+    slot is dropped is not read (the stores are the same either way)."""
     NB: tl.constexpr = CHUNK // 32
     C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
@@ -131,7 +110,7 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                                 q = bf16_rne_int(xw)
                             else:
                                 q = xw.to(tl.bfloat16)
-                            _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX,
+                            _store_slot(q, s, q_dst, s_peers, rk, row, c0, offs, cols, m, cm, H, C, NB, CHUNK, MX,
                                         OUT_DIRECT, True, INT_ROUND)
                     else:
                         if not MX:
@@ -139,15 +118,74 @@ def dispatch_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, fla
                         # no branch: a dropped slot's stores are masked off (its rank read as 0), so the stored
                         # registers are packed once per chunk, not once per slot
                         ok = rk >= 0
-                        _store_slot(q, s, q_peers, s_peers, tl.maximum(rk, 0), row, c0, offs, cols, m & ok, cm & ok,
+                        _store_slot(q, s, q_dst, s_peers, tl.maximum(rk, 0), row, c0, offs, cols, m & ok, cm & ok,
                                     H, C, NB, CHUNK, MX, OUT_DIRECT, False, INT_ROUND)
         t += G
-    if ZERO_PAD:
-        WORDS: tl.constexpr = H // 8 if MX else H // 4
-        if OUT_DIRECT:
-            out = q_peers.to(tl.pointer_type(tl.int64), bitcast=True)
-        else:
-            out = tl.load(q_peers).to(tl.pointer_type(tl.int64))
-        _zero_unfilled_rows(out, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_groups, pid, G, WORDS, 512)
-    if ARRIVE:
-        _arrive_all(flags_peers, 1, me, W)
+
+
+@triton.jit
+def local_rows_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, out_ptr, s_peers, w_ptr, offs_ptr, counts_ptr,
+                      n_rows_ptr, R_out, n_groups, H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+                      MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr):
+    """One rank: each BF16 token row read once, quantized once (MX) and stored at every valid slot's expert-major row
+    of the fresh output (the dispatch; ``WEIGHTED``: combine backward's rows ``w[t, j] * g[t]``, quantized per slot),
+    its scale rows into the rank's ``recv_s``; then each program zeroes its share of the rows no token fills (the
+    groups' padding), in the same launch, where the persistent loop's uneven end leaves the memory system idle.
+
+    Args:
+        x_ptr: bf16 ``[T, H]`` contiguous. dest_rank_ptr / dest_row_ptr: int32 ``[T, K]`` (the plan's: rank 0 or -1
+            = dropped; the row). out_ptr: the output ``[R_out, H]``: uint8 (MX payload) or bf16.
+        s_peers: int64 ``[1]``: the address of ``recv_s`` (uint8 ``[>= R_out, H/32]``, row-major scale rows; MX).
+        w_ptr: fp32 ``[T, K]`` route weights (``WEIGHTED``; else unused).
+        offs_ptr / counts_ptr / n_rows_ptr / n_groups: the plan's group end offsets, real rows per group, rows in
+            use and ``El`` (:func:`_zero_unfilled_rows`).
+    Grid: any number of programs; persistent over tokens."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    _send_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, w_ptr, out_ptr, s_peers, pid, G, H, K, CHUNK, MX, MODE,
+               INT_ROUND, WEIGHTED, True, False)
+    WORDS: tl.constexpr = H // 8 if MX else H // 4
+    _zero_unfilled_rows(out_ptr.to(tl.pointer_type(tl.int64), bitcast=True), offs_ptr, counts_ptr, n_rows_ptr, R_out,
+                        n_groups, pid, G, WORDS, 512)
+
+
+@triton.jit
+def push_rows_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, q_peers, s_peers, flags_peers, me, W,
+                     H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
+                     INT_ROUND: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+    """The push path: each BF16 token row read once, quantized once (MX) and stored through NVSHMEM peer pointers
+    into every valid slot's row of its destination's receive window (payload into ``recv_q``, scale rows into
+    ``recv_s``); then every program adds 1 to ``flags[1, me]`` on every rank (:func:`_arrive_all`).
+
+    Args:
+        x_ptr: bf16 ``[T, H]`` contiguous. dest_rank_ptr / dest_row_ptr: int32 ``[T, K]``: destination rank (-1 =
+            dropped, or outside this round's window) and row in its window.
+        q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``recv_q`` (uint8 ``[*, H]`` MX, bf16
+            ``[*, H]`` otherwise) / ``recv_s`` (uint8 ``[*, H/32]``) / ``flags`` on every rank.
+        SKIP_EMPTY: a token with no slot in the round is not read (rounds through a receive window, where most
+            tokens have none).
+    Grid: any fixed number of programs (identical on every rank: receivers count arrivals); persistent over tokens.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    _send_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, x_ptr, q_peers, s_peers, pid, G, H, K, CHUNK, MX, MODE,
+               INT_ROUND, False, False, SKIP_EMPTY)
+    _arrive_all(flags_peers, 1, me, W)
+
+
+@triton.jit
+def stage_rows_kernel(x_ptr, T, dest_rank_ptr, send_pos_ptr, q_peers, s_peers, H: tl.constexpr, K: tl.constexpr,
+                      CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+    """The put path: each BF16 token row read once, quantized once (MX) and stored into this rank's staging buffer at
+    every valid slot's send position (NVSHMEM puts then move each (destination, expert) block and signal; nothing is
+    signalled here).
+
+    Args:
+        x_ptr: bf16 ``[T, H]`` contiguous. dest_rank_ptr / send_pos_ptr: int32 ``[T, K]``: destination rank (-1 =
+            dropped) and send position. q_peers / s_peers: int64 ``[W]`` whose every entry is the address of the
+            staging payload ``stage_q`` (uint8 ``[*, H]`` MX, bf16 otherwise) / scale rows ``stage_s``.
+    Grid: any number of programs; persistent over tokens."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    _send_rows(x_ptr, T, dest_rank_ptr, send_pos_ptr, x_ptr, q_peers, s_peers, pid, G, H, K, CHUNK, MX, MODE,
+               INT_ROUND, False, False, False)

@@ -175,29 +175,25 @@ class EnginePath:
         entry's ``weights`` (fp32 ``[W * T_max, k]``, :meth:`combine_weights`; None: every weight 1), rounded once
         (MXFP8 when ``mx``, else BF16) into the origin's ``comb_q`` at the send position of the token's leading slot
         (copy ``c_epoch % 2``); then wait (bounded) for every rank's partials."""
-        e = self.e
-        # (the wait for every rank's partials: in the launch's last program)
-        self._partials(payload, in_scales, handle, mx, passthrough, weights, e.comb[0].peer_ptrs,
-                       e.comb[1].peer_ptrs, staged=False)
-
-    def _partials(self, payload, in_scales, handle, mx, passthrough, weights, q_ptrs, s_ptrs, staged,
-                  tokens: Optional[range] = None):
-        """``combine_partials_kernel``; not ``staged``, its last program waits for every rank's partials; ``staged``,
-        the entries of the round's ``tokens`` only."""
         from ..kernels.combine import combine_partials_kernel
 
         e = self.e
-        H = e.config.hidden
         st = handle.backend_state
-        wait = dict(t_lo=tokens.start, t_n=len(tokens)) if staged else self._partials_wait
+        # (the wait for every rank's partials: in the launch's last program)
         fast_kernel(combine_partials_kernel)[(e.programs,)](
-            payload, in_scales, st.table, st.origins.pos, e.err if weights is None else weights, q_ptrs, s_ptrs,
-            e.flags.peer_ptrs, e.rank, e.world, e.config.max_tokens_per_rank, e.c_epoch, e.nslot, e.err, H=H,
-            K=e.config.topk, CHUNK=e.launch.partials_row_chunk(H), MX=mx, PASS=passthrough,
-            WEIGHTED=weights is not None, MODE=e.mode_id,
-            INT_ROUND=e.int_round, STAGED=staged, ROWS=e.launch.partials_rows, num_warps=e.launch.weighted_warps,
-            enable_fp_fusion=False, **wait,
+            payload, in_scales, st.table, st.origins.pos, e.err if weights is None else weights, e.comb[0].peer_ptrs,
+            e.comb[1].peer_ptrs, e.flags.peer_ptrs, e.rank, e.world, e.config.max_tokens_per_rank, e.c_epoch,
+            e.nslot, e.err, **self._partials_consts(mx, passthrough, weights), **self._partials_wait,
         )
+
+    def _partials_consts(self, mx: bool, passthrough: bool, weights: Optional[torch.Tensor]) -> dict:
+        """The constexprs and launch options of the partial sums' kernels (``combine_partials_kernel``, the put path's
+        ``stage_partials_kernel``): each product rounded, then added (no FMA)."""
+        e = self.e
+        H = e.config.hidden
+        return dict(H=H, K=e.config.topk, CHUNK=e.launch.partials_row_chunk(H), MX=mx, PASS=passthrough,
+                    WEIGHTED=weights is not None, MODE=e.mode_id, INT_ROUND=e.int_round, ROWS=e.launch.partials_rows,
+                    num_warps=e.launch.weighted_warps, enable_fp_fusion=False)
 
     # -- combine backward (the dispatch direction) -------------------------------------------
     def _deliver_gradients(self, g: torch.Tensor, w: torch.Tensor, handle: EPHandle) -> None:
@@ -225,8 +221,7 @@ class EnginePath:
         self._deliver_gradients(g, w, handle)  # (epoch += 1 first)
         rows = self._new_backward_rows(handle, mx)
         rg = expert_out is not None
-        self._weighted_rows(rows, handle, mx, expert_out, copies=(self.g_copy, self.w_copy), arrive=True,
-                            **(self._gradients_wait if rg else {}))
+        self._weighted_rows(rows, handle, mx, expert_out)
         grad_w = self._route_grads(handle.plan, g.shape[0]) if rg else None
         return BackwardRows(q=rows.q, scale_rows=rows.scale_rows, grad_w=grad_w)
 
@@ -238,27 +233,39 @@ class EnginePath:
         q = torch.empty(R, H if mx else 2 * H, dtype=torch.uint8, device=e.device)
         return BackwardRows(q=q, scale_rows=self._scale_rows(R, mx), grad_w=None)
 
-    def _weighted_rows(self, rows: BackwardRows, handle: EPHandle, mx: bool, expert_out: Optional[torch.Tensor],
-                       copies: tuple, arrive: bool, **extra) -> None:
+    def _weighted_rows(self, rows: BackwardRows, handle: EPHandle, mx: bool,
+                       expert_out: Optional[torch.Tensor]) -> None:
         """``pull_weighted_kernel`` over the handle's table: the gradient rows at ``self.g_src`` / weights at
-        ``self.w_src`` (``copies``: their copy strides, 0 for one copy), weighted and quantized per slot into
-        ``rows``; with ``expert_out`` the route-weight gradients into ``self.gw_dst`` (``arrive``: raising
-        ``flags[4]`` on every rank). ``extra``: the kernel's wait or token-range arguments."""
+        ``self.w_src`` (two copies each), weighted and quantized per slot into ``rows``; with ``expert_out`` the
+        route-weight gradients into ``self.gw_dst``, raising ``flags[4]`` on every rank, and the launch's last
+        program waits for every rank's."""
         from ..kernels.combine import pull_weighted_kernel
 
         e = self.e
-        plan, R = handle.plan, handle.num_rows
-        H, k = e.config.hidden, e.config.topk
-        row_bytes = H if mx else 2 * H
         rg = expert_out is not None
         fast_kernel(pull_weighted_kernel)[(e.programs,)](
-            rows.q if mx else rows.q.view(torch.bfloat16), rows.scale_rows, plan.offs, plan.expert_counts,
-            plan.num_rows, e.El, R, self.g_src, self.w_src, handle.backend_state.table, e.d_epoch,
-            e.config.max_tokens_per_rank, e.world, copies[0], copies[1], expert_out if rg else e.err, self.gw_dst,
-            e.flags.peer_ptrs, e.rank, H=H, CHUNK=e.launch.row_chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx,
-            MODE=e.mode_id, INT_ROUND=e.int_round, ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=rg,
-            ARRIVE=arrive, num_warps=e.dispatch_warps(True), **extra,
+            *self._weighted_head(rows, handle, mx), e.d_epoch, e.config.max_tokens_per_rank, e.world, self.g_copy,
+            self.w_copy, expert_out if rg else e.err, self.gw_dst, e.flags.peer_ptrs, e.rank,
+            **self._weighted_consts(mx, rg), **(self._gradients_wait if rg else {}),
         )
+
+    def _weighted_head(self, rows: BackwardRows, handle: EPHandle, mx: bool) -> tuple:
+        """The leading arguments of the weighted rows' kernels (``pull_weighted_kernel``, the put path's
+        ``round_weighted_kernel``): the output and its scale rows, the plan's group tables, the sources' rows,
+        weights and the dispatch's table."""
+        e = self.e
+        plan = handle.plan
+        return (rows.q if mx else rows.q.view(torch.bfloat16), rows.scale_rows, plan.offs, plan.expert_counts,
+                plan.num_rows, e.El, handle.num_rows, self.g_src, self.w_src, handle.backend_state.table)
+
+    def _weighted_consts(self, mx: bool, route_grad: bool) -> dict:
+        """The constexprs and launch options of the weighted rows' kernels."""
+        e = self.e
+        H, k = e.config.hidden, e.config.topk
+        row_bytes = H if mx else 2 * H
+        return dict(H=H, CHUNK=e.launch.row_chunk(H, True), K=k, K_POW2=next_pow2(k), MX=mx, MODE=e.mode_id,
+                    INT_ROUND=e.int_round, ZCHUNK=min(512, next_pow2(row_bytes // 8)), ROUTE_GRAD=route_grad,
+                    num_warps=e.dispatch_warps(True))
 
     def _route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
         """This rank's fp32 ``[T, k]`` route-weight gradients, gathered once every rank's arrived (the wait: in

@@ -11,7 +11,7 @@ from .base import BackwardRows, DispatchRows, EnginePath
 
 class LocalPath(EnginePath):
     """One rank: nothing leaves the GPU. Dispatch: the id check, counts and plan (captured once per token count and
-    replayed), then ``dispatch_kernel`` reads each token row once, quantizes it once and stores it straight into the
+    replayed), then ``local_rows_kernel`` reads each token row once, quantizes it once and stores it straight into the
     fresh output at every selection's row (scale rows into ``recv_s``), padding rows zeroed by the same launch; one
     host sync (the output size, with the id check). Combine and dispatch backward: the engine's reduce reads the
     expert rows in place (one partial per token). Combine backward: the same kernel as dispatch with per-slot
@@ -34,21 +34,21 @@ class LocalPath(EnginePath):
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
     def _out(self, x: torch.Tensor, plan: RoutingPlan, R: int, mx: bool, w: torch.Tensor, weighted: bool):
-        """Fresh uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes) written by ``dispatch_kernel`` itself: each row of
+        """Fresh uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes) written by ``local_rows_kernel`` itself: each row of
         ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized (MX), stored at every
-        selection's expert-major row, its scale row into ``recv_s``; padding rows zeroed by the same launch
-        (``ZERO_PAD``). No symmetric buffer holds the payload and nothing is copied afterwards."""
-        from ..kernels.dispatch import dispatch_kernel
+        selection's expert-major row, its scale row into ``recv_s``; padding rows zeroed by the same launch. No
+        symmetric buffer holds the payload and nothing is copied afterwards."""
+        from ..kernels.dispatch import local_rows_kernel
 
         e = self.e
         T, H = x.shape
         out = torch.empty(R, H if mx else 2 * H, dtype=torch.uint8, device=e.device)
         if R:
-            fast_kernel(dispatch_kernel)[(e.output_programs(T),)](
+            fast_kernel(local_rows_kernel)[(e.output_programs(T),)](
                 x, T, plan.dest_rank, plan.dest_row, out if mx else out.view(torch.bfloat16), self.recv_s.peer_ptrs,
-                e.flags.peer_ptrs, 0, 1, w, plan.offs, plan.expert_counts, plan.num_rows, R, e.El, H=H,
-                K=e.config.topk, CHUNK=e.launch.row_chunk(H, weighted), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
-                WEIGHTED=weighted, ARRIVE=False, ZERO_PAD=True, OUT_DIRECT=True, num_warps=e.dispatch_warps(weighted),
+                w, plan.offs, plan.expert_counts, plan.num_rows, R, e.El, H=H, K=e.config.topk,
+                CHUNK=e.launch.row_chunk(H, weighted), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
+                WEIGHTED=weighted, num_warps=e.dispatch_warps(weighted),
             )
         return out
 

@@ -24,7 +24,7 @@ class DispatchRounds:
 
 
 class PushPath(EnginePath):
-    """Several ranks, ``transport="push"``: after the counts exchange and the plan, ``dispatch_kernel`` reads each
+    """Several ranks, ``transport="push"``: after the counts exchange and the plan, ``push_rows_kernel`` reads each
     token row once, quantizes it once and stores it into each destination's ``recv_q`` at its expert-major rows
     (scale rows into ``recv_s``), and ``push_entries_kernel`` lists each (token, destination) in the destination's
     pull list; after the bounded arrival wait the receiver copies the rows out into a fresh tensor (the buffer is
@@ -53,7 +53,7 @@ class PushPath(EnginePath):
         ``mx``; with ``window = (lo, hi)`` only the slots whose rows fall in it, at ``row - lo``, and a token with none
         there is not read), with ``first`` one pull-list entry per (token, destination) and its route weights ``w``
         (fp32 ``[T, k]``); then wait for every source's."""
-        from ..kernels.dispatch import dispatch_kernel
+        from ..kernels.dispatch import push_rows_kernel
 
         e = self.e
         ranks, rows = plan.dest_rank, plan.dest_row
@@ -61,8 +61,12 @@ class PushPath(EnginePath):
             lo, hi = window
             inside = (rows >= lo) & (rows < hi)
             ranks, rows = torch.where(inside, ranks, -1), torch.where(inside, rows - lo, 0)
-        self._dispatch_kernel(dispatch_kernel, x, plan, ranks, rows, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs,
-                              mx, arrive=True, skip_empty=window is not None)
+        T, H = x.shape
+        fast_kernel(push_rows_kernel)[(e.sender_programs,)](
+            x, T, ranks, rows, self.recv_q.peer_ptrs, self.recv_s.peer_ptrs, e.flags.peer_ptrs, e.rank, e.world, H=H,
+            K=e.config.topk, CHUNK=e.launch.row_chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
+            SKIP_EMPTY=window is not None, num_warps=e.dispatch_warps(False),
+        )
         if first:
             self._push_entries(plan, w, self.pull_list.peer_ptrs, e.flags.peer_ptrs)
         self._wait_arrivals(1, e.sender_programs + (e.push_programs if first else 0))
@@ -78,16 +82,6 @@ class PushPath(EnginePath):
 
     def _after_rounds(self) -> None:
         """After the last round: nothing here."""
-
-    def _dispatch_kernel(self, kernel, x, plan, ranks, rows, q_ptrs, s_ptrs, mx, arrive, skip_empty=False):
-        e = self.e
-        T, H = x.shape
-        fast_kernel(kernel)[(e.sender_programs,)](
-            x, T, ranks, rows, q_ptrs, s_ptrs, e.flags.peer_ptrs, e.rank, e.world, x,
-            plan.offs, plan.expert_counts, plan.num_rows, 0, 0, H=H, K=e.config.topk, CHUNK=e.launch.row_chunk(H),
-            MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round, WEIGHTED=False, ARRIVE=arrive, SKIP_EMPTY=skip_empty,
-            num_warps=e.dispatch_warps(False),
-        )
 
     def _copy_rows(self, src: torch.Tensor, dst: torch.Tensor, plan: RoutingPlan, origins: RowOrigins,
                    row0: int) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ....kernels.launch import fast_kernel
 from .. import put_path
 from ...plan import put_round_tokens
 from .base import FLAG_ROW, BackwardRows
@@ -104,10 +105,15 @@ class PutPath(PushPath):
     def _prepare(self, x, plan, w, mx):
         """The rows into staging at their send positions and the entries (with the route weights ``w``) into the
         staging list, once for every round."""
-        from ..kernels.dispatch import dispatch_kernel
+        from ..kernels.dispatch import stage_rows_kernel
 
-        self._dispatch_kernel(dispatch_kernel, x, plan, plan.dest_rank, plan.send_pos, self._stage_ptrs,
-                              self._stage_s_ptrs, mx, arrive=False)
+        e = self.e
+        T, H = x.shape
+        fast_kernel(stage_rows_kernel)[(e.sender_programs,)](
+            x, T, plan.dest_rank, plan.send_pos, self._stage_ptrs, self._stage_s_ptrs, H=H, K=e.config.topk,
+            CHUNK=e.launch.row_chunk(H), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
+            num_warps=e.dispatch_warps(False),
+        )
         self._push_entries(plan, w, self._stage_list_ptrs, self._scratch_ptrs)
 
     def _send_round(self, x, plan, w, mx, window, first):
@@ -155,9 +161,14 @@ class PutPath(PushPath):
         st = handle.backend_state
         entries = put_path.partial_rows(st.table, st.origins.pos, e.rank, e.config.max_tokens_per_rank, slot0, 2 * H,
                                         H if mx else 2 * H, H // 32 if mx else 0, self.round_tokens)
+        from ..kernels.combine import stage_partials_kernel
+
         for tokens in self._token_rounds():
-            self._partials(payload, in_scales, handle, mx, passthrough, weights, self._stage_ptrs,
-                           self._stage_s_ptrs, staged=True, tokens=tokens)
+            fast_kernel(stage_partials_kernel)[(e.programs,)](
+                payload, in_scales, st.table, e.err if weights is None else weights, self._stage_ptrs,
+                self._stage_s_ptrs, W, e.config.max_tokens_per_rank, e.err, tokens.start, len(tokens),
+                **self._partials_consts(mx, passthrough, weights),
+            )
             rows = entries.entries(tokens.start * W, tokens.stop * W)
             self.puts.put(e.comb[0].local, self.stage_q.local, rows.payload, None, None, e.err, 1)
             if mx:  # (BF16 partials carry no scale bytes)
@@ -174,6 +185,8 @@ class PutPath(PushPath):
         ``recv_q`` [me, t - t0] (no signal), ``quiet``, one signal per destination, the wait for every source's, and
         the expert side's weighted rows (and route-weight gradients, staged) of the round's entries; finally the
         route-weight gradients go home."""
+        from ..kernels.combine import round_weighted_kernel
+
         e = self.e
         e.d_epoch.add_(1)
         self.exchange(None)
@@ -194,8 +207,11 @@ class PutPath(PushPath):
             self.puts.quiet()
             self.puts.put(self.recv_q.local, self.send_q.local, self._ready_batch, e.flag_rows[1], e.rank, e.err, 1)
             self._wait("dispatch", 1)
-            self._weighted_rows(out, handle, mx, expert_out, copies=(0, 0), arrive=False, TOKEN_RANGE=True,
-                                t_lo=tokens.start, t_n=len(tokens))
+            fast_kernel(round_weighted_kernel)[(e.programs,)](
+                *self._weighted_head(out, handle, mx), e.config.max_tokens_per_rank, e.world,
+                e.err if expert_out is None else expert_out, self.gw_dst, tokens.start, len(tokens),
+                **self._weighted_consts(mx, expert_out is not None),
+            )
         grad_w = self._route_grads(plan, T) if expert_out is not None else None
         return BackwardRows(q=out.q, scale_rows=out.scale_rows, grad_w=grad_w)
 
