@@ -334,7 +334,7 @@ class Lab:
         def pack(programs=progs, warps=4, chunk=chunk0):
             mod.pack_rows_kernel[(min(T, programs),)](
                 x_slot, T, send_q, send_s, epoch, T, T * H, H=H, CHUNK=chunk, MX=True, MODE=0,
-                INT_ROUND=self.interp, X_SLOT=True, num_warps=warps)
+                INT_ROUND=self.interp, num_warps=warps)
 
         # the pull list of this plan (one entry per token; the entry kernel is part of the plan step, not timed)
         mod.push_entries_kernel[(self.sms,)](self.plan.dest_rank, self.plan.dest_row, w_in, T, self.ptrs(plist), fp,

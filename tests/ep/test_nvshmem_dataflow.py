@@ -317,7 +317,7 @@ def test_pull_head_does_what_its_steps_do(T, G, epoch, mx, absent):
                          want["flags"][me], row, W, want["epoch"], want["err"], 10 ** 9, me, BLOCK=8, WAIT=False)
     if T:
         pack_rows_kernel[(3,)](want["x_slot"], T, q_of(want), want["send_s"], want["epoch"], T_max, copy_elems,
-                               H=H, CHUNK=32, MX=mx, MODE=0, INT_ROUND=True, X_SLOT=True)
+                               H=H, CHUNK=32, MX=mx, MODE=0, INT_ROUND=True)
     wait_published_kernel[(W,)](want["flags"][me], row, W, want["epoch"], want["timeout"], timeout)
     got = state()
     pull_head_kernel[(G,)](idx, got["ids"], got["hist"], got["err"], T, E, got["totals"], got["counts"],
@@ -1015,14 +1015,13 @@ for mx in (True, False):
     # the rows read through the peer table in 16-byte loads, as they are stored (8-byte loads without the hint)
     assert "ld.global.v2.b64" in ptx, ("pull rows' loads", mx)
 for mx in (True, False):
-    for slot in (True, False):  # x by address (the backend), x as a tensor (the kernel lab)
-        ptx = compile(nk.pack_rows_kernel, dict(x_ptr=i64 if slot else "*bf16", send_q_ptr=u8 if mx else "*bf16",
-                      send_s_ptr=u8, epoch_ptr=i64), H=7168, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False, X_SLOT=slot)
-        assert "st.global.v4.b32" in ptx, ("pack", mx, slot)
-        # x by address too: 16-byte loads (without the alignment hint, one load per value)
-        assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx, ("pack's loads", mx, slot)
-        if mx:  # scale bytes stored where they are held (store_block_bytes): not 2 barriers per chunk (8 before)
-            assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("pack's scale stores", slot)
+    ptx = compile(nk.pack_rows_kernel, dict(x_slot=i64, send_q_ptr=u8 if mx else "*bf16", send_s_ptr=u8,
+                  epoch_ptr=i64), H=7168, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False)
+    assert "st.global.v4.b32" in ptx, ("pack", mx)
+    # x by address: 16-byte loads (without the alignment hint, one load per value)
+    assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx, ("pack's loads", mx)
+    if mx:  # scale bytes stored where they are held (store_block_bytes): not 2 barriers per chunk (8 before)
+        assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, "pack's scale stores"
 # combine backward, pull path: the BF16 rows + weights packed (into this rank's own memory), then "ready" from the
 # last program (a ticket at GPU scope, the signals' release at system scope); the receiver weights and quantizes
 ptx = compile(nk.pack_ready_kernel, dict(g_ptr="*bf16", send_q_ptr="*bf16", epoch_ptr=i64, w_ptr="*fp32",

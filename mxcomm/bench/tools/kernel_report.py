@@ -127,7 +127,7 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
     disp = dict(x_ptr=bf16, dest_rank_ptr=i32, dest_row_ptr=i32, out_ptr=u8, s_peers=i64, w_ptr=f32, offs_ptr=i32,
                 counts_ptr=i32, n_rows_ptr=i32)
     local = dict(H=H, K=K, MX=True, MODE=0, INT_ROUND=False)
-    pack = dict(x_ptr=i64, send_q_ptr=u8, send_s_ptr=u8, epoch_ptr=i64)
+    pack = dict(x_slot=i64, send_q_ptr=u8, send_s_ptr=u8, epoch_ptr=i64)
     part = dict(out_ptr=bf16, out_s_ptr=u8, table_ptr=i32, origin_pos_ptr=i32, w_ptr=f32, q_peers=i64, s_peers=i64,
                 flags_peers=i64, epoch_ptr=i64, err_ptr=i64, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64,
                 timeout_ns="i64")
@@ -153,7 +153,7 @@ def variants(H: int, K: int, E: int, W: int) -> list[Variant]:
         Variant("combine backward rows, one rank", "local_rows_kernel", disp, dict(local, CHUNK=qdq, WEIGHTED=True),
                 L.weighted_warps),
         Variant("pack, x by address", "pack_rows_kernel", pack,
-                dict(H=H, CHUNK=row_chunk, MX=True, MODE=0, INT_ROUND=False, X_SLOT=True), L.dispatch_warps),
+                dict(H=H, CHUNK=row_chunk, MX=True, MODE=0, INT_ROUND=False), L.dispatch_warps),
         Variant("pack, gradient rows + weights, ready", "pack_ready_kernel",
                 dict(g_ptr=bf16, send_q_ptr=bf16, epoch_ptr=i64, w_ptr=f32, send_w_ptr=f32, ticket_ptr=i32,
                      flags_peers=i64), dict(H=H, CHUNK=row_chunk, K=K, K_POW2=next_pow2(K)),

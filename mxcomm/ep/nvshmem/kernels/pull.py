@@ -32,16 +32,16 @@ from .signals import _arrive, publish_to, wait_every_source
 
 
 @triton.jit
-def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_elems,
+def pack_rows_kernel(x_slot, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_elems,
                      H: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
-                     INT_ROUND: tl.constexpr, X_SLOT: tl.constexpr = False):
+                     INT_ROUND: tl.constexpr):
     """Pull path, sender: every token row read once and (MX) quantized once into this rank's send copy
     ``par = epoch % 2``, row ``t`` (:func:`pack_row`); the receivers read the rows they need from there. (With the
     Triton plan the pull dispatch packs in :func:`pull_head_kernel`, combine backward in :func:`pack_ready_kernel`.)
 
     Args:
-        x_ptr: bf16 ``[T, H]`` contiguous; with ``X_SLOT``, an int64 word holding that tensor's address (so a
-            CUDA graph captured once replays with each call's ``x``), which must be 16-byte aligned.
+        x_slot: int64 ``[1]``, the address of the bf16 rows ``[T, H]`` (contiguous, 16-byte aligned): read by the
+            kernel, so that a CUDA graph captured once replays with each call's ``x``.
         send_q_ptr: this rank's ``send_q`` (uint8 ``[2, T_max, 2H]``) as uint8 (MX: H-byte rows) or bf16 (H-value
             rows); row ``t`` of copy ``par`` starts at element ``par * copy_elems + t * H``.
         send_s_ptr: uint8 ``[2, T_max, H/32]`` row-major scales (MX only).
@@ -53,11 +53,10 @@ def pack_rows_kernel(x_ptr, T, send_q_ptr, send_s_ptr, epoch_ptr, T_max, copy_el
     par = tl.load(epoch_ptr) % 2
     row0 = par * T_max
     copy0 = par * copy_elems
-    if X_SLOT:
-        x_ptr = tl.load(x_ptr).to(tl.pointer_type(tl.bfloat16))
+    x_ptr = tl.load(x_slot).to(tl.pointer_type(tl.bfloat16))
     t = pid
     while t < T:
-        pack_row(x_ptr, t, send_q_ptr, send_s_ptr, row0 + t, copy0, H, CHUNK, MX, MODE, INT_ROUND, X_SLOT)
+        pack_row(x_ptr, t, send_q_ptr, send_s_ptr, row0 + t, copy0, H, CHUNK, MX, MODE, INT_ROUND, True)
         t += G
 
 

@@ -68,7 +68,7 @@ class PullPath(EnginePath):
         fast_kernel(pack_rows_kernel)[(min(T, e.dispatch_programs),)](
             self.x_slot, T, self._send_rows, self._send_scales, e.d_epoch, e.config.max_tokens_per_rank,
             self._send_copy, H=H, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id, INT_ROUND=e.int_round,
-            X_SLOT=True, num_warps=e.launch.dispatch_warps,
+            num_warps=e.launch.dispatch_warps,
         )
 
     def _head(self, topk_idx: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,7 @@ class PullPath(EnginePath):
 
     def dispatch(self, x, topk_idx, topk_weights):
         e = self.e
-        if x.data_ptr() % 16:  # the pack reads x by address in 16-byte vectors (pack_rows_kernel, X_SLOT)
+        if x.data_ptr() % 16:  # the pack reads x by address in 16-byte vectors (pack_rows_kernel, pull_head_kernel)
             x = x.clone()
         self.x_slot.fill_(x.data_ptr())
         self.w_in[:x.shape[0]].copy_(topk_weights.detach())  # (no autograd history into the fixed buffer)
