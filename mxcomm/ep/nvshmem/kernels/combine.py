@@ -232,12 +232,16 @@ def gather_route_grad_kernel(gw_ptr, dest_rank_ptr, out_ptr, n, rank_stride, BLO
     expert rank formed and wrote into row ``dest_rank`` of this rank's ``comb_gw``), 0 for a dropped slot.
 
     Args: gw_ptr fp32 ``[W, T_max, k]`` (``rank_stride = T_max * k``); dest_rank_ptr int32 ``[T, k]``; out_ptr fp32
-    ``[T, k]``; n = ``T * k``. Grid: ``(cdiv(n, BLOCK),)``."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    d = tl.load(dest_rank_ptr + i, mask=m, other=-1)
-    v = tl.load(gw_ptr + tl.maximum(d, 0).to(tl.int64) * rank_stride + i, mask=m & (d >= 0), other=0.0)
-    tl.store(out_ptr + i, v, mask=m)
+    ``[T, k]``; n = ``T * k``. Grid: any (persistent over blocks of ``BLOCK`` slots: the grid follows the SM
+    budget)."""
+    b = tl.program_id(0)
+    while b * BLOCK < n:
+        i = b * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        d = tl.load(dest_rank_ptr + i, mask=m, other=-1)
+        v = tl.load(gw_ptr + tl.maximum(d, 0).to(tl.int64) * rank_stride + i, mask=m & (d >= 0), other=0.0)
+        tl.store(out_ptr + i, v, mask=m)
+        b += tl.num_programs(0)
 
 
 @triton.jit

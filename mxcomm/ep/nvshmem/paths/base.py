@@ -279,7 +279,7 @@ class EnginePath:
         k = e.config.topk
         gw = torch.empty(T, k, dtype=torch.float32, device=e.device)
         if T:
-            fast_kernel(gather_route_grad_kernel)[(cdiv(T * k, 1024),)](
+            fast_kernel(gather_route_grad_kernel)[(min(cdiv(T * k, 1024), e.dispatch_programs),)](
                 self.comb_gw.local, plan.dest_rank, gw, T * k, e.config.max_tokens_per_rank * k, BLOCK=1024)
         return gw
 
