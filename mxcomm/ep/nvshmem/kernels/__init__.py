@@ -18,16 +18,18 @@ Modules by job (each imports only from those listed before it):
   ``pull_rows_kernel`` - and the pull list every multi-rank path writes (``plan_entries_kernel``,
   ``push_entries_kernel``, ``entries_table_kernel``); why the send copies come in two;
 * :mod:`.combine`: the combine direction (``combine_partials_kernel``, ``stage_partials_kernel``,
-  ``combine_reduce_kernel``, ``local_reduce_kernel``) and combine backward (``pack_ready_kernel``,
-  ``pull_weighted_kernel``, ``round_weighted_kernel``, ``gather_route_grad_kernel``); why ``comb_q`` comes in two.
+  ``combine_reduce_kernel``, ``local_reduce_kernel``) and the slot and row helpers both directions share; why
+  ``comb_q`` comes in two;
+* :mod:`.combine_backward`: combine backward (``pack_ready_kernel``, ``pull_weighted_kernel``,
+  ``round_weighted_kernel``, ``gather_route_grad_kernel``).
 
 The kernels are re-exported here; the device helpers (``@triton.jit`` functions that are not launched) stay in their
 modules.
 """
 from __future__ import annotations
 
-from .combine import (combine_partials_kernel, combine_reduce_kernel, gather_route_grad_kernel, local_reduce_kernel,
-                      pack_ready_kernel, pull_weighted_kernel, round_weighted_kernel, stage_partials_kernel)
+from .combine import combine_partials_kernel, combine_reduce_kernel, local_reduce_kernel, stage_partials_kernel
+from .combine_backward import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel, round_weighted_kernel
 from .dispatch import local_rows_kernel, push_rows_kernel, stage_rows_kernel
 from .layout import copy_out_rows_kernel, scale_rows_to_grouped_kernel
 from .pull import (entries_table_kernel, pack_rows_kernel, plan_entries_kernel, pull_head_kernel, pull_rows_kernel,
@@ -46,5 +48,6 @@ __all__ = [
     "entries_table_kernel", "pull_rows_kernel",
     # combine
     "combine_partials_kernel", "stage_partials_kernel", "combine_reduce_kernel", "local_reduce_kernel",
+    # combine backward
     "pack_ready_kernel", "pull_weighted_kernel", "round_weighted_kernel", "gather_route_grad_kernel",
 ]

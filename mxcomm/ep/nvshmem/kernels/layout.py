@@ -2,7 +2,7 @@
 out of this rank's symmetric buffer into a fresh tensor), ``scale_rows_to_grouped_kernel`` (the scale rows that
 arrived row-major at their payload rows -> the grouped blocked matrix the grouped GEMM reads), and
 ``_zero_unfilled_rows``, the zeroing of a fresh output's padding rows, which the local path's dispatch
-(:mod:`.dispatch`), the pull path's gather (:mod:`.pull`) and combine backward's rows (:mod:`.combine`) share.
+(:mod:`.dispatch`), the pull path's gather (:mod:`.pull`) and combine backward's rows (:mod:`.combine_backward`) share.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A token's data into this rank's send copy, from where the ranks that need it read it through peer pointers:
 ``pack_row`` (a token row read once and, MX, quantized once into ``send_q`` / ``send_s``; the pull dispatch's packs in
-:mod:`.pull` and combine backward's in :mod:`.combine`) and ``pack_weights`` (its route weights into ``send_w``). Why
+:mod:`.pull` and combine backward's in :mod:`.combine_backward`) and ``pack_weights`` (its route weights into ``send_w``). Why
 the send copies come in two: see :mod:`.pull`.
 """
 from __future__ import annotations

@@ -201,7 +201,7 @@ class EnginePath:
         them into this rank's send copy and publish "ready" in one launch (``pack_ready_kernel``), then wait for every
         rank's "ready" (every rank packed; every rank finished reading the copy of the previous call in this
         direction)."""
-        from ..kernels.combine import pack_ready_kernel
+        from ..kernels.combine_backward import pack_ready_kernel
 
         e = self.e
         T, H, k = g.shape[0], e.config.hidden, e.config.topk
@@ -239,7 +239,7 @@ class EnginePath:
         ``self.w_src`` (two copies each), weighted and quantized per slot into ``rows``; with ``expert_out`` the
         route-weight gradients into ``self.gw_dst``, raising ``flags[4]`` on every rank, and the launch's last
         program waits for every rank's."""
-        from ..kernels.combine import pull_weighted_kernel
+        from ..kernels.combine_backward import pull_weighted_kernel
 
         e = self.e
         rg = expert_out is not None
@@ -273,7 +273,7 @@ class EnginePath:
         return self._gather_route_grads(plan, T)
 
     def _gather_route_grads(self, plan: RoutingPlan, T: int) -> torch.Tensor:
-        from ..kernels.combine import gather_route_grad_kernel
+        from ..kernels.combine_backward import gather_route_grad_kernel
 
         e = self.e
         k = e.config.topk

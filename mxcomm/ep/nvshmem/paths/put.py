@@ -185,7 +185,7 @@ class PutPath(PushPath):
         ``recv_q`` [me, t - t0] (no signal), ``quiet``, one signal per destination, the wait for every source's, and
         the expert side's weighted rows (and route-weight gradients, staged) of the round's entries; finally the
         route-weight gradients go home."""
-        from ..kernels.combine import round_weighted_kernel
+        from ..kernels.combine_backward import round_weighted_kernel
 
         e = self.e
         e.d_epoch.add_(1)
