@@ -129,13 +129,14 @@ def _bf16_saturated(v):
 
 
 @triton.jit
-def _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, i, qbase, sbase, slot, offs, bcols,
+def _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, i, qbase, sbase, slot0, pos, offs, bcols,
                    H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, PASS: tl.constexpr,
                    WEIGHTED: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr, ROWS: tl.constexpr):
     """The partial of one table entry ``e`` (int32 ``[K]`` rows here per slot; ``listed``: its listed slots' bits,
     ``n_listed`` of them): ``P = sum_j w[i, j] * out[row_j]`` in fp32, ``j`` ascending (each product rounded, then
     added: the kernel launches with ``enable_fp_fusion=False``; ``WEIGHTED`` False: every weight 1), per row chunk,
-    rounded once for transport and stored at combine slot ``slot`` of ``qbase`` / ``sbase`` (:func:`_store_partial`).
+    rounded once for transport and stored at combine slot ``slot0 + pos`` of ``qbase`` / ``sbase``
+    (:func:`_store_partial`).
     ``ROWS`` listed slots are loaded together per step of a chunk's sum, in ascending order: a slot elsewhere adds
     nothing, so only listed rows are loaded (the registers of the loads in flight hold rows that exist, and more
     programs fit on an SM than with one load per slot of ``K``). ``offs`` / ``bcols``: ``arange(CHUNK)`` and
@@ -161,7 +162,7 @@ def _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, i, qbase, sba
                     v = wv * v
                 acc = acc + v  # past the last listed slot: +0 (acc is never -0: it starts at +0)
             n0 += ROWS
-        _store_partial(acc, qbase, sbase, slot, c0, offs, cols, m, cm, H, NB, MX, MODE, INT_ROUND)
+        _store_partial(acc, qbase, sbase, slot0 + pos, c0, offs, cols, m, cm, H, NB, MX, MODE, INT_ROUND)
 
 
 @triton.jit
@@ -231,7 +232,7 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
             s = n // T_max
             pos = tl.load(origin_pos_ptr + lead).to(tl.int64)
             qbase, sbase = _partial_bases(q_peers, s_peers, s, slot0, H, MX)
-            _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, n, qbase, sbase, slot0 + pos, offs, bcols, H,
+            _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, n, qbase, sbase, slot0, pos, offs, bcols, H,
                            K, CHUNK, MX, PASS, WEIGHTED, MODE, INT_ROUND, ROWS)
         n += G
     if not failed:
@@ -270,8 +271,8 @@ def stage_partials_kernel(out_ptr, out_s_ptr, table_ptr, w_ptr, q_peers, s_peers
             n_listed = _bit_count(listed, K)
             s = i // T_max
             qbase, sbase = _partial_bases(q_peers, s_peers, s, 0, H, MX)
-            _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, i, qbase, sbase, n.to(tl.int64), offs, bcols,
-                           H, K, CHUNK, MX, PASS, WEIGHTED, MODE, INT_ROUND, ROWS)
+            _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, i, qbase, sbase, 0, n.to(tl.int64), offs,
+                           bcols, H, K, CHUNK, MX, PASS, WEIGHTED, MODE, INT_ROUND, ROWS)
         n += G
 
 
