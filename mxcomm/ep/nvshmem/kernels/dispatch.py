@@ -60,7 +60,8 @@ def _send_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, w_ptr, q_dst, s_peers, pid
     A uniform branch per slot; the slot's routing and base pointers are scalar loads that hit L1. Scales go out
     row-major, ``H/32`` contiguous bytes at the payload's row (the receiver swizzles them into the grouped blocked
     layout afterwards, ``scale_rows_to_grouped_kernel``; storing each row's scales straight into the blocked layout,
-    4 bytes every 512, cost ~50 % more time on one H200: ``bench/bench_ep_kernels.py --scales row,blocked``).
+    4 bytes every 512, was the slower of the two in the kernel lab: ``bench/bench_ep_kernels.py --scales
+    row,blocked`` times both).
 
     ``WEIGHTED`` (combine backward): slot ``j`` carries ``w[t, j] * x[t]`` (fp32 product; ``w_ptr`` fp32 ``[T, K]``),
     quantized per slot: the route weighting fused with the gradient quantization. ``SKIP_EMPTY``: a token whose every

@@ -155,14 +155,14 @@ class PutPath(PushPath):
         """Per round (``T_c`` tokens of every source): the partials into staging at their entry's index in the round,
         one put per (token, rank) entry into the origins' ``comb_q`` / ``comb_s`` (no signal), ``quiet`` (the staging
         may be written again); then one signal per destination and the wait for every source's."""
+        from ..kernels.combine import stage_partials_kernel
+
         e = self.e
         H, W = e.config.hidden, e.world
         slot0 = (e.c_epoch % 2) * e.nslot
         st = handle.backend_state
         entries = put_path.partial_rows(st.table, st.origins.pos, e.rank, e.config.max_tokens_per_rank, slot0, 2 * H,
                                         H if mx else 2 * H, H // 32 if mx else 0, self.round_tokens)
-        from ..kernels.combine import stage_partials_kernel
-
         for tokens in self._token_rounds():
             fast_kernel(stage_partials_kernel)[(e.programs,)](
                 payload, in_scales, st.table, e.err if weights is None else weights, self._stage_ptrs,
