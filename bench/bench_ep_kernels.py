@@ -27,13 +27,13 @@ it), for each module and (programs, warps, chunk):
   three launches timed together, with the dispatch byte count;
 * ``naive`` (dispatch baseline, this file's kernel): one program per token loads the row once, quantizes
   it once and stores it to each destination row, scales row-major. Same bytes, same check.
-* ``reduce``: the origin's sum of the partials that came home (one rank: one MXFP8 partial per token, at the send
-  position of its first slot): ``T*(H + H/32)`` read + ``T*H*2`` written. Checked against the plain-torch partial
-  (the fp32 weighted sum of the token's rows, quantized) dequantized (bf16 output; max |diff| reported, must be
+* ``reduce``: the origin's sum of the partials that came home (one rank: one MXFP8 partial per token, at its combine
+  slot, ``mxcomm.ep.plan.combine_slots``): ``T*(H + H/32)`` read + ``T*H*2`` written. Checked against the plain-torch
+  partial (the fp32 weighted sum of the token's rows, quantized) dequantized (bf16 output; max |diff| reported, must be
   within bf16 rounding).
 * ``reduce_ranks`` (``--ops reduce_ranks``, ``--world W``): the reduce at the origin of a ``W``-rank world - each
   token's experts live on ranks ``expert // (E / W)``, so it sums one MXFP8 partial per distinct rank (random rows,
-  quantized, at the send position of the rank's leading slot, as the expert side stores them), in the order of the
+  quantized, at the token's combine slot for the rank, as the expert side stores them), in the order of the
   ranks' first slots: ``P*(H + H/32)`` read (``P`` partials) + ``T*H*2`` written. Checked against the plain-torch sum
   of the dequantized partials (bf16 rounding). Run it in a process confined to part of the GPU (MPS,
   ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) to see it as one of several ranks sharing the GPU does;
@@ -216,8 +216,9 @@ class Lab:
         cols = torch.arange(C, device=dev)
         self.boff = blocked_index(self.slot_srows[:, None], cols[None, :], self.n_col_tiles)
         # combine input: one partial per token (one rank: the weighted sum of all its rows, fp32, j ascending),
-        # quantized, at the send position of the token's first slot (both copies hold the same rows)
-        nslot = T * k
+        # quantized, at the token's combine slot (mxcomm.ep.plan.combine_slots, W = 1: slot t when 1 < k, else the
+        # send position of its slot; both copies hold the same rows)
+        nslot = T * min(1, k)
         self.nslot = nslot
         self.w = torch.rand(T, k, generator=g).to(dev)
         xs = self.x.float()
@@ -226,10 +227,8 @@ class Lab:
             on = (self.plan.dest_row[:, j] >= 0).view(T, 1)
             part = part + torch.where(on, self.w[:, j:j + 1] * xs, torch.zeros((), device=dev))
         qp = quantize(part)
-        lead = self.plan.send_pos[:, 0].long()  # one rank: every valid slot goes here; slot 0 leads when valid
-        for j in range(1, k):
-            lead = torch.where(lead >= 0, lead, self.plan.send_pos[:, j].long())
-        has = lead >= 0
+        has = (self.plan.dest_rank >= 0).any(1)  # one rank: every valid slot goes here
+        lead = torch.arange(T, device=dev) if 1 < k else self.plan.send_pos[:, 0].long().clamp(min=0)
         self.comb_q = torch.zeros(2, nslot, 2 * H, dtype=torch.uint8, device=dev)
         self.comb_s = torch.zeros(2, nslot, C, dtype=torch.uint8, device=dev)
         for c in range(2):  # row pos of a copy at byte pos * H from the copy's start
@@ -546,13 +545,13 @@ class Lab:
             return ok, dict(max_abs_diff=float(d.max()) if d.numel() else 0.0)
 
         own = getattr(mod, "local_reduce_kernel", None)  # one rank: the partial formed from the expert rows
-        args = (self.comb_q, self.comb_s, self.plan.send_pos, self.plan.dest_rank, y, self.T, epoch, self.nslot)
+        args = (self.comb_q, self.comb_s, self.plan.send_pos, self.plan.dest_rank, y, self.T, epoch, self.nslot, 1)
         own_args = (self.own_x, self.comb_s, self.plan.dest_rank, self.plan.dest_row, self.w, y, self.T)
         for programs in self.grids():
             for warps in _ints(a.warps):
                 for chunk in _ints(a.chunks):
                     fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
-                        *args, H=self.H, K=self.k, P=self.k, CHUNK=chunk, MX=True, INT_ROUND=self.interp,
+                        *args, H=self.H, K=self.k, P=1, CHUNK=chunk, MX=True, INT_ROUND=self.interp,
                         num_warps=warps, enable_fp_fusion=False))
                     self.record("reduce", impl, dict(programs=programs, warps=warps, chunk=chunk), fn, check,
                                 nbytes=self.T * (self.H + self.H // 32) + self.T * self.H * 2)
@@ -575,7 +574,7 @@ class Lab:
         send_pos = plan.send_pos
         g = torch.Generator().manual_seed(1)
         y_ref = torch.zeros(T, H, dtype=torch.float32, device=dev)
-        nslot = T * k
+        nslot = T * min(W, k)  # (mxcomm.ep.plan.combine_slots)
         comb_q = torch.zeros(2, nslot, 2 * H, dtype=torch.uint8, device=dev)
         comb_s = torch.zeros(2, nslot, C, dtype=torch.uint8, device=dev)
         seen = torch.zeros(T, W, dtype=torch.bool, device=dev)
@@ -588,7 +587,8 @@ class Lab:
             if not n:
                 continue
             qp = quantize(torch.randn(n, H, generator=g).to(dev))
-            pos = send_pos[:, j].long()[lead]
+            # the token's combine slot for rank r: t * W + r when W < k, else the leading slot's send position
+            pos = (torch.arange(T, device=dev) * W + r)[lead] if W < k else send_pos[:, j].long()[lead]
             comb_q[0].view(-1)[: nslot * H].view(nslot, H)[pos] = qp.qdata.view(torch.uint8)
             comb_s[0][pos] = qp.scales.view(torch.uint8).reshape(n, C)
             y_ref[lead] = y_ref[lead] + qp.dequantize(torch.float32, saturate_to=torch.bfloat16)
@@ -609,8 +609,8 @@ class Lab:
             for warps in _ints(a.warps):
                 for chunk in _ints(a.chunks):
                     fn = (lambda programs=programs, warps=warps, chunk=chunk: kern[(programs,)](
-                        comb_q, comb_s, send_pos, dest_rank, y, T, epoch, nslot, H=H, K=k, P=min(k, W), CHUNK=chunk,
-                        MX=True, INT_ROUND=self.interp, num_warps=warps, enable_fp_fusion=False))
+                        comb_q, comb_s, send_pos, dest_rank, y, T, epoch, nslot, W, H=H, K=k, P=min(k, W),
+                        CHUNK=chunk, MX=True, INT_ROUND=self.interp, num_warps=warps, enable_fp_fusion=False))
                     self.record("reduce_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk, world=W,
                                                            partials=P), fn, check, nbytes=P * (H + C) + T * H * 2)
 
@@ -654,7 +654,7 @@ class Lab:
         origin_pos = (tok * k + slot).to(torch.int32)  # a slot's send position at its origin (one per (t, j))
         out = torch.randn(max(R, 1), H, generator=g).to(torch.bfloat16)
         ws = torch.rand(W, T, k, generator=g)
-        nslot = T * k
+        nslot = T * min(W, k)  # (mxcomm.ep.plan.combine_slots)
         # reference: each listed entry's partial, products rounded then added in slot order, quantized once
         listed = (table >= 0).any(1).nonzero()[:, 0]
         part = torch.zeros(int(listed.numel()), H, dtype=torch.float32)
@@ -672,7 +672,10 @@ class Lab:
         ptrs = {name: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
                 for name, ts in (("q", comb_q), ("s", comb_s), ("f", flags))}
         return SimpleNamespace(table=table, R=R, origin_pos=origin_pos, out=out, nslot=nslot, listed=listed, ref=ref,
-                               ref_pos=(listed % T) * k + lead_slot, ref_src=listed // T, comb_q=comb_q,
+                               # the combine slot of (token, this rank 0): t * W when W < k, else the leading send
+                               # position
+                               ref_pos=(listed % T) * W if W < k else (listed % T) * k + lead_slot,
+                               ref_src=listed // T, comb_q=comb_q,
                                comb_s=comb_s, flags=flags, ptrs=ptrs, ws=ws,  # ws: fp32 [W, T, k], by table entry
                                epoch=torch.zeros(1, dtype=torch.int64, device=dev),
                                err=torch.zeros(1, dtype=torch.int64, device=dev))
@@ -709,8 +712,9 @@ class Lab:
                     for rows in _ints(a.rows):
                         fn = (lambda programs=programs, warps=warps, chunk=chunk, rows=rows: kern[(programs,)](
                             out, comb_s[0], table, origin_pos, v.ws, ptrs["q"], ptrs["s"], ptrs["f"], 0, W, T,
-                            epoch, nslot, v.err, H=H, K=k, CHUNK=chunk, MX=True, PASS=False, WEIGHTED=True, MODE=0,
-                            INT_ROUND=self.interp, ROWS=rows, num_warps=warps, enable_fp_fusion=False))
+                            epoch, nslot, v.err, H=H, K=k, P=min(k, W), CHUNK=chunk, MX=True, PASS=False,
+                            WEIGHTED=True, MODE=0, INT_ROUND=self.interp, ROWS=rows, num_warps=warps,
+                            enable_fp_fusion=False))
                         self.record("partials_ranks", impl, dict(programs=programs, warps=warps, chunk=chunk,
                                                                  rows=rows, world=W, expert_rows=R),
                                     fn, check_for(programs), nbytes=R * H * 2 + int(listed.numel()) * (H + C))

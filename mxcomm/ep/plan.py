@@ -326,10 +326,11 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
 
     Several ranks (every path but ``local``):
 
-    * ``ep.comb_q`` uint8 ``[2, T_max*k, 2H]``: the partials combine (and dispatch backward) return, one per (token,
-      rank), at the send position of the token's leading slot on that rank (two copies, alternate epochs; a BF16 row
+    * ``ep.comb_q`` uint8 ``[2, T_max*min(W, k), 2H]``: the partials combine (and dispatch backward) return, one per
+      (token, rank), at the token's combine slot for that rank (:func:`combine_slots`: ``t * W + rank`` with ``W <
+      k``, else the send position of the token's leading slot on that rank; two copies, alternate epochs; a BF16 row
       takes 2H bytes, MXFP8 rows are packed H bytes apart from the start of their copy);
-    * ``ep.comb_s`` uint8 ``[2, T_max*k, H/32]``: their scale bytes;
+    * ``ep.comb_s`` uint8 ``[2, T_max*min(W, k), H/32]``: their scale bytes;
     * ``ep.comb_w`` float32 ``[W, T_max, k]``: the route weights of every source (row ``s``), published at each
       combine for the expert side's weighted partial sums;
     * ``ep.comb_gw`` float32 ``[W, T_max, k]``: the route-weight gradients the expert ranks form in combine backward
@@ -375,7 +376,7 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
         regions.append(BufferRegion("ep.recv_s", (window, H // 32) if mx else (1,), torch.uint8))
     if path != "local":
         copies = 1 if path == "put" else 2  # the put path's send buffer is combine backward's staging alone
-        regions += combine_regions(config) + [
+        regions += combine_regions(config, W) + [
             BufferRegion("ep.comb_w", (W, T, k), torch.float32),
             BufferRegion("ep.comb_gw", (W, T, k), torch.float32),
             BufferRegion("ep.send_q", (copies, T, 2 * H), torch.uint8),
@@ -407,9 +408,17 @@ def buffer_regions(config: EPConfig, world_size: int, put_path: bool | None = No
 FLAG_ROWS = ("counts", "dispatch", "combine", "weights", "route_grad", "window")
 
 
-def combine_regions(config: EPConfig) -> list[BufferRegion]:
+def combine_slots(config: EPConfig, world_size: int) -> int:
+    """Slots of one copy of ``ep.comb_q`` / ``ep.comb_s``: the partials combine (and dispatch backward) return to a
+    rank, one per (token, rank), ``T_max * min(W, k)``. With ``W < k`` token ``t``'s partial from rank ``r`` is at
+    slot ``t * W + r``; with ``W >= k`` a token has at most ``k`` partials, each at the send position of the token's
+    leading slot on that rank (its first slot there), below ``T_max * k``."""
+    return config.max_tokens_per_rank * min(world_size, config.topk)
+
+
+def combine_regions(config: EPConfig, world_size: int) -> list[BufferRegion]:
     """``ep.comb_q`` / ``ep.comb_s``: the rows combine returns to this rank (see :func:`buffer_regions`)."""
-    nslot = config.max_tokens_per_rank * config.topk
+    nslot = combine_slots(config, world_size)
     H = config.hidden
     return [BufferRegion("ep.comb_q", (2, nslot, 2 * H), torch.uint8),
             BufferRegion("ep.comb_s", (2, nslot, H // 32), torch.uint8)]
@@ -458,9 +467,7 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
     )
 
 
-__all__ = [
-    "RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens",
-    "max_rows_per_source", "max_recv_rows", "recv_window_rows", "put_round_tokens", "padded_group_rows",
-    "received_rows", "pull_entry_words", "FLAG_ROWS",
-    "dispatch_path", "combine_regions", "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions",
-]
+__all__ = ["RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens", "max_rows_per_source",
+           "max_recv_rows", "recv_window_rows", "put_round_tokens", "padded_group_rows", "received_rows",
+           "pull_entry_words", "FLAG_ROWS", "dispatch_path", "combine_slots", "combine_regions", "BufferSizes",
+           "buffer_sizes", "BufferRegion", "buffer_regions"]

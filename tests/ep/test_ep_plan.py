@@ -108,10 +108,10 @@ def test_buffer_sizes_follow_documented_formula(world, precision):
     assert window < R or world == 1
     assert push.dispatch_payload == window * 7168 * (1 if precision == "mxfp8" else 2)
     assert push.dispatch_scales == (window * 224 if precision == "mxfp8" else 1)
-    # the partials coming home (two copies of T*k slots of 2H bytes + their scale bytes), every source's published
-    # fp32 route weights and the route-weight gradients of combine backward ([W, T, k] each). One rank (local path):
-    # combine reads the expert rows in place, nothing of this
-    comb = 2 * 4096 * 8 * (7168 * 2 + 7168 // 32) + 2 * world * 4096 * 8 * 4
+    # the partials coming home (two copies of T*min(W, k) slots - one per (token, rank) - of 2H bytes + their scale
+    # bytes), every source's published fp32 route weights and the route-weight gradients of combine backward ([W, T,
+    # k] each). One rank (local path): combine reads the expert rows in place, nothing of this
+    comb = 2 * 4096 * min(world, 8) * (7168 * 2 + 7168 // 32) + 2 * world * 4096 * 8 * 4
     assert b.combine_payload == (0 if world == 1 else comb)
     assert push.combine_payload == comb
     # every path with a pull list (all but local): two send copies of 2H bytes per token row (the pull dispatch's MXFP8

@@ -93,6 +93,13 @@ class Ranks:
         """The token's first slot on rank ``d``."""
         return next(j for j in range(self.k) if int(self.plans[s].dest_rank[t, j]) == d)
 
+    def combine_slot(self, s, t, d):
+        """Where source ``s``'s ``comb_q`` holds its token ``t``'s partial from rank ``d``: slot ``t * W + d`` when
+        ``W < k``, else the send position of the token's first slot on ``d``."""
+        if self.W < self.k:
+            return t * self.W + d
+        return int(self.plans[s].send_pos[t, self.lead_slot(s, t, d)])
+
 
 def _expert_rows(rk: Ranks, H, g, passthrough, poison):
     """Per rank: the kernel's input (bf16 ``[R, H]``, or MXFP8 payload + row scales) and its fp32 values. Padding rows
@@ -188,7 +195,7 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
 
     g = torch.Generator().manual_seed(zlib.crc32(repr((W, E, k, H, Ts, mx, weighted, passthrough, hot)).encode()))
     rk = Ranks(W, E, k, Ts, g, hot=None if hot is None else hot)
-    T_max, nslot, C, epoch = rk.T_max, rk.T_max * k, H // 32, 3  # odd epoch: copy 1
+    T_max, nslot, C, epoch = rk.T_max, rk.T_max * min(W, k), H // 32, 3  # odd epoch: copy 1
     ins, scs, vals, bad = _expert_rows(rk, H, g, passthrough, poison=True)
     ws = _weights(rk, g) if weighted else [None] * W
     comb_w = _comb_w(rk, [w if w is not None else torch.zeros(T, k) for w, T in zip(ws, Ts)], g)
@@ -201,8 +208,8 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
     for d in range(W):
         combine_partials_kernel[(G,)](
             ins[d], scs[d], rk.tables[d], rk.origins[d].pos, comb_w[d], ptrs(comb_q), ptrs(comb_s), ptrs(flags), d, W,
-            T_max, ep, nslot, _no_error(), H=H, K=k, CHUNK=chunk, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=0,
-            INT_ROUND=True, enable_fp_fusion=False)
+            T_max, ep, nslot, _no_error(), H=H, K=k, P=min(k, W), CHUNK=chunk, MX=mx, PASS=passthrough,
+            WEIGHTED=weighted, MODE=0, INT_ROUND=True, enable_fp_fusion=False)
     for d in range(W):  # every program of every sender raised the combine flag once
         assert flags[d][2].tolist() == [G] * W, d
         assert not flags[d][[0, 1, 3, 4, 5]].any(), d
@@ -213,7 +220,7 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
         written = torch.zeros(nslot, dtype=torch.bool)
         for t in range(Ts[s]):
             for d in token_ranks(p.dest_rank, t):
-                pos = int(p.send_pos[t, rk.lead_slot(s, t, d)])
+                pos = rk.combine_slot(s, t, d)
                 written[pos] = True
                 P = spec_partial(p.dest_rank, p.dest_row, vals, ws[s], t, d)[None]
                 if mx:
@@ -237,7 +244,7 @@ def test_combine_direction_partials_and_reduce_bit_exact(W, E, k, H, Ts, mx, wei
         y = torch.full((Ts[s], H), 5.0, dtype=torch.bfloat16)
         combine_reduce_kernel[(2,)](
             comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank, y, Ts[s], ep,
-            nslot, H=H, K=k, P=min(k, W), CHUNK=chunk, MX=mx, INT_ROUND=True, enable_fp_fusion=False)
+            nslot, W, H=H, K=k, P=min(k, W), CHUNK=chunk, MX=mx, INT_ROUND=True, enable_fp_fusion=False)
         want = spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx)
         assert_bf16_same(y, want, f"origin {s}")
         # poisoned rows reach exactly the tokens with a slot on them; a token without a valid slot gives 0
@@ -265,7 +272,7 @@ def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
     E, k, H, Ts = 4 * W, 3, 64, [6] * W
     g = torch.Generator().manual_seed(77 + W + mx)
     rk = Ranks(W, E, k, Ts, g, drop=0.1)
-    T_max, nslot, C, epoch = rk.T_max, rk.T_max * k, H // 32, 1
+    T_max, nslot, C, epoch = rk.T_max, rk.T_max * min(W, k), H // 32, 1
     outs = []
     for d in range(W):
         out = (torch.randn(rk.R[d], H, generator=g)).to(torch.bfloat16)
@@ -282,8 +289,8 @@ def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
     for d in range(W):
         combine_partials_kernel[(2,)](
             outs[d], torch.zeros(1, dtype=torch.uint8), rk.tables[d], rk.origins[d].pos, comb_w[d], ptrs(comb_q),
-            ptrs(comb_s), ptrs(flags), d, W, T_max, ep, nslot, _no_error(), H=H, K=k, CHUNK=32, MX=mx, PASS=False,
-            WEIGHTED=weighted, MODE=0, INT_ROUND=True, enable_fp_fusion=False)
+            ptrs(comb_s), ptrs(flags), d, W, T_max, ep, nslot, _no_error(), H=H, K=k, P=min(k, W), CHUNK=32, MX=mx,
+            PASS=False, WEIGHTED=weighted, MODE=0, INT_ROUND=True, enable_fp_fusion=False)
     saturated = 0
     for s in range(W):
         p = rk.plans[s]
@@ -291,14 +298,14 @@ def test_near_max_rows_saturate_at_the_bf16_range(W, mx, weighted):
             for d in token_ranks(p.dest_rank, t):
                 P = spec_partial(p.dest_rank, p.dest_row, vals, ws[s], t, d)[None]
                 if not mx:
-                    pos = int(p.send_pos[t, rk.lead_slot(s, t, d)])
+                    pos = rk.combine_slot(s, t, d)
                     got = comb_q[s][1].view(torch.bfloat16)[pos][:H]
                     assert_bf16_same(got, tq(P, False)[0].to(torch.bfloat16), f"partial {s} {t} {d}")
                     saturated += int((got.float().abs() == BF16_MAX).sum())
         y = torch.empty(Ts[s], H, dtype=torch.bfloat16)
         combine_reduce_kernel[(2,)](
             comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank, y, Ts[s], ep,
-            nslot, H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, enable_fp_fusion=False)
+            nslot, W, H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, enable_fp_fusion=False)
         want = spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx)
         assert_bf16_same(y, want, f"origin {s}")
         saturated += int((y.float().abs() == BF16_MAX).sum())  # near-max sums that stayed finite
@@ -316,7 +323,7 @@ def test_partials_send_nothing_after_a_failed_wait(staged):
     W, E, k, H, Ts = 3, 9, 3, 64, [5, 4, 6]
     g = torch.Generator().manual_seed(11 + staged)
     rk = Ranks(W, E, k, Ts, g)
-    T_max, nslot, C = rk.T_max, rk.T_max * k, H // 32
+    T_max, nslot, C = rk.T_max, rk.T_max * min(W, k), H // 32
     ins, scs, _, _ = _expert_rows(rk, H, g, False, poison=False)
     comb_w = _comb_w(rk, _weights(rk, g), g)
     ep = torch.tensor([2])
@@ -332,7 +339,8 @@ def test_partials_send_nothing_after_a_failed_wait(staged):
                                         ptrs(comb_s), W, T_max, err, 0, T_max, **consts)
         else:
             combine_partials_kernel[(2,)](ins[1], scs[1], rk.tables[1], rk.origins[1].pos, comb_w[1], ptrs(comb_q),
-                                          ptrs(comb_s), ptrs(flags), 1, W, T_max, ep, nslot, err, **consts)
+                                          ptrs(comb_s), ptrs(flags), 1, W, T_max, ep, nslot, err, P=min(k, W),
+                                          **consts)
         sent = int(stage.any(dim=1).sum()) if staged else sum(int(q.view(-1, 2 * H).any(dim=1).sum()) for q in comb_q)
         raised = [int(f[2, 1]) for f in flags]
         if int(err):
@@ -361,7 +369,7 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
 
     g = torch.Generator().manual_seed(W * 1000 + E * 10 + k + H)
     rk = Ranks(W, E, k, Ts, g)
-    T_max, nslot, C, epoch = rk.T_max, rk.T_max * k, H // 32, 4  # even epoch: copy 0
+    T_max, nslot, C, epoch = rk.T_max, rk.T_max * min(W, k), H // 32, 4  # even epoch: copy 0
     weighted = not passthrough
     ins, scs, vals, _ = _expert_rows(rk, H, g, passthrough, poison=False)
     ws = _weights(rk, g) if weighted else [None] * W
@@ -396,7 +404,7 @@ def test_staged_partials_with_row_puts_match_the_peer_pointer_result(W, E, k, H,
         y = torch.empty(Ts[s], H, dtype=torch.bfloat16)
         combine_reduce_kernel[(2,)](
             comb_q[s] if mx else comb_q[s].view(torch.bfloat16), comb_s[s], p.send_pos, p.dest_rank, y, Ts[s], ep,
-            nslot, H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, enable_fp_fusion=False)
+            nslot, W, H=H, K=k, P=min(k, W), CHUNK=32, MX=mx, INT_ROUND=True, enable_fp_fusion=False)
         assert_bf16_same(y, spec_combine(p.dest_rank, p.dest_row, vals, ws[s], mx), f"origin {s}")
 
 

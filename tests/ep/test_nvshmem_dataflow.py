@@ -945,15 +945,15 @@ for staged, mx, weighted in ((False, True, True), (False, False, False), (True, 
     # the partial's payload store (MXFP8 bytes or BF16 values, through _store_partial to a pointer read from the peer
     # table) stays a 16-byte vector store where a thread holds 16 bytes of the chunk: MXFP8 needs a 2048-value chunk
     # at 4 warps (the backend's LaunchConfig.partials_chunk; at 1024 values a thread holds 8 bytes: checked below)
-    kernel = nk.stage_partials_kernel if staged else nk.combine_partials_kernel
+    kernel, by_world = (nk.stage_partials_kernel, {}) if staged else (nk.combine_partials_kernel, dict(P=4))
     ptx = compile(kernel, part, False, H=4096, K=8, CHUNK=2048 if mx else 1024, MX=mx, PASS=False, WEIGHTED=weighted,
-                  MODE=0, INT_ROUND=False)
+                  MODE=0, INT_ROUND=False, **by_world)
     assert "st.global.v4.b32" in ptx, ("partials", staged, mx, weighted)
 for rows in (1, 4):  # the launch setting's other values
-    compile(nk.combine_partials_kernel, part, False, H=7168, K=8, CHUNK=1024, MX=True, PASS=False, WEIGHTED=True,
+    compile(nk.combine_partials_kernel, part, False, H=7168, K=8, P=8, CHUNK=1024, MX=True, PASS=False, WEIGHTED=True,
             MODE=0, INT_ROUND=False, ROWS=rows)
 for pas, chunk in ((False, 1024), (True, 1024), (False, 2048), (True, 2048)):  # 2048: the backend's, 4 warps
-    ptx = compile(nk.combine_partials_kernel, dict(part, out_ptr=u8) if pas else part, False, H=7168, K=8,
+    ptx = compile(nk.combine_partials_kernel, dict(part, out_ptr=u8) if pas else part, False, H=7168, K=8, P=4,
                   CHUNK=chunk, MX=True, PASS=pas, WEIGHTED=not pas, MODE=0, INT_ROUND=False)
     # MXFP8 payload stores: 8-byte vectors at 1024 values, 16-byte at 2048 (a masked tail at 7168 values)
     assert re.search(r"st[.]global[.]v2[.]b32" if chunk == 1024 else r"st[.]global[.]v4[.]b32", ptx), (pas, chunk)
@@ -962,7 +962,7 @@ for pas, chunk in ((False, 1024), (True, 1024), (False, 2048), (True, 2048)):  #
     assert "st.global.u8" in ptx and ptx.count("bar.sync") <= 2, ("partials' scale stores", pas, chunk)
 # as the peer-pointer paths launch it: the last program waits for every rank's partials (a ticket)
 ptx = compile(nk.combine_partials_kernel, dict(part, ticket_ptr=i32, flags_row_ptr=i64, expect_row_ptr=i64,
-              timeout_ns="i64"), False, H=7168, K=8, CHUNK=2048, MX=True, PASS=False, WEIGHTED=True, MODE=0,
+              timeout_ns="i64"), False, H=7168, K=8, P=4, CHUNK=2048, MX=True, PASS=False, WEIGHTED=True, MODE=0,
               INT_ROUND=False, WAIT=True)
 assert "st.global.v4.b32" in ptx and re.search(r"atom[.]global[.]gpu[.]acq_rel[.]add[.]u32", ptx), "partials' wait"
 red = dict(comb_q_ptr=u8, comb_s_ptr=u8, send_pos_ptr=i32, dest_rank_ptr=i32, y_ptr="*bf16", epoch_ptr=i64)

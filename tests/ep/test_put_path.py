@@ -148,13 +148,14 @@ def _table(plans, d, T_max):
 @pytest.mark.parametrize("hot", [None, 1])
 @pytest.mark.parametrize("tc", [None, 2])
 def test_partial_rows_return_one_row_per_token_and_rank_to_its_leading_slot(W, E, k, align, Ts, parity, hot, tc):
-    """``partial_rows``: every (token, rank) partial the staged kernel formed lands once at the token's leading slot
-    of its origin's copy, nothing else is written; ``tc``: in rounds of ``tc`` tokens of every source (the staging
+    """``partial_rows``: every (token, rank) partial the staged kernel formed lands once at the token's combine slot
+    for that rank in its origin's copy (``t * W + rank`` when ``W < k``, else the send position of the token's leading
+    slot on the rank), nothing else is written; ``tc``: in rounds of ``tc`` tokens of every source (the staging
     holds a round's ``W * tc`` rows, token-major; the put path's combine direction above ``W = k``), each round a
     slice of the entries built once."""
     plans = _plans(W, E, k, align, Ts, seed=W * 7 + E + 1, hot=hot)
     T_max = max(max(Ts), 1)
-    nslot = T_max * k
+    nslot = T_max * min(W, k)  # (mxcomm.ep.plan.combine_slots)
     copy_bytes = 2 * RB  # comb_q stride per slot of a copy (2H in the backend; payload rows RB apart)
     comb_q = [torch.zeros(2 * nslot * copy_bytes, dtype=torch.uint8) for _ in range(W)]
     comb_s = [torch.zeros(2 * nslot * SB, dtype=torch.uint8) for _ in range(W)]
@@ -190,7 +191,7 @@ def test_partial_rows_return_one_row_per_token_and_rank_to_its_leading_slot(W, E
                 d = int(p.dest_rank[t, j])
                 if d < 0 or d in p.dest_rank[t, :j].tolist():
                     continue  # dropped, or not the token's leading slot on d
-                pos = int(p.send_pos[t, j])
+                pos = t * W + d if W < k else int(p.send_pos[t, j])
                 want = _tag(d, s * T_max + t, RB)
                 assert torch.equal(comb_q[s][base_q + pos * RB: base_q + (pos + 1) * RB], want), (s, t, j)
                 assert torch.equal(comb_s[s][base_s + pos * SB: base_s + (pos + 1) * SB],

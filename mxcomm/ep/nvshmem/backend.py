@@ -54,7 +54,7 @@ from ..config import EPConfig
 from .launch_config import LaunchConfig
 from . import plan_kernels
 from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
-from ..plan import FLAG_ROWS, RoutingPlan, buffer_regions, dispatch_path, local_counts, max_recv_rows
+from ..plan import FLAG_ROWS, RoutingPlan, buffer_regions, combine_slots, dispatch_path, local_counts, max_recv_rows
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from .paths import PATHS, PUSH_BLOCK, fp32_weights
 from .state import NvshmemState, RowOrigins, handle_origins, row_origins
@@ -111,7 +111,7 @@ class NvshmemBackend:
         self.path = dispatch_path(config, W, self.put_mode)
         self.local = self.path == "local"
         bufs = {r.name: self.heap.alloc(r.name, r.shape, r.dtype) for r in buffer_regions(config, W, self.put_mode)}
-        self.nslot = config.max_tokens_per_rank * config.topk
+        self.nslot = combine_slots(config, W)  # slots of a comb_q copy
         E = config.num_experts
         # partials returned by combine, 2 copies (see kernels.combine); none on the local path
         self.comb = (bufs["ep.comb_q"], bufs["ep.comb_s"]) if "ep.comb_q" in bufs else None
@@ -534,7 +534,8 @@ class NvshmemBackend:
             chunk = self.launch.reduce_row_chunk(H, False, mx)
             fast_kernel(combine_reduce_kernel)[self._reduce_grid(T, H, chunk)](
                 comb_q.local if mx else comb_q.local.view(torch.bfloat16), comb_s.local, plan.send_pos,
-                plan.dest_rank, y, T, self.c_epoch, self.nslot, H=H, K=k, P=min(k, self.world), CHUNK=chunk, MX=mx,
+                plan.dest_rank, y, T, self.c_epoch, self.nslot, self.world, H=H, K=k, P=min(k, self.world), CHUNK=chunk,
+                MX=mx,
                 INT_ROUND=self.int_round, num_warps=self.launch.reduce_warps, enable_fp_fusion=False,
             )
         self.after_call(what, waited=not own)

@@ -107,17 +107,19 @@ def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_t
     ``[t0 * W, (t0 + n) * W)`` (:meth:`BlockPuts.entries`).
 
     Entry ``(s, t)`` with a slot here: staging row ``(t * W + s) mod (T_c * W)``, i.e. ``(t - t0) * W + s`` in its
-    round (where ``stage_partials_kernel(..., t_lo=t0, t_n=n)`` put the partial), to slot ``slot0 +
-    origin_pos[lead]`` of source ``s``'s combine buffers, ``lead`` being the row of the token's first slot on this
-    rank; one without is an empty entry to this rank.
+    round (where ``stage_partials_kernel(..., t_lo=t0, t_n=n)`` put the partial), to slot ``slot0 + pos`` of source
+    ``s``'s combine buffers, the token's combine slot for this rank (:func:`mxcomm.ep.plan.combine_slots`: ``t * W +
+    rank`` when ``W < k``, else ``origin_pos[lead]``, ``lead`` being the row of the token's first slot on this rank);
+    one without is an empty entry to this rank.
 
     Args:
         table: int32 ``[W * T_max, k]``, the handle's table (rows here per slot, -1 elsewhere).
         origin_pos: int32 ``[R]``, each row's send position at its origin.
         rank: this rank; max_tokens: ``T_max``.
-        slot0: int64 ``[1]`` device tensor, first slot of this epoch's copy (``(epoch % 2) * T_max * k``).
+        slot0: int64 ``[1]`` device tensor, first slot of this epoch's copy (``(epoch % 2) * nslot``, ``nslot`` =
+            :func:`mxcomm.ep.plan.combine_slots`).
         copy_bytes: payload bytes per slot of a copy's stride in ``comb_q`` (2H): copy ``c`` starts at
-            ``c * T_max * k * copy_bytes``; payload rows inside a copy are ``row_bytes`` apart.
+            ``c * nslot * copy_bytes``; payload rows inside a copy are ``row_bytes`` apart.
         row_bytes: payload bytes per row (H MXFP8, 2H BF16), also the staging's row stride; scale_bytes: H/32 or 0.
         round_tokens: ``T_c``, tokens of every source per round (the staging holds ``T_c * W`` rows).
     Returns:
@@ -133,9 +135,12 @@ def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_t
     has = listed.any(1)
     first = listed.to(torch.int8).argmax(1, keepdim=True)  # the first listed slot (0 for an empty entry)
     lead = table.gather(1, first).squeeze(1).clamp(min=0).to(torch.int64)
-    pos = torch.cat([origin_pos.to(torch.int64), origin_pos.new_zeros(1, dtype=torch.int64)])[lead]
-    pos = torch.where(has, pos, 0)  # (an empty entry's offsets must pass the range check: origin_pos may be garbage)
     i = torch.arange(n_entries, dtype=torch.int64, device=dev)
+    if W < k:  # by (token, rank): entry t * W + s is token t
+        pos = i // W * W + rank
+    else:
+        pos = torch.cat([origin_pos.to(torch.int64), origin_pos.new_zeros(1, dtype=torch.int64)])[lead]
+    pos = torch.where(has, pos, 0)  # (an empty entry's offsets must pass the range check: origin_pos may be garbage)
     pes = torch.where(has, i % W, torch.full_like(i, rank))
     n = has.to(torch.int64)
     s0 = slot0.to(torch.int64)

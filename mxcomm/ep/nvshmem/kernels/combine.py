@@ -180,7 +180,7 @@ def _partial_bases(q_peers, s_peers, s, slot0, H: tl.constexpr, MX: tl.constexpr
 @triton.jit
 def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr, q_peers, s_peers, flags_peers,
                             me, W, T_max, epoch_ptr, nslot, err_ptr,
-                            H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr,
+                            H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr,
                             MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr,
                             INT_ROUND: tl.constexpr, ROWS: tl.constexpr = 2,
                             ticket_ptr=None, flags_row_ptr=None, expect_row_ptr=None, timeout_ns=0,
@@ -189,7 +189,8 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
     (source ``s``, token ``t``) this rank received (an entry of the dispatch's table), the partial sum of the token's
     rows here ``P = sum_j w[t, j] * out[row_j]`` in fp32, ``j`` ascending, rounded once for transport (MX: quantized,
     payload + row scales; else BF16; :func:`_entry_partial`) and stored through the peer pointer into the origin's
-    combine buffer at the send position of the token's leading slot (its first slot on this rank); then every program
+    combine buffer at the token's combine slot for this rank (:func:`mxcomm.ep.plan.combine_slots`: ``t * W + me`` when
+    ``W < K``, else the send position of the token's leading slot, its first slot on this rank); then every program
     adds 1 to ``flags[2, me]`` on every rank. A call that starts with the error word set (a wait of this call, such as
     the weights' exchange, or of an earlier one timed out) sends nothing and raises no flag: its weights may not have
     arrived, and the origins' bounded waits then fail instead of summing partials formed with other weights.
@@ -199,12 +200,13 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
             H/32]`` ROW scales (decoded, saturated to bf16's range, before the sum).
         table_ptr: int32 ``[W * T_max, K]``: entry ``s * T_max + t`` = the rows here of source ``s``'s token ``t``
             per slot, -1 for slots elsewhere (every row -1: not received).
-        origin_pos_ptr: int32 ``[R]`` send position of each row's slot at its origin.
+        origin_pos_ptr: int32 ``[R]`` send position of each row's slot at its origin (read when ``W >= K``).
         w_ptr: fp32 ``[W * T_max, K]`` route weights by table entry (``WEIGHTED``; else every weight is 1: dispatch
             backward): the weights that came with the dispatch (the handle's), or ``comb_w`` after their exchange.
         err_ptr: int64 error word of this rank's waits (read once, at the start).
         q_peers / s_peers / flags_peers: int64 ``[W]`` base pointers of ``comb_q`` / ``comb_s`` / ``flags`` per rank.
-        epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * K`` slots per copy.
+        epoch_ptr: int64 combine epoch (its parity picks the copy), nslot: ``T_max * min(W, K)`` slots per copy.
+        P: ``min(K, W)``, the most partials a token can have (``P < K``: the slots are by (token, rank)).
         ROWS: rows loaded together per step of a chunk's sum (:func:`_entry_partial`).
         WAIT: the last program to finish (the int32 ``ticket``, 0 between launches) then waits for every rank's
             partials to this rank (:func:`wait_every_source` on this rank's ``flags[2]`` / ``expect[2]`` rows,
@@ -230,7 +232,10 @@ def combine_partials_kernel(out_ptr, out_s_ptr, table_ptr, origin_pos_ptr, w_ptr
             lead = tl.load(e + _nth_slot(listed, 0, K))
             n_listed = _bit_count(listed, K)
             s = n // T_max
-            pos = tl.load(origin_pos_ptr + lead).to(tl.int64)
+            if P < K:  # by (token, rank): token t's partial from this rank
+                pos = (n % T_max).to(tl.int64) * W + me
+            else:  # the send position of the token's leading slot here, at its origin
+                pos = tl.load(origin_pos_ptr + lead).to(tl.int64)
             qbase, sbase = _partial_bases(q_peers, s_peers, s, slot0, H, MX)
             _entry_partial(out_ptr, out_s_ptr, e, listed, n_listed, w_ptr, n, qbase, sbase, slot0, pos, offs, bcols, H,
                            K, CHUNK, MX, PASS, WEIGHTED, MODE, INT_ROUND, ROWS)
@@ -288,19 +293,20 @@ def _origin_sum_store(acc, fin, y_ptr, t, c0, offs, m, H: tl.constexpr, INT_ROUN
 
 
 @triton.jit
-def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, y_ptr, T, epoch_ptr, nslot,
+def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, y_ptr, T, epoch_ptr, nslot, W,
                           H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
                           INT_ROUND: tl.constexpr):
     """Combine / dispatch backward at the origin (several ranks): ``y[t] = sum_i P_i`` in fp32, bf16 out, over the
     partials ``P_i`` the token's ranks returned (one row per (token, rank), see :func:`combine_partials_kernel`), in
     the order of the ranks' first appearance among the token's slots (a token without a valid slot gives 0). The
-    partial of the rank of slot ``j`` when ``j`` leads it (no earlier slot of the token goes to that rank): the row at
-    ``send_pos[t, j]`` in this rank's ``comb_q`` (MX: decoded, saturated to bf16's range).
+    partial of the rank of slot ``j`` when ``j`` leads it (no earlier slot of the token goes to that rank): the row of
+    the token's combine slot for that rank in this rank's ``comb_q`` (:func:`mxcomm.ep.plan.combine_slots`: ``t * W +
+    dest_rank[t, j]`` when ``W < K``, i.e. ``P < K``, else ``send_pos[t, j]``; MX: decoded, saturated to bf16's range).
 
     Args:
         comb_q_ptr / comb_s_ptr: this rank's ``comb_q`` (uint8; BF16 transport: viewed as bf16) / ``comb_s``; the copy
-            is picked by the epoch's parity (``epoch_ptr``, ``nslot = T_max*K`` slots a copy).
-        send_pos_ptr / dest_rank_ptr: int32 ``[T, K]`` (the plan's; -1 = dropped); y_ptr: bf16 ``[T, H]``.
+            is picked by the epoch's parity (``epoch_ptr``, ``nslot = T_max * min(W, K)`` slots a copy).
+        send_pos_ptr / dest_rank_ptr: int32 ``[T, K]`` (the plan's; -1 = dropped); y_ptr: bf16 ``[T, H]``; W: ranks.
         P: the most partials a token can have, ``min(K, W)``. A static loop over them (not over the ``K`` slots)
             keeps the registers of the rows in flight to rows that exist.
         MX: the partials travel as MXFP8.
@@ -329,7 +335,10 @@ def combine_reduce_kernel(comb_q_ptr, comb_s_ptr, send_pos_ptr, dest_rank_ptr, y
                 for n in tl.static_range(P):  # partial n: the n-th leading slot j (-1: fewer partials, adds +0)
                     j = _nth_slot(lead, n, K)
                     ok = j >= 0
-                    p64 = tl.maximum(tl.load(send_pos_ptr + t * K + tl.maximum(j, 0)), 0).to(tl.int64)
+                    if P < K:  # by (token, rank)
+                        p64 = t.to(tl.int64) * W + tl.maximum(tl.load(dest_rank_ptr + t * K + tl.maximum(j, 0)), 0)
+                    else:
+                        p64 = tl.maximum(tl.load(send_pos_ptr + t * K + tl.maximum(j, 0)), 0).to(tl.int64)
                     if MX:  # 8 payload bytes a thread: the layout of the 8 bf16 values a thread stores (16
                         # bytes a thread would be converted to it through shared memory, with barriers)
                         qp = comb_q_ptr + slot0 * (2 * H) + p64 * H + c0 + offs

@@ -183,7 +183,8 @@ class EnginePath:
         fast_kernel(combine_partials_kernel)[(e.programs,)](
             payload, in_scales, st.table, st.origins.pos, e.err if weights is None else weights, e.comb[0].peer_ptrs,
             e.comb[1].peer_ptrs, e.flags.peer_ptrs, e.rank, e.world, e.config.max_tokens_per_rank, e.c_epoch,
-            e.nslot, e.err, **self._partials_consts(mx, passthrough, weights), **self._partials_wait,
+            e.nslot, e.err, P=min(e.config.topk, e.world), **self._partials_consts(mx, passthrough, weights),
+            **self._partials_wait,
         )
 
     def _partials_consts(self, mx: bool, passthrough: bool, weights: Optional[torch.Tensor]) -> dict:
