@@ -133,12 +133,12 @@ def partial_rows(table: torch.Tensor, origin_pos: torch.Tensor, rank: int, max_t
     dev = table.device
     listed = table >= 0
     has = listed.any(1)
-    first = listed.to(torch.int8).argmax(1, keepdim=True)  # the first listed slot (0 for an empty entry)
-    lead = table.gather(1, first).squeeze(1).clamp(min=0).to(torch.int64)
     i = torch.arange(n_entries, dtype=torch.int64, device=dev)
     if W < k:  # by (token, rank): entry t * W + s is token t
         pos = i // W * W + rank
-    else:
+    else:  # the send position of the entry's first listed slot (slot 0 for an empty entry)
+        first = listed.to(torch.int8).argmax(1, keepdim=True)
+        lead = table.gather(1, first).squeeze(1).clamp(min=0).to(torch.int64)
         pos = torch.cat([origin_pos.to(torch.int64), origin_pos.new_zeros(1, dtype=torch.int64)])[lead]
     pos = torch.where(has, pos, 0)  # (an empty entry's offsets must pass the range check: origin_pos may be garbage)
     pes = torch.where(has, i % W, torch.full_like(i, rank))
