@@ -6,9 +6,10 @@
 #            --transport push --tokens 128 --iters 50 --ops dispatch
 #
 # Each round runs the same `mxcomm bench` command twice: first with REV's `mxcomm` package (extracted with
-# `git archive` into a temporary folder put first on PYTHONPATH), then with this checkout's. Every run starts in a
-# neutral folder (`python -m` started from the repository root would import the checkout's package whatever
-# PYTHONPATH says) and checks its outputs against the reference backend first, as `mxcomm bench` always does.
+# `git archive` into a temporary folder put first on PYTHONPATH; REV may also be a folder holding an extracted
+# `mxcomm` package, for a machine whose copy of the checkout has no git history), then with this checkout's. Every
+# run starts in a neutral folder (`python -m` started from the repository root would import the checkout's package
+# whatever PYTHONPATH says) and checks its outputs against the reference backend first, as `mxcomm bench` always does.
 # Unlike bench/gpu/ab.sh (the sweep tool: CUDA events of the pull path), these are whole calls of any path.
 # Output: OUT (default ~/.cache/mxcomm/gpu-ab-bench): one folder and log per run, and ab.txt with every run's op lines.
 # LIMIT: seconds per run (default 150).
@@ -23,7 +24,11 @@ export PYTHONUNBUFFERED=1
 root=$PWD
 tmp=$(mktemp -d /tmp/mxcomm-ab-bench.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
-git archive "$REV" mxcomm csrc | tar -x -C "$tmp" || exit 1  # (csrc: the CUDA sources the put path builds)
+if [[ -d $REV/mxcomm ]]; then
+  cp -r "$REV"/. "$tmp" || exit 1
+else
+  git archive "$REV" mxcomm csrc | tar -x -C "$tmp" || exit 1  # (csrc: the CUDA sources the put path builds)
+fi
 source bench/gpu/env.sh $((4 << 30)) || exit 1
 here=$PYTHONPATH
 : > "$OUT/ab.txt"
