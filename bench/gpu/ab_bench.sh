@@ -5,11 +5,12 @@
 #   e.g. bash bench/gpu/ab_bench.sh HEAD~2 2 --ranks 4 --ranks-per-gpu 4 --mps start --impls mxcomm \
 #            --transport push --tokens 128 --iters 50 --ops dispatch
 #
-# Each round runs the same `mxcomm bench` command twice: first with REV's `mxcomm` package (extracted with
-# `git archive` into a temporary folder put first on PYTHONPATH; REV may also be a folder holding an extracted
-# `mxcomm` package, for a machine whose copy of the checkout has no git history), then with this checkout's. Every
-# run starts in a neutral folder (`python -m` started from the repository root would import the checkout's package
-# whatever PYTHONPATH says) and checks its outputs against the reference backend first, as `mxcomm bench` always does.
+# Each round runs the same `mxcomm bench` command twice: first with REV's `mxcomm` package (extracted with `git archive`
+# into a temporary folder put first on PYTHONPATH; REV may also be a folder holding an extracted `mxcomm` package and
+# `csrc` (the CUDA sources the put path builds), for a machine whose copy of the checkout has no git history), then with
+# this checkout's. Every run starts in a neutral folder (`python -m` started from the repository root would import the
+# checkout's package whatever PYTHONPATH says) and checks its outputs against the reference backend first, as `mxcomm
+# bench` always does.
 # Unlike bench/gpu/ab.sh (the sweep tool: CUDA events of the pull path), these are whole calls of any path.
 # Output: OUT (default ~/.cache/mxcomm/gpu-ab-bench): one folder and log per run, and ab.txt with every run's op lines.
 # LIMIT: seconds per run (default 150).
