@@ -67,6 +67,9 @@ def _entry(rank, world, port, backend, pg_timeout_s, env, fn, args, q):
         q.put(("err", rank, traceback.format_exc()))
 
 
+_RENDEZVOUS_TRIES = 3
+
+
 def run_world(
     world: int, fn, *args, timeout: float = 120.0, backend: str = "gloo", pg_timeout_s: float = 60.0,
     env: dict | None = None,
@@ -75,8 +78,25 @@ def run_world(
 
     ``env``: extra environment variables set in each child before the process group starts.
 
+    The rendezvous port is one that was free when it was picked; when rank 0 then finds it taken (another process,
+    e.g. a test world of another pytest worker, got it first: ``EADDRINUSE``) and no rank ran ``fn``, the world
+    is started again on another port (at most ``_RENDEZVOUS_TRIES`` times).
+
     Returns the list of per-rank results. Raises WorkerError / TimeoutError (children killed).
     """
+    for attempt in range(_RENDEZVOUS_TRIES):
+        results, errors = _run_once(world, fn, args, timeout, backend, pg_timeout_s, env)
+        port_taken = not results and any("EADDRINUSE" in e and "init_process_group" in e for e in errors.values())
+        if not (port_taken and attempt + 1 < _RENDEZVOUS_TRIES):
+            break
+    if errors:
+        msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise WorkerError(f"{len(errors)} of {world} ranks failed:\n{msg}")
+    return [results[r] for r in range(world)]
+
+
+def _run_once(world, fn, args, timeout, backend, pg_timeout_s, env):
+    """One start of the world on a fresh port: ``(results, errors)`` by rank (raises TimeoutError)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -120,10 +140,7 @@ def run_world(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
-    if errors:
-        msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-        raise WorkerError(f"{len(errors)} of {world} ranks failed:\n{msg}")
-    return [results[r] for r in range(world)]
+    return results, errors
 
 
 def expect_error(out: dict, name: str, exc: type, needle: str, fn) -> None:
