@@ -84,11 +84,10 @@ def run_world(
 
     Returns the list of per-rank results. Raises WorkerError / TimeoutError (children killed).
     """
-    for attempt in range(_RENDEZVOUS_TRIES):
+    for _ in range(_RENDEZVOUS_TRIES):
         results, errors = _run_once(world, fn, args, timeout, backend, pg_timeout_s, env)
-        port_taken = not results and any("EADDRINUSE" in e and "init_process_group" in e for e in errors.values())
-        if not (port_taken and attempt + 1 < _RENDEZVOUS_TRIES):
-            break
+        if results or not any("EADDRINUSE" in e and "init_process_group" in e for e in errors.values()):
+            break  # ran (or failed for another reason): no new start
     if errors:
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise WorkerError(f"{len(errors)} of {world} ranks failed:\n{msg}")

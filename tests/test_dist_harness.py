@@ -7,7 +7,7 @@ import socket
 import _dist
 
 
-def _world_size(rank: int, world: int) -> int:
+def _size_and_rank(rank: int, world: int) -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() * 10 + rank
@@ -28,5 +28,5 @@ def test_taken_rendezvous_port_starts_the_world_again(monkeypatch):
             return port
 
         monkeypatch.setattr(_dist, "free_port", pick)
-        assert _dist.run_world(2, _world_size, timeout=120.0) == [20, 21]
+        assert _dist.run_world(2, _size_and_rank, timeout=120.0) == [20, 21]
     assert picked[0] == taken and len(picked) == 2 and picked[1] != taken
