@@ -23,6 +23,7 @@ from mxcomm.ep.nvshmem.launch_config import LaunchConfig, _qdq_chunk
 from mxcomm.ep.nvshmem.backend import row_origins
 from mxcomm.ep.reference.oracle import oracle_dispatch
 from mxcomm.ep.plan import FLAG_ROWS, build_plan, local_counts
+from mxcomm.mx import round_up
 
 
 def _routing(W, T, E, k, g, drop=0.1):
@@ -834,6 +835,74 @@ def test_exact_mode_bad_ids_raise_the_detailed_error(transport):
     assert torch.equal(res.x.scales[:rows], want[0].x.scales[:rows])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_one_rank_dispatch_as_one_call_equals_the_staged_dispatch(precision):
+    """One rank, exact sizes: a dispatch of at most ``LaunchConfig.call_graph_tokens`` tokens runs as one call whose
+    tensors are found through an address table (``LocalPath._dispatch_call``: ids copied in, plan copied out, output
+    rows and grouped scales written at the table's addresses). It gives what the staged dispatch
+    (``call_graph_tokens=0``) and the oracle give - payload, scales (every byte, the rows past the groups included),
+    offsets, counts, every plan tensor of the handle and the checked ids - on inputs with dropped slots, a token with
+    none, every token on one expert, NaN / Inf rows, int32 and int64 ids, ids that are a non-contiguous view, one
+    token, and every slot dropped; its output is the first ``R`` rows of a tensor of the rows its tokens could fill at most. Bad ids raise the
+    detailed error, after which the next call is right."""
+    from mxcomm.ep.plan import PLAN_TENSORS
+
+    E, k, H = 8, 3, 96 if precision == "mxfp8" else 64
+    mx = precision == "mxfp8"
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=16, precision=precision, backend="nvshmem",
+                   num_sms=1, timeout_s=5.0)
+    one = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3))
+    staged = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3, call_graph_tokens=0))
+    g = torch.Generator().manual_seed(11 + mx)
+    cases = []
+    for T in (9, 1, 16, 5, 3):
+        x = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
+        idx = _routing(1, T, E, k, g, drop=0.2) if T != 3 else torch.full((T, k), -1)  # (3: every slot dropped)
+        if T == 9:
+            idx[-1] = -1  # a token without a valid slot
+            x[2, 7], x[3, 40], x[4] = float("nan"), float("inf"), float("-inf")
+        if T == 16:  # every token on expert 5
+            idx[idx == 5] = -1
+            idx[:, 0] = 5
+        if T == 5:  # int32 ids, a non-contiguous view
+            idx = torch.cat([idx, idx], dim=1).to(torch.int32)[:, ::2]
+            assert not idx.is_contiguous()
+        cases.append((x, idx))
+    for x, idx in cases:
+        T = x.shape[0]
+        w = torch.rand(T, k, generator=g)
+        with _poisoned_empty():
+            got, gh = one.dispatch(x, idx, w)
+        want, wh = staged.dispatch(x, idx, w)
+        oracle = oracle_dispatch(cfg, [x], [idx])[0][0]
+        R = got.num_rows
+        assert R == want.num_rows == gh.num_rows == int(oracle.offs[-1]), T
+        row_bytes = H if mx else 2 * H
+        gq = got.x.qdata.view(torch.uint8) if mx else got.x.view(torch.uint8)
+        assert gq.untyped_storage().nbytes() == round_up(T * k + E * (cfg.align - 1), cfg.align) * row_bytes
+        assert (want.x.qdata if mx else want.x).untyped_storage().nbytes() == R * row_bytes  # the staged: exact
+        wq = want.x.qdata.view(torch.uint8) if mx else want.x.view(torch.uint8)
+        oq = oracle.x.qdata.view(torch.uint8) if mx else oracle.x.view(torch.uint8)
+        assert gq.shape == wq.shape and torch.equal(gq, wq) and torch.equal(gq, oq), T
+        if mx:
+            assert got.x.scales.shape == want.x.scales.shape == oracle.x.scales.shape, T
+            assert got.x.scales.is_contiguous()
+            assert torch.equal(got.x.scales, want.x.scales) and torch.equal(got.x.scales, oracle.x.scales), T
+        assert torch.equal(got.offs, oracle.offs) and torch.equal(got.counts, oracle.counts), T
+        for n in PLAN_TENSORS:
+            assert torch.equal(getattr(gh.plan, n), getattr(wh.plan, n)), (T, n)
+        assert torch.equal(gh.topk_idx, wh.topk_idx), T
+    x = cases[0][0]
+    with pytest.raises(ValueError, match=r"topk_idx\[0, 1\] = 8 is not a valid expert id"):
+        one.dispatch(x, torch.tensor([[0, 8, 1]] + [[1, 2, 3]] * 8), torch.ones(9, k))
+    x, idx = cases[0]
+    got, _ = one.dispatch(x, idx, torch.ones(9, k))
+    want, _ = staged.dispatch(x, idx, torch.ones(9, k))
+    as_bytes = (lambda t: t.qdata.view(torch.uint8)) if mx else (lambda t: t.view(torch.uint8))
+    assert torch.equal(as_bytes(got.x), as_bytes(want.x))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU the nvshmem autograd tests run this path")
 @pytest.mark.parametrize("transport", ["auto", "push", "put"])
 def test_weighted_dispatch_edge_weights_and_rows_bit_exact(transport):
@@ -1007,6 +1076,19 @@ for weighted in (False, True):  # local path: straight into the output; the unfi
         assert "st.global.v4.b32" in ptx, ("local", weighted, mx)
         if weighted and mx:  # scales quantized per slot, stored where they are held (2 barriers a slot before)
             assert "st.global.u8" in ptx and ptx.count("bar.sync") == 0, ("weighted scales", ptx.count("bar.sync"))
+for mx in (True, False):  # the one-rank dispatch as one captured call: x and the output at a table's addresses
+    ptx = compile(nk.local_rows_at_kernel, dict(addr_ptr=i64, dest_rank_ptr=i32, dest_row_ptr=i32, s_peers=i64,
+                  offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32), H=7168, K=8, CHUNK=8192, MX=mx, MODE=0,
+                  INT_ROUND=False)
+    # x read through the table in 16-byte loads (without the alignment hint, one load per value), stored as 16 bytes
+    assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx, ("local rows at", mx)
+    assert "st.global.v4.b32" in ptx, ("local rows at", mx)
+compile(nk.scale_rows_to_grouped_at_kernel, dict(sc, rows_ptr=i32, addr_ptr=i64), C=224, CB=64, G_POW2=256, WORD=True,
+        TAIL=True)
+compile(nk.scale_rows_to_grouped_at_kernel, dict(sc, rows_ptr=u8, addr_ptr=i64), C=228, CB=32, G_POW2=256,
+        WORD=False, TAIL=True)
+compile(nk.copy_in_kernel, dict(addr_ptr=i64, dst_ptr=i32), BLOCK=1024)
+compile(nk.copy_out_kernel, dict(src_ptr=i32, addr_ptr=i64), BLOCK=1024)
 for mx in (True, False):
     ptx = compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32,
                   q_peers=i64, s_peers=i64, list_ptr=i32, table_ptr=i32, wtab_ptr=i32, epoch_ptr=i64),

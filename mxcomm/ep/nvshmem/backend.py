@@ -42,6 +42,7 @@ the reduce forms the one partial from the expert rows in place (``local_reduce_k
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -61,6 +62,20 @@ from .state import NvshmemState, RowOrigins, handle_origins, row_origins
 from .status_words import StatusWords
 
 _MAX_PLAN_GRAPHS = 16  # captured plan graphs kept per backend (least recently used dropped)
+
+
+@dataclass(frozen=True)
+class GroupedScalesLaunch:
+    """How ``scale_rows_to_grouped_kernel`` (or its captured-call twin) fills a grouped blocked scale matrix: its
+    ``grid``, ``word`` (4-byte columns: ``H`` a multiple of 128), ``n_col_tiles`` 4-column tiles per tile-row, and
+    the constexprs ``C`` (``H / 32``), ``CB``, ``G_POW2``."""
+
+    grid: tuple
+    word: bool
+    n_col_tiles: int
+    C: int
+    CB: int
+    G_POW2: int
 
 
 class NvshmemBackend:
@@ -133,8 +148,10 @@ class NvshmemBackend:
         self.err, self.input_err = self.status_words.err, self.status_words.input_err
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
-        self._plan_graphs: dict = {}  # ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph, LRU first
-        self._seen_keys: dict = {}  # keys of run_middle seen once and not captured yet, oldest first
+        # captured graphs, least recently used first: ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph
+        # of a dispatch's middle; ("local-call", T, idx dtype) -> the one-rank path's whole dispatch (paths.local)
+        self._plan_graphs: dict = {}
+        self._seen_keys: dict = {}  # keys of those graphs seen once and not captured yet, oldest first
         # this call's counts (check_and_count writes them here) and, in the last word, whether this rank refused its
         # input (bad expert ids): a fixed-address input of the captured middle of a dispatch (see run_middle)
         self.counts_in = torch.zeros(E + 1, dtype=torch.int32, device=self.device)
@@ -334,21 +351,28 @@ class NvshmemBackend:
         if waited:
             self.status_words.check_async(what)
 
+    def grouped_scales_launch(self, rows: int) -> "GroupedScalesLaunch":
+        """How ``scale_rows_to_grouped_kernel`` fills a grouped blocked matrix of ``rows`` rows (a multiple of 128)."""
+        C = self.config.hidden // 32
+        cp = round_up(C, 4)
+        word = C % 4 == 0  # 4-byte columns (H a multiple of 128)
+        ncols = cp // 4 if word else cp
+        cb = next_pow2(ncols) if word else min(32, next_pow2(cp))
+        return GroupedScalesLaunch(grid=(rows // 128, cdiv(ncols, cb)), word=word, n_col_tiles=cp // 4, C=C, CB=cb,
+                                   G_POW2=next_pow2(self.El))
+
     def _grouped_scales(self, plan: RoutingPlan, R: int, scale_rows: torch.Tensor) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
         received rows (zeros for padding), from their row-major scale rows ``scale_rows`` (uint8 ``[>= R, H/32]``)."""
         from .kernels.layout import scale_rows_to_grouped_kernel
 
-        C = self.config.hidden // 32
-        rows, cp = grouped_m_rows(R, self.El), round_up(C, 4)
-        out = torch.empty(rows, cp, dtype=torch.uint8, device=self.device)
-        word = C % 4 == 0  # 4-byte columns (H a multiple of 128)
-        ncols = cp // 4 if word else cp
-        cb = next_pow2(ncols) if word else min(32, next_pow2(cp))
+        rows = grouped_m_rows(R, self.El)
+        g = self.grouped_scales_launch(rows)
+        out = torch.empty(rows, 4 * g.n_col_tiles, dtype=torch.uint8, device=self.device)
         src = scale_rows.reshape(-1)
-        fast_kernel(scale_rows_to_grouped_kernel)[(rows // 128, cdiv(ncols, cb))](
-            src.view(torch.int32) if word else src, out.view(torch.int32) if word else out, plan.offs,
-            plan.num_rows, plan.expert_counts, self.El, cp // 4, C=C, CB=cb, G_POW2=next_pow2(self.El), WORD=word,
+        fast_kernel(scale_rows_to_grouped_kernel)[g.grid](
+            src.view(torch.int32) if g.word else src, out.view(torch.int32) if g.word else out, plan.offs,
+            plan.num_rows, plan.expert_counts, self.El, g.n_col_tiles, C=g.C, CB=g.CB, G_POW2=g.G_POW2, WORD=g.word,
             TAIL=self.config.exact_sizes, num_warps=4,
         )
         return out
@@ -400,16 +424,17 @@ class NvshmemBackend:
         g = self._plan_graphs.pop(key, None)
         if g is None:
             g = PlanGraph(self.counts_mat, T, k, topk_idx.dtype, compute)
-        self._remember_graph(key, g)
+        self.remember_graph(key, g)
         return g(topk_idx)
 
-    def _received(self, plan: RoutingPlan, R: int, mx: bool, q: torch.Tensor, scale_rows: torch.Tensor):
+    def _received(self, plan: RoutingPlan, R: int, mx: bool, q: torch.Tensor, scale_rows: torch.Tensor,
+                  grouped: Optional[torch.Tensor] = None):
         """The received rows ``q`` (fresh uint8 ``[R, row bytes]``, from the path's dispatch or combine backward)
         as the dispatch-layout output: bf16 rows, or an MXTensor with its scales swizzled out of ``scale_rows`` (the
-        row-major scale rows the receiving kernel wrote)."""
+        row-major scale rows the receiving kernel wrote), or ``grouped`` when the path wrote them so itself."""
         if not mx:
             return q.view(torch.bfloat16)
-        s = self._grouped_scales(plan, R, scale_rows)
+        s = self._grouped_scales(plan, R, scale_rows) if grouped is None else grouped
         return MXTensor(
             qdata=q.view(torch.float8_e4m3fn), scales=s, axis=1, layout=ScaleLayout.GROUPED_M,
             mode=self.config.scale_mode, orig_dtype=torch.bfloat16, group_offs=plan.offs,
@@ -430,26 +455,37 @@ class NvshmemBackend:
         T, k = topk_idx.shape
         graphs = self.device.type == "cuda" and T > 0 and not self.capturing()
         key = (self.path, T, topk_idx.dtype, self.plan_impl)
-        g = self._plan_graphs.pop(key, None) if graphs else None
+        g = self.captured_graph(key) if graphs else None
         if g is None:
             # eager (the first call with a key compiles every kernel); captured at the key's second call, so a token
             # count seen once (a last, smaller batch) costs no capture
             po = middle(self.counts_mat, topk_idx)
-            if graphs:
-                if self._seen_keys.pop(key, None) is None:
-                    while len(self._seen_keys) >= 8 * _MAX_PLAN_GRAPHS:
-                        self._seen_keys.pop(next(iter(self._seen_keys)))
-                    self._seen_keys[key] = True
-                else:
-                    self._remember_graph(key, PlanGraph(self.counts_mat, T, k, topk_idx.dtype, middle, warmup=False))
+            if graphs and self.second_sighting(key):
+                self.remember_graph(key, PlanGraph(self.counts_mat, T, k, topk_idx.dtype, middle, warmup=False))
             self.status_words.start_read()
             return po
-        self._remember_graph(key, g)
         g.replay(topk_idx)
         self.status_words.start_read()  # before the snapshot's host work, which then overlaps the transfer
         return g.snapshot()
 
-    def _remember_graph(self, key, g: PlanGraph) -> None:
+    def captured_graph(self, key):
+        """The graph kept for ``key`` (now the most recently used), or None."""
+        g = self._plan_graphs.pop(key, None)
+        if g is not None:
+            self._plan_graphs[key] = g
+        return g
+
+    def second_sighting(self, key) -> bool:
+        """Whether a call with ``key`` (and no graph kept for it) came before: time to capture it. Notes the first
+        (at most ``8 * _MAX_PLAN_GRAPHS`` keys, oldest dropped)."""
+        if self._seen_keys.pop(key, None) is not None:
+            return True
+        while len(self._seen_keys) >= 8 * _MAX_PLAN_GRAPHS:
+            self._seen_keys.pop(next(iter(self._seen_keys)))
+        self._seen_keys[key] = True
+        return False
+
+    def remember_graph(self, key, g) -> None:
         """Keep ``g`` as the most recently used captured graph (at most ``_MAX_PLAN_GRAPHS``: varying token
         counts must not grow memory)."""
         while len(self._plan_graphs) >= _MAX_PLAN_GRAPHS:
@@ -477,7 +513,7 @@ class NvshmemBackend:
         T = x.shape[0]
         rows = self.impl.dispatch(x.contiguous(), topk_idx, topk_weights)
         plan, R = rows.kept.plan, rows.num_rows
-        out_x = self._received(plan, R, self.mx, rows.q, rows.scale_rows)
+        out_x = self._received(plan, R, self.mx, rows.q, rows.scale_rows, rows.grouped_scales)
         result = DispatchResult(x=out_x, offs=plan.offs, counts=plan.expert_counts, num_rows=R)
         handle = EPHandle(
             config=cfg, group_id=self.group_id, plan=plan, topk_idx=rows.ids, topk_weights=topk_weights,

@@ -37,6 +37,10 @@ class LaunchConfig:
         put_per_sm: the put path's put launches (``csrc/put_signal.cu``; each block takes every grid-th piece).
         put_chunks: pieces per entry of the put path's dispatch puts (receivers count ``entries * put_chunks``
             signals per source: every rank must use the same).
+        call_graph_tokens: one rank, exact sizes: a dispatch of at most this many tokens runs as one captured call
+            (``LocalPath``: replayed with the call's tensors; its output's storage holds the most rows the call's
+            tokens can fill, ``T k + E (align - 1)``, of which the call's rows are the view it returns); 0: never.
+            Above it the host's work overlaps the device's and the output is allocated at its exact size.
         wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
             peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
             cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
@@ -58,15 +62,17 @@ class LaunchConfig:
     put_per_sm: int = 4
     put_chunks: int = 4
     wait_warps: int = 1
+    call_graph_tokens: int = 512
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
-        without progress): every field a positive int, chunks powers of two of at least 32 values, warps powers of
-        two up to 32."""
+        without progress): every field a positive int (``call_graph_tokens`` may be 0), chunks powers of two of at
+        least 32 values, warps powers of two up to 32."""
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LaunchConfig.{f.name} must be a positive int, got {v!r}")
+            low = 0 if f.name == "call_graph_tokens" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"LaunchConfig.{f.name} must be an int >= {low}, got {v!r}")
             if f.name.endswith("_chunk") and (v < 32 or v & (v - 1)):
                 raise ValueError(f"LaunchConfig.{f.name} must be a power of two >= 32, got {v}")
             if f.name.endswith("_warps") and (v > 32 or v & (v - 1)):

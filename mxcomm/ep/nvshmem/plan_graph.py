@@ -92,11 +92,19 @@ class OutputCopier:
     def copy(self) -> dict:
         """name -> a copy of that output as of the last :meth:`fill` (aux) / now (main storage), owned by the
         caller (a clone of the main storage and one of the aux buffer if it is used, then views)."""
+        aux = self.aux.clone() if self.aux_names else self.aux  # (nothing to copy when every output is in main)
+        return self.views(self.main_storage().clone(), aux)
+
+    def main_storage(self) -> torch.Tensor:
+        """The main storage as a flat uint8 tensor (made at the first use, outside any capture)."""
         if self.main_bytes is None:
             self.main_bytes = torch.empty(0, dtype=torch.uint8, device=self._main.device).set_(
                 self._main.untyped_storage())
-        main = self.main_bytes.clone()
-        aux = self.aux.clone() if self.aux_names else self.aux  # (nothing to copy when every output is in main)
+        return self.main_bytes
+
+    def views(self, main: torch.Tensor, aux: torch.Tensor) -> dict:
+        """name -> its output as a view of ``main`` (uint8, laid out as the main storage: a copy of it) or of
+        ``aux`` (int32, as :meth:`fill` lays it out)."""
         typed, vals = {}, {}
         for p in self.pieces:
             if p.main:

@@ -83,12 +83,28 @@ class StatusWords:
         CUDA, in the no-sync mode and inside a capture."""
         if self.device.type != "cuda" or not self.exact_sizes or self.capturing():
             return
-        if self._host is None:  # made once: pinned allocations cost milliseconds
-            self._host = (torch.empty(len(self.words), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-        host, ev = self._host
+        self.enqueue_copy()
+        self.note_copy_enqueued()
+
+    def enqueue_copy(self) -> None:
+        """The copy of :meth:`start_read` alone (CUDA, exact sizes), also inside a capture: a captured call
+        (:class:`~mxcomm.ep.nvshmem.call_graph.CallGraph`) ends with it, and :meth:`note_copy_enqueued` after each of
+        its replays lets :meth:`check` read it."""
+        host, _ = self._host_words()
         host.copy_(self.words, non_blocking=True)
-        ev.record()
+
+    def note_copy_enqueued(self) -> None:
+        """The copy of the words into pinned memory is on the current stream (:meth:`enqueue_copy`, or a replay that
+        ends with it): record the event :meth:`read` waits on."""
+        _, ev = self._host_words()
+        ev.record(torch.cuda.current_stream(self.device.index))
         self._started = True
+
+    def _host_words(self) -> tuple:
+        """(pinned host copy of the words, event): made once (pinned allocations cost milliseconds)."""
+        if self._host is None:
+            self._host = (torch.empty(len(self.words), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        return self._host
 
     def read(self, started: bool) -> list:
         """The words as host ints: the copy :meth:`start_read` enqueued (``started``: the dispatch's own sync, right
@@ -120,7 +136,7 @@ class StatusWords:
                 self._pinned = (torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
             host, ev = self._pinned
             host.copy_(self.err_words, non_blocking=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device.index))
             self._pending = (host, ev, what)
 
     def raise_bad_ids(self, topk_idx: torch.Tensor) -> None:

@@ -21,17 +21,21 @@ Modules by job (each imports only from those listed before it):
   ``combine_reduce_kernel``, ``local_reduce_kernel``) and the slot and row helpers both directions share; why
   ``comb_q`` comes in two;
 * :mod:`.combine_backward`: combine backward (``pack_ready_kernel``, ``pull_weighted_kernel``,
-  ``round_weighted_kernel``, ``gather_route_grad_kernel``).
+  ``round_weighted_kernel``, ``gather_route_grad_kernel``);
+* :mod:`.call_io`: a captured call's tensors at addresses given per replay (``copy_in_kernel``, ``copy_out_kernel``;
+  the one-rank dispatch's ``local_rows_at_kernel`` in :mod:`.dispatch` and ``scale_rows_to_grouped_at_kernel`` in
+  :mod:`.layout` read their output's address the same way).
 
 The kernels are re-exported here; the device helpers (``@triton.jit`` functions that are not launched) stay in their
 modules.
 """
 from __future__ import annotations
 
+from .call_io import copy_in_kernel, copy_out_kernel
 from .combine import combine_partials_kernel, combine_reduce_kernel, local_reduce_kernel, stage_partials_kernel
 from .combine_backward import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel, round_weighted_kernel
-from .dispatch import local_rows_kernel, push_rows_kernel, stage_rows_kernel
-from .layout import copy_out_rows_kernel, scale_rows_to_grouped_kernel
+from .dispatch import local_rows_at_kernel, local_rows_kernel, push_rows_kernel, stage_rows_kernel
+from .layout import copy_out_rows_kernel, scale_rows_to_grouped_at_kernel, scale_rows_to_grouped_kernel
 from .pull import (entries_table_kernel, pack_rows_kernel, plan_entries_kernel, pull_head_kernel, pull_rows_kernel,
                    push_entries_kernel, scan_and_wait_kernel)
 from .signals import first_refusal_kernel, publish_kernel, wait_arrivals_kernel, wait_published_kernel
@@ -40,9 +44,9 @@ __all__ = [
     # signals
     "publish_kernel", "wait_published_kernel", "wait_arrivals_kernel", "first_refusal_kernel",
     # layout
-    "copy_out_rows_kernel", "scale_rows_to_grouped_kernel",
+    "copy_out_rows_kernel", "scale_rows_to_grouped_kernel", "scale_rows_to_grouped_at_kernel",
     # dispatch
-    "local_rows_kernel", "push_rows_kernel", "stage_rows_kernel",
+    "local_rows_kernel", "local_rows_at_kernel", "push_rows_kernel", "stage_rows_kernel",
     # pull
     "pull_head_kernel", "scan_and_wait_kernel", "pack_rows_kernel", "push_entries_kernel", "plan_entries_kernel",
     "entries_table_kernel", "pull_rows_kernel",
@@ -50,4 +54,6 @@ __all__ = [
     "combine_partials_kernel", "stage_partials_kernel", "combine_reduce_kernel", "local_reduce_kernel",
     # combine backward
     "pack_ready_kernel", "pull_weighted_kernel", "round_weighted_kernel", "gather_route_grad_kernel",
+    # call_io
+    "copy_in_kernel", "copy_out_kernel",
 ]

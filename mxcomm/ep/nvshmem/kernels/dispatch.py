@@ -50,7 +50,8 @@ def _store_slot(q, s, q_peers, s_peers, rk, row, c0, offs, cols, m, cm,
 @triton.jit
 def _send_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, w_ptr, q_dst, s_peers, pid, G,
                H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, MODE: tl.constexpr,
-               INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr, OUT_DIRECT: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+               INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr, OUT_DIRECT: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+               X_SLOT: tl.constexpr = False):
     """The sending kernels' loop: program ``pid`` of ``G`` reads token rows ``pid, pid + G, ...`` of the BF16 ``x``
     ``[T, H]`` once per row chunk, quantizes each chunk once (MX) and stores it per valid slot ``j`` at row
     ``dest_row[t, j]`` of rank ``dest_rank[t, j]`` (-1 = dropped; int32 ``[T, K]`` both) through :func:`_store_slot`:
@@ -65,7 +66,8 @@ def _send_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, w_ptr, q_dst, s_peers, pid
 
     ``WEIGHTED`` (combine backward): slot ``j`` carries ``w[t, j] * x[t]`` (fp32 product; ``w_ptr`` fp32 ``[T, K]``),
     quantized per slot: the route weighting fused with the gradient quantization. ``SKIP_EMPTY``: a token whose every
-    slot is dropped is not read (the stores are the same either way)."""
+    slot is dropped is not read (the stores are the same either way). ``X_SLOT``: ``x_ptr`` was read from memory
+    (an address table), so its 16-byte alignment is stated here (without the hint, one load per value)."""
     NB: tl.constexpr = CHUNK // 32
     C: tl.constexpr = H // 32
     offs = tl.arange(0, CHUNK)
@@ -83,7 +85,10 @@ def _send_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, w_ptr, q_dst, s_peers, pid
                 m = (c0 + offs) < H
                 cols = c0 // 32 + bcols
                 cm = cols < C
-                x = tl.load(x_ptr + t.to(tl.int64) * H + c0 + offs, mask=m, other=0.0)
+                xp = x_ptr + t.to(tl.int64) * H + c0 + offs
+                if X_SLOT:
+                    xp = tl.max_contiguous(tl.multiple_of(xp, 16), 16)
+                x = tl.load(xp, mask=m, other=0.0)
                 if MX and not WEIGHTED:
                     q2, s = mx_quantize_tile(tl.reshape(x, (NB, 32)), MODE, INT_ROUND, 1)
                     q = tl.reshape(q2, (CHUNK,))
@@ -141,10 +146,36 @@ def local_rows_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, out_ptr, s_peers, w
         offs_ptr / counts_ptr / n_rows_ptr / n_groups: the plan's group end offsets, real rows per group, rows in
             use and ``El`` (:func:`_zero_unfilled_rows`).
     Grid: any number of programs; persistent over tokens."""
+    _local_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, out_ptr, s_peers, w_ptr, offs_ptr, counts_ptr, n_rows_ptr,
+                R_out, n_groups, H, K, CHUNK, MX, MODE, INT_ROUND, WEIGHTED, False)
+
+
+@triton.jit
+def local_rows_at_kernel(addr_ptr, T, dest_rank_ptr, dest_row_ptr, s_peers, offs_ptr, counts_ptr, n_rows_ptr, R_out,
+                         n_groups, H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
+                         MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+    """``local_rows_kernel``'s dispatch (not weighted) inside a captured call: ``x`` and the output at the addresses
+    of the int64 table ``addr`` (``addr[0]``: bf16 ``[T, H]`` contiguous, 16-byte aligned; ``addr[2]``: the fresh
+    output ``[R_out, H]`` uint8 (MX) / bf16; :mod:`.call_io`), the rest as ``local_rows_kernel``."""
+    x_ptr = tl.load(addr_ptr).to(tl.pointer_type(tl.bfloat16))
+    if MX:
+        out_ptr = tl.load(addr_ptr + 2).to(tl.pointer_type(tl.uint8))
+    else:
+        out_ptr = tl.load(addr_ptr + 2).to(tl.pointer_type(tl.bfloat16))
+    _local_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, out_ptr, s_peers, x_ptr, offs_ptr, counts_ptr, n_rows_ptr,
+                R_out, n_groups, H, K, CHUNK, MX, MODE, INT_ROUND, False, True)
+
+
+@triton.jit
+def _local_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, out_ptr, s_peers, w_ptr, offs_ptr, counts_ptr, n_rows_ptr,
+                R_out, n_groups, H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
+                MODE: tl.constexpr, INT_ROUND: tl.constexpr, WEIGHTED: tl.constexpr, X_SLOT: tl.constexpr):
+    """The body of ``local_rows_kernel`` (its arguments; ``out_ptr`` a pointer; ``X_SLOT``: ``x_ptr`` read from an
+    address table, :func:`_send_rows`)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     _send_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, w_ptr, out_ptr, s_peers, pid, G, H, K, CHUNK, MX, MODE,
-               INT_ROUND, WEIGHTED, True, False)
+               INT_ROUND, WEIGHTED, True, False, X_SLOT)
     WORDS: tl.constexpr = H // 8 if MX else H // 4
     _zero_unfilled_rows(out_ptr.to(tl.pointer_type(tl.int64), bitcast=True), offs_ptr, counts_ptr, n_rows_ptr, R_out,
                         n_groups, pid, G, WORDS, 512)

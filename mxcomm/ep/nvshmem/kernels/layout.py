@@ -105,6 +105,29 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts
             memory operations.
     Grid: ``(tile_rows, cdiv(columns, CB))`` with columns = ``4 * n_col_tiles`` (bytes) or ``n_col_tiles`` (WORD).
     """
+    _scale_rows_to_grouped(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts_ptr, n_groups, n_col_tiles, C, CB,
+                           G_POW2, WORD, TAIL)
+
+
+@triton.jit
+def scale_rows_to_grouped_at_kernel(rows_ptr, addr_ptr, slot, offs_ptr, n_rows_ptr, counts_ptr, n_groups, n_col_tiles,
+                                    C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr,
+                                    WORD: tl.constexpr = False, TAIL: tl.constexpr = False):
+    """``scale_rows_to_grouped_kernel`` inside a captured call (:mod:`.call_io`): the blocked matrix at the address in
+    ``addr[slot]`` (int64 table; uint8, or int32 words with ``WORD``), the rest as that kernel."""
+    if WORD:
+        out_ptr = tl.load(addr_ptr + slot).to(tl.pointer_type(tl.int32))
+    else:
+        out_ptr = tl.load(addr_ptr + slot).to(tl.pointer_type(tl.uint8))
+    _scale_rows_to_grouped(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts_ptr, n_groups, n_col_tiles, C, CB, G_POW2,
+                           WORD, TAIL)
+
+
+@triton.jit
+def _scale_rows_to_grouped(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts_ptr, n_groups, n_col_tiles,
+                           C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr, WORD: tl.constexpr,
+                           TAIL: tl.constexpr):
+    """The body of ``scale_rows_to_grouped_kernel`` (its arguments; ``out_ptr`` a pointer)."""
     i = tl.program_id(0)
     cb = tl.program_id(1)
     g1 = tl.arange(0, G_POW2)

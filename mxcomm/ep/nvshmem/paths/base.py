@@ -31,7 +31,8 @@ class DispatchRows:
     ``scale_rows`` their row-major uint8 ``[>= R, H/32]`` scale rows (MX), ``kept`` the plan outputs the handle keeps,
     ``ids`` the checked expert ids ``[T, k]``, ``num_rows`` R, ``origins`` the row origins and ``table`` the dispatch's
     table (both None on the local path), ``weights`` the sources' route weights that came with the pull-list entries
-    (None on the local path)."""
+    (None on the local path), ``grouped_scales`` the scales already in the grouped blocked layout when the path wrote
+    them so (else None: the engine swizzles ``scale_rows``)."""
 
     q: torch.Tensor
     scale_rows: torch.Tensor
@@ -41,6 +42,7 @@ class DispatchRows:
     origins: Optional[RowOrigins]
     table: Optional[torch.Tensor] = None
     weights: Optional[DeliveredWeights] = None
+    grouped_scales: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
