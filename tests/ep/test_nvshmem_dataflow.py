@@ -835,7 +835,7 @@ def test_exact_mode_bad_ids_raise_the_detailed_error(transport):
     assert torch.equal(res.x.scales[:rows], want[0].x.scales[:rows])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU, test_nvshmem_gpu.py runs this path for real")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU test_nvshmem_gpu.py runs it for real")
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
 def test_one_rank_dispatch_as_one_call_equals_the_staged_dispatch(precision):
     """One rank, exact sizes: a dispatch of at most ``LaunchConfig.call_graph_tokens`` tokens runs as one call whose
@@ -844,8 +844,8 @@ def test_one_rank_dispatch_as_one_call_equals_the_staged_dispatch(precision):
     (``call_graph_tokens=0``) and the oracle give - payload, scales (every byte, the rows past the groups included),
     offsets, counts, every plan tensor of the handle and the checked ids - on inputs with dropped slots, a token with
     none, every token on one expert, NaN / Inf rows, int32 and int64 ids, ids that are a non-contiguous view, one
-    token, and every slot dropped; its output is the first ``R`` rows of a tensor of the rows its tokens could fill at most. Bad ids raise the
-    detailed error, after which the next call is right."""
+    token, and every slot dropped; its output is the first ``R`` rows of a tensor of the rows its tokens could fill at
+    most. Bad ids raise the detailed error, after which the next call is right."""
     from mxcomm.ep.plan import PLAN_TENSORS
 
     E, k, H = 8, 3, 96 if precision == "mxfp8" else 64

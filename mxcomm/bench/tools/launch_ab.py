@@ -1,0 +1,119 @@
+"""One EP call under two launch settings, alternating in one process (one rank, the ``nvshmem`` backend on a GPU):
+a same-process comparison of host-bound whole calls, where two separate ``mxcomm bench`` runs a minute apart can
+differ by more than the change (the host's state moves between runs).
+
+    source bench/gpu/env.sh $((1 << 30)); python3 -m mxcomm.bench.tools.launch_ab --b call_graph_tokens=0 \\
+        [--a FIELD=N,...] [--op dispatch] [--tokens 128] [--iters 300] [--out results.json]
+
+The group is built with the default :class:`mxcomm.ep.LaunchConfig` with ``--a``'s fields set; before each call its
+backend's launch settings are set to ``a`` or ``b`` in turn (the group's one rank: nothing else has to agree). Each
+iteration times one call of each (host wall time, the device synchronised before and after, as ``mxcomm bench``
+times a call), under two conditions: ``plain``, and ``flush+sleep`` (an L2 flush and 2 ms of host sleep before each
+call, what ``mxcomm bench`` does before its timed calls). The first 5 iterations are not kept. Prints and (``--out``)
+writes the median, p10 and p90 of each, with the machine, the versions and the settings.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from typing import Callable, Optional
+
+WARMUP = 5  # iterations not kept
+
+
+def alternate(calls: dict, iters: int, before: Optional[Callable[[], None]] = None,
+              clock: Callable[[], float] = time.perf_counter) -> dict:
+    """``calls``: name -> ``(select, call)``; each of ``iters + WARMUP`` iterations runs, for every name in order,
+    ``select()``, ``before()`` (if given), then times ``call()`` (µs on ``clock``). Returns name -> the kept times."""
+    times = {n: [] for n in calls}
+    for it in range(iters + WARMUP):
+        for name, (select, call) in calls.items():
+            select()
+            if before is not None:
+                before()
+            t0 = clock()
+            call()
+            if it >= WARMUP:
+                times[name].append((clock() - t0) * 1e6)
+    return times
+
+
+def summary(values: list) -> dict:
+    """Median, p10 and p90 (nearest rank) of ``values`` (µs), and how many."""
+    v = sorted(values)
+    return dict(median_us=statistics.median(v), p10_us=v[len(v) // 10], p90_us=v[(9 * len(v)) // 10], n=len(v))
+
+
+def main(argv=None) -> None:
+    from ..options import _settings
+
+    ap = argparse.ArgumentParser(prog="python -m mxcomm.bench.tools.launch_ab")
+    ap.add_argument("--a", type=_settings, default={}, help="LaunchConfig fields of setting a (default: defaults)")
+    ap.add_argument("--b", type=_settings, required=True, help="LaunchConfig fields of setting b")
+    ap.add_argument("--op", choices=("dispatch", "combine"), default="dispatch")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from .. import env_info
+    from ..timing import L2Flusher
+    from ...ep import EPConfig, EPGroup
+    from ...ep.nvshmem.launch_config import LaunchConfig
+
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    T, H, E, k = a.tokens, 7168, 256, 8
+    settings = {"a": LaunchConfig(**a.a), "b": LaunchConfig(**a.b)}
+    grp = EPGroup(EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=T, backend="nvshmem",
+                           launch=settings["a"]))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(T, k, device="cuda", generator=g)
+    res = grp.dispatch(x, idx, w)
+    out = torch.randn(res.num_rows, H, device="cuda", generator=g).to(torch.bfloat16)
+
+    def call():
+        if a.op == "dispatch":
+            grp.dispatch(x, idx, w)
+        else:
+            grp.combine(out, res.handle)
+        torch.cuda.synchronize()
+
+    def chooser(name):
+        def select():
+            grp.backend.launch = settings[name]
+            torch.cuda.synchronize()
+        return select
+
+    flush = L2Flusher(torch.device("cuda"))
+    args = sys.argv[1:] if argv is None else list(argv)
+    report = dict(command=" ".join(["python3 -m mxcomm.bench.tools.launch_ab", *args]), tool="launch_ab",
+                  op=a.op, tokens=T, hidden=H, experts=E, topk=k, iters=a.iters,
+                  settings={n: asdict(s) for n, s in settings.items()}, machine=env_info.machine(),
+                  versions=env_info.versions(), env=env_info.relevant_env(), results={})
+    for cond, before in (("plain", None), ("flush+sleep", lambda: (flush(), time.sleep(2e-3)))):
+        times = alternate({n: (chooser(n), call) for n in settings}, a.iters, before)
+        report["results"][cond] = {n: summary(v) for n, v in times.items()}
+        for n, s in report["results"][cond].items():
+            fields = ", ".join(f"{f}={v}" for f, v in (a.a if n == "a" else a.b).items()) or "defaults"
+            print(f"{cond:12s} {n} ({fields}): median {s['median_us']:7.1f} us  p10 {s['p10_us']:7.1f}  "
+                  f"p90 {s['p90_us']:7.1f}  n={s['n']}", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+    from ... import transport as tp
+
+    tp.finalize()
+
+
+if __name__ == "__main__":
+    main()
