@@ -36,7 +36,8 @@ rank, each expert rank forms the weighted partial sum of a token's rows on it in
 (``combine_partials_kernel``), and the origin sums the partials (``combine_reduce_kernel``). Combine backward brings
 each BF16 gradient row once per (token, rank) to the expert rank, which weights and quantizes it per slot where it
 lands and forms the route-weight gradient from the expert rows there (``pull_weighted_kernel``). None of them syncs
-with the host. One rank (``"local"``): nothing travels; dispatch writes its output directly (``local_rows_kernel``),
+with the host. One rank (``"local"``): nothing travels; dispatch writes its output directly (``local_rows_kernel``;
+an exact-size dispatch of a few tokens is one captured call, :mod:`mxcomm.ep.nvshmem.call_graph`),
 the reduce forms the one partial from the expert rows in place (``local_reduce_kernel``).
 """
 from __future__ import annotations

@@ -2,11 +2,12 @@
 hundred tokens, whose time is the host's launches, not the device's work).
 
 A CUDA graph replays its kernels with the pointer arguments they were captured with. The call's inputs and outputs
-are new tensors at every call, so the captured kernels read their addresses from an int64 table
-(:mod:`mxcomm.ep.nvshmem.kernels.call_io`) in pinned host memory, which :meth:`CallGraph.replay` writes and the kernels
-read over the bus (pinned memory is mapped into the device's address space at the same address under unified
-addressing): one graph launch per call, no copy of the table, of the inputs or of the outputs beyond the small ones
-the graph itself copies out (``copy_out_kernel``).
+are new tensors at every call, so the captured kernels read their addresses from an int64 table in device memory
+(:mod:`mxcomm.ep.nvshmem.kernels.call_io`), which the graph's first node copies from pinned host memory that
+:meth:`CallGraph.replay` writes: one graph launch per call, no copy of the inputs and none of the outputs beyond the
+small ones the graph itself copies out (``copy_out_kernel``). (Kernels that read the table from pinned memory
+themselves, every program over the bus with volatile loads, made the output kernel a hundred times slower:
+docs/benchmarks.md.)
 """
 from __future__ import annotations
 
@@ -20,15 +21,15 @@ class CallGraph:
 
     Args:
         device: the CUDA device.
-        n_addr: entries of the address table (int64 ``[n_addr]`` in pinned host memory, what ``body`` reads).
+        n_addr: entries of the address table (int64 ``[n_addr]`` on the device, what ``body`` reads).
         body: enqueues the call's work on the current stream, reading its tensors' addresses from the table; what it
             returns is kept as :attr:`outputs`: every tensor the graph writes besides the table's must be allocated
             inside ``body`` (the graph's own memory) and held there, since a tensor freed after the capture gives
             its memory to other tensors while every replay still writes it.
 
-    The table is written by :meth:`replay` while no earlier replay can still be reading it: each replay records an
-    event, and the next waits for it before it writes (a call that synchronises with the host in between, as an
-    exact-size dispatch does, finds it done).
+    The table's pinned host copy is written by :meth:`replay` while no earlier replay can still be copying it: each
+    replay records an event, and the next waits for it before it writes (a call that synchronises with the host in
+    between, as an exact-size dispatch does, finds it done).
     """
 
     def __init__(self, device: torch.device, n_addr: int, body: Callable[[torch.Tensor], object]):

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ....kernels.launch import cdiv, fast_kernel, next_pow2
+from ....kernels.launch import cdiv, fast_kernel
 from ....mx import grouped_m_rows, round_up
 from ...plan import PLAN_TENSORS, RoutingPlan
 from .. import plan_kernels
@@ -78,9 +78,11 @@ class LocalPath(EnginePath):
     """One rank: nothing leaves the GPU. Dispatch: the id check, counts and plan (captured once per token count and
     replayed), then ``local_rows_kernel`` reads each token row once, quantizes it once and stores it straight into the
     fresh output at every selection's row (scale rows into ``recv_s``), padding rows zeroed by the same launch; one
-    host sync (the output size, with the id check). Combine and dispatch backward: the engine's reduce reads the
-    expert rows in place (one partial per token). Combine backward: the same kernel as dispatch with per-slot
-    weighting, and the route-weight gradient from the expert rows. Buffer: ``ep.recv_s`` (scale rows)."""
+    host sync (the output size, with the id check). With exact sizes and at most ``LaunchConfig.call_graph_tokens``
+    tokens the whole dispatch is one captured call instead (:meth:`_dispatch_call`). Combine and dispatch backward:
+    the engine's reduce reads the expert rows in place (one partial per token). Combine backward: the same kernel as
+    dispatch with per-slot weighting, and the route-weight gradient from the expert rows. Buffer: ``ep.recv_s`` (scale
+    rows)."""
 
     name = "local"
 
@@ -212,8 +214,10 @@ class LocalPath(EnginePath):
                 if e.second_sighting(key):
                     graph = CallGraph(e.device, len(addresses), lambda t: self._call_body(t, shape))
                     glayout = _PlanLayout.of(graph.outputs.middle)
-                    if not glayout.copier.aux_names:  # every output in the store, which the graph copies out
-                        e.remember_graph(key, _CapturedCall(graph=graph, layout=glayout))
+                    if glayout.copier.aux_names:  # (the Triton plan writes every output into the store)
+                        raise RuntimeError(f"the captured dispatch's outputs {glayout.copier.aux_names} are not in "
+                                           "the plan's store, which is all the graph copies out")
+                    e.remember_graph(key, _CapturedCall(graph=graph, layout=glayout))
         else:
             cap.graph.replay(addresses)
             e.status_words.note_copy_enqueued()
