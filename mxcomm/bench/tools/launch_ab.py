@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Callable, Optional
 
 WARMUP = 5  # iterations not kept
