@@ -40,7 +40,9 @@ class LaunchConfig:
         call_graph_tokens: one rank, exact sizes: a dispatch of at most this many tokens runs as one captured call
             (``LocalPath``: replayed with the call's tensors; its output's storage holds the most rows the call's
             tokens can fill, ``T k + E (align - 1)``, of which the call's rows are the view it returns); 0: never.
-            Above it the host's work overlaps the device's and the output is allocated at its exact size.
+            Above it the host's work overlaps the device's and the output is allocated at its exact size. The
+            default covers the sizes whose eager dispatch is the host's work (measured at 128 tokens,
+            docs/benchmarks.md) while the rows the output holds beyond its ``R`` stay a few MB at hidden 7168.
         wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
             peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
             cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
@@ -62,7 +64,7 @@ class LaunchConfig:
     put_per_sm: int = 4
     put_chunks: int = 4
     wait_warps: int = 1
-    call_graph_tokens: int = 512
+    call_graph_tokens: int = 256
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
