@@ -43,14 +43,18 @@ class _PlanLayout:
 
     @staticmethod
     def of(po: PlanOutputs) -> "_PlanLayout":
-        """The layout of the plan tensors and the checked ids of ``po`` in their store."""
+        """The layout of the plan tensors and the checked ids of ``po`` in their store (all of them: the Triton plan
+        writes every output there, and the store is all a call copies out)."""
         copier = OutputCopier({**{n: getattr(po.plan, n) for n in PLAN_TENSORS}, **po.extra})
+        if copier.aux_names:
+            raise RuntimeError(f"the dispatch's outputs {copier.aux_names} are not in the plan's store, which is all "
+                               "a call copies out")
         scalars = {f.name: getattr(po.plan, f.name) for f in fields(RoutingPlan) if f.name not in PLAN_TENSORS}
         return _PlanLayout(copier=copier, scalars=scalars)
 
     def read(self, plan_copy: torch.Tensor) -> PlanOutputs:
         """The plan and the checked ids (``extra["ids"]``) as views of ``plan_copy`` (int32, a copy of the store)."""
-        vals = self.copier.views(plan_copy.view(torch.uint8), self.copier.aux)
+        vals = self.copier.views(plan_copy.view(torch.uint8), self.copier.aux)  # (aux: empty, see of)
         plan = RoutingPlan(**self.scalars, **{n: vals[n] for n in PLAN_TENSORS})
         return PlanOutputs(plan=plan, extra={"ids": vals["ids"]})
 
@@ -208,16 +212,11 @@ class LocalPath(EnginePath):
         if cap is None:
             table = torch.tensor(addresses, dtype=torch.int64).to(e.device)
             layout = _PlanLayout.of(self._call_body(table, shape).middle)
-            layout.copier.fill()  # (outputs outside the store, if any: their current values)
             if e.device.type == "cuda":
                 e.status_words.note_copy_enqueued()
                 if e.second_sighting(key):
                     graph = CallGraph(e.device, len(addresses), lambda t: self._call_body(t, shape))
-                    glayout = _PlanLayout.of(graph.outputs.middle)
-                    if glayout.copier.aux_names:  # (the Triton plan writes every output into the store)
-                        raise RuntimeError(f"the captured dispatch's outputs {glayout.copier.aux_names} are not in "
-                                           "the plan's store, which is all the graph copies out")
-                    e.remember_graph(key, _CapturedCall(graph=graph, layout=glayout))
+                    e.remember_graph(key, _CapturedCall(graph=graph, layout=_PlanLayout.of(graph.outputs.middle)))
         else:
             cap.graph.replay(addresses)
             e.status_words.note_copy_enqueued()
