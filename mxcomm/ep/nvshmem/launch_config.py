@@ -40,9 +40,10 @@ class LaunchConfig:
         call_graph_tokens: one rank, exact sizes: a dispatch of at most this many tokens runs as one captured call
             (``LocalPath``: replayed with the call's tensors; its output's storage holds the most rows the call's
             tokens can fill, ``T k + E (align - 1)``, of which the call's rows are the view it returns); 0: never.
-            Above it the host's work overlaps the device's and the output is allocated at its exact size. The
-            default covers the sizes whose eager dispatch is the host's work (measured at 128 tokens,
-            docs/benchmarks.md) while the rows the output holds beyond its ``R`` stay a few MB at hidden 7168.
+            Above it the output is allocated at its exact size after the sync and its kernels launched then. The
+            default covers the sizes measured faster as one call (128 to 8192 tokens, docs/benchmarks.md); the rows
+            the output holds beyond its ``R`` are at most ``E (align - 1)`` whatever ``T`` (57 MB at hidden 7168,
+            256 experts, ``align`` 32; about half that with balanced routing).
         wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
             peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
             cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
@@ -64,7 +65,7 @@ class LaunchConfig:
     put_per_sm: int = 4
     put_chunks: int = 4
     wait_warps: int = 1
-    call_graph_tokens: int = 256
+    call_graph_tokens: int = 8192
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop

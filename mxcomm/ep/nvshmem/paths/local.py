@@ -166,7 +166,8 @@ class LocalPath(EnginePath):
         H, k, T = cfg.hidden, cfg.topk, shape.T
         idx = torch.empty(T, k, dtype=shape.dtype, device=e.device)
         n_idx = idx.numel() * idx.element_size() // 4
-        fast_kernel(copy_in_kernel)[(1,)](table, _IDS, idx.view(-1).view(torch.int32), n_idx, BLOCK=_COPY_BLOCK)
+        fast_kernel(copy_in_kernel)[(min(cdiv(n_idx, _COPY_BLOCK), 64),)](
+            table, _IDS, idx.view(-1).view(torch.int32), n_idx, BLOCK=_COPY_BLOCK)
         store = e.plan_store(idx)
         po = self._middle(e.counts_mat, idx, store=store)
         fast_kernel(copy_out_kernel)[(min(cdiv(shape.plan_words, _COPY_BLOCK), 64),)](
