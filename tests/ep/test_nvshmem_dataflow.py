@@ -127,8 +127,9 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
     keeps each entry's rows as the dispatch's table (all -1 for a (source, token) not received) and the token's route
     weights the entry carries as the table's weights (0 for one not received), and ignores entries of an older epoch
     (pre-filled garbage with an old tag, some with the same low 32 bits as this epoch).
-    Ranks with zero tokens, dropped slots, tokens with several experts on one rank; the odd epoch reads copy 1."""
-    from mxcomm.ep.nvshmem.kernels import pull_rows_kernel, push_entries_kernel
+    Ranks with zero tokens, dropped slots, tokens with several experts on one rank; the odd epoch reads copy 1.
+    ``pull_rows_at_kernel`` (the output and the table at a table's addresses) writes the same bytes."""
+    from mxcomm.ep.nvshmem.kernels import pull_rows_at_kernel, pull_rows_kernel, push_entries_kernel
     from mxcomm.ep.plan import FLAG_ROWS, pull_entry_words
 
     g = torch.Generator().manual_seed(W * 10 + E + k)
@@ -169,6 +170,18 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
                                copy_bytes // 8,
                                ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
                                C_POW2=triton.next_power_of_2(C), K=k, K_POW2=triton.next_power_of_2(k), EW=EW, MX=mx)
+        # the same inside a captured call: the output and the table (with its weights, one allocation) at the
+        # addresses of an int64 table; the same bytes everywhere
+        out_at, recv_s_at = out0.clone(), recv_s0.clone()
+        pair = torch.full((2, W * T_max, k), 77, dtype=torch.int32)
+        addr = torch.tensor([0, 0, 0, out_at.data_ptr(), 0, 0, pair.data_ptr()], dtype=torch.int64)
+        pull_rows_at_kernel[(2,)](addr, 3, 6, recv_s_at, p.offs, p.expert_counts, p.num_rows, E // W, R,
+                                  ptrs(send_q), ptrs(send_s), lists[d], ep, T_max, W, copy_bytes // 8,
+                                  ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
+                                  C_POW2=triton.next_power_of_2(C), K=k, K_POW2=triton.next_power_of_2(k), EW=EW,
+                                  MX=mx)
+        assert torch.equal(out_at, out) and torch.equal(recv_s_at, recv_s)
+        assert torch.equal(pair[0], table) and torch.equal(pair[1], wtab.view(torch.int32))
         want = torch.zeros(R, H * B, dtype=torch.uint8)
         want[n_rows:] = out0[n_rows:]  # the tail is left as it was
         want_table = torch.full((W * T_max, k), -1, dtype=torch.int32)
@@ -1096,6 +1109,11 @@ for mx in (True, False):
                   CHUNK=512, C=224, C_POW2=256, K=8, K_POW2=8, EW=16, MX=mx)
     # the rows read through the peer table in 16-byte loads, as they are stored (8-byte loads without the hint)
     assert "ld.global.v2.b64" in ptx, ("pull rows' loads", mx)
+    ptx = compile(nk.pull_rows_at_kernel, dict(addr_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32,
+                  n_rows_ptr=i32, q_peers=i64, s_peers=i64, list_ptr=i32, epoch_ptr=i64), ROW_WORDS=896 if mx else 1792,
+                  CHUNK=512, C=224, C_POW2=256, K=8, K_POW2=8, EW=16, MX=mx)
+    # through the table too: rows and padding zeros stored 16 bytes at a time (no 8-byte stores)
+    assert "ld.global.v2.b64" in ptx and "st.global.v2.b64" in ptx and "st.global.b64" not in ptx, ("pull at", mx)
 for mx in (True, False):
     ptx = compile(nk.pack_rows_kernel, dict(x_slot=i64, send_q_ptr=u8 if mx else "*bf16", send_s_ptr=u8,
                   epoch_ptr=i64), H=7168, CHUNK=2048, MX=mx, MODE=0, INT_ROUND=False)

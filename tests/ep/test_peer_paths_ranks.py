@@ -41,8 +41,8 @@ def _backend(rank, world, path, base, cfg):
     from mxcomm.ep.nvshmem.backend import NvshmemBackend
 
     heap = SharedHeap(path, base, rank, world, _PER_RANK)
-    # a few programs per kernel (the interpreter runs them one by one), uneven counts
-    launch = LaunchConfig(dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2)
+    # a few programs per kernel (the interpreter runs them one by one), uneven counts; the config's other settings
+    launch = dataclasses.replace(cfg.launch or LaunchConfig(), dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2)
     be = NvshmemBackend(dataclasses.replace(cfg, launch=launch), None, rank, world, heap=heap)
     assert be.path == cfg.transport, be.path
     dist.barrier()  # every rank's buffers exist before any rank writes into them
@@ -82,6 +82,9 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
             d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])
         # an exact-size dispatch syncs with the host once, on every path (the no-sync check starts a copy instead)
         assert reads["sync"] == (1 if exact else 0), (tag, reads)
+        if cfg.transport == "pull" and T[rank]:  # the pull path's exact-size dispatch as one call where it is small
+            one_call = exact and world * cfg.max_tokens_per_rank <= be.launch.peer_call_tokens
+            assert (("pull-call", T[rank], idxs[rank].dtype) in be.impl._shapes) == one_call, tag
         if cfg.transport == "push":  # a handshake between the rounds that carry rows, none after them (no-sync mode)
             need = max(1, -(-max(int(w.offs[-1]) for w in wants) // be.impl.window))
             assert int(be.impl._window_epoch) - epoch0 == need - 1, (tag, need, int(be.impl._window_epoch) - epoch0)
@@ -242,6 +245,20 @@ def test_peer_paths_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision,
     assert out == ["ok"] * W
 
 
+@pytest.mark.parametrize("precision,k,T", [("mxfp8", 2, (9, 6)), ("bf16", 3, (7, 8))])
+def test_pull_path_staged_dispatch_matches_spec(tmp_path, precision, k, T):
+    """The pull path's exact-size dispatch without the one call (``LaunchConfig.peer_call_tokens=0``: the output
+    kernels launched after the host sync, the middle alone captured), checked as the matrix above checks it."""
+    from mxcomm.ep import EPConfig
+    from mxcomm.ep.nvshmem.launch_config import LaunchConfig
+
+    cfg = EPConfig(num_experts=4, hidden=64, topk=k, max_tokens_per_rank=max(T), precision=precision,
+                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport="pull", exact_sizes=True,
+                   launch=LaunchConfig(peer_call_tokens=0))
+    out = _run_mapped(tmp_path, 2, _paths_worker, cfg, [T, T], 57, timeout=600)
+    assert out == ["ok"] * 2
+
+
 def test_pull_path_token_counts_vary_from_call_to_call(tmp_path):
     """Seven calls on one group of three ranks with every rank's token count drawn anew each time (0 to
     ``max_tokens_per_rank``; one call with no tokens anywhere, one with a single token on one rank): each call's
@@ -271,17 +288,21 @@ def test_combine_weights_decided_unlike_fails_on_every_rank(tmp_path):
     assert out == [(0, 1), (1, 0)], out
 
 
-@pytest.mark.parametrize("transport,window", [("pull", None), ("push", None), ("push", 8)])
-def test_refusal_then_clean_call_then_absent_peer(tmp_path, transport, window):
+@pytest.mark.parametrize("transport,window,peer_call", [("pull", None, 1024), ("pull", None, 0), ("push", None, 1024),
+                                                       ("push", 8, 1024)])
+def test_refusal_then_clean_call_then_absent_peer(tmp_path, transport, window, peer_call):
     """Bad input and a missing peer on the pull and push paths (the push path also in rounds) across processes: a
     rank whose ids hold an expert id out of range raises the detailed ValueError and its peer a PeerTimeout saying that
     rank refused, both before any row is gathered or sent; the next dispatch and combine on both ranks are exact (the
     group stays usable); then a rank that never enters the dispatch makes the other's bounded wait raise PeerTimeout
-    naming it, within its timeout."""
+    naming it, within its timeout. ``peer_call``: ``LaunchConfig.peer_call_tokens`` (0: the pull dispatch staged
+    around its host sync; else as one call)."""
     from mxcomm.ep import EPConfig
+    from mxcomm.ep.nvshmem.launch_config import LaunchConfig
 
     cfg = EPConfig(num_experts=4, hidden=64, topk=2, max_tokens_per_rank=6, precision="bf16", backend="nvshmem",
-                   num_sms=1, timeout_s=3.0, transport=transport, recv_window_rows=window)
+                   num_sms=1, timeout_s=3.0, transport=transport, recv_window_rows=window,
+                   launch=LaunchConfig(peer_call_tokens=peer_call))
     out = _run_mapped(tmp_path, 2, _fault_worker, cfg, (6, 5), 9, timeout=300)
     assert out[0] == [("PeerTimeout", 1, True), True, ("PeerTimeout", 1, True)], out
     assert out[1] == [("ValueError", True), True], out

@@ -57,6 +57,7 @@ from .launch_config import LaunchConfig
 from . import plan_kernels
 from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from ..plan import FLAG_ROWS, RoutingPlan, buffer_regions, combine_slots, dispatch_path, local_counts, max_recv_rows
+from .call_graph import CallGraph, CallOutputs, CapturedCall, PlanLayout
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from .paths import PATHS, PUSH_BLOCK, fp32_weights
 from .state import NvshmemState, RowOrigins, handle_origins, row_origins
@@ -468,6 +469,28 @@ class NvshmemBackend:
         g.replay(topk_idx)
         self.status_words.start_read()  # before the snapshot's host work, which then overlaps the transfer
         return g.snapshot()
+
+    def run_call(self, key, addresses: tuple, body: Callable[[torch.Tensor], CallOutputs]) -> PlanLayout:
+        """Run a dispatch as one call: ``body(table)`` enqueues all of it, reading its tensors' addresses from the
+        int64 table ``table`` (``addresses``, ints, in the order ``body`` reads them). On the GPU it is captured into
+        a :class:`CallGraph` at a key's second call (as :meth:`run_middle`'s middles) and replayed afterwards with
+        this call's ``addresses``; eager elsewhere, at a key's first two calls and on the interpreter. The body
+        enqueues the copy of the status words (CUDA) that the call's host sync reads. Returns the layout of the
+        call's copy of its plan (:meth:`PlanLayout.read`)."""
+        cuda = self.device.type == "cuda"
+        cap = self.captured_graph(key) if cuda else None
+        if cap is not None:
+            cap.graph.replay(addresses)
+            self.status_words.note_copy_enqueued()
+            return cap.layout
+        table = torch.tensor(addresses, dtype=torch.int64).to(self.device)
+        layout = PlanLayout.of(body(table).middle)
+        if cuda:
+            self.status_words.note_copy_enqueued()
+            if self.second_sighting(key):
+                graph = CallGraph(self.device, len(addresses), body)
+                self.remember_graph(key, CapturedCall(graph=graph, layout=PlanLayout.of(graph.outputs.middle)))
+        return layout
 
     def captured_graph(self, key):
         """The graph kept for ``key`` (now the most recently used), or None."""

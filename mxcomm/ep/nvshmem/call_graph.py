@@ -1,5 +1,8 @@
-"""CallGraph: a whole call captured once and replayed with new tensors (the one-rank exact-size dispatch of a few
-hundred tokens, whose time is the host's launches, not the device's work).
+"""CallGraph: a whole call captured once and replayed with new tensors (the exact-size dispatch of the one-rank path
+and, where its output's worst case is small, of the pull path: its eager form would launch its output kernels after
+the host sync, the device idle meanwhile), and what the paths that capture their dispatch so share
+(:class:`CallShape`, :class:`CallOutputs`, :class:`PlanLayout`, :class:`CapturedCall`, :func:`copy_in`,
+:func:`copy_out`).
 
 A CUDA graph replays its kernels with the pointer arguments they were captured with. The call's inputs and outputs
 are new tensors at every call, so the captured kernels read their addresses from an int64 table in device memory
@@ -11,9 +14,16 @@ docs/benchmarks.md.)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
+
+from ...kernels.launch import cdiv, fast_kernel
+from ..plan import PLAN_TENSORS, RoutingPlan
+from .plan_graph import OutputCopier, PlanOutputs
+
+COPY_BLOCK = 1024  # int32 words per step of copy_in_kernel / copy_out_kernel
 
 
 class CallGraph:
@@ -64,4 +74,84 @@ class CallGraph:
         self.replayed = True
 
 
-__all__ = ["CallGraph"]
+@dataclass(frozen=True)
+class CallShape:
+    """What a dispatch of ``T`` tokens (ids of ``dtype``) run as one call allocates: ``rows`` output rows (the most
+    the call can bring), ``scale_rows`` rows of its grouped scales, ``plan_words`` int32 words of the checked ids and
+    the plan (the plan's store)."""
+
+    T: int
+    dtype: torch.dtype
+    rows: int
+    scale_rows: int
+    plan_words: int
+
+
+@dataclass(frozen=True)
+class CallOutputs:
+    """What a captured call's body enqueued that outlives it: ``middle``, the outputs of the dispatch's middle (the
+    checked ids and the plan, in their store), and ``buffers``, the other tensors of its own it writes (the buffer
+    the caller's ids are copied into, scale rows). A captured call's are the graph's memory, written at every replay:
+    the graph keeps them (:attr:`CallGraph.outputs`), so that no other tensor is given their memory while the graph
+    can still write it."""
+
+    middle: PlanOutputs
+    buffers: tuple
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """How a call's copy of its checked ids and plan is read: ``copier`` lays the copy out as views, ``scalars`` the
+    plan's fields that are not tensors (the same for every call of a shape)."""
+
+    copier: OutputCopier
+    scalars: dict
+
+    @staticmethod
+    def of(po: PlanOutputs) -> "PlanLayout":
+        """The layout of the plan tensors and the extra outputs of ``po`` (the checked ids; the row origins where the
+        path has them) in their store (all of them: the Triton plan writes every output there, and the store is all
+        a call copies out)."""
+        copier = OutputCopier({**{n: getattr(po.plan, n) for n in PLAN_TENSORS}, **po.extra})
+        if copier.aux_names:
+            raise RuntimeError(f"the dispatch's outputs {copier.aux_names} are not in the plan's store, which is all "
+                               "a call copies out")
+        scalars = {f.name: getattr(po.plan, f.name) for f in fields(RoutingPlan) if f.name not in PLAN_TENSORS}
+        return PlanLayout(copier=copier, scalars=scalars)
+
+    def read(self, plan_copy: torch.Tensor) -> PlanOutputs:
+        """The plan and the extra outputs (``extra["ids"]``: the checked ids) as views of ``plan_copy`` (int32, a copy
+        of the store)."""
+        vals = self.copier.views(plan_copy.view(torch.uint8), self.copier.aux)  # (aux: empty, see of)
+        plan = RoutingPlan(**self.scalars, **{n: vals[n] for n in PLAN_TENSORS})
+        return PlanOutputs(plan=plan, extra={n: vals[n] for n in self.copier.named if n not in PLAN_TENSORS})
+
+
+@dataclass(frozen=True)
+class CapturedCall:
+    """A dispatch captured for one :class:`CallShape`: the graph and the layout of its plan copy."""
+
+    graph: CallGraph
+    layout: PlanLayout
+
+
+def copy_in(table: torch.Tensor, slot: int, dst: torch.Tensor) -> None:
+    """Enqueue the copy of ``dst.numel()`` values (4 or 8 bytes each) from the address in ``table[slot]`` into
+    ``dst`` (contiguous: the graph's buffer, or a fixed one of the engine)."""
+    from .kernels.call_io import copy_in_kernel
+
+    n = dst.numel() * dst.element_size() // 4
+    if n:
+        fast_kernel(copy_in_kernel)[(min(cdiv(n, COPY_BLOCK), 64),)](table, slot, dst.view(-1).view(torch.int32), n,
+                                                                     BLOCK=COPY_BLOCK)
+
+
+def copy_out(src: torch.Tensor, table: torch.Tensor, slot: int) -> None:
+    """Enqueue the copy of ``src`` (int32, contiguous) to the address in ``table[slot]``."""
+    from .kernels.call_io import copy_out_kernel
+
+    n = src.numel()
+    fast_kernel(copy_out_kernel)[(min(cdiv(n, COPY_BLOCK), 64),)](src, table, slot, n, BLOCK=COPY_BLOCK)
+
+
+__all__ = ["CallGraph", "CallShape", "CallOutputs", "PlanLayout", "CapturedCall", "copy_in", "copy_out"]

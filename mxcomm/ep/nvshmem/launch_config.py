@@ -44,6 +44,13 @@ class LaunchConfig:
             default covers the sizes measured faster as one call (128 to 8192 tokens, docs/benchmarks.md); the rows
             the output holds beyond its ``R`` are at most ``E (align - 1)`` whatever ``T`` (57 MB at hidden 7168,
             256 experts, ``align`` 32; about half that with balanced routing).
+        peer_call_tokens: several ranks on the pull path, exact sizes: when the group's ranks can send at most this
+            many tokens together (``world * max_tokens_per_rank``), a dispatch runs as one captured call
+            (``PullPath``: the output kernels enqueued before the host sync, not after it; replayed with the call's
+            tensors), its output's storage sized for the most rows the ranks' tokens can bring (``R_max``,
+            :func:`mxcomm.ep.plan.max_recv_rows`: 6080 rows, 45 MB, at 4 ranks of 128 tokens, hidden 7168, top-8 of
+            256 experts), of which the call's rows are the view it returns; 0: never. Above it the output is allocated
+            at its exact size after the sync.
         wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
             peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
             cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
@@ -66,14 +73,15 @@ class LaunchConfig:
     put_chunks: int = 4
     wait_warps: int = 1
     call_graph_tokens: int = 8192
+    peer_call_tokens: int = 1024
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
-        without progress): every field a positive int (``call_graph_tokens`` may be 0), chunks powers of two of at
+        without progress): every field a positive int (``call_graph_tokens`` and ``peer_call_tokens`` may be 0), chunks powers of two of at
         least 32 values, warps powers of two up to 32."""
         for f in fields(self):
             v = getattr(self, f.name)
-            low = 0 if f.name == "call_graph_tokens" else 1
+            low = 0 if f.name in ("call_graph_tokens", "peer_call_tokens") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LaunchConfig.{f.name} must be an int >= {low}, got {v!r}")
             if f.name.endswith("_chunk") and (v < 32 or v & (v - 1)):

@@ -23,8 +23,9 @@ Modules by job (each imports only from those listed before it):
 * :mod:`.combine_backward`: combine backward (``pack_ready_kernel``, ``pull_weighted_kernel``,
   ``round_weighted_kernel``, ``gather_route_grad_kernel``);
 * :mod:`.call_io`: a captured call's tensors at addresses given per replay (``copy_in_kernel``, ``copy_out_kernel``;
-  the one-rank dispatch's ``local_rows_at_kernel`` in :mod:`.dispatch` and ``scale_rows_to_grouped_at_kernel`` in
-  :mod:`.layout` read their output's address the same way).
+  the one-rank dispatch's ``local_rows_at_kernel`` in :mod:`.dispatch`, the pull dispatch's ``pull_rows_at_kernel``
+  in :mod:`.pull` and ``scale_rows_to_grouped_at_kernel`` in :mod:`.layout` read their outputs' addresses the same
+  way).
 
 The kernels are re-exported here; the device helpers (``@triton.jit`` functions that are not launched) stay in their
 modules.
@@ -36,8 +37,8 @@ from .combine import combine_partials_kernel, combine_reduce_kernel, local_reduc
 from .combine_backward import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel, round_weighted_kernel
 from .dispatch import local_rows_at_kernel, local_rows_kernel, push_rows_kernel, stage_rows_kernel
 from .layout import copy_out_rows_kernel, scale_rows_to_grouped_at_kernel, scale_rows_to_grouped_kernel
-from .pull import (entries_table_kernel, pack_rows_kernel, plan_entries_kernel, pull_head_kernel, pull_rows_kernel,
-                   push_entries_kernel, scan_and_wait_kernel)
+from .pull import (entries_table_kernel, pack_rows_kernel, plan_entries_kernel, pull_head_kernel,
+                   pull_rows_at_kernel, pull_rows_kernel, push_entries_kernel, scan_and_wait_kernel)
 from .signals import first_refusal_kernel, publish_kernel, wait_arrivals_kernel, wait_published_kernel
 
 __all__ = [
@@ -49,7 +50,7 @@ __all__ = [
     "local_rows_kernel", "local_rows_at_kernel", "push_rows_kernel", "stage_rows_kernel",
     # pull
     "pull_head_kernel", "scan_and_wait_kernel", "pack_rows_kernel", "push_entries_kernel", "plan_entries_kernel",
-    "entries_table_kernel", "pull_rows_kernel",
+    "entries_table_kernel", "pull_rows_kernel", "pull_rows_at_kernel",
     # combine
     "combine_partials_kernel", "stage_partials_kernel", "combine_reduce_kernel", "local_reduce_kernel",
     # combine backward

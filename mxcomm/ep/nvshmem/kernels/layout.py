@@ -73,7 +73,9 @@ def _zero_unfilled_rows(dst_ptr, offs_ptr, counts_ptr, n_rows_ptr, R_out, n_grou
         stop = tl.minimum(end, R_out)
         while r < stop:
             for c0 in tl.static_range(0, ROW_WORDS, CHUNK):
-                tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, zero, mask=(c0 + offs) < ROW_WORDS)
+                # 16 bytes a store (rows 16-byte aligned; the output's address may come from a table)
+                d = tl.max_contiguous(tl.multiple_of(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, 16), 16)
+                tl.store(d, zero, mask=(c0 + offs) < ROW_WORDS)
             r += 1
         g += G
 

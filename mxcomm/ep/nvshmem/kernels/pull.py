@@ -319,6 +319,35 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
             ``par * copy_words + t * ROW_WORDS``, scale row ``par * T_max + t``).
     Grid: any; persistent over entries, then over groups.
     """
+    _pull_rows(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers, list_ptr,
+               table_ptr, wtab_ptr, epoch_ptr, T_max, W, copy_words, ROW_WORDS, CHUNK, C, C_POW2, K, K_POW2, EW, MX)
+
+
+@triton.jit
+def pull_rows_at_kernel(addr_ptr, out_slot, table_slot, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers,
+                        list_ptr, epoch_ptr, T_max, W, copy_words,
+                        ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                        C: tl.constexpr, C_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, EW: tl.constexpr,
+                        MX: tl.constexpr):
+    """``pull_rows_kernel`` inside a captured call (:mod:`.call_io`): the fresh output at the address in
+    ``addr[out_slot]`` (``[R_out, ROW_WORDS]`` int64 words) and the dispatch's table and its weights at the address in
+    ``addr[table_slot]`` (int32 ``[2, W * T_max, K]``: the table, then the weights' fp32 bits), read from the int64
+    table ``addr``; the rest as ``pull_rows_kernel``."""
+    dst_ptr = tl.load(addr_ptr + out_slot).to(tl.pointer_type(tl.int64))
+    table_ptr = tl.load(addr_ptr + table_slot).to(tl.pointer_type(tl.int32))
+    wtab_ptr = table_ptr + W * T_max * K
+    _pull_rows(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers, list_ptr,
+               table_ptr, wtab_ptr, epoch_ptr, T_max, W, copy_words, ROW_WORDS, CHUNK, C, C_POW2, K, K_POW2, EW, MX)
+
+
+@triton.jit
+def _pull_rows(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers,
+               list_ptr, table_ptr, wtab_ptr, epoch_ptr, T_max, W, copy_words,
+               ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr,
+               C: tl.constexpr, C_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, EW: tl.constexpr,
+               MX: tl.constexpr):
+    """The body of ``pull_rows_kernel`` (its arguments; ``dst_ptr`` an int64 pointer, ``table_ptr`` / ``wtab_ptr``
+    int32 pointers)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, CHUNK)
@@ -344,7 +373,9 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
             v = tl.load(tl.max_contiguous(tl.multiple_of(sbase + c0 + offs, 16), 16), mask=m & ok, other=0)
             for j in tl.static_range(K):
                 r = tl.load(e + 2 + j, mask=ok, other=-1)
-                tl.store(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, v, mask=m & (r >= 0))
+                # 16 bytes a store (the output's rows are 16-byte aligned; its address may come from a table)
+                d = tl.max_contiguous(tl.multiple_of(dst_ptr + r.to(tl.int64) * ROW_WORDS + c0 + offs, 16), 16)
+                tl.store(d, v, mask=m & (r >= 0))
         if MX:
             sb = tl.load(s_peers + s, mask=ok, other=0).to(tl.pointer_type(tl.uint8)) + srow * C
             sv = tl.load(sb + scols, mask=(scols < C) & ok, other=0)

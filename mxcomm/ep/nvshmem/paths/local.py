@@ -1,81 +1,21 @@
 """The one-rank path (:class:`LocalPath`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
-from ....kernels.launch import cdiv, fast_kernel
+from ....kernels.launch import fast_kernel
 from ....mx import grouped_m_rows, round_up
-from ...plan import PLAN_TENSORS, RoutingPlan
+from ...plan import RoutingPlan
 from .. import plan_kernels
-from ..call_graph import CallGraph
-from ..plan_graph import OutputCopier, PlanOutputs
+from ..call_graph import CallOutputs, CallShape, copy_in, copy_out
+from ..plan_graph import PlanOutputs
 from .base import BackwardRows, DispatchRows, EnginePath
 
 # the entries of a captured dispatch's address table (mxcomm.ep.nvshmem.kernels.call_io): x, topk_idx, the output,
 # its grouped scales (MX), the copy of the checked ids and the plan
 _X, _IDS, _OUT, _SCALES, _PLAN = range(5)
-_COPY_BLOCK = 1024  # int32 words per step of copy_in_kernel / copy_out_kernel
-
-
-@dataclass(frozen=True)
-class _CallShape:
-    """What a dispatch of ``T`` tokens (ids of ``dtype``) run as one call allocates: ``rows`` output rows (the most
-    ``T`` tokens can fill with their groups' padding), ``scale_rows`` rows of its grouped scales, ``plan_words``
-    int32 words of the checked ids and the plan."""
-
-    T: int
-    dtype: torch.dtype
-    rows: int
-    scale_rows: int
-    plan_words: int
-
-
-@dataclass(frozen=True)
-class _PlanLayout:
-    """How a call's copy of its checked ids and plan is read: ``copier`` lays the copy out as views, ``scalars`` the
-    plan's fields that are not tensors (the same for every call of a shape)."""
-
-    copier: OutputCopier
-    scalars: dict
-
-    @staticmethod
-    def of(po: PlanOutputs) -> "_PlanLayout":
-        """The layout of the plan tensors and the checked ids of ``po`` in their store (all of them: the Triton plan
-        writes every output there, and the store is all a call copies out)."""
-        copier = OutputCopier({**{n: getattr(po.plan, n) for n in PLAN_TENSORS}, **po.extra})
-        if copier.aux_names:
-            raise RuntimeError(f"the dispatch's outputs {copier.aux_names} are not in the plan's store, which is all "
-                               "a call copies out")
-        scalars = {f.name: getattr(po.plan, f.name) for f in fields(RoutingPlan) if f.name not in PLAN_TENSORS}
-        return _PlanLayout(copier=copier, scalars=scalars)
-
-    def read(self, plan_copy: torch.Tensor) -> PlanOutputs:
-        """The plan and the checked ids (``extra["ids"]``) as views of ``plan_copy`` (int32, a copy of the store)."""
-        vals = self.copier.views(plan_copy.view(torch.uint8), self.copier.aux)  # (aux: empty, see of)
-        plan = RoutingPlan(**self.scalars, **{n: vals[n] for n in PLAN_TENSORS})
-        return PlanOutputs(plan=plan, extra={"ids": vals["ids"]})
-
-
-@dataclass(frozen=True)
-class _CallOutputs:
-    """What :meth:`LocalPath._call_body` enqueued that outlives it: the middle's outputs (the checked ids and the plan
-    in their store) and ``ids_in``, the buffer the caller's ids are copied into. A captured call's are the graph's
-    memory, written at every replay: the graph keeps them (:attr:`CallGraph.outputs`), so that no other tensor is
-    given their memory while the graph can still write it."""
-
-    middle: PlanOutputs
-    ids_in: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _CapturedCall:
-    """A dispatch captured for one :class:`_CallShape`: the graph and the layout of its plan copy."""
-
-    graph: CallGraph
-    layout: _PlanLayout
 
 
 class LocalPath(EnginePath):
@@ -93,7 +33,7 @@ class LocalPath(EnginePath):
     def __init__(self, engine, bufs):
         super().__init__(engine, bufs)
         self.recv_s = bufs["ep.recv_s"]
-        self._shapes: dict = {}  # ("local-call", T, ids dtype) -> _CallShape of a dispatch run as one call
+        self._shapes: dict = {}  # ("local-call", T, ids dtype) -> CallShape of a dispatch run as one call
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor,
                 store: Optional[torch.Tensor] = None) -> PlanOutputs:
@@ -140,15 +80,15 @@ class LocalPath(EnginePath):
                             origins=None)
 
     # -- a dispatch of a few tokens as one call -------------------------------------------------
-    def _call_shape(self, T: int, dtype: torch.dtype) -> _CallShape:
+    def _call_shape(self, T: int, dtype: torch.dtype) -> CallShape:
         e = self.e
         cfg = e.config
         k, E = cfg.topk, cfg.num_experts
         rows = round_up(T * min(k, E) + E * (cfg.align - 1), cfg.align)
-        return _CallShape(T=T, dtype=dtype, rows=rows, scale_rows=grouped_m_rows(rows, e.El),
+        return CallShape(T=T, dtype=dtype, rows=rows, scale_rows=grouped_m_rows(rows, e.El),
                           plan_words=T * k + plan_kernels.plan_numel(1, E, T, k, 0))
 
-    def _call_body(self, table: torch.Tensor, shape: _CallShape) -> "_CallOutputs":
+    def _call_body(self, table: torch.Tensor, shape: CallShape) -> CallOutputs:
         """Enqueue the whole dispatch of ``shape.T`` tokens reading its tensors' addresses from ``table`` (int64, the
         ``_X`` .. ``_PLAN`` entries): ``topk_idx`` copied into a buffer of the call's own (``[T, k]``, its dtype;
         inside a capture, the graph's: kept with the outputs, since the graph writes it at every replay), the middle
@@ -157,7 +97,6 @@ class LocalPath(EnginePath):
         their grouped scales (``scale_rows_to_grouped_at_kernel``: every one of ``shape.scale_rows`` rows written),
         then (CUDA) the copy of the status words read at the call's sync. Returns the middle's outputs (in the store,
         the call's own buffer: the graph's, when captured) and the ids' buffer."""
-        from ..kernels.call_io import copy_in_kernel, copy_out_kernel
         from ..kernels.dispatch import local_rows_at_kernel
         from ..kernels.layout import scale_rows_to_grouped_at_kernel
 
@@ -165,13 +104,10 @@ class LocalPath(EnginePath):
         cfg = e.config
         H, k, T = cfg.hidden, cfg.topk, shape.T
         idx = torch.empty(T, k, dtype=shape.dtype, device=e.device)
-        n_idx = idx.numel() * idx.element_size() // 4
-        fast_kernel(copy_in_kernel)[(min(cdiv(n_idx, _COPY_BLOCK), 64),)](
-            table, _IDS, idx.view(-1).view(torch.int32), n_idx, BLOCK=_COPY_BLOCK)
+        copy_in(table, _IDS, idx)
         store = e.plan_store(idx)
         po = self._middle(e.counts_mat, idx, store=store)
-        fast_kernel(copy_out_kernel)[(min(cdiv(shape.plan_words, _COPY_BLOCK), 64),)](
-            store, table, _PLAN, shape.plan_words, BLOCK=_COPY_BLOCK)
+        copy_out(store, table, _PLAN)
         plan = po.plan
         fast_kernel(local_rows_at_kernel)[(e.output_programs(T),)](
             table, T, plan.dest_rank, plan.dest_row, self.recv_s.peer_ptrs, plan.offs, plan.expert_counts,
@@ -187,7 +123,7 @@ class LocalPath(EnginePath):
             )
         if e.device.type == "cuda":
             e.status_words.enqueue_copy()
-        return _CallOutputs(middle=po, ids_in=idx)
+        return CallOutputs(middle=po, buffers=(idx,))
 
     def _dispatch_call(self, x: torch.Tensor, topk_idx: torch.Tensor) -> DispatchRows:
         """An exact-size dispatch of a few tokens as one call (``T <= LaunchConfig.call_graph_tokens``): on the GPU
@@ -209,24 +145,12 @@ class LocalPath(EnginePath):
         plan_copy = torch.empty(shape.plan_words, dtype=torch.int32, device=e.device)
         addresses = (x.data_ptr(), topk_idx.data_ptr(), out.data_ptr(), 0 if scales is None else scales.data_ptr(),
                      plan_copy.data_ptr())
-        cap = e.captured_graph(key) if e.device.type == "cuda" else None
-        if cap is None:
-            table = torch.tensor(addresses, dtype=torch.int64).to(e.device)
-            layout = _PlanLayout.of(self._call_body(table, shape).middle)
-            if e.device.type == "cuda":
-                e.status_words.note_copy_enqueued()
-                if e.second_sighting(key):
-                    graph = CallGraph(e.device, len(addresses), lambda t: self._call_body(t, shape))
-                    e.remember_graph(key, _CapturedCall(graph=graph, layout=_PlanLayout.of(graph.outputs.middle)))
-        else:
-            cap.graph.replay(addresses)
-            e.status_words.note_copy_enqueued()
-            layout = cap.layout
+        layout = e.run_call(key, addresses, lambda t: self._call_body(t, shape))
         kept = layout.read(plan_copy)
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
         grouped = None if scales is None else scales[:grouped_m_rows(R, e.El)]
         ids = kept.extra["ids"]
-        return DispatchRows(q=out[:R], scale_rows=self.recv_s.local, kept=kept, ids=ids, num_rows=R, origins=None,
+        return DispatchRows(q=out[:R], scale_rows=None, kept=kept, ids=ids, num_rows=R, origins=None,
                             grouped_scales=grouped)
 
     def combine_backward(self, g, w, handle, mx, expert_out):

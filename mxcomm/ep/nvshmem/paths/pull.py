@@ -1,13 +1,23 @@
 """The pull path (:class:`PullPath`): the default with several ranks on one node."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ....kernels.launch import cdiv, fast_kernel, next_pow2
+from ....mx import grouped_m_rows, round_up
 from ..state import DeliveredWeights
 from ...plan import RoutingPlan
+from .. import plan_kernels
+from ..call_graph import CallOutputs, CallShape, copy_in, copy_out
 from ..plan_graph import PlanOutputs
-from .base import FLAG_ROW, PUBLISH_BLOCK, DispatchRows, EnginePath
+from .base import FLAG_ROW, PUBLISH_BLOCK, DispatchRows, EnginePath, fp32_weights
+
+# the entries of a captured dispatch's address table (mxcomm.ep.nvshmem.kernels.call_io): x, topk_idx, the route
+# weights (fp32), the output, its grouped scales (MX), the copy of the checked ids and the plan, the dispatch's table
+# with its weights (one allocation)
+_X, _IDS, _W, _OUT, _SCALES, _PLAN, _TABLE = range(7)
 
 
 class PullPath(EnginePath):
@@ -41,6 +51,7 @@ class PullPath(EnginePath):
         self._send_scales = self.send_s.local if engine.mx else engine.err
         self._send_copy = T_max * 2 * H if engine.mx else T_max * H
         self._plan_jobs = self._make_plan_jobs()
+        self._shapes: dict = {}  # ("pull-call", T, ids dtype) -> CallShape of a dispatch run as one call
 
     def _make_plan_jobs(self):
         """The pull-list entries and the wait for every source's as jobs of the plan's launch
@@ -108,16 +119,19 @@ class PullPath(EnginePath):
             e.d_epoch, e.err, e.timeout_ns, BLOCK_B=tile.blocks, BLOCK_K=tile.keys,
         )
 
-    def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor) -> PlanOutputs:
+    def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor,
+                store: Optional[torch.Tensor] = None) -> PlanOutputs:
         """Everything before the receivers' gather: the id check of the caller's ``topk_idx`` and this rank's counts
         (into the engine's ``counts_in``; a refusal is read at the call's one host sync), epoch += 1, the counts
         exchange (counts and refusal word) with the pack (``x`` from ``x_slot``) between its publish and its wait,
         the plan of the checked ids on the exchanged ``counts_buf``, the pull-list entries and the bounded wait for
         every source's; the refusals into the status words. ``extra["ids"]``: the checked ids. With the Triton plan,
         three launches: :meth:`_head` (check to pack), :meth:`_scan_and_wait` (the slot table and the counts wait),
-        then the plan with the entries and their wait (:meth:`_make_plan_jobs`)."""
+        then the plan with the entries and their wait (:meth:`_make_plan_jobs`). ``store``: the buffer of the ids and
+        the plan (:meth:`NvshmemBackend.plan_store`; a fresh one when None)."""
         e = self.e
-        store = e.plan_store(topk_idx)
+        if store is None:
+            store = e.plan_store(topk_idx)
         if store is not None:
             ids = self._head(topk_idx, store)
             self._scan_and_wait(ids.shape[0])
@@ -161,6 +175,9 @@ class PullPath(EnginePath):
         e = self.e
         if x.data_ptr() % 16:  # the pack reads x by address in 16-byte vectors (pack_rows_kernel, pull_head_kernel)
             x = x.clone()
+        if (e.config.exact_sizes and x.shape[0] > 0 and e.plan_impl == "triton" and not e.capturing()
+                and e.world * e.config.max_tokens_per_rank <= e.launch.peer_call_tokens):
+            return self._dispatch_call(x, topk_idx.contiguous(), topk_weights)
         self.x_slot.fill_(x.data_ptr())
         self.w_in[:x.shape[0]].copy_(topk_weights.detach())  # (no autograd history into the fixed buffer)
         po = e.run_middle(self._middle, topk_idx)  # (copies of a replay's outputs: made before the sync)
@@ -170,3 +187,81 @@ class PullPath(EnginePath):
         return DispatchRows(q=q, scale_rows=srows, kept=po, ids=po.extra["ids"], num_rows=R,
                             origins=e.origins_from(po, R), table=table,
                             weights=DeliveredWeights.of(wtab, topk_weights))
+
+    # -- a dispatch whose output's worst case is small, as one call ------------------------------
+    def _call_body(self, table: torch.Tensor, shape: CallShape) -> CallOutputs:
+        """Enqueue the whole dispatch of ``shape.T`` tokens reading its tensors' addresses from ``table`` (int64, the
+        ``_X`` .. ``_TABLE`` entries): the address of ``x`` into ``x_slot``, ``topk_idx`` copied into a buffer of the
+        call's own (``[T, k]``, its dtype; inside a capture, the graph's: kept with the outputs, since the graph
+        writes it at every replay), the route weights (fp32 ``[T, k]``) into ``w_in``, the middle
+        (:meth:`_middle`: check, pack, counts exchange, plan, entries and their wait), its checked ids, plan and row
+        origins copied out (``shape.plan_words`` int32 words), the rows (``pull_rows_at_kernel``: the output of
+        ``shape.rows`` rows, the dispatch's table and weights; the scale rows row-major into a buffer of the call's
+        own) and their grouped scales (``scale_rows_to_grouped_at_kernel``: every one of ``shape.scale_rows`` rows
+        written), then (CUDA) the copy of the status words read at the call's sync."""
+        from ..kernels.layout import scale_rows_to_grouped_at_kernel
+        from ..kernels.pull import pull_rows_at_kernel
+
+        e = self.e
+        cfg = e.config
+        H, k, T, T_max, W = cfg.hidden, cfg.topk, shape.T, cfg.max_tokens_per_rank, e.world
+        self.x_slot.copy_(table[_X:_X + 1])
+        idx = torch.empty(T, k, dtype=shape.dtype, device=e.device)
+        copy_in(table, _IDS, idx)
+        copy_in(table, _W, self.w_in[:T])
+        store = e.plan_store(idx)
+        po = self._middle(e.counts_mat, idx, store=store)
+        copy_out(store, table, _PLAN)
+        plan = po.plan
+        row_words = H // 8 if e.mx else H // 4
+        C = H // 32
+        srows = self._scale_rows(shape.rows, e.mx)
+        fast_kernel(pull_rows_at_kernel)[(e.output_programs(W * T_max),)](
+            table, _OUT, _TABLE, srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, shape.rows,
+            self.send_q.peer_ptrs, self.send_s.peer_ptrs, self.pull_list.local, e.d_epoch, T_max, W,
+            T_max * 2 * H // 8, ROW_WORDS=row_words, CHUNK=min(512, next_pow2(row_words)), C=C, C_POW2=next_pow2(C),
+            K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx, num_warps=4,
+        )
+        if e.mx:
+            g = e.grouped_scales_launch(shape.scale_rows)
+            fast_kernel(scale_rows_to_grouped_at_kernel)[g.grid](
+                srows.view(-1).view(torch.int32) if g.word else srows, table, _SCALES, plan.offs, plan.num_rows,
+                plan.expert_counts, e.El, g.n_col_tiles, C=g.C, CB=g.CB, G_POW2=g.G_POW2, WORD=g.word, TAIL=True,
+                num_warps=4,
+            )
+        if e.device.type == "cuda":
+            e.status_words.enqueue_copy()
+        return CallOutputs(middle=po, buffers=(idx, srows))
+
+    def _dispatch_call(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchRows:
+        """An exact-size dispatch as one call (``world * max_tokens_per_rank <= LaunchConfig.peer_call_tokens``): on
+        the GPU the whole of :meth:`_call_body` replayed from a :class:`CallGraph` captured per token count and id
+        dtype (at a key's second call), with fresh output tensors whose addresses go in the graph's table; eager
+        elsewhere and at a key's first two calls. Then the call's one host sync (the output size, the id check and
+        the peers' refusals) and views: the output's storage holds ``R_max`` rows (the most the ranks' tokens can
+        bring), its first ``R`` rows the output; the scales likewise."""
+        e = self.e
+        cfg = e.config
+        T, H = x.shape
+        key = ("pull-call", T, topk_idx.dtype)
+        shape = self._shapes.get(key)
+        if shape is None:
+            k, E, W = cfg.topk, cfg.num_experts, e.world
+            shape = self._shapes[key] = CallShape(
+                T=T, dtype=topk_idx.dtype, rows=e.R_max, scale_rows=grouped_m_rows(e.R_max, e.El),
+                plan_words=T * k + plan_kernels.plan_numel(W, E, T, k, e.R_max))
+        w = fp32_weights(topk_weights.detach())
+        out = torch.empty(shape.rows, H if e.mx else 2 * H, dtype=torch.uint8, device=e.device)
+        scales = (torch.empty(shape.scale_rows, round_up(H // 32, 4), dtype=torch.uint8, device=e.device)
+                  if e.mx else None)
+        plan_copy = torch.empty(shape.plan_words, dtype=torch.int32, device=e.device)
+        table, wtab = self._new_table()
+        addresses = (x.data_ptr(), topk_idx.data_ptr(), w.data_ptr(), out.data_ptr(),
+                     0 if scales is None else scales.data_ptr(), plan_copy.data_ptr(), table.data_ptr())
+        layout = e.run_call(key, addresses, lambda t: self._call_body(t, shape))
+        kept = layout.read(plan_copy)
+        R = e.output_rows("dispatch arrivals", ids=topk_idx)
+        return DispatchRows(q=out[:R], scale_rows=None, kept=kept, ids=kept.extra["ids"], num_rows=R,
+                            origins=e.origins_from(kept, R), table=table,
+                            weights=DeliveredWeights.of(wtab, topk_weights),
+                            grouped_scales=None if scales is None else scales[:grouped_m_rows(R, e.El)])
