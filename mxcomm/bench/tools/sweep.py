@@ -7,8 +7,9 @@ One EPGroup per precision (nvshmem backend, exact sizes; no-sync with --graph); 
 implementation and every combination of the backend's frozen :class:`~mxcomm.ep.nvshmem.launch_config.LaunchConfig`
 fields given with ``--set`` (e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend
 instance between measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch
-backward with CUDA events (median of --iters, the slowest rank), and with --profile prints rank 0's kernel-time table of
-five calls of each op (each started after a barrier). With --graph every op runs in the no-sync mode as a CUDA-graph
+backward with CUDA events and as whole calls on the host clock (``us`` / ``whole_us``: medians of --iters, the
+slowest rank; a field given the same values twice, ``--set f=0,1,0,1``, alternates them), and with --profile prints
+rank 0's kernel-time table of five calls of each op (each started after a barrier). With --graph every op runs in the no-sync mode as a CUDA-graph
 replay (captured once per launch setting, after eager warm-up calls), as ``mxcomm bench --cuda-graph`` times it; the
 profile then shows the replays' kernels (no host work between them: what is not kernel time is waiting on the
 device). Output: text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
@@ -20,6 +21,7 @@ import itertools
 import json
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -60,20 +62,25 @@ def _graphed(ops: dict) -> dict:
     return {name: capture_graph(fn, world) for name, fn in ops.items()}
 
 
-def _time(fn, iters):
-    times = []
+def _time(fn, iters) -> tuple:
+    """``(events, whole)``: the medians over ``iters`` calls of ``fn`` (each after a barrier and a device sync) of its
+    CUDA-event time and of its whole-call time (host clock, the device synchronised after the call), µs, each the
+    slowest rank's median."""
+    times, whole = [], []
     for _ in range(iters):
         dist.barrier()
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         s.record()
         fn()
         e.record()
         torch.cuda.synchronize()
+        whole.append((time.perf_counter() - t0) * 1e6)
         times.append(s.elapsed_time(e) * 1e3)
-    med = torch.tensor([statistics.median(times)])
+    med = torch.tensor([statistics.median(times), statistics.median(whole)])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # gloo: several ranks may share one GPU (under MPS)
-    return float(med)
+    return float(med[0]), float(med[1])
 
 
 def _ints(text: str) -> list[int]:
@@ -138,7 +145,9 @@ def main():
                 res = {name: _time(fn, a.iters) for name, fn in ops.items()}
                 if rank == 0:
                     print("SWEEP " + json.dumps(dict(precision=prec, tokens=a.tokens, launch=fields, plan_impl=impl,
-                                                     world=dist.get_world_size(), graph=a.graph, us=res)), flush=True)
+                                                     world=dist.get_world_size(), graph=a.graph,
+                                                     us={n: v[0] for n, v in res.items()},
+                                                     whole_us={n: v[1] for n, v in res.items()})), flush=True)
     from mxcomm import transport as tp
 
     dist.barrier()
