@@ -707,8 +707,9 @@ def nvshmem_soak_worker(rank: int, world: int, iters: int, seed: int = 5) -> dic
 
 
 def nvshmem_replay_worker(rank: int, world: int, transport: str = "auto") -> dict:
-    """nvshmem backend, ONE group, one token count, so every dispatch after the first replays the captured middle and
-    its output kernel reads the replay's own (live) plan: three dispatches with different routings (int64 ids, then
+    """nvshmem backend, ONE group, one token count, so every dispatch after the second replays the captured call (or,
+    ``transport="staged"`` on the pull path and on paths without one, the captured middle, whose output kernel reads
+    the replay's own plan): three dispatches with different routings (int64 ids, then
     int32 ids: a second graph) are each checked against the oracle; a dispatch with a bad id on a replay raises and
     the next good one is still exact; then combine with EVERY handle, the oldest first - each handle's plan must have
     survived the later replays."""
@@ -716,8 +717,11 @@ def nvshmem_replay_worker(rank: int, world: int, transport: str = "auto") -> dic
 
     dev = bind_rank_gpu(rank)
     E, H, k, T = 4 * world, 256, 3, 24
-    base = Case("replay", tuple([T] * world), E, H, k, device=dev, backend="nvshmem", transport=transport, drop_p=0.2)
-    group = EPGroup(base.config())
+    staged = transport == "staged"  # the pull dispatch staged around its host sync, its middle replayed alone
+    base = Case("replay", tuple([T] * world), E, H, k, device=dev, backend="nvshmem",
+                transport="auto" if staged else transport, drop_p=0.2)
+    cfg = base.config()
+    group = EPGroup(replace(cfg, launch=LaunchConfig(peer_call_tokens=0)) if staged else cfg)
     fails, kept = [], []
     for i, (routing, dt) in enumerate([("random", torch.int64), ("one_expert", torch.int64), ("subset", torch.int64),
                                        ("random", torch.int32), ("random", torch.int32), ("subset", torch.int32)]):

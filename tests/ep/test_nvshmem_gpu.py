@@ -52,10 +52,12 @@ def test_nvshmem_soak_1000_iterations_no_corruption_no_memory_growth():
     _assert_clean(run_world(1, nvshmem_soak_worker, 1000, env=ENV, timeout=900))
 
 
-@pytest.mark.parametrize("world,transport", [(1, "auto"), (2, "auto"), (2, "push")])
+@pytest.mark.parametrize("world,transport", [(1, "auto"), (2, "auto"), (2, "staged"), (2, "push")])
 def test_nvshmem_replayed_dispatches_and_old_handles_stay_exact(world, transport):
-    """Dispatches replayed from the captured middle (one token count) are exact, a bad id on a replay raises, and
-    handles of earlier dispatches still combine exactly after later replays (their plans are the caller's copies)."""
+    """Dispatches replayed from a captured graph (one token count: the whole call on one rank and on the pull path;
+    ``staged``: the pull path with ``peer_call_tokens=0``, its middle captured alone, as the push path's) are exact,
+    a bad id on a replay raises, and handles of earlier dispatches still combine exactly after later replays (their
+    plans are the caller's copies)."""
     _assert_clean(run_world(world, nvshmem_replay_worker, transport, env=ENV, timeout=600))
 
 

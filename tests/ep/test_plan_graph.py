@@ -2,6 +2,8 @@
 one storage come back as views of one clone of it (dtype, shape, stride kept), the others through the int32 buffer
 that ``fill`` writes; every copy equals its source and owns its memory. On CPU (the copier is plain torch; the
 captured graph around it runs in the GPU tests: test_nvshmem_gpu.py's replayed-dispatch test)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ load_kernels("mxcomm.ep.nvshmem.plan_kernels")
 
 from mxcomm.ep.nvshmem import plan_kernels as pk  # noqa: E402
 from mxcomm.ep.plan import PLAN_TENSORS, local_counts  # noqa: E402
-from mxcomm.ep.nvshmem.plan_graph import OutputCopier  # noqa: E402
+from mxcomm.ep.nvshmem.plan_graph import OutputCopier, PlanOutputs  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,8 +58,10 @@ def test_copier_on_real_plan_outputs(T, k, E, W, rank):
                                                    for _ in range(W - 1)])
     counts = counts.roll(rank, 0).to(torch.int32).to(DEV)
     out = pk.triton_plan(counts, c.ids, rank, 32, 64, prefix=c.slot_prefix)
-    named = {**{n: getattr(out["plan"], n) for n in PLAN_TENSORS}, "origin_src": out["origin_src"],
-             "origin_pos": out["origin_pos"], "ids": c.ids}
+    po = PlanOutputs(plan=out["plan"], extra={"origin_src": out["origin_src"], "origin_pos": out["origin_pos"],
+                                              "ids": c.ids})
+    named = po.named()
+    assert list(named) == [*PLAN_TENSORS, "origin_src", "origin_pos", "ids"]
     cp = OutputCopier(named)
     assert cp.aux_names == ["ids"]
     cp.fill()
@@ -67,3 +71,13 @@ def test_copier_on_real_plan_outputs(T, k, E, W, rank):
         assert torch.equal(got[n], t), n
         if t.numel():  # (empty tensors have no memory to share)
             assert got[n].untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), n
+    # and back as the plan and the extra maps (what a snapshot and a captured call's plan copy return): the same
+    # scalars, the copies' tensors
+    back = PlanOutputs.from_named(got, PlanOutputs.scalars_of(po.plan))
+    for f in dataclasses.fields(po.plan):
+        v, w = getattr(back.plan, f.name), getattr(po.plan, f.name)
+        if f.name in PLAN_TENSORS:
+            assert v is got[f.name], f.name
+        else:
+            assert v == w, f.name
+    assert set(back.extra) == {"origin_src", "origin_pos", "ids"} and all(back.extra[n] is got[n] for n in back.extra)

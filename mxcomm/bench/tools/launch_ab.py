@@ -6,13 +6,14 @@ differ by more than the change (the host's state moves between runs).
         [--a FIELD=N,...] [--op dispatch] [--tokens 128,8192] [--iters 300] [--out results.json]
 
 The group (``max_tokens_per_rank``: the largest of ``--tokens``; the token counts are timed one after the other, results
-by token count) is built with the default :class:`mxcomm.ep.LaunchConfig` with ``--a``'s fields set; before each call its
-backend's launch settings are set to ``a`` or ``b`` in turn (the group's one rank: nothing else has to agree). Each
-iteration times one call of each (host wall time, the device synchronised before and after, as ``mxcomm bench``
-times a call), under two conditions: ``plain``, and ``flush+sleep`` (before each call an L2 flush, as ``mxcomm bench``
-makes, and 2 ms of host sleep: a call after the host waited, where ``mxcomm bench`` spins to its start instant). The first 5 iterations are not kept. Prints and (``--out``)
-writes the median, p10 and p90 of each, with the machine, the versions and the settings. Before the timing, the
-outputs of a third call under each setting (a replay, where the setting captures) must be equal byte for byte.
+by token count) is built with the default :class:`mxcomm.ep.LaunchConfig` with ``--a``'s fields set; before each call
+its backend's launch settings are set to ``a`` or ``b`` in turn (the group's one rank: nothing else has to agree). Each
+iteration times one call of each (host wall time, the device synchronised before and after, as ``mxcomm bench`` times a
+call), under two conditions: ``plain``, and ``flush+sleep`` (before each call an L2 flush, as ``mxcomm bench`` makes,
+and 2 ms of host sleep: a call after the host waited, where ``mxcomm bench`` spins to its start instant). The first 5
+iterations are not kept. Prints and (``--out``) writes the median, p10 and p90 of each, with the machine, the versions
+and the settings. Before the timing, the outputs of a third call under each setting (a replay, where the setting
+captures) must be equal byte for byte.
 """
 from __future__ import annotations
 

@@ -3,17 +3,17 @@
     source bench/gpu/env.sh && torchrun --nproc-per-node 2 -m mxcomm.bench.tools.sweep [--tokens 4096] [--profile]
     (several ranks on one GPU: start MPS first, ``mxcomm_mps_start 4`` of bench/gpu/env.sh)
 
-One EPGroup per precision (nvshmem backend, exact sizes; no-sync with --graph); for every routing-plan
-implementation and every combination of the backend's frozen :class:`~mxcomm.ep.nvshmem.launch_config.LaunchConfig`
-fields given with ``--set`` (e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend
-instance between measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch
-backward with CUDA events and as whole calls on the host clock (``us`` / ``whole_us``: medians of --iters, the
-slowest rank; a field given the same values twice, ``--set f=0,1,0,1``, alternates them), and with --profile prints
-rank 0's kernel-time table of five calls of each op (each started after a barrier). With --graph every op runs in the no-sync mode as a CUDA-graph
+One EPGroup per precision (nvshmem backend, exact sizes; no-sync with --graph); for every routing-plan implementation
+and every combination of the backend's frozen :class:`~mxcomm.ep.nvshmem.launch_config.LaunchConfig` fields given with
+``--set`` (e.g. ``--set partials_per_sm=8,16 --set reduce_warps=4,8``; replaced on the backend instance between
+measurements, identical on every rank) it times dispatch, combine, combine backward and dispatch backward with CUDA
+events and as whole calls on the host clock (``us`` / ``whole_us``: medians of --iters, the slowest rank; a field given
+the same values twice, ``--set f=0,1,0,1``, alternates them), and with --profile prints rank 0's kernel-time table of
+five calls of each op (each started after a barrier). With --graph every op runs in the no-sync mode as a CUDA-graph
 replay (captured once per launch setting, after eager warm-up calls), as ``mxcomm bench --cuda-graph`` times it; the
-profile then shows the replays' kernels (no host work between them: what is not kernel time is waiting on the
-device). Output: text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of
-``bench/gpu/env.sh`` (nvshmem4py, multicast off, NVSHMEM_SYMMETRIC_SIZE).
+profile then shows the replays' kernels (no host work between them: what is not kernel time is waiting on the device).
+Output: text on rank 0 and a JSON line per measurement (prefix ``SWEEP``). Needs the environment of ``bench/gpu/env.sh``
+(nvshmem4py, multicast off, NVSHMEM_SYMMETRIC_SIZE).
 """
 import argparse
 from dataclasses import replace

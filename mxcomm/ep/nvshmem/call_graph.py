@@ -14,13 +14,12 @@ docs/benchmarks.md.)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ...kernels.launch import cdiv, fast_kernel
-from ..plan import PLAN_TENSORS, RoutingPlan
 from .plan_graph import OutputCopier, PlanOutputs
 
 COPY_BLOCK = 1024  # int32 words per step of copy_in_kernel / copy_out_kernel
@@ -112,19 +111,16 @@ class PlanLayout:
         """The layout of the plan tensors and the extra outputs of ``po`` (the checked ids; the row origins where the
         path has them) in their store (all of them: the Triton plan writes every output there, and the store is all
         a call copies out)."""
-        copier = OutputCopier({**{n: getattr(po.plan, n) for n in PLAN_TENSORS}, **po.extra})
+        copier = OutputCopier(po.named())
         if copier.aux_names:
             raise RuntimeError(f"the dispatch's outputs {copier.aux_names} are not in the plan's store, which is all "
                                "a call copies out")
-        scalars = {f.name: getattr(po.plan, f.name) for f in fields(RoutingPlan) if f.name not in PLAN_TENSORS}
-        return PlanLayout(copier=copier, scalars=scalars)
+        return PlanLayout(copier=copier, scalars=PlanOutputs.scalars_of(po.plan))
 
     def read(self, plan_copy: torch.Tensor) -> PlanOutputs:
         """The plan and the extra outputs (``extra["ids"]``: the checked ids) as views of ``plan_copy`` (int32, a copy
         of the store)."""
-        vals = self.copier.views(plan_copy.view(torch.uint8), self.copier.aux)  # (aux: empty, see of)
-        plan = RoutingPlan(**self.scalars, **{n: vals[n] for n in PLAN_TENSORS})
-        return PlanOutputs(plan=plan, extra={n: vals[n] for n in self.copier.named if n not in PLAN_TENSORS})
+        return PlanOutputs.from_named(self.copier.views(plan_copy.view(torch.uint8), self.copier.aux), self.scalars)
 
 
 @dataclass(frozen=True)

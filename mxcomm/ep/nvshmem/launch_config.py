@@ -77,8 +77,8 @@ class LaunchConfig:
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
-        without progress): every field a positive int (``call_graph_tokens`` and ``peer_call_tokens`` may be 0), chunks powers of two of at
-        least 32 values, warps powers of two up to 32."""
+        without progress): every field a positive int (``call_graph_tokens`` and ``peer_call_tokens`` may be 0),
+        chunks powers of two of at least 32 values, warps powers of two up to 32."""
         for f in fields(self):
             v = getattr(self, f.name)
             low = 0 if f.name in ("call_graph_tokens", "peer_call_tokens") else 1

@@ -12,7 +12,7 @@ keeps (the :class:`~mxcomm.ep.plan.RoutingPlan` of a handle) are views into clon
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -26,6 +26,22 @@ class PlanOutputs:
 
     plan: RoutingPlan
     extra: dict
+
+    def named(self) -> dict:
+        """The plan's tensors and the extra maps by name (what :class:`OutputCopier` copies)."""
+        return {**{n: getattr(self.plan, n) for n in PLAN_TENSORS}, **self.extra}
+
+    @staticmethod
+    def scalars_of(plan: RoutingPlan) -> dict:
+        """The fields of ``plan`` that are not tensors (the same for every call of a token count)."""
+        return {f.name: getattr(plan, f.name) for f in fields(RoutingPlan) if f.name not in PLAN_TENSORS}
+
+    @staticmethod
+    def from_named(vals: dict, scalars: dict) -> "PlanOutputs":
+        """The inverse of :meth:`named`: ``vals`` (name -> tensor, e.g. the views :class:`OutputCopier` makes of a
+        copy) and the plan's ``scalars`` (:meth:`scalars_of`)."""
+        plan = RoutingPlan(**scalars, **{n: vals[n] for n in PLAN_TENSORS})
+        return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in PLAN_TENSORS})
 
 
 def compute_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int,
@@ -160,12 +176,12 @@ class PlanGraph:
             try:
                 out = body()
                 # from the graph's pool: kept, refreshed by every replay
-                self.copier = OutputCopier({**{n: getattr(out.plan, n) for n in PLAN_TENSORS}, **out.extra})
+                self.copier = OutputCopier(out.named())
                 self.copier.fill()
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream(dev).wait_stream(cap)
-        self.template = out.plan
+        self.scalars = PlanOutputs.scalars_of(out.plan)
 
     def replay(self, topk_idx: torch.Tensor) -> None:
         """Run the graph for this call's ``topk_idx`` (same shape/dtype); :meth:`snapshot` copies its outputs."""
@@ -174,9 +190,7 @@ class PlanGraph:
 
     def snapshot(self) -> PlanOutputs:
         """Copies of the outputs of the last replay (enqueue before the next replay), owned by the caller."""
-        vals = self.copier.copy()
-        plan = replace(self.template, **{n: vals[n] for n in PLAN_TENSORS})
-        return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in PLAN_TENSORS})
+        return PlanOutputs.from_named(self.copier.copy(), self.scalars)
 
     def __call__(self, topk_idx: torch.Tensor) -> PlanOutputs:
         """:meth:`replay` then :meth:`snapshot`: tensors owned by the caller."""

@@ -324,8 +324,8 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
 
 
 @triton.jit
-def pull_rows_at_kernel(addr_ptr, out_slot, table_slot, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers,
-                        list_ptr, epoch_ptr, T_max, W, copy_words,
+def pull_rows_at_kernel(addr_ptr, out_slot, table_slot, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out,
+                        q_peers, s_peers, list_ptr, epoch_ptr, T_max, W, copy_words,
                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr,
                         C: tl.constexpr, C_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, EW: tl.constexpr,
                         MX: tl.constexpr):
