@@ -255,6 +255,7 @@ def test_launcher_reports_failed_ranks_in_bounded_time(tmp_path):
 
 def test_info_reports_environment_and_buffer_sizes():
     from mxcomm.ep import EPConfig, buffer_sizes
+    from mxcomm.ep.plan import call_output_rows
 
     r = _run(["info", "--world", "1,4", "--tokens", "128", "--json"], timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -267,10 +268,15 @@ def test_info_reports_environment_and_buffer_sizes():
         cfg = EPConfig(num_experts=256, hidden=7168, topk=8, max_tokens_per_rank=128, precision=b["precision"])
         assert b["total"] == buffer_sizes(cfg, b["world"]).total
         assert b["launcher_env"]["NVSHMEM_SYMMETRIC_SIZE"] == b["nvshmem_symmetric_size"]
+        # 1 and 4 ranks of 128 tokens: the dispatch as one captured call, its output's storage (not symmetric)
+        assert b["call_output_rows"] == call_output_rows(cfg, b["world"], 128) > 0
+        per_row = 7168 + 7168 // 32 if b["precision"] == "mxfp8" else 2 * 7168
+        assert b["call_output_bytes"] >= b["call_output_rows"] * per_row
     text = _run(["info", "--world", "2"], timeout=60)
     # world 2: the pull path (send copies and pull list, no receive buffer)
     assert text.returncode == 0 and "ep.send_q" in text.stdout and "NVSHMEM_SYMMETRIC_SIZE=" in text.stdout
     assert "ep.recv_q" not in text.stdout
+    assert "pull path: an exact-size dispatch of 4,096 tokens" not in text.stdout  # 2 x 4096 tokens: not one call
     if not d["machine"]["gpus"]:  # no GPU: nothing about NVLink multicast
         assert d["nvlink_multicast"] is None and "multicast" not in text.stdout.lower()
     else:

@@ -31,7 +31,9 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
                   align: int = 32, transport: str = "auto") -> dict:
     """Per-rank symmetric buffer bytes of the nvshmem backend for one config (ValueError if invalid)."""
     from ..ep.config import EPConfig
-    from ..ep.plan import buffer_regions, buffer_sizes, dispatch_path, max_recv_rows, put_round_tokens, recv_window_rows
+    from ..ep.plan import (buffer_regions, buffer_sizes, call_output_rows, dispatch_path, max_recv_rows,
+                           put_round_tokens, recv_window_rows)
+    from ..mx import grouped_m_rows, round_up
     from ..transport import launcher_env, symmetric_size_for
 
     cfg = EPConfig(num_experts=experts, hidden=hidden, topk=topk, max_tokens_per_rank=tokens, align=align,
@@ -47,6 +49,12 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
     if path == "put":  # the combine direction and combine backward: T_c tokens of every source per round
         tc = put_round_tokens(cfg, world)
         rounds.update(round_tokens=tc, combine_rounds=-(-tokens // tc))
+    call_rows = call_output_rows(cfg, world, tokens)
+    if call_rows is not None:  # an exact-size dispatch of `tokens` tokens as one captured call: its output's storage
+        scale_bytes = (grouped_m_rows(call_rows, cfg.num_local_experts(world)) * round_up(hidden // 32, 4)
+                       if precision == "mxfp8" else 0)
+        rounds.update(call_output_rows=call_rows,
+                      call_output_bytes=call_rows * hidden * (1 if precision == "mxfp8" else 2) + scale_bytes)
     return dict(
         precision=precision, world=world, tokens=tokens, hidden=hidden, topk=topk, experts=experts, align=align,
         path=path, max_recv_rows=R, **rounds,
@@ -174,6 +182,10 @@ def format_info(d: dict) -> str:
         if "round_tokens" in b:
             out.append(f"  {b['path']} path: combine and combine backward in {b['combine_rounds']} round(s) of "
                        f"{b['round_tokens']:,} tokens of every source")
+        if "call_output_rows" in b:
+            out.append(f"  {b['path']} path: an exact-size dispatch of {b['tokens']:,} tokens runs as one captured call; "
+                       f"each call's output (not symmetric memory) is a view of {b['call_output_rows']:,} rows, "
+                       f"{_mib(b['call_output_bytes'])} with its scales, whatever the routing")
         for r in b["regions"]:
             out.append(f"  {r['name']:<12} {str(tuple(r['shape'])):<28} {r['dtype']:<6} {_mib(r['bytes']):>14}")
         out.append("  by purpose: " + ", ".join(f"{k} {_mib(v)}" for k, v in b["by_purpose"].items()))

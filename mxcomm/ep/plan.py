@@ -28,6 +28,7 @@ import torch
 
 from ..mx.layouts import round_up
 from .config import EPConfig
+from .nvshmem.launch_config import LaunchConfig
 
 
 
@@ -225,6 +226,27 @@ def max_recv_rows(config: EPConfig, world_size: int) -> int:
     """
     El = config.num_local_experts(world_size)
     return round_up(world_size * max_rows_per_source(config, world_size) + El * (config.align - 1), config.align)
+
+
+def call_output_rows(config: EPConfig, world_size: int, tokens: int,
+                     launch: LaunchConfig | None = None) -> int | None:
+    """Rows of the storage an exact-size ``nvshmem`` dispatch of ``tokens`` tokens (> 0, the Triton plan) returns
+    its output in when it runs as one captured call - the output its first ``R`` rows, its grouped scales likewise
+    sized for these rows - or None when it does not (the output is then allocated at exactly ``R`` rows). On one
+    rank (the local path) up to ``LaunchConfig.call_graph_tokens`` tokens: the most rows the call's tokens can fill,
+    ``T min(k, E) + E (align - 1)`` rounded up to ``align``; on the pull path when ``world_size *
+    max_tokens_per_rank <= LaunchConfig.peer_call_tokens``: the worst case, :func:`max_recv_rows`. ``launch``: the
+    backend's launch settings (default ``config.launch``, else the defaults)."""
+    launch = launch or config.launch or LaunchConfig()
+    path = dispatch_path(config, world_size)
+    if not config.exact_sizes or tokens <= 0:
+        return None
+    if path == "local" and tokens <= launch.call_graph_tokens:
+        E = config.num_experts
+        return round_up(tokens * min(config.topk, E) + E * (config.align - 1), config.align)
+    if path == "pull" and world_size * config.max_tokens_per_rank <= launch.peer_call_tokens:
+        return max_recv_rows(config, world_size)
+    return None
 
 
 def recv_window_rows(config: EPConfig, world_size: int, put_path: bool = False) -> int:
@@ -468,6 +490,6 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
 
 
 __all__ = ["RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens", "max_rows_per_source",
-           "max_recv_rows", "recv_window_rows", "put_round_tokens", "padded_group_rows", "received_rows",
+           "max_recv_rows", "call_output_rows", "recv_window_rows", "put_round_tokens", "padded_group_rows", "received_rows",
            "pull_entry_words", "FLAG_ROWS", "dispatch_path", "combine_slots", "combine_regions", "BufferSizes",
            "buffer_sizes", "BufferRegion", "buffer_regions"]

@@ -11,7 +11,7 @@ from mxcomm.ep import (EPConfig, EPGroup, LaunchConfig, build_plan, buffer_sizes
 from mxcomm.ep.ids import check_expert_ids
 from mxcomm.ep.validate import dispatch_inputs as validate_dispatch_inputs
 from mxcomm.ep.reference.oracle import oracle_combine, oracle_dispatch
-from mxcomm.ep.plan import max_rows_per_source, send_tokens
+from mxcomm.ep.plan import call_output_rows, max_rows_per_source, send_tokens
 from mxcomm.ep.reference import weighted_combine
 from mxcomm.mx import round_up
 
@@ -151,6 +151,33 @@ def test_worst_case_routing_fits_bound():
         R = int(plan.num_rows)
         bound = max_recv_rows(cfg, world)
         assert R <= bound < R + align * (El + 1)
+
+
+def test_call_output_rows_bound_what_a_call_can_receive():
+    """The storage of an exact-size dispatch run as one captured call: on one rank the rows the call's own tokens
+    can fill (every token on all of k experts, each group padded) - never fewer than such a routing needs, at most
+    ``E (align - 1)`` rows more than any routing of these tokens needs; on the pull path ``max_recv_rows`` while the
+    ranks' tokens fit ``peer_call_tokens``; None on the push and put paths, without exact sizes, above the limits,
+    and for no tokens."""
+    for E, k, align, T in [(4, 4, 32, 5), (16, 3, 8, 13), (8, 2, 128, 1)]:
+        cfg = EPConfig(num_experts=E, hidden=32, topk=k, max_tokens_per_rank=64, align=align)
+        rows = call_output_rows(cfg, 1, T)
+        for spread in (True, False):  # selections spread over every expert (most padding) or on the first k
+            g = torch.Generator().manual_seed(T)
+            idx = (torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k] if spread
+                   else torch.arange(k).expand(T, k).clone())
+            R = int(build_plan(local_counts(idx, E)[None], idx, 0, align).num_rows)
+            assert R <= rows <= R + E * (align - 1) + align, (E, k, align, T, spread, R, rows)
+        assert call_output_rows(cfg, 1, 0) is None
+        assert call_output_rows(replace(cfg, exact_sizes=False), 1, T) is None
+        assert call_output_rows(replace(cfg, launch=LaunchConfig(call_graph_tokens=T - 1)), 1, T) is None
+        assert call_output_rows(cfg, 1, T, LaunchConfig(call_graph_tokens=T - 1)) is None  # the backend's settings
+    cfg = EPConfig(num_experts=16, hidden=32, topk=4, max_tokens_per_rank=64)
+    assert call_output_rows(cfg, 4, 7) == max_recv_rows(cfg, 4)  # 4 x 64 <= 1024
+    assert call_output_rows(cfg, 4, 7, LaunchConfig(peer_call_tokens=255)) is None
+    assert call_output_rows(replace(cfg, transport="push"), 4, 7) is None
+    assert call_output_rows(replace(cfg, transport="put"), 4, 7) is None
+    assert call_output_rows(replace(cfg, max_tokens_per_rank=512), 4, 7) is None  # 4 x 512 > 1024
 
 
 # ------------------------------------------------------------------------------ plan ----

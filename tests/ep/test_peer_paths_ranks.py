@@ -85,6 +85,14 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
         if cfg.transport == "pull" and T[rank]:  # the pull path's exact-size dispatch as one call where it is small
             one_call = exact and world * cfg.max_tokens_per_rank <= be.launch.peer_call_tokens
             assert (("pull-call", T[rank], idxs[rank].dtype) in be.impl._shapes) == one_call, tag
+            if one_call:  # the output is a view of storage sized for the worst case, R_max rows (its scales too)
+                from mxcomm.mx import grouped_m_rows, round_up
+
+                rows = d.x.qdata if mx else d.x
+                assert rows.untyped_storage().nbytes() == be.R_max * H * (1 if mx else 2), tag
+                if mx:
+                    want = grouped_m_rows(be.R_max, be.El) * round_up(H // 32, 4)
+                    assert d.x.scales.untyped_storage().nbytes() == want, tag
         if cfg.transport == "push":  # a handshake between the rounds that carry rows, none after them (no-sync mode)
             need = max(1, -(-max(int(w.offs[-1]) for w in wants) // be.impl.window))
             assert int(be.impl._window_epoch) - epoch0 == need - 1, (tag, need, int(be.impl._window_epoch) - epoch0)

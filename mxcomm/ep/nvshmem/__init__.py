@@ -7,6 +7,8 @@
 * :mod:`.state`: the backend's part of a handle (``NvshmemState``) and the row origins of a dispatch output;
 * :mod:`.plan_kernels`: the routing plan in Triton kernels (the id check, counts and slot tables);
 * :mod:`.plan_graph`: the plan's replay from a CUDA graph per token count, and the copies a handle keeps;
+* :mod:`.call_graph`: a whole exact-size dispatch captured once and replayed with the call's tensors (one rank, and
+  the pull path at small sizes);
 * :mod:`.put_path`: the put-with-signal plumbing (block lists, the puts of ``csrc/put_signal.cu``);
 * :mod:`.status_words`: ``StatusWords``, the words the host reads at an exact-size dispatch's one sync;
 * :mod:`.launch_config`: ``LaunchConfig``, the kernels' launch settings (``EPConfig(launch=...)``).

@@ -7,7 +7,7 @@ import torch
 
 from ....kernels.launch import fast_kernel
 from ....mx import grouped_m_rows, round_up
-from ...plan import RoutingPlan
+from ...plan import RoutingPlan, call_output_rows
 from .. import plan_kernels
 from ..call_graph import CallOutputs, CallShape, copy_in, copy_out
 from ..plan_graph import PlanOutputs
@@ -84,7 +84,7 @@ class LocalPath(EnginePath):
         e = self.e
         cfg = e.config
         k, E = cfg.topk, cfg.num_experts
-        rows = round_up(T * min(k, E) + E * (cfg.align - 1), cfg.align)
+        rows = call_output_rows(cfg, 1, T, e.launch)
         return CallShape(T=T, dtype=dtype, rows=rows, scale_rows=grouped_m_rows(rows, e.El),
                           plan_words=T * k + plan_kernels.plan_numel(1, E, T, k, 0))
 

@@ -8,7 +8,7 @@ import torch
 from ....kernels.launch import cdiv, fast_kernel, next_pow2
 from ....mx import grouped_m_rows, round_up
 from ..state import DeliveredWeights
-from ...plan import RoutingPlan
+from ...plan import RoutingPlan, call_output_rows
 from .. import plan_kernels
 from ..call_graph import CallOutputs, CallShape, copy_in, copy_out
 from ..plan_graph import PlanOutputs
@@ -247,8 +247,9 @@ class PullPath(EnginePath):
         shape = self._shapes.get(key)
         if shape is None:
             k, E, W = cfg.topk, cfg.num_experts, e.world
+            rows = call_output_rows(cfg, W, T, e.launch)  # (R_max)
             shape = self._shapes[key] = CallShape(
-                T=T, dtype=topk_idx.dtype, rows=e.R_max, scale_rows=grouped_m_rows(e.R_max, e.El),
+                T=T, dtype=topk_idx.dtype, rows=rows, scale_rows=grouped_m_rows(rows, e.El),
                 plan_words=T * k + plan_kernels.plan_numel(W, E, T, k, e.R_max))
         w = fp32_weights(topk_weights.detach())
         out = torch.empty(shape.rows, H if e.mx else 2 * H, dtype=torch.uint8, device=e.device)
