@@ -41,9 +41,12 @@ class LaunchConfig:
             (``LocalPath``: replayed with the call's tensors; its output's storage holds the most rows the call's
             tokens can fill, ``T k + E (align - 1)``, of which the call's rows are the view it returns); 0: never.
             Above it the output is allocated at its exact size after the sync and its kernels launched then. The
-            default covers the sizes measured faster as one call (128 to 8192 tokens, docs/benchmarks.md); the rows
-            the output holds beyond its ``R`` are at most ``E (align - 1)`` whatever ``T`` (57 MB at hidden 7168,
-            256 experts, ``align`` 32; about half that with balanced routing).
+            default covers the sizes measured faster as one call (128 to 8192 tokens, docs/benchmarks.md: 1.5x at
+            2048 tokens, 1.05-1.08x at 8192); the rows the output holds beyond its ``R`` are at most ``E (align -
+            1)`` whatever ``T`` (57 MB at hidden 7168, 256 experts, ``align`` 32; about half that with balanced
+            routing), held as long as the output is (saved for the backward pass, per layer): where that memory
+            matters more than the few percent at thousands of tokens, set it lower (``mxcomm info`` prints the
+            storage).
         peer_call_tokens: several ranks on the pull path, exact sizes: when the group's ranks can send at most this
             many tokens together (``world * max_tokens_per_rank``), a dispatch runs as one captured call
             (``PullPath``: the output kernels enqueued before the host sync, not after it; replayed with the call's
