@@ -41,7 +41,7 @@ class LaunchConfig:
             (``LocalPath``: replayed with the call's tensors; its output's storage holds the most rows the call's
             tokens can fill, ``T k + E (align - 1)``, of which the call's rows are the view it returns); 0: never.
             Above it the output is allocated at its exact size after the sync and its kernels launched then. The
-            default covers the sizes measured faster as one call (128 to 8192 tokens, docs/benchmarks.md: 1.5x at
+            default covers the sizes measured faster as one call (128 to 8192 tokens, docs/benchmarks.md: 1.3-1.6x at
             2048 tokens, 1.05-1.08x at 8192); the rows the output holds beyond its ``R`` are at most ``E (align -
             1)`` whatever ``T`` (57 MB at hidden 7168, 256 experts, ``align`` 32; about half that with balanced
             routing), held as long as the output is (saved for the backward pass, per layer): where that memory
