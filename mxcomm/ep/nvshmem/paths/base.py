@@ -28,14 +28,15 @@ def fp32_weights(w: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class DispatchRows:
     """What a path's dispatch produced: ``q`` fresh uint8 ``[R, H]`` (MX payload) / ``[R, 2H]`` (bf16 bytes) rows,
-    ``scale_rows`` their row-major uint8 ``[>= R, H/32]`` scale rows (MX), ``kept`` the plan outputs the handle keeps,
+    ``scale_rows`` their row-major uint8 ``[>= R, H/32]`` scale rows (MX; None when the path wrote
+    ``grouped_scales``), ``kept`` the plan outputs the handle keeps,
     ``ids`` the checked expert ids ``[T, k]``, ``num_rows`` R, ``origins`` the row origins and ``table`` the dispatch's
     table (both None on the local path), ``weights`` the sources' route weights that came with the pull-list entries
     (None on the local path), ``grouped_scales`` the scales already in the grouped blocked layout when the path wrote
     them so (else None: the engine swizzles ``scale_rows``)."""
 
     q: torch.Tensor
-    scale_rows: torch.Tensor
+    scale_rows: Optional[torch.Tensor]
     kept: PlanOutputs
     ids: torch.Tensor
     num_rows: int

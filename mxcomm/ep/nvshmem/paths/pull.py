@@ -31,8 +31,10 @@ class PullPath(EnginePath):
     token's row once from its source's send copy into the fresh output at all its rows and keeps the entries, and
     their route weights, as the handle's table. Combine weights its partial sums with those weights and exchanges none
     when it is given the tensor this rank dispatched with (unchanged; see :meth:`EnginePath.combine_weights`).
-    Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine buffers; no symmetric
-    receive buffer (the receivers write fresh tensors)."""
+    With exact sizes and ``world * max_tokens_per_rank <= LaunchConfig.peer_call_tokens`` the whole dispatch, the
+    gather and the scale layout included, is one captured call instead (:meth:`_dispatch_call`), its output sized
+    for the worst case. Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine
+    buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
 
     name = "pull"
 
