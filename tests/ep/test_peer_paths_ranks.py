@@ -84,7 +84,7 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
         assert reads["sync"] == (1 if exact else 0), (tag, reads)
         if cfg.transport == "pull" and T[rank]:  # the pull path's exact-size dispatch as one call where it is small
             one_call = exact and world * cfg.max_tokens_per_rank <= be.launch.peer_call_tokens
-            assert (("pull-call", T[rank], idxs[rank].dtype) in be.impl._shapes) == one_call, tag
+            assert ((T[rank], idxs[rank].dtype) in be._call_shapes) == one_call, tag
             if one_call:  # the output is a view of storage sized for the worst case, R_max rows (its scales too)
                 from mxcomm.mx import grouped_m_rows, round_up
 

@@ -56,8 +56,9 @@ from ..config import EPConfig
 from .launch_config import LaunchConfig
 from . import plan_kernels
 from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
-from ..plan import FLAG_ROWS, RoutingPlan, buffer_regions, combine_slots, dispatch_path, local_counts, max_recv_rows
-from .call_graph import CallGraph, CallOutputs, CapturedCall, PlanLayout
+from ..plan import (FLAG_ROWS, RoutingPlan, buffer_regions, call_output_rows, combine_slots, dispatch_path,
+                    local_counts, max_recv_rows)
+from .call_graph import CallGraph, CallOutputs, CallShape, CapturedCall, PlanLayout
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from .paths import PATHS, PUSH_BLOCK, fp32_weights
 from .state import NvshmemState, RowOrigins, handle_origins, row_origins
@@ -154,6 +155,7 @@ class NvshmemBackend:
         # of a dispatch's middle; ("local-call", T, idx dtype) -> the one-rank path's whole dispatch (paths.local)
         self._plan_graphs: dict = {}
         self._seen_keys: dict = {}  # keys of those graphs seen once and not captured yet, oldest first
+        self._call_shapes: dict = {}  # (T, ids dtype) -> CallShape of a dispatch run as one call
         # this call's counts (check_and_count writes them here) and, in the last word, whether this rank refused its
         # input (bad expert ids): a fixed-address input of the captured middle of a dispatch (see run_middle)
         self.counts_in = torch.zeros(E + 1, dtype=torch.int32, device=self.device)
@@ -363,6 +365,20 @@ class NvshmemBackend:
         return GroupedScalesLaunch(grid=(rows // 128, cdiv(ncols, cb)), word=word, n_col_tiles=cp // 4, C=C, CB=cb,
                                    G_POW2=next_pow2(self.El))
 
+    def grouped_scales_at(self, scale_rows: torch.Tensor, table: torch.Tensor, slot: int, plan: RoutingPlan,
+                          rows: int) -> None:
+        """Inside a captured call: enqueue the grouped blocked scales (every one of ``rows`` rows written, zeros for
+        padding) of the row-major scale rows ``scale_rows`` (uint8 ``[>= n_rows, H/32]``, contiguous) into the tensor
+        at the address in ``table[slot]`` (``scale_rows_to_grouped_at_kernel``)."""
+        from .kernels.layout import scale_rows_to_grouped_at_kernel
+
+        g = self.grouped_scales_launch(rows)
+        src = scale_rows.view(-1)
+        fast_kernel(scale_rows_to_grouped_at_kernel)[g.grid](
+            src.view(torch.int32) if g.word else src, table, slot, plan.offs, plan.num_rows, plan.expert_counts,
+            self.El, g.n_col_tiles, C=g.C, CB=g.CB, G_POW2=g.G_POW2, WORD=g.word, TAIL=True, num_warps=4,
+        )
+
     def _grouped_scales(self, plan: RoutingPlan, R: int, scale_rows: torch.Tensor) -> torch.Tensor:
         """Fresh grouped-along-M blocked scales ``[grouped_m_rows(R, El), round_up(H/32, 4)]`` uint8 of the
         received rows (zeros for padding), from their row-major scale rows ``scale_rows`` (uint8 ``[>= R, H/32]``)."""
@@ -469,6 +485,21 @@ class NvshmemBackend:
         g.replay(topk_idx)
         self.status_words.start_read()  # before the snapshot's host work, which then overlaps the transfer
         return g.snapshot()
+
+    def call_shape(self, T: int, dtype: torch.dtype) -> CallShape:
+        """What this path's exact-size dispatch of ``T`` tokens (ids of ``dtype``) run as one call allocates: the
+        output rows of :func:`mxcomm.ep.plan.call_output_rows`, their grouped scale rows, and the int32 words of the
+        plan's store (:meth:`plan_store`'s size). Made once per key."""
+        shape = self._call_shapes.get((T, dtype))
+        if shape is None:
+            cfg = self.config
+            k, E = cfg.topk, cfg.num_experts
+            rows = call_output_rows(cfg, self.world, T, self.launch)
+            words = T * k + plan_kernels.plan_numel(self.world, E, T, k, 0 if self.local else self.R_max)
+            shape = self._call_shapes[(T, dtype)] = CallShape(T=T, dtype=dtype, rows=rows,
+                                                              scale_rows=grouped_m_rows(rows, self.El),
+                                                              plan_words=words)
+        return shape
 
     def run_call(self, key, addresses: tuple, body: Callable[[torch.Tensor], CallOutputs]) -> PlanLayout:
         """Run a dispatch as one call: ``body(table)`` enqueues all of it, reading its tensors' addresses from the

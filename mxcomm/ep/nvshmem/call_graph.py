@@ -1,8 +1,8 @@
 """CallGraph: a whole call captured once and replayed with new tensors (the exact-size dispatch of the one-rank path
 and, where its output's worst case is small, of the pull path: its eager form would launch its output kernels after
 the host sync, the device idle meanwhile), and what the paths that capture their dispatch so share
-(:class:`CallShape`, :class:`CallOutputs`, :class:`PlanLayout`, :class:`CapturedCall`, :func:`copy_in`,
-:func:`copy_out`).
+(:class:`CallShape`, :class:`CallTensors`, :class:`CallOutputs`, :class:`PlanLayout`, :class:`CapturedCall`,
+:func:`copy_in`, :func:`copy_out`).
 
 A CUDA graph replays its kernels with the pointer arguments they were captured with. The call's inputs and outputs
 are new tensors at every call, so the captured kernels read their addresses from an int64 table in device memory
@@ -15,11 +15,12 @@ docs/benchmarks.md.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from ...kernels.launch import cdiv, fast_kernel
+from ...mx import grouped_m_rows, round_up
 from .plan_graph import OutputCopier, PlanOutputs
 
 COPY_BLOCK = 1024  # int32 words per step of copy_in_kernel / copy_out_kernel
@@ -87,6 +88,35 @@ class CallShape:
 
 
 @dataclass(frozen=True)
+class CallTensors:
+    """The fresh tensors one call of a :class:`CallShape` returns its results in (their addresses go in the graph's
+    table): ``out`` uint8 ``[rows, H]`` (MX payload) / ``[rows, 2H]`` (bf16 bytes), ``scales`` uint8 ``[scale_rows,
+    round_up(H/32, 4)]`` grouped blocked scales (MX; None otherwise), ``plan_copy`` int32 ``[plan_words]``."""
+
+    out: torch.Tensor
+    scales: Optional[torch.Tensor]
+    plan_copy: torch.Tensor
+
+    @staticmethod
+    def alloc(shape: CallShape, hidden: int, mx: bool, device: torch.device) -> "CallTensors":
+        out = torch.empty(shape.rows, hidden if mx else 2 * hidden, dtype=torch.uint8, device=device)
+        scales = (torch.empty(shape.scale_rows, round_up(hidden // 32, 4), dtype=torch.uint8, device=device)
+                  if mx else None)
+        return CallTensors(out=out, scales=scales,
+                           plan_copy=torch.empty(shape.plan_words, dtype=torch.int32, device=device))
+
+    @property
+    def scales_ptr(self) -> int:
+        """The address of ``scales`` (0 without MX: an unused table entry)."""
+        return 0 if self.scales is None else self.scales.data_ptr()
+
+    def grouped_scales(self, R: int, n_groups: int) -> Optional[torch.Tensor]:
+        """The grouped scales of an output of ``R`` rows in ``n_groups`` groups (a view of ``scales``; None without
+        MX)."""
+        return None if self.scales is None else self.scales[:grouped_m_rows(R, n_groups)]
+
+
+@dataclass(frozen=True)
 class CallOutputs:
     """What a captured call's body enqueued that outlives it: ``middle``, the outputs of the dispatch's middle (the
     checked ids and the plan, in their store), and ``buffers``, the other tensors of its own it writes (the buffer
@@ -150,4 +180,4 @@ def copy_out(src: torch.Tensor, table: torch.Tensor, slot: int) -> None:
     fast_kernel(copy_out_kernel)[(min(cdiv(n, COPY_BLOCK), 64),)](src, table, slot, n, BLOCK=COPY_BLOCK)
 
 
-__all__ = ["CallGraph", "CallShape", "CallOutputs", "PlanLayout", "CapturedCall", "copy_in", "copy_out"]
+__all__ = ["CallGraph", "CallShape", "CallTensors", "CallOutputs", "PlanLayout", "CapturedCall", "copy_in", "copy_out"]

@@ -6,10 +6,8 @@ from typing import Optional
 import torch
 
 from ....kernels.launch import fast_kernel
-from ....mx import grouped_m_rows, round_up
-from ...plan import RoutingPlan, call_output_rows
-from .. import plan_kernels
-from ..call_graph import CallOutputs, CallShape, copy_in, copy_out
+from ...plan import RoutingPlan
+from ..call_graph import CallOutputs, CallShape, CallTensors, copy_in, copy_out
 from ..plan_graph import PlanOutputs
 from .base import BackwardRows, DispatchRows, EnginePath
 
@@ -33,7 +31,6 @@ class LocalPath(EnginePath):
     def __init__(self, engine, bufs):
         super().__init__(engine, bufs)
         self.recv_s = bufs["ep.recv_s"]
-        self._shapes: dict = {}  # ("local-call", T, ids dtype) -> CallShape of a dispatch run as one call
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor,
                 store: Optional[torch.Tensor] = None) -> PlanOutputs:
@@ -80,14 +77,6 @@ class LocalPath(EnginePath):
                             origins=None)
 
     # -- a dispatch of a few tokens as one call -------------------------------------------------
-    def _call_shape(self, T: int, dtype: torch.dtype) -> CallShape:
-        e = self.e
-        cfg = e.config
-        k, E = cfg.topk, cfg.num_experts
-        rows = call_output_rows(cfg, 1, T, e.launch)
-        return CallShape(T=T, dtype=dtype, rows=rows, scale_rows=grouped_m_rows(rows, e.El),
-                          plan_words=T * k + plan_kernels.plan_numel(1, E, T, k, 0))
-
     def _call_body(self, table: torch.Tensor, shape: CallShape) -> CallOutputs:
         """Enqueue the whole dispatch of ``shape.T`` tokens reading its tensors' addresses from ``table`` (int64, the
         ``_X`` .. ``_PLAN`` entries): ``topk_idx`` copied into a buffer of the call's own (``[T, k]``, its dtype;
@@ -98,7 +87,6 @@ class LocalPath(EnginePath):
         then (CUDA) the copy of the status words read at the call's sync. Returns the middle's outputs (in the store,
         the call's own buffer: the graph's, when captured) and the ids' buffer."""
         from ..kernels.dispatch import local_rows_at_kernel
-        from ..kernels.layout import scale_rows_to_grouped_at_kernel
 
         e = self.e
         cfg = e.config
@@ -115,12 +103,7 @@ class LocalPath(EnginePath):
             INT_ROUND=e.int_round, num_warps=e.dispatch_warps(False),
         )
         if e.mx:
-            g = e.grouped_scales_launch(shape.scale_rows)
-            fast_kernel(scale_rows_to_grouped_at_kernel)[g.grid](
-                self.recv_s.local.view(-1).view(torch.int32) if g.word else self.recv_s.local, table, _SCALES,
-                plan.offs, plan.num_rows, plan.expert_counts, e.El, g.n_col_tiles, C=g.C, CB=g.CB, G_POW2=g.G_POW2,
-                WORD=g.word, TAIL=True, num_warps=4,
-            )
+            e.grouped_scales_at(self.recv_s.local, table, _SCALES, plan, shape.scale_rows)
         if e.device.type == "cuda":
             e.status_words.enqueue_copy()
         return CallOutputs(middle=po, buffers=(idx,))
@@ -135,23 +118,14 @@ class LocalPath(EnginePath):
         the output."""
         e = self.e
         T, H = x.shape
-        key = ("local-call", T, topk_idx.dtype)
-        shape = self._shapes.get(key)
-        if shape is None:
-            shape = self._shapes[key] = self._call_shape(T, topk_idx.dtype)
-        out = torch.empty(shape.rows, H if e.mx else 2 * H, dtype=torch.uint8, device=e.device)
-        scales = (torch.empty(shape.scale_rows, round_up(H // 32, 4), dtype=torch.uint8, device=e.device)
-                  if e.mx else None)
-        plan_copy = torch.empty(shape.plan_words, dtype=torch.int32, device=e.device)
-        addresses = (x.data_ptr(), topk_idx.data_ptr(), out.data_ptr(), 0 if scales is None else scales.data_ptr(),
-                     plan_copy.data_ptr())
-        layout = e.run_call(key, addresses, lambda t: self._call_body(t, shape))
-        kept = layout.read(plan_copy)
+        shape = e.call_shape(T, topk_idx.dtype)
+        t = CallTensors.alloc(shape, H, e.mx, e.device)
+        addresses = (x.data_ptr(), topk_idx.data_ptr(), t.out.data_ptr(), t.scales_ptr, t.plan_copy.data_ptr())
+        layout = e.run_call(("local-call", T, topk_idx.dtype), addresses, lambda tb: self._call_body(tb, shape))
+        kept = layout.read(t.plan_copy)
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
-        grouped = None if scales is None else scales[:grouped_m_rows(R, e.El)]
-        ids = kept.extra["ids"]
-        return DispatchRows(q=out[:R], scale_rows=None, kept=kept, ids=ids, num_rows=R, origins=None,
-                            grouped_scales=grouped)
+        return DispatchRows(q=t.out[:R], scale_rows=None, kept=kept, ids=kept.extra["ids"], num_rows=R, origins=None,
+                            grouped_scales=t.grouped_scales(R, e.El))
 
     def combine_backward(self, g, w, handle, mx, expert_out):
         from ....kernels.route_grad import route_weight_grad

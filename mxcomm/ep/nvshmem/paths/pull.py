@@ -6,11 +6,9 @@ from typing import Optional
 import torch
 
 from ....kernels.launch import cdiv, fast_kernel, next_pow2
-from ....mx import grouped_m_rows, round_up
 from ..state import DeliveredWeights
-from ...plan import RoutingPlan, call_output_rows
-from .. import plan_kernels
-from ..call_graph import CallOutputs, CallShape, copy_in, copy_out
+from ...plan import RoutingPlan
+from ..call_graph import CallOutputs, CallShape, CallTensors, copy_in, copy_out
 from ..plan_graph import PlanOutputs
 from .base import FLAG_ROW, PUBLISH_BLOCK, DispatchRows, EnginePath, fp32_weights
 
@@ -53,7 +51,6 @@ class PullPath(EnginePath):
         self._send_scales = self.send_s.local if engine.mx else engine.err
         self._send_copy = T_max * 2 * H if engine.mx else T_max * H
         self._plan_jobs = self._make_plan_jobs()
-        self._shapes: dict = {}  # ("pull-call", T, ids dtype) -> CallShape of a dispatch run as one call
 
     def _make_plan_jobs(self):
         """The pull-list entries and the wait for every source's as jobs of the plan's launch
@@ -201,7 +198,6 @@ class PullPath(EnginePath):
         ``shape.rows`` rows, the dispatch's table and weights; the scale rows row-major into a buffer of the call's
         own) and their grouped scales (``scale_rows_to_grouped_at_kernel``: every one of ``shape.scale_rows`` rows
         written), then (CUDA) the copy of the status words read at the call's sync."""
-        from ..kernels.layout import scale_rows_to_grouped_at_kernel
         from ..kernels.pull import pull_rows_at_kernel
 
         e = self.e
@@ -225,12 +221,7 @@ class PullPath(EnginePath):
             K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx, num_warps=4,
         )
         if e.mx:
-            g = e.grouped_scales_launch(shape.scale_rows)
-            fast_kernel(scale_rows_to_grouped_at_kernel)[g.grid](
-                srows.view(-1).view(torch.int32) if g.word else srows, table, _SCALES, plan.offs, plan.num_rows,
-                plan.expert_counts, e.El, g.n_col_tiles, C=g.C, CB=g.CB, G_POW2=g.G_POW2, WORD=g.word, TAIL=True,
-                num_warps=4,
-            )
+            e.grouped_scales_at(srows, table, _SCALES, plan, shape.scale_rows)
         if e.device.type == "cuda":
             e.status_words.enqueue_copy()
         return CallOutputs(middle=po, buffers=(idx, srows))
@@ -243,28 +234,16 @@ class PullPath(EnginePath):
         the peers' refusals) and views: the output's storage holds ``R_max`` rows (the most the ranks' tokens can
         bring), its first ``R`` rows the output; the scales likewise."""
         e = self.e
-        cfg = e.config
         T, H = x.shape
-        key = ("pull-call", T, topk_idx.dtype)
-        shape = self._shapes.get(key)
-        if shape is None:
-            k, E, W = cfg.topk, cfg.num_experts, e.world
-            rows = call_output_rows(cfg, W, T, e.launch)  # (R_max)
-            shape = self._shapes[key] = CallShape(
-                T=T, dtype=topk_idx.dtype, rows=rows, scale_rows=grouped_m_rows(rows, e.El),
-                plan_words=T * k + plan_kernels.plan_numel(W, E, T, k, e.R_max))
+        shape = e.call_shape(T, topk_idx.dtype)
         w = fp32_weights(topk_weights.detach())
-        out = torch.empty(shape.rows, H if e.mx else 2 * H, dtype=torch.uint8, device=e.device)
-        scales = (torch.empty(shape.scale_rows, round_up(H // 32, 4), dtype=torch.uint8, device=e.device)
-                  if e.mx else None)
-        plan_copy = torch.empty(shape.plan_words, dtype=torch.int32, device=e.device)
+        t = CallTensors.alloc(shape, H, e.mx, e.device)
         table, wtab = self._new_table()
-        addresses = (x.data_ptr(), topk_idx.data_ptr(), w.data_ptr(), out.data_ptr(),
-                     0 if scales is None else scales.data_ptr(), plan_copy.data_ptr(), table.data_ptr())
-        layout = e.run_call(key, addresses, lambda t: self._call_body(t, shape))
-        kept = layout.read(plan_copy)
+        addresses = (x.data_ptr(), topk_idx.data_ptr(), w.data_ptr(), t.out.data_ptr(), t.scales_ptr,
+                     t.plan_copy.data_ptr(), table.data_ptr())
+        layout = e.run_call(("pull-call", T, topk_idx.dtype), addresses, lambda tb: self._call_body(tb, shape))
+        kept = layout.read(t.plan_copy)
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
-        return DispatchRows(q=out[:R], scale_rows=None, kept=kept, ids=kept.extra["ids"], num_rows=R,
+        return DispatchRows(q=t.out[:R], scale_rows=None, kept=kept, ids=kept.extra["ids"], num_rows=R,
                             origins=e.origins_from(kept, R), table=table,
-                            weights=DeliveredWeights.of(wtab, topk_weights),
-                            grouped_scales=None if scales is None else scales[:grouped_m_rows(R, e.El)])
+                            weights=DeliveredWeights.of(wtab, topk_weights), grouped_scales=t.grouped_scales(R, e.El))
