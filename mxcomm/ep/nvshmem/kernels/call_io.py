@@ -2,7 +2,7 @@
 replay: a CUDA graph records its kernels' pointer arguments once, so a call captured once and replayed with new
 tensors reads their addresses from an int64 table in pinned host memory, which the host writes before every replay.
 ``copy_in_kernel`` copies an input into the graph's own buffer, ``copy_out_kernel`` an output of the graph into a
-fresh tensor; the kernels that write the call's large outputs read the address themselves (``local_rows_at_kernel``,
+fresh tensor, ``zero_at_kernel`` zeroes one (beside the call's other work, before its rows are written); the kernels that write the call's large outputs read the address themselves (``local_rows_at_kernel``,
 ``scale_rows_to_grouped_at_kernel``).
 """
 from __future__ import annotations
@@ -37,3 +37,18 @@ def copy_out_kernel(src_ptr, addr_ptr, slot, n, BLOCK: tl.constexpr):
     Grid: any number of programs."""
     dst = tl.load(addr_ptr + slot).to(tl.pointer_type(tl.int32))
     _copy_words(src_ptr, dst, n, BLOCK)
+
+
+@triton.jit
+def zero_at_kernel(addr_ptr, slot, n, BLOCK: tl.constexpr):
+    """Zero ``n`` int64 words at the address in ``addr[slot]`` (int64 table; the address 16-byte aligned, ``n`` even:
+    16-byte stores). Program ``pid`` of ``G`` writes the words ``[i * BLOCK, (i + 1) * BLOCK)`` for ``i = pid, pid + G,
+    ...``. Grid: any number of programs."""
+    dst = tl.load(addr_ptr + slot).to(tl.pointer_type(tl.int64))
+    offs = tl.arange(0, BLOCK)
+    zero = tl.zeros([BLOCK], dtype=tl.int64)
+    i = tl.program_id(0) * BLOCK
+    while i < n:
+        d = tl.max_contiguous(tl.multiple_of(dst + i + offs, 16), 16)
+        tl.store(d, zero, mask=i + offs < n)
+        i += tl.num_programs(0) * BLOCK
