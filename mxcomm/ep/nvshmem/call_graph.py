@@ -24,7 +24,7 @@ from ...mx import grouped_m_rows, round_up
 from .plan_graph import OutputCopier, PlanOutputs
 
 COPY_BLOCK = 1024  # int32 words per step of copy_in_kernel / copy_out_kernel
-ZERO_BLOCK = 2048  # int64 words per step of zero_at_kernel
+ZERO_BLOCK = 1024  # 16-byte pieces per step of zero_at_kernel
 
 
 class CallGraph:
@@ -181,12 +181,13 @@ def copy_out(src: torch.Tensor, table: torch.Tensor, slot: int) -> None:
     fast_kernel(copy_out_kernel)[(min(cdiv(n, COPY_BLOCK), 64),)](src, table, slot, n, BLOCK=COPY_BLOCK)
 
 
-def zero_at(table: torch.Tensor, slot: int, words: int) -> None:
-    """Enqueue the zeroing of ``words`` int64 words (an even number) at the address in ``table[slot]``."""
+def zero_at(table: torch.Tensor, slot: int, nbytes: int) -> None:
+    """Enqueue the zeroing of ``nbytes`` bytes (a multiple of 16) at the address in ``table[slot]``."""
     from .kernels.call_io import zero_at_kernel
 
-    if words:
-        fast_kernel(zero_at_kernel)[(min(cdiv(words, ZERO_BLOCK), 1024),)](table, slot, words, BLOCK=ZERO_BLOCK)
+    n = nbytes // 16
+    if n:
+        fast_kernel(zero_at_kernel)[(min(cdiv(n, ZERO_BLOCK), 1024),)](table, slot, n, BLOCK=ZERO_BLOCK)
 
 
 __all__ = ["CallGraph", "CallShape", "CallTensors", "CallOutputs", "PlanLayout", "CapturedCall", "copy_in", "copy_out",

@@ -32,7 +32,7 @@ modules.
 """
 from __future__ import annotations
 
-from .call_io import copy_in_kernel, copy_out_kernel
+from .call_io import copy_in_kernel, copy_out_kernel, zero_at_kernel
 from .combine import combine_partials_kernel, combine_reduce_kernel, local_reduce_kernel, stage_partials_kernel
 from .combine_backward import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel, round_weighted_kernel
 from .dispatch import local_rows_at_kernel, local_rows_kernel, push_rows_kernel, stage_rows_kernel
@@ -56,5 +56,5 @@ __all__ = [
     # combine backward
     "pack_ready_kernel", "pull_weighted_kernel", "round_weighted_kernel", "gather_route_grad_kernel",
     # call_io
-    "copy_in_kernel", "copy_out_kernel",
+    "copy_in_kernel", "copy_out_kernel", "zero_at_kernel",
 ]

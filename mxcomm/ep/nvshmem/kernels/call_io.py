@@ -41,14 +41,14 @@ def copy_out_kernel(src_ptr, addr_ptr, slot, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def zero_at_kernel(addr_ptr, slot, n, BLOCK: tl.constexpr):
-    """Zero ``n`` int64 words at the address in ``addr[slot]`` (int64 table; the address 16-byte aligned, ``n`` even:
-    16-byte stores). Program ``pid`` of ``G`` writes the words ``[i * BLOCK, (i + 1) * BLOCK)`` for ``i = pid, pid + G,
-    ...``. Grid: any number of programs."""
+    """Zero ``n`` 16-byte pieces at the address in ``addr[slot]`` (int64 table; the address 16-byte aligned): program
+    ``pid`` of ``G`` writes the pieces ``[i * BLOCK, (i + 1) * BLOCK)`` for ``i = pid, pid + G, ...``, a 16-byte store
+    each. Grid: any number of programs."""
     dst = tl.load(addr_ptr + slot).to(tl.pointer_type(tl.int64))
-    offs = tl.arange(0, BLOCK)
-    zero = tl.zeros([BLOCK], dtype=tl.int64)
+    words = tl.arange(0, 2 * BLOCK)  # int64 words, two a piece (the mask: per piece)
+    zero = tl.zeros([2 * BLOCK], dtype=tl.int64)
     i = tl.program_id(0) * BLOCK
     while i < n:
-        d = tl.max_contiguous(tl.multiple_of(dst + i + offs, 16), 16)
-        tl.store(d, zero, mask=i + offs < n)
+        d = tl.max_contiguous(tl.multiple_of(dst + i.to(tl.int64) * 2 + words, 16), 16)
+        tl.store(d, zero, mask=i + words // 2 < n)
         i += tl.num_programs(0) * BLOCK

@@ -126,7 +126,7 @@ class LocalPath(EnginePath):
         cfg = e.config
         H, k, T = cfg.hidden, cfg.topk, shape.T
         ahead = self._zero_ahead(T)
-        side = self._zero_beside(lambda: zero_at(table, _OUT, shape.rows * H // (8 if e.mx else 4))) if ahead else None
+        side = self._zero_beside(lambda: zero_at(table, _OUT, shape.rows * H * (1 if e.mx else 2))) if ahead else None
         idx = torch.empty(T, k, dtype=shape.dtype, device=e.device)
         copy_in(table, _IDS, idx)
         store = e.plan_store(idx)
