@@ -22,7 +22,8 @@ Modules by job (each imports only from those listed before it):
   ``comb_q`` comes in two;
 * :mod:`.combine_backward`: combine backward (``pack_ready_kernel``, ``pull_weighted_kernel``,
   ``round_weighted_kernel``, ``gather_route_grad_kernel``);
-* :mod:`.call_io`: a captured call's tensors at addresses given per replay (``copy_in_kernel``, ``copy_out_kernel``;
+* :mod:`.call_io`: a captured call's tensors at addresses given per replay (``copy_in_kernel``, ``copy_out_kernel``,
+  ``zero_at_kernel``;
   the one-rank dispatch's ``local_rows_at_kernel`` in :mod:`.dispatch`, the pull dispatch's ``pull_rows_at_kernel``
   in :mod:`.pull` and ``scale_rows_to_grouped_at_kernel`` in :mod:`.layout` read their outputs' addresses the same
   way).
