@@ -2,7 +2,8 @@
 replay: a CUDA graph records its kernels' pointer arguments once, so a call captured once and replayed with new
 tensors reads their addresses from an int64 table in pinned host memory, which the host writes before every replay.
 ``copy_in_kernel`` copies an input into the graph's own buffer, ``copy_out_kernel`` an output of the graph into a
-fresh tensor, ``zero_at_kernel`` zeroes one (beside the call's other work, before its rows are written); the kernels that write the call's large outputs read the address themselves (``local_rows_at_kernel``,
+fresh tensor, ``zero_at_kernel`` zeroes one (beside the call's other work, before its rows are written); the kernels
+that write the call's large outputs read the address themselves (``local_rows_at_kernel``,
 ``scale_rows_to_grouped_at_kernel``).
 """
 from __future__ import annotations

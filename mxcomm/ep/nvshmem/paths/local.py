@@ -136,8 +136,8 @@ class LocalPath(EnginePath):
         self._join(side)
         fast_kernel(local_rows_at_kernel)[(e.output_programs(T),)](
             table, T, plan.dest_rank, plan.dest_row, self.recv_s.peer_ptrs, plan.offs, plan.expert_counts,
-            plan.num_rows, shape.rows, 0 if ahead else e.El, H=H, K=k, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id,
-            INT_ROUND=e.int_round, num_warps=e.dispatch_warps(False),
+            plan.num_rows, shape.rows, 0 if ahead else e.El, H=H, K=k, CHUNK=e.launch.row_chunk(H), MX=e.mx,
+            MODE=e.mode_id, INT_ROUND=e.int_round, num_warps=e.dispatch_warps(False),
         )
         if e.mx:
             e.grouped_scales_at(self.recv_s.local, table, _SCALES, plan, shape.scale_rows)
