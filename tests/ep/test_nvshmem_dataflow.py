@@ -1110,8 +1110,9 @@ compile(nk.scale_rows_to_grouped_at_kernel, dict(sc, rows_ptr=u8, addr_ptr=i64),
 compile(nk.copy_in_kernel, dict(addr_ptr=i64, dst_ptr=i32), BLOCK=1024)
 compile(nk.copy_out_kernel, dict(src_ptr=i32, addr_ptr=i64), BLOCK=1024)
 # the zeroing of a call's output beside its plan: 16-byte stores through the table's address
-ptx = compile(nk.zero_at_kernel, dict(addr_ptr=i64), BLOCK=1024)
-assert "st.global.v2.b64" in ptx and "st.global.b64" not in ptx, "zero at"
+for kernel, types in ((nk.zero_at_kernel, dict(addr_ptr=i64)), (nk.zero_kernel, dict(dst_ptr=i64))):
+    ptx = compile(kernel, types, BLOCK=1024)
+    assert "st.global.v2.b64" in ptx and "st.global.b64" not in ptx, kernel.__name__
 for mx in (True, False):
     ptx = compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32,
                   q_peers=i64, s_peers=i64, list_ptr=i32, table_ptr=i32, wtab_ptr=i32, epoch_ptr=i64),

@@ -7,7 +7,7 @@ import torch
 
 from ....kernels.launch import fast_kernel
 from ...plan import RoutingPlan
-from ..call_graph import CallOutputs, CallShape, CallTensors, copy_in, copy_out, zero_at
+from ..call_graph import CallOutputs, CallShape, CallTensors, copy_in, copy_out, zero, zero_at
 from ..plan_graph import PlanOutputs
 from .base import BackwardRows, DispatchRows, EnginePath
 
@@ -78,7 +78,7 @@ class LocalPath(EnginePath):
         zeroed = side = None
         if not e.config.exact_sizes and self._zero_ahead(T):  # (no-sync: the output's size, R_max, known before)
             zeroed = torch.empty(e.R_max, x.shape[1] if e.mx else 2 * x.shape[1], dtype=torch.uint8, device=e.device)
-            side = self._zero_beside(lambda: zeroed.zero_())
+            side = self._zero_beside(lambda: zero(zeroed, e.sms))
         po = e.run_middle(self._middle, topk_idx)  # sends nothing: the id check is read at the output size sync
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
         self._join(side)
@@ -126,7 +126,8 @@ class LocalPath(EnginePath):
         cfg = e.config
         H, k, T = cfg.hidden, cfg.topk, shape.T
         ahead = self._zero_ahead(T)
-        side = self._zero_beside(lambda: zero_at(table, _OUT, shape.rows * H * (1 if e.mx else 2))) if ahead else None
+        side = (self._zero_beside(lambda: zero_at(table, _OUT, shape.rows * H * (1 if e.mx else 2), e.sms)) if ahead
+                else None)
         idx = torch.empty(T, k, dtype=shape.dtype, device=e.device)
         copy_in(table, _IDS, idx)
         store = e.plan_store(idx)
