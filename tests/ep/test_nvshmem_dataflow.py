@@ -667,10 +667,8 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
     # few programs per kernel (the interpreter runs them one by one; uneven counts keep the persistent loops' ragged
     # ends), the default launch settings in test_exact_dispatch_scale_matrix_is_fully_written and the other tests; the
     # push path's partials load one listed row a step (the put path's two: a token's third slot takes a second step)
-    # one rank's dispatch of at most 5 tokens zeroes its whole output beside the plan (T = 5), of more the padding
-    # rows after it (T = 7, 8)
     be = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2,
-                                             partials_rows=1 if transport == "push" else 2, zero_ahead_tokens=5))
+                                             partials_rows=1 if transport == "push" else 2))
     be.plan_impl = "triton" if exact else "torch"
     sz = True  # the sign of a zero too, on every path (test_one_rank_reduce_gives_plus_zero)
     g = torch.Generator().manual_seed(len(transport) * 100 + 10 * mx + exact)
@@ -694,9 +692,7 @@ def test_loopback_end_to_end_matches_spec(transport, precision, exact):
         got_q = res.x.qdata.view(torch.uint8) if mx else res.x.view(torch.uint8)
         want_q = want.x.qdata.view(torch.uint8) if mx else want.x.view(torch.uint8)
         assert torch.equal(got_q[:n], want_q[:n]), T
-        # the no-sync tail: not written, but where the output was zeroed beside the plan
-        tail = 0 if be.path == "local" and not exact and 0 < T <= 5 else _POISON_INT
-        assert (got_q[n:] == tail).all(), T
+        assert (got_q[n:] == _POISON_INT).all(), T  # the no-sync tail: not written
         if mx:  # (the tile-rows past the groups: test_exact_dispatch_scale_matrix_is_fully_written)
             rows = in_group_tile_rows(res.offs)
             assert torch.equal(res.x.scales[:rows], want.x.scales[:rows]), T
@@ -862,17 +858,14 @@ def test_one_rank_dispatch_as_one_call_equals_the_staged_dispatch(precision):
     offsets, counts, every plan tensor of the handle and the checked ids - on inputs with dropped slots, a token with
     none, every token on one expert, NaN / Inf rows, int32 and int64 ids, ids that are a non-contiguous view, one
     token, and every slot dropped; its output is the first ``R`` rows of a tensor of the rows its tokens could fill at
-    most, zeroed beside the plan or its padding rows by the rows kernel. Bad ids raise the detailed error, after which
-    the next call is right."""
+    most. Bad ids raise the detailed error, after which the next call is right."""
     from mxcomm.ep.plan import PLAN_TENSORS
 
     E, k, H = 8, 3, 96 if precision == "mxfp8" else 64
     mx = precision == "mxfp8"
     cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=16, precision=precision, backend="nvshmem",
                    num_sms=1, timeout_s=5.0)
-    # (zero_ahead_tokens=4: the calls of 1 and 3 tokens zero their whole output beside the plan, the others their
-    # padding rows in the rows kernel; under _poisoned_empty a row left unwritten shows)
-    one = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3, zero_ahead_tokens=4))
+    one = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3))
     staged = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3, call_graph_tokens=0))
     g = torch.Generator().manual_seed(11 + mx)
     cases = []
@@ -1109,10 +1102,6 @@ compile(nk.scale_rows_to_grouped_at_kernel, dict(sc, rows_ptr=u8, addr_ptr=i64),
         WORD=False, TAIL=True)
 compile(nk.copy_in_kernel, dict(addr_ptr=i64, dst_ptr=i32), BLOCK=1024)
 compile(nk.copy_out_kernel, dict(src_ptr=i32, addr_ptr=i64), BLOCK=1024)
-# the zeroing of a call's output beside its plan: 16-byte stores through the table's address
-for kernel, types in ((nk.zero_at_kernel, dict(addr_ptr=i64)), (nk.zero_kernel, dict(dst_ptr=i64))):
-    ptx = compile(kernel, types, BLOCK=1024)
-    assert "st.global.v2.b64" in ptx and "st.global.b64" not in ptx, kernel.__name__
 for mx in (True, False):
     ptx = compile(nk.pull_rows_kernel, dict(dst_ptr=i64, dst_s_ptr=u8, offs_ptr=i32, counts_ptr=i32, n_rows_ptr=i32,
                   q_peers=i64, s_peers=i64, list_ptr=i32, table_ptr=i32, wtab_ptr=i32, epoch_ptr=i64),

@@ -24,7 +24,6 @@ from ...mx import grouped_m_rows, round_up
 from .plan_graph import OutputCopier, PlanOutputs
 
 COPY_BLOCK = 1024  # int32 words per step of copy_in_kernel / copy_out_kernel
-ZERO_BLOCK = 1024  # 16-byte pieces per step of zero_at_kernel
 
 
 class CallGraph:
@@ -181,27 +180,4 @@ def copy_out(src: torch.Tensor, table: torch.Tensor, slot: int) -> None:
     fast_kernel(copy_out_kernel)[(min(cdiv(n, COPY_BLOCK), 64),)](src, table, slot, n, BLOCK=COPY_BLOCK)
 
 
-def zero_at(table: torch.Tensor, slot: int, nbytes: int, programs: int) -> None:
-    """Enqueue the zeroing of ``nbytes`` bytes (a multiple of 16) at the address in ``table[slot]`` by at most
-    ``programs`` programs."""
-    from .kernels.call_io import zero_at_kernel
-
-    n = nbytes // 16
-    if n:
-        fast_kernel(zero_at_kernel)[(min(cdiv(n, ZERO_BLOCK), programs),)](table, slot, n, BLOCK=ZERO_BLOCK,
-                                                                           num_warps=8)
-
-
-def zero(t: torch.Tensor, programs: int) -> None:
-    """Enqueue the zeroing of ``t`` (contiguous, 16-byte aligned, a multiple of 16 bytes) by at most ``programs``
-    programs."""
-    from .kernels.call_io import zero_kernel
-
-    n = t.numel() * t.element_size() // 16
-    if n:
-        fast_kernel(zero_kernel)[(min(cdiv(n, ZERO_BLOCK), programs),)](t.view(-1).view(torch.int64), n,
-                                                                        BLOCK=ZERO_BLOCK, num_warps=8)
-
-
-__all__ = ["CallGraph", "CallShape", "CallTensors", "CallOutputs", "PlanLayout", "CapturedCall", "copy_in", "copy_out",
-           "zero_at", "zero"]
+__all__ = ["CallGraph", "CallShape", "CallTensors", "CallOutputs", "PlanLayout", "CapturedCall", "copy_in", "copy_out"]

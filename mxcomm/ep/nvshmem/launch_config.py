@@ -54,12 +54,6 @@ class LaunchConfig:
             :func:`mxcomm.ep.plan.max_recv_rows`: 6080 rows, 45 MB, at 4 ranks of 128 tokens, hidden 7168, top-8 of
             256 experts), of which the call's rows are the view it returns; 0: never. Above it the output is allocated
             at its exact size after the sync.
-        zero_ahead_tokens: one rank: a dispatch of at most this many tokens (as one captured call, or in the no-sync
-            mode) zeroes its whole output on a second stream while the id check and the plan run, and its rows kernel
-            then writes the real rows only; above it (and at 0) the rows kernel zeroes just the padding rows after
-            the plan. At a few tokens the ``align`` padding is most of the output (about 7000 of 8000 rows at 128
-            tokens, 256 experts, ``align`` 32) and the plan's small kernels leave the memory system idle; at many
-            tokens zeroing the real rows too costs more than the overlap saves.
         wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
             peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
             cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
@@ -83,15 +77,14 @@ class LaunchConfig:
     wait_warps: int = 1
     call_graph_tokens: int = 8192
     peer_call_tokens: int = 1024
-    zero_ahead_tokens: int = 256
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
-        without progress): every field a positive int (the ``*_tokens`` thresholds may be 0),
+        without progress): every field a positive int (``call_graph_tokens`` and ``peer_call_tokens`` may be 0),
         chunks powers of two of at least 32 values, warps powers of two up to 32."""
         for f in fields(self):
             v = getattr(self, f.name)
-            low = 0 if f.name.endswith("_tokens") else 1
+            low = 0 if f.name in ("call_graph_tokens", "peer_call_tokens") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LaunchConfig.{f.name} must be an int >= {low}, got {v!r}")
             if f.name.endswith("_chunk") and (v < 32 or v & (v - 1)):

@@ -22,8 +22,7 @@ Modules by job (each imports only from those listed before it):
   ``comb_q`` comes in two;
 * :mod:`.combine_backward`: combine backward (``pack_ready_kernel``, ``pull_weighted_kernel``,
   ``round_weighted_kernel``, ``gather_route_grad_kernel``);
-* :mod:`.call_io`: a captured call's tensors at addresses given per replay (``copy_in_kernel``, ``copy_out_kernel``,
-  ``zero_at_kernel``, ``zero_kernel``;
+* :mod:`.call_io`: a captured call's tensors at addresses given per replay (``copy_in_kernel``, ``copy_out_kernel``;
   the one-rank dispatch's ``local_rows_at_kernel`` in :mod:`.dispatch`, the pull dispatch's ``pull_rows_at_kernel``
   in :mod:`.pull` and ``scale_rows_to_grouped_at_kernel`` in :mod:`.layout` read their outputs' addresses the same
   way).
@@ -33,7 +32,7 @@ modules.
 """
 from __future__ import annotations
 
-from .call_io import copy_in_kernel, copy_out_kernel, zero_at_kernel, zero_kernel
+from .call_io import copy_in_kernel, copy_out_kernel
 from .combine import combine_partials_kernel, combine_reduce_kernel, local_reduce_kernel, stage_partials_kernel
 from .combine_backward import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel, round_weighted_kernel
 from .dispatch import local_rows_at_kernel, local_rows_kernel, push_rows_kernel, stage_rows_kernel
@@ -57,5 +56,5 @@ __all__ = [
     # combine backward
     "pack_ready_kernel", "pull_weighted_kernel", "round_weighted_kernel", "gather_route_grad_kernel",
     # call_io
-    "copy_in_kernel", "copy_out_kernel", "zero_at_kernel", "zero_kernel",
+    "copy_in_kernel", "copy_out_kernel",
 ]

@@ -2,8 +2,7 @@
 replay: a CUDA graph records its kernels' pointer arguments once, so a call captured once and replayed with new
 tensors reads their addresses from an int64 table in pinned host memory, which the host writes before every replay.
 ``copy_in_kernel`` copies an input into the graph's own buffer, ``copy_out_kernel`` an output of the graph into a
-fresh tensor, ``zero_at_kernel`` zeroes one (``zero_kernel`` a tensor given as such; beside the call's other work, before its rows are written); the kernels
-that write the call's large outputs read the address themselves (``local_rows_at_kernel``,
+fresh tensor; the kernels that write the call's large outputs read the address themselves (``local_rows_at_kernel``,
 ``scale_rows_to_grouped_at_kernel``).
 """
 from __future__ import annotations
@@ -38,30 +37,3 @@ def copy_out_kernel(src_ptr, addr_ptr, slot, n, BLOCK: tl.constexpr):
     Grid: any number of programs."""
     dst = tl.load(addr_ptr + slot).to(tl.pointer_type(tl.int32))
     _copy_words(src_ptr, dst, n, BLOCK)
-
-
-@triton.jit
-def zero_at_kernel(addr_ptr, slot, n, BLOCK: tl.constexpr):
-    """:func:`_zero_pieces` at the address in ``addr[slot]`` (int64 table; the address 16-byte aligned).
-    Grid: any number of programs."""
-    _zero_pieces(tl.load(addr_ptr + slot).to(tl.pointer_type(tl.int64)), n, BLOCK)
-
-
-@triton.jit
-def zero_kernel(dst_ptr, n, BLOCK: tl.constexpr):
-    """:func:`_zero_pieces` at ``dst`` (int64, 16-byte aligned). Grid: any number of programs."""
-    _zero_pieces(dst_ptr, n, BLOCK)
-
-
-@triton.jit
-def _zero_pieces(dst, n, BLOCK: tl.constexpr):
-    """Zero ``n`` 16-byte pieces at ``dst`` (an int64 pointer): program ``pid`` of ``G`` writes the pieces
-    ``[i * BLOCK, (i + 1) * BLOCK)`` for ``i = pid, pid + G, ...``, a 16-byte store each (a grid of a few programs
-    per SM leaves room for the kernels that run beside it)."""
-    words = tl.arange(0, 2 * BLOCK)  # int64 words, two a piece (the mask: per piece)
-    zero = tl.zeros([2 * BLOCK], dtype=tl.int64)
-    i = tl.program_id(0) * BLOCK
-    while i < n:
-        d = tl.max_contiguous(tl.multiple_of(dst + i.to(tl.int64) * 2 + words, 16), 16)
-        tl.store(d, zero, mask=i + words // 2 < n)
-        i += tl.num_programs(0) * BLOCK

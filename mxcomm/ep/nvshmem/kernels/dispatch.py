@@ -144,8 +144,7 @@ def local_rows_kernel(x_ptr, T, dest_rank_ptr, dest_row_ptr, out_ptr, s_peers, w
         s_peers: int64 ``[1]``: the address of ``recv_s`` (uint8 ``[>= R_out, H/32]``, row-major scale rows; MX).
         w_ptr: fp32 ``[T, K]`` route weights (``WEIGHTED``; else unused).
         offs_ptr / counts_ptr / n_rows_ptr / n_groups: the plan's group end offsets, real rows per group, rows in
-            use and ``El`` (:func:`_zero_unfilled_rows`); ``n_groups`` 0: no padding row is written (the output was
-            zeroed before, beside the plan).
+            use and ``El`` (:func:`_zero_unfilled_rows`).
     Grid: any number of programs; persistent over tokens."""
     _local_rows(x_ptr, T, dest_rank_ptr, dest_row_ptr, out_ptr, s_peers, w_ptr, offs_ptr, counts_ptr, n_rows_ptr,
                 R_out, n_groups, H, K, CHUNK, MX, MODE, INT_ROUND, WEIGHTED, False)

@@ -1,13 +1,13 @@
 """The one-rank path (:class:`LocalPath`)."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from ....kernels.launch import fast_kernel
 from ...plan import RoutingPlan
-from ..call_graph import CallOutputs, CallShape, CallTensors, copy_in, copy_out, zero, zero_at
+from ..call_graph import CallOutputs, CallShape, CallTensors, copy_in, copy_out
 from ..plan_graph import PlanOutputs
 from .base import BackwardRows, DispatchRows, EnginePath
 
@@ -31,8 +31,6 @@ class LocalPath(EnginePath):
     def __init__(self, engine, bufs):
         super().__init__(engine, bufs)
         self.recv_s = bufs["ep.recv_s"]
-        # where a dispatch of a few tokens zeroes its output beside the id check and the plan (CUDA)
-        self._side = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
 
     def _middle(self, counts_buf: torch.Tensor, topk_idx: torch.Tensor,
                 store: Optional[torch.Tensor] = None) -> PlanOutputs:
@@ -47,23 +45,20 @@ class LocalPath(EnginePath):
         po = e.compute_plan(counts_buf, ids, store=store)
         return PlanOutputs(plan=po.plan, extra={**po.extra, "ids": ids})
 
-    def _out(self, x: torch.Tensor, plan: RoutingPlan, R: int, mx: bool, w: torch.Tensor, weighted: bool,
-             zeroed: Optional[torch.Tensor] = None):
+    def _out(self, x: torch.Tensor, plan: RoutingPlan, R: int, mx: bool, w: torch.Tensor, weighted: bool):
         """Fresh uint8 ``[R, H]`` (MX) / ``[R, 2H]`` (bf16 bytes) written by ``local_rows_kernel`` itself: each row of
         ``x`` (bf16 ``[T, H]``; ``weighted``: times ``w[t, j]`` per slot) read once, quantized (MX), stored at every
-        selection's expert-major row, its scale row into ``recv_s``; padding rows zeroed by the same launch, or not
-        written when ``zeroed`` is given: that tensor, already zero (:meth:`_zero_beside`), is the output. No
+        selection's expert-major row, its scale row into ``recv_s``; padding rows zeroed by the same launch. No
         symmetric buffer holds the payload and nothing is copied afterwards."""
         from ..kernels.dispatch import local_rows_kernel
 
         e = self.e
         T, H = x.shape
-        out = torch.empty(R, H if mx else 2 * H, dtype=torch.uint8, device=e.device) if zeroed is None else zeroed
+        out = torch.empty(R, H if mx else 2 * H, dtype=torch.uint8, device=e.device)
         if R:
             fast_kernel(local_rows_kernel)[(e.output_programs(T),)](
                 x, T, plan.dest_rank, plan.dest_row, out if mx else out.view(torch.bfloat16), self.recv_s.peer_ptrs,
-                w, plan.offs, plan.expert_counts, plan.num_rows, R, e.El if zeroed is None else 0, H=H,
-                K=e.config.topk,
+                w, plan.offs, plan.expert_counts, plan.num_rows, R, e.El, H=H, K=e.config.topk,
                 CHUNK=e.launch.row_chunk(H, weighted), MX=mx, MODE=e.mode_id, INT_ROUND=e.int_round,
                 WEIGHTED=weighted, num_warps=e.dispatch_warps(weighted),
             )
@@ -75,40 +70,11 @@ class LocalPath(EnginePath):
         if (e.config.exact_sizes and 0 < T <= e.launch.call_graph_tokens and e.plan_impl == "triton"
                 and x.data_ptr() % 16 == 0 and not e.capturing()):
             return self._dispatch_call(x, topk_idx.contiguous())
-        zeroed = side = None
-        if not e.config.exact_sizes and self._zero_ahead(T):  # (no-sync: the output's size, R_max, known before)
-            zeroed = torch.empty(e.R_max, x.shape[1] if e.mx else 2 * x.shape[1], dtype=torch.uint8, device=e.device)
-            side = self._zero_beside(lambda: zero(zeroed, e.sms))
         po = e.run_middle(self._middle, topk_idx)  # sends nothing: the id check is read at the output size sync
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
-        self._join(side)
-        q = self._out(x, po.plan, R, e.mx, x, weighted=False, zeroed=zeroed)
+        q = self._out(x, po.plan, R, e.mx, x, weighted=False)
         return DispatchRows(q=q, scale_rows=self.recv_s.local, kept=po, ids=po.extra["ids"], num_rows=R,
                             origins=None)
-
-    # -- a dispatch of a few tokens: its output zeroed beside the plan ---------------------------
-    def _zero_ahead(self, T: int) -> bool:
-        """Whether a dispatch of ``T`` tokens zeroes its whole output beside the id check and the plan
-        (``LaunchConfig.zero_ahead_tokens``): at a few tokens the padding rows are most of the output's bytes, and
-        the plan's small kernels leave the memory system idle."""
-        return 0 < T <= self.e.launch.zero_ahead_tokens
-
-    def _zero_beside(self, work: Callable[[], None]) -> Optional[torch.cuda.Stream]:
-        """Enqueue ``work`` (the zeroing of the output) on this path's side stream after everything on the current
-        stream so far, and return that stream for :meth:`_join` (inside a capture, a branch of the graph); without
-        CUDA it runs now, in order, and None is returned."""
-        if self._side is None:
-            work()
-            return None
-        self._side.wait_stream(torch.cuda.current_stream(self.e.device))
-        with torch.cuda.stream(self._side):
-            work()
-        return self._side
-
-    def _join(self, side: Optional[torch.cuda.Stream]) -> None:
-        """The current stream waits for ``side``'s work (:meth:`_zero_beside`) before the rows are written."""
-        if side is not None:
-            torch.cuda.current_stream(self.e.device).wait_stream(side)
 
     # -- a dispatch of a few tokens as one call -------------------------------------------------
     def _call_body(self, table: torch.Tensor, shape: CallShape) -> CallOutputs:
@@ -125,20 +91,16 @@ class LocalPath(EnginePath):
         e = self.e
         cfg = e.config
         H, k, T = cfg.hidden, cfg.topk, shape.T
-        ahead = self._zero_ahead(T)
-        side = (self._zero_beside(lambda: zero_at(table, _OUT, shape.rows * H * (1 if e.mx else 2), e.sms)) if ahead
-                else None)
         idx = torch.empty(T, k, dtype=shape.dtype, device=e.device)
         copy_in(table, _IDS, idx)
         store = e.plan_store(idx)
         po = self._middle(e.counts_mat, idx, store=store)
         copy_out(store, table, _PLAN)
         plan = po.plan
-        self._join(side)
         fast_kernel(local_rows_at_kernel)[(e.output_programs(T),)](
             table, T, plan.dest_rank, plan.dest_row, self.recv_s.peer_ptrs, plan.offs, plan.expert_counts,
-            plan.num_rows, shape.rows, 0 if ahead else e.El, H=H, K=k, CHUNK=e.launch.row_chunk(H), MX=e.mx,
-            MODE=e.mode_id, INT_ROUND=e.int_round, num_warps=e.dispatch_warps(False),
+            plan.num_rows, shape.rows, e.El, H=H, K=k, CHUNK=e.launch.row_chunk(H), MX=e.mx, MODE=e.mode_id,
+            INT_ROUND=e.int_round, num_warps=e.dispatch_warps(False),
         )
         if e.mx:
             e.grouped_scales_at(self.recv_s.local, table, _SCALES, plan, shape.scale_rows)
