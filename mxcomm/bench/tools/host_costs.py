@@ -7,7 +7,10 @@ compare Triton's launcher (``kernel[grid](...)``, the compiled kernel's ``.run``
 fast_kernel``, for a kernel of 12 arguments and one of 25 with 6 constexprs, the size of the EP kernels) with a CUDA
 C++ kernel of the same 12 arguments built to a cubin with ``nvcc`` and launched through cuda-python
 (``cuda.core.launch``, as ``mxcomm.transport.put_signal`` launches its kernels); that line is skipped, with the
-reason, where ``nvcc`` or ``cuda.core`` is missing.
+reason, where ``nvcc`` or ``cuda.core`` is missing. The last lines time whole calls as ``mxcomm bench`` times a
+call (an L2 flush, a device sync, then the host clock and CUDA events around the call and a sync): a CUDA-graph replay
+of 1 and of 6 empty kernels, the floor of any replayed call timed that way on this machine, and a zero fill of
+``8192 x 7168`` bytes, the padding rows (``align`` 32) a one-rank dispatch of 128 tokens to 256 experts writes.
 """
 import shutil
 import statistics
@@ -162,6 +165,36 @@ def main():
         for _ in range(6):
             _noop12[(1,)](t, t, t, u, u, u, 1, 2, 3, 4, 5, 6, BLOCK=128)
     _cost("CUDAGraph.replay() of 6 kernels", g.replay, n=500)
+    g1 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g1):
+        _noop12[(1,)](t, t, t, u, u, u, 1, 2, 3, 4, 5, 6, BLOCK=128)
+    pad = torch.empty(8192 * 7168, dtype=torch.uint8, device=d)
+    for name, fn in (("graph replay of 1 empty kernel", g1.replay), ("graph replay of 6 empty kernels", g.replay),
+                     ("zero fill of 8192 x 7168 bytes (eager)", pad.zero_)):
+        whole, events = _timed_like_bench(fn)
+        print(f"{'whole call: ' + name:48s} {whole:7.2f} us (CUDA events {events:.2f} us)")
+
+
+def _timed_like_bench(fn, iters: int = 200) -> tuple:
+    """Medians (µs) of the whole-call host time and the CUDA-event time of ``fn``, each call timed as ``mxcomm bench``
+    times one (:func:`mxcomm.bench.timing.measure` on one rank: L2 flush, sync, host clock and events around the call,
+    sync)."""
+    from mxcomm.bench.timing import L2Flusher
+
+    flush = L2Flusher(torch.device("cuda"))
+    whole, events = [], []
+    for _ in range(iters):
+        flush()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        whole.append((time.perf_counter() - t0) * 1e6)
+        events.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(whole), statistics.median(events)
 
 
 if __name__ == "__main__":
