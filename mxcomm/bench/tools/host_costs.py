@@ -176,25 +176,17 @@ def main():
 
 
 def _timed_like_bench(fn, iters: int = 200) -> tuple:
-    """Medians (µs) of the whole-call host time and the CUDA-event time of ``fn``, each call timed as ``mxcomm bench``
-    times one (:func:`mxcomm.bench.timing.measure` on one rank: L2 flush, sync, host clock and events around the call,
-    sync)."""
-    from mxcomm.bench.timing import L2Flusher
+    """Medians (µs) of the whole-call host time and the CUDA-event time of ``fn``, timed by the benchmark's own
+    :func:`mxcomm.bench.timing.measure` in a world of this one process (an L2 flush and a sync before each call)."""
+    from types import SimpleNamespace
 
-    flush = L2Flusher(torch.device("cuda"))
-    whole, events = [], []
-    for _ in range(iters):
-        flush()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        whole.append((time.perf_counter() - t0) * 1e6)
-        events.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(whole), statistics.median(events)
+    from mxcomm.bench.timing import L2Flusher, measure
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    alone = SimpleNamespace(device=dev, one_host=True, world=1, barrier=lambda: None,
+                            all_gather_object=lambda obj: [obj])
+    s = measure(fn, world=alone, iters=iters, warmup=10, flush=L2Flusher(dev))
+    return statistics.median(s.whole_call), statistics.median(s.kernel)
 
 
 if __name__ == "__main__":
