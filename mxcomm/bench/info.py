@@ -183,8 +183,8 @@ def format_info(d: dict) -> str:
             out.append(f"  {b['path']} path: combine and combine backward in {b['combine_rounds']} round(s) of "
                        f"{b['round_tokens']:,} tokens of every source")
         if "call_output_rows" in b:
-            out.append(f"  {b['path']} path: an exact-size dispatch of {b['tokens']:,} tokens runs as one captured call; "
-                       f"each call's output (not symmetric memory) is a view of {b['call_output_rows']:,} rows, "
+            out.append(f"  {b['path']} path: an exact-size dispatch of {b['tokens']:,} tokens runs as one captured "
+                       f"call; each call's output (not symmetric memory) is a view of {b['call_output_rows']:,} rows, "
                        f"{_mib(b['call_output_bytes'])} with its scales, whatever the routing")
         for r in b["regions"]:
             out.append(f"  {r['name']:<12} {str(tuple(r['shape'])):<28} {r['dtype']:<6} {_mib(r['bytes']):>14}")

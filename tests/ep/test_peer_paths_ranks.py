@@ -42,7 +42,8 @@ def _backend(rank, world, path, base, cfg):
 
     heap = SharedHeap(path, base, rank, world, _PER_RANK)
     # a few programs per kernel (the interpreter runs them one by one), uneven counts; the config's other settings
-    launch = dataclasses.replace(cfg.launch or LaunchConfig(), dispatch_per_sm=3, partials_per_sm=3, route_grad_per_sm=2)
+    launch = dataclasses.replace(cfg.launch or LaunchConfig(), dispatch_per_sm=3, partials_per_sm=3,
+                                 route_grad_per_sm=2)
     be = NvshmemBackend(dataclasses.replace(cfg, launch=launch), None, rank, world, heap=heap)
     assert be.path == cfg.transport, be.path
     dist.barrier()  # every rank's buffers exist before any rank writes into them
