@@ -712,7 +712,7 @@ def nvshmem_replay_worker(rank: int, world: int, transport: str = "auto") -> dic
     the replay's own plan): three dispatches with different routings (int64 ids, then
     int32 ids: a second graph) are each checked against the oracle; a dispatch with a bad id on a replay raises and
     the next good one is still exact; then combine with EVERY handle, the oldest first - each handle's plan must have
-    survived the later replays."""
+    survived the later replays (each twice, all of them enqueued behind a busy device before any is checked)."""
     from _dist import bind_rank_gpu
 
     dev = bind_rank_gpu(rank)
@@ -738,15 +738,20 @@ def nvshmem_replay_worker(rank: int, world: int, transport: str = "auto") -> dic
         handle = res.handle
         check_dispatch(case.name, res, expected[rank], group.config, fails)
         kept.append((case, handle, expected, routes, ws))
-    for case, handle, expected, routes, ws in kept:
-        outs = make_expert_outs(case, expected)
-        y = group.combine(outs[rank].to(dev), handle)
-        y_exp = oracle_combine(group.config, outs, routes, ws, quantize_rows=True)[rank]
-        check_combine(f"{case.name} combine (after later dispatches)", y, y_exp, fails, [])
+    outs = [make_expert_outs(case, expected) for case, _, expected, _, _ in kept]
+    mine = [o[rank].to(dev) for o in outs]
+    # every combine enqueued behind a busy device, twice over, with no host sync: on one rank the reduce's captured
+    # copies (CallGraphRing) are all still queued when taken, so the ring grows, then waits for the oldest
+    torch.cuda._sleep(20_000_000)
+    ys = [(rep, i, group.combine(mine[i], kept[i][1])) for rep in range(2) for i in range(len(kept))]
+    for rep, i, y in ys:
+        case, _, _, routes, ws = kept[i]
+        y_exp = oracle_combine(group.config, outs[i], routes, ws, quantize_rows=True)[rank]
+        check_combine(f"{case.name} combine {rep} (after later dispatches)", y, y_exp, fails, [])
     from mxcomm import transport as tp
 
     tp.finalize()
-    return {"failures": fails, "cases": len(kept), "combine_checks": len(kept)}
+    return {"failures": fails, "cases": len(kept), "combine_checks": len(ys)}
 
 
 __all__ = [

@@ -916,6 +916,64 @@ def test_one_rank_dispatch_as_one_call_equals_the_staged_dispatch(precision):
     assert torch.equal(as_bytes(got.x), as_bytes(want.x))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU test_nvshmem_gpu.py runs it for real")
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_one_rank_reduce_as_one_call_equals_the_launched_reduce(precision):
+    """One rank: a combine or dispatch backward of at most ``LaunchConfig.reduce_call_tokens`` tokens runs its reduce
+    as one call reading its six tensors' addresses from a table (``local_reduce_at_kernel``). Its output is the launched
+    kernel's (``reduce_call_tokens=0``), byte for byte, for combine (weighted, with the handle's weights and with other
+    weights), dispatch backward of a BF16 gradient and of the dispatch's own MXFP8 output (decoded), and for MXFP8 or
+    BF16 transport - on inputs with dropped slots, a token with none, every token on one expert, NaN / Inf rows and one
+    token. Rows that are not 16-byte aligned (a view one element in) and more tokens than the setting take the
+    launched kernel."""
+    from mxcomm.ep.nvshmem.kernels import local_reduce_at_kernel, local_reduce_kernel
+    from mxcomm.kernels.launch import fast_kernel
+
+    E, k, H = 8, 3, 96 if precision == "mxfp8" else 64
+    cfg = EPConfig(num_experts=E, hidden=H, topk=k, max_tokens_per_rank=16, precision=precision, backend="nvshmem",
+                   num_sms=1, timeout_s=5.0)
+    one = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3, reduce_call_tokens=9))
+    launched = _loopback_backend(cfg, LaunchConfig(dispatch_per_sm=3, reduce_call_tokens=0))
+    at, plain = fast_kernel(local_reduce_at_kernel), fast_kernel(local_reduce_kernel)
+    g = torch.Generator().manual_seed(5 + (precision == "mxfp8"))
+    for T in (9, 1, 5, 16):
+        x = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
+        idx = _routing(1, T, E, k, g, drop=0.2)
+        if T == 9:
+            idx[-1] = -1  # a token without a valid slot
+        if T == 5:  # every token on expert 5
+            idx[idx == 5] = -1
+            idx[:, 0] = 5
+        w = torch.rand(T, k, generator=g) * 2 - 0.5
+        res, h = one.dispatch(x, idx, w)
+        lres, lh = launched.dispatch(x, idx, w)
+        R = res.num_rows
+        rows = (torch.randn(R, H, generator=g) * 2).to(torch.bfloat16)
+        if R > 2:
+            rows[1, 5], rows[2] = float("nan"), float("inf")
+        base = torch.empty(R * H + 1, dtype=torch.bfloat16)
+        skewed = base[1:].view(R, H)  # (one element in: not 16-byte aligned)
+        skewed.copy_(rows)
+        w2 = torch.rand(T, k, generator=g)
+        mx = precision == "mxfp8"
+        calls = [("combine", lambda be, hh: be.combine(rows, hh, mx)),
+                 ("combine, other weights", lambda be, hh: be.combine(rows, with_weights(hh, w2), mx)),
+                 ("dispatch backward", lambda be, hh: be.dispatch_backward(rows, hh, mx)),
+                 ("combine, rows not aligned", lambda be, hh: be.combine(skewed, hh, mx))]
+        if mx:
+            calls.append(("dispatch backward of MX rows", lambda be, hh: be.dispatch_backward(
+                res.x if hh is h else lres.x, hh, True)))
+        for name, call in calls:
+            n_at, n_plain = at.slow_launches + at.fast_launches, plain.slow_launches + plain.fast_launches
+            with _poisoned_empty():
+                got = call(one, h)
+            by_table = at.slow_launches + at.fast_launches - n_at
+            assert by_table == int(T <= 9 and "aligned" not in name), (T, name, by_table)
+            assert plain.slow_launches + plain.fast_launches - n_plain == 1 - by_table, (T, name)
+            want = call(launched, lh)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (T, name)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; on a GPU the nvshmem autograd tests run this path")
 @pytest.mark.parametrize("transport", ["auto", "push", "put"])
 def test_weighted_dispatch_edge_weights_and_rows_bit_exact(transport):
@@ -1056,6 +1114,13 @@ for pas, weighted in ((False, True), (True, False)):
     ptx = compile(nk.local_reduce_kernel, dict(own, rows_ptr=u8) if pas else own, False, H=4096, K=8, CHUNK=1024,
                   MX=True, PASS=pas, WEIGHTED=weighted, MODE=0, INT_ROUND=False)
     assert ptx.count("bar.sync") <= 2, ("one-rank reduce", pas, ptx.count("bar.sync"))
+    # as one captured call, its tensors at a table's addresses: the rows loaded and y stored in the same vectors as
+    # the launched kernel's (without the alignment hints, one access per value)
+    at = compile(nk.local_reduce_at_kernel, dict(addr_ptr=i64), False, H=4096, K=8, CHUNK=1024, MX=True, PASS=pas,
+                 WEIGHTED=weighted, MODE=0, INT_ROUND=False)
+    for op in ("ld.global.v", "st.global.v"):
+        assert at.count(op) == ptx.count(op) > 0, ("one-rank reduce at", pas, op, at.count(op), ptx.count(op))
+    assert "ld.global.b16" not in at and "st.global.b16" not in at, ("one-rank reduce at", pas)
 # the backend's MXFP8 reduce (whole rows, 4 warps): the partials' scale bytes loaded where the decode holds them
 # (load_block_bytes) and 8 payload bytes a thread, the layout of the bf16 stores: no trip through shared memory (16
 # barriers before: 2 per partial's scales, 8 for the stores)

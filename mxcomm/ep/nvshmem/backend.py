@@ -58,7 +58,7 @@ from . import plan_kernels
 from ..handle import CombineGrads, CombineSaved, DispatchResult, EPHandle
 from ..plan import (FLAG_ROWS, RoutingPlan, buffer_regions, call_output_rows, combine_slots, dispatch_path,
                     local_counts, max_recv_rows)
-from .call_graph import CallGraph, CallOutputs, CallShape, CapturedCall, PlanLayout
+from .call_graph import CallGraph, CallGraphRing, CallOutputs, CallShape, CapturedCall, PlanLayout
 from .plan_graph import PlanGraph, PlanOutputs, compute_plan
 from .paths import PATHS, PUSH_BLOCK, fp32_weights
 from .state import NvshmemState, RowOrigins, handle_origins, row_origins
@@ -152,7 +152,8 @@ class NvshmemBackend:
         self.timeout_ns = tp.timeout_ns(config.timeout_s)
         self.mode_id = SCALE_MODE_IDS[config.scale_mode]
         # captured graphs, least recently used first: ("plan" | "pull" | "local", T, idx dtype, plan impl) -> PlanGraph
-        # of a dispatch's middle; ("local-call", T, idx dtype) -> the one-rank path's whole dispatch (paths.local)
+        # of a dispatch's middle; ("local-call", T, idx dtype) -> the one-rank path's whole dispatch, ("local-reduce",
+        # T, mx, passthrough, weighted) -> its combine's / dispatch backward's reduce (a CallGraphRing; paths.local)
         self._plan_graphs: dict = {}
         self._seen_keys: dict = {}  # keys of those graphs seen once and not captured yet, oldest first
         self._call_shapes: dict = {}  # (T, ids dtype) -> CallShape of a dispatch run as one call
@@ -523,6 +524,21 @@ class NvshmemBackend:
                 self.remember_graph(key, CapturedCall(graph=graph, layout=PlanLayout.of(graph.outputs.middle)))
         return layout
 
+    def run_ring_call(self, key, addresses: tuple, body: Callable[[torch.Tensor], object], copies: int) -> None:
+        """Run a call that returns nothing of its own (its outputs are the caller's tensors): ``body(table)`` enqueues
+        it, reading its tensors' addresses from the int64 table ``table`` (``addresses``, ints, in the order ``body``
+        reads them). On the GPU it is captured into a :class:`CallGraphRing` of up to ``copies`` graphs at a key's
+        second call (as :meth:`run_call`'s calls) and replayed afterwards with this call's ``addresses``; eager
+        elsewhere, at a key's first two calls and on the interpreter."""
+        cuda = self.device.type == "cuda"
+        ring = self.captured_graph(key) if cuda else None
+        if ring is not None:
+            ring.replay(addresses)
+            return
+        body(torch.tensor(addresses, dtype=torch.int64).to(self.device))
+        if cuda and self.second_sighting(key):
+            self.remember_graph(key, CallGraphRing(self.device, len(addresses), body, copies))
+
     def captured_graph(self, key):
         """The graph kept for ``key`` (now the most recently used), or None."""
         g = self._plan_graphs.pop(key, None)
@@ -590,7 +606,7 @@ class NvshmemBackend:
         and sends it to the origin, which sums the token's partials in fp32 (ranks in the order of
         their first slot). One rank: the reduce forms the one partial from the rows in place. Returns bf16 ``[T, H]``.
         """
-        from .kernels.combine import combine_reduce_kernel, local_reduce_kernel
+        from .kernels.combine import combine_reduce_kernel
 
         self.impl.refuse_capture()
         cfg = self.config
@@ -614,12 +630,7 @@ class NvshmemBackend:
             w_src = self.impl.combine_weights(weights, handle)
             self.impl.send_partials(payload, in_scales, handle, mx, passthrough, w_src)
         if T and own:
-            chunk = self.launch.reduce_row_chunk(H, True, mx)
-            fast_kernel(local_reduce_kernel)[self._reduce_grid(T, H, chunk)](
-                payload, in_scales, plan.dest_rank, plan.dest_row, self.err if w is None else w, y, T, H=H, K=k,
-                CHUNK=chunk, MX=mx, PASS=passthrough, WEIGHTED=w is not None, MODE=self.mode_id,
-                INT_ROUND=self.int_round, num_warps=4, enable_fp_fusion=False,
-            )
+            self.impl.reduce(payload, in_scales, plan, w, y, mx, passthrough)
         elif T:
             comb_q, comb_s = self.comb
             chunk = self.launch.reduce_row_chunk(H, False, mx)

@@ -73,6 +73,32 @@ class CallGraph:
         self.done.record(torch.cuda.current_stream(self.stream_device))
         self.replayed = True
 
+    def busy(self) -> bool:
+        """Whether a replay of this graph may still be running (its table then cannot be written without a wait)."""
+        return self.replayed and not self.done.query()
+
+
+class CallGraphRing:
+    """Up to ``copies`` :class:`CallGraph` of one body, replayed in turn: for calls with no host sync between them (a
+    combine, a dispatch backward), where a single graph would make each replay wait on the host for the one before it
+    to finish (its table is rewritten). A busy graph gets a new copy captured beside it while there are fewer than
+    ``copies``; then a replay waits only for the call ``copies`` replays back. Arguments as :class:`CallGraph`'s (the
+    body is captured once per copy: what it allocates, each copy holds its own)."""
+
+    def __init__(self, device: torch.device, n_addr: int, body: Callable[[torch.Tensor], object], copies: int):
+        self.device, self.n_addr, self.body, self.copies = device, n_addr, body, copies
+        self.graphs = [CallGraph(device, n_addr, body)]
+        self.turn = 0
+
+    def replay(self, addresses: tuple) -> None:
+        """Run the call with ``addresses`` on the current stream (:meth:`CallGraph.replay`) with the next copy."""
+        g = self.graphs[self.turn]
+        if len(self.graphs) < self.copies and g.busy():
+            g = CallGraph(self.device, self.n_addr, self.body)
+            self.graphs.insert(self.turn, g)
+        g.replay(addresses)
+        self.turn = (self.turn + 1) % len(self.graphs)
+
 
 @dataclass(frozen=True)
 class CallShape:
@@ -180,4 +206,4 @@ def copy_out(src: torch.Tensor, table: torch.Tensor, slot: int) -> None:
     fast_kernel(copy_out_kernel)[(min(cdiv(n, COPY_BLOCK), 64),)](src, table, slot, n, BLOCK=COPY_BLOCK)
 
 
-__all__ = ["CallGraph", "CallShape", "CallTensors", "CallOutputs", "PlanLayout", "CapturedCall", "copy_in", "copy_out"]
+__all__ = ["CallGraph", "CallGraphRing", "CallShape", "CallTensors", "CallOutputs", "PlanLayout", "CapturedCall", "copy_in", "copy_out"]

@@ -54,6 +54,10 @@ class LaunchConfig:
             :func:`mxcomm.ep.plan.max_recv_rows`: 6080 rows, 45 MB, at 4 ranks of 128 tokens, hidden 7168, top-8 of
             256 experts), of which the call's rows are the view it returns; 0: never. Above it the output is allocated
             at its exact size after the sync.
+        reduce_call_tokens: one rank: a combine or a dispatch backward of at most this many tokens (either size mode)
+            runs its reduce as one captured call (``LocalPath.reduce``: one graph launch with the call's tensors'
+            addresses instead of a kernel launch; up to ``LocalPath.REDUCE_COPIES`` graphs per token count and mode
+            taken in turn, so a host running ahead of the device does not wait for it); 0: never.
         wait_warps: the bounded waits' kernels (``wait_published_kernel``, ``wait_arrivals_kernel``: one program per
             peer spinning on its flag): every poll reads the timer as a block maximum, so fewer warps make each poll
             cheaper and hold fewer of the SM's slots that other kernels (and, under MPS, other ranks) could use.
@@ -77,14 +81,15 @@ class LaunchConfig:
     wait_warps: int = 1
     call_graph_tokens: int = 8192
     peer_call_tokens: int = 1024
+    reduce_call_tokens: int = 8192
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
-        without progress): every field a positive int (``call_graph_tokens`` and ``peer_call_tokens`` may be 0),
+        without progress): every field a positive int (the ``*_tokens`` fields may be 0),
         chunks powers of two of at least 32 values, warps powers of two up to 32."""
         for f in fields(self):
             v = getattr(self, f.name)
-            low = 0 if f.name in ("call_graph_tokens", "peer_call_tokens") else 1
+            low = 0 if f.name.endswith("_tokens") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LaunchConfig.{f.name} must be an int >= {low}, got {v!r}")
             if f.name.endswith("_chunk") and (v < 32 or v & (v - 1)):

@@ -23,7 +23,8 @@ Modules by job (each imports only from those listed before it):
 * :mod:`.combine_backward`: combine backward (``pack_ready_kernel``, ``pull_weighted_kernel``,
   ``round_weighted_kernel``, ``gather_route_grad_kernel``);
 * :mod:`.call_io`: a captured call's tensors at addresses given per replay (``copy_in_kernel``, ``copy_out_kernel``;
-  the one-rank dispatch's ``local_rows_at_kernel`` in :mod:`.dispatch`, the pull dispatch's ``pull_rows_at_kernel``
+  the one-rank dispatch's ``local_rows_at_kernel`` in :mod:`.dispatch` and reduce's ``local_reduce_at_kernel`` in
+  :mod:`.combine`, the pull dispatch's ``pull_rows_at_kernel``
   in :mod:`.pull` and ``scale_rows_to_grouped_at_kernel`` in :mod:`.layout` read their outputs' addresses the same
   way).
 
@@ -33,7 +34,8 @@ modules.
 from __future__ import annotations
 
 from .call_io import copy_in_kernel, copy_out_kernel
-from .combine import combine_partials_kernel, combine_reduce_kernel, local_reduce_kernel, stage_partials_kernel
+from .combine import (combine_partials_kernel, combine_reduce_kernel, local_reduce_at_kernel, local_reduce_kernel,
+                      stage_partials_kernel)
 from .combine_backward import gather_route_grad_kernel, pack_ready_kernel, pull_weighted_kernel, round_weighted_kernel
 from .dispatch import local_rows_at_kernel, local_rows_kernel, push_rows_kernel, stage_rows_kernel
 from .layout import copy_out_rows_kernel, scale_rows_to_grouped_at_kernel, scale_rows_to_grouped_kernel
@@ -53,6 +55,7 @@ __all__ = [
     "entries_table_kernel", "pull_rows_kernel", "pull_rows_at_kernel",
     # combine
     "combine_partials_kernel", "stage_partials_kernel", "combine_reduce_kernel", "local_reduce_kernel",
+    "local_reduce_at_kernel",
     # combine backward
     "pack_ready_kernel", "pull_weighted_kernel", "round_weighted_kernel", "gather_route_grad_kernel",
     # call_io

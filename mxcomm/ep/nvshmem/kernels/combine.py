@@ -86,17 +86,21 @@ def _round_entry(n, T_max, t_lo, W):
 
 @triton.jit
 def _row_values(src_ptr, src_s_ptr, r, ok, c0, offs, cols, m, cm, H: tl.constexpr, NB: tl.constexpr,
-                PASS: tl.constexpr, INT_ROUND: tl.constexpr):
+                PASS: tl.constexpr, INT_ROUND: tl.constexpr, ALIGNED: tl.constexpr = False):
     """fp32 ``[CHUNK]`` values of row ``r`` (columns ``c0 + offs``) of an expert-side ``[R, H]`` tensor: bf16, or
     (``PASS``) E4M3 payload with ROW scales at ``src_s_ptr`` decoded and saturated to bf16's range; 0 where ``ok``
-    is false (a masked load)."""
+    is false (a masked load). ``ALIGNED``: ``src_ptr`` is 16-byte aligned though the compiler cannot see it (read
+    from memory)."""
     r64 = tl.maximum(r, 0).to(tl.int64)
+    p = src_ptr + r64 * H + c0 + offs
+    if ALIGNED:
+        p = tl.max_contiguous(tl.multiple_of(p, 16), 16)
     if PASS:
-        q = tl.load(src_ptr + r64 * H + c0 + offs, mask=m & ok, other=0)
+        q = tl.load(p, mask=m & ok, other=0)
         sb = tl.load(src_s_ptr + r64 * (H // 32) + cols, mask=cm & ok, other=127)
         v = tl.reshape(mx_decode_tile(tl.reshape(q, (NB, 32)), sb, INT_ROUND, BF16_MAX), (NB * 32,))
     else:
-        v = to_fp32(tl.load(src_ptr + r64 * H + c0 + offs, mask=m & ok, other=0.0), INT_ROUND)
+        v = to_fp32(tl.load(p, mask=m & ok, other=0.0), INT_ROUND)
     return v
 
 
@@ -282,14 +286,19 @@ def stage_partials_kernel(out_ptr, out_s_ptr, table_ptr, w_ptr, q_peers, s_peers
 
 
 @triton.jit
-def _origin_sum_store(acc, fin, y_ptr, t, c0, offs, m, H: tl.constexpr, INT_ROUND: tl.constexpr):
+def _origin_sum_store(acc, fin, y_ptr, t, c0, offs, m, H: tl.constexpr, INT_ROUND: tl.constexpr,
+                      ALIGNED: tl.constexpr = False):
     """Store chunk ``c0`` of ``y[t]`` (bf16 ``[T, H]``) from the origin's fp32 sum ``acc``: a sum of finite partials
-    (``fin``) saturates at the BF16 range; an Inf or NaN partial passes through."""
+    (``fin``) saturates at the BF16 range; an Inf or NaN partial passes through. ``ALIGNED``: ``y_ptr`` is 16-byte
+    aligned though the compiler cannot see it (read from memory)."""
     acc = tl.where(fin, mx_saturate(acc, BF16_MAX), acc)
+    p = y_ptr + t.to(tl.int64) * H + c0 + offs
+    if ALIGNED:
+        p = tl.max_contiguous(tl.multiple_of(p, 16), 16)
     if INT_ROUND:
-        tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, bf16_rne_int(acc), mask=m)
+        tl.store(p, bf16_rne_int(acc), mask=m)
     else:
-        tl.store(y_ptr + t.to(tl.int64) * H + c0 + offs, acc.to(tl.bfloat16), mask=m)
+        tl.store(p, acc.to(tl.bfloat16), mask=m)
 
 
 @triton.jit
@@ -371,6 +380,35 @@ def local_reduce_kernel(rows_ptr, rows_s_ptr, dest_rank_ptr, dest_row_ptr, w_ptr
         MX: the partial is rounded as MXFP8 (MODE: the scale mode), else as BF16.
     Grid: as :func:`combine_reduce_kernel`'s.
     """
+    _local_reduce(rows_ptr, rows_s_ptr, dest_rank_ptr, dest_row_ptr, w_ptr, y_ptr, T, H, K, CHUNK, MX, PASS, WEIGHTED,
+                  MODE, INT_ROUND, False)
+
+
+@triton.jit
+def local_reduce_at_kernel(addr_ptr, T, H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr,
+                           PASS: tl.constexpr, WEIGHTED: tl.constexpr, MODE: tl.constexpr, INT_ROUND: tl.constexpr):
+    """``local_reduce_kernel`` inside a captured call: its six tensors at the addresses of the int64 table ``addr``
+    (:mod:`.call_io`), in its argument order - the rows (16-byte aligned), their row scales (``PASS``), ``dest_rank``,
+    ``dest_row``, the weights (``WEIGHTED``) and ``y`` (16-byte aligned); an unused entry is not read."""
+    if PASS:
+        rows_ptr = tl.load(addr_ptr).to(tl.pointer_type(tl.uint8))
+    else:
+        rows_ptr = tl.load(addr_ptr).to(tl.pointer_type(tl.bfloat16))
+    rows_s_ptr = tl.load(addr_ptr + 1).to(tl.pointer_type(tl.uint8))
+    dest_rank_ptr = tl.load(addr_ptr + 2).to(tl.pointer_type(tl.int32))
+    dest_row_ptr = tl.load(addr_ptr + 3).to(tl.pointer_type(tl.int32))
+    w_ptr = tl.load(addr_ptr + 4).to(tl.pointer_type(tl.float32))
+    y_ptr = tl.load(addr_ptr + 5).to(tl.pointer_type(tl.bfloat16))
+    _local_reduce(rows_ptr, rows_s_ptr, dest_rank_ptr, dest_row_ptr, w_ptr, y_ptr, T, H, K, CHUNK, MX, PASS, WEIGHTED,
+                  MODE, INT_ROUND, True)
+
+
+@triton.jit
+def _local_reduce(rows_ptr, rows_s_ptr, dest_rank_ptr, dest_row_ptr, w_ptr, y_ptr, T, H: tl.constexpr,
+                  K: tl.constexpr, CHUNK: tl.constexpr, MX: tl.constexpr, PASS: tl.constexpr, WEIGHTED: tl.constexpr,
+                  MODE: tl.constexpr, INT_ROUND: tl.constexpr, ALIGNED: tl.constexpr):
+    """The body of ``local_reduce_kernel`` (its arguments; ``ALIGNED``: the rows and ``y`` were read from an address
+    table, so their 16-byte alignment is stated here: :func:`_row_values`, :func:`_origin_sum_store`)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     hs = tl.program_id(1)
@@ -390,7 +428,8 @@ def local_reduce_kernel(rows_ptr, rows_s_ptr, dest_rank_ptr, dest_row_ptr, w_ptr
                 for n in tl.static_range(K):  # slot n
                     ok = tl.load(dest_rank_ptr + t * K + n) >= 0
                     r = tl.load(dest_row_ptr + t * K + n)
-                    v = _row_values(rows_ptr, rows_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND)
+                    v = _row_values(rows_ptr, rows_s_ptr, r, ok, c0, offs, cols, m, cm, H, NB, PASS, INT_ROUND,
+                                    ALIGNED)
                     if WEIGHTED:
                         v = tl.load(w_ptr + t * K + n, mask=ok, other=0.0) * v
                     acc = acc + v
@@ -403,5 +442,5 @@ def local_reduce_kernel(rows_ptr, rows_s_ptr, dest_rank_ptr, dest_row_ptr, w_ptr
                     acc = _bf16_saturated(acc).to(tl.bfloat16).to(tl.float32)
                 fin = tl.abs(acc) <= FP32_MAX
                 acc = tl.zeros((CHUNK,), tl.float32) + acc
-                _origin_sum_store(acc, fin, y_ptr, t, c0, offs, m, H, INT_ROUND)
+                _origin_sum_store(acc, fin, y_ptr, t, c0, offs, m, H, INT_ROUND, ALIGNED)
         t += G

@@ -27,6 +27,8 @@ class LocalPath(EnginePath):
     rows)."""
 
     name = "local"
+    #: captured copies of one reduce call (per token count and mode) taken in turn (:class:`CallGraphRing`)
+    REDUCE_COPIES = 4
 
     def __init__(self, engine, bufs):
         super().__init__(engine, bufs)
@@ -126,6 +128,41 @@ class LocalPath(EnginePath):
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
         return DispatchRows(q=t.out[:R], scale_rows=None, kept=kept, ids=kept.extra["ids"], num_rows=R, origins=None,
                             grouped_scales=t.grouped_scales(R, e.El))
+
+    # -- combine and dispatch backward: the reduce ----------------------------------------------
+    def reduce(self, rows: torch.Tensor, rows_s: torch.Tensor, plan: RoutingPlan, w: Optional[torch.Tensor],
+               y: torch.Tensor, mx: bool, passthrough: bool) -> None:
+        """``y[t]`` = the token's one partial (``local_reduce_kernel``: the rows of its valid slots, times ``w``
+        unless None, summed in fp32, rounded once for transport - MXFP8 when ``mx``, else BF16). ``rows``: bf16 ``[R,
+        H]``, or (``passthrough``) uint8 E4M3 payload with uint8 ``[R, H/32]`` row scales ``rows_s``; ``w`` fp32
+        ``[T, k]`` or None; ``y`` bf16 ``[T, H]``, ``T > 0``, filled here. At most ``LaunchConfig.reduce_call_tokens``
+        tokens, rows and ``y`` 16-byte aligned and no capture around: one call (``local_reduce_at_kernel`` reading the
+        six addresses from a table; on the GPU replayed from a :class:`CallGraphRing` per token count and mode,
+        :meth:`NvshmemBackend.run_ring_call`); else the kernel launched."""
+        from ..kernels.combine import local_reduce_at_kernel, local_reduce_kernel
+
+        e = self.e
+        T, H = y.shape
+        weighted = w is not None
+        x_ptr, y_ptr = rows.data_ptr(), y.data_ptr()
+        if T <= e.launch.reduce_call_tokens and not (x_ptr | y_ptr) % 16 and not e.capturing():
+            addresses = (x_ptr, rows_s.data_ptr() if passthrough else 0, plan.dest_rank.data_ptr(),
+                         plan.dest_row.data_ptr(), w.data_ptr() if weighted else 0, y_ptr)
+            e.run_ring_call(("local-reduce", T, mx, passthrough, weighted), addresses,
+                            lambda table: self._launch_reduce(local_reduce_at_kernel, (table, T), T, H, mx,
+                                                              passthrough, weighted), self.REDUCE_COPIES)
+            return
+        self._launch_reduce(local_reduce_kernel, (rows, rows_s, plan.dest_rank, plan.dest_row,
+                                                  e.err if w is None else w, y, T), T, H, mx, passthrough, weighted)
+
+    def _launch_reduce(self, kernel, args: tuple, T: int, H: int, mx: bool, passthrough: bool, weighted: bool) -> None:
+        """Launch ``kernel`` (``local_reduce_kernel`` or its table form) with ``args`` and the reduce's settings."""
+        e = self.e
+        chunk = e.launch.reduce_row_chunk(H, True, mx)
+        fast_kernel(kernel)[e._reduce_grid(T, H, chunk)](
+            *args, H=H, K=e.config.topk, CHUNK=chunk, MX=mx, PASS=passthrough, WEIGHTED=weighted, MODE=e.mode_id,
+            INT_ROUND=e.int_round, num_warps=4, enable_fp_fusion=False,
+        )
 
     def combine_backward(self, g, w, handle, mx, expert_out):
         from ....kernels.route_grad import route_weight_grad
