@@ -1,6 +1,7 @@
-"""Triton kernel launches for less host time: :func:`fast_kernel`, and the grid arithmetic on host ints
+"""Triton kernel launches for less host time: :func:`fast_kernel`, the grid arithmetic on host ints
 (:func:`cdiv`, :func:`next_pow2`: what ``triton.cdiv`` / ``triton.next_power_of_2`` compute, without the
-constexpr-function wrapper those go through at every host call).
+constexpr-function wrapper those go through at every host call), and :func:`current_stream` (the current stream's
+object without the device context ``torch.cuda.current_stream`` enters at every call).
 
     from mxcomm.kernels.launch import fast_kernel
 
@@ -167,6 +168,24 @@ class FastKernel:
         return f"FastKernel({self.fn!r})"
 
 
+_STREAMS: dict = {}  # (device index, raw stream handle) -> the torch.cuda.Stream torch made for that stream
+
+
+def current_stream(device_index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device_index)`` for less host time (the events a call records, e.g.): the stream
+    current now is found by its raw handle (``torch._C._cuda_getCurrentRawStream``, one C call, what Triton's launcher
+    asks), and the ``Stream`` object torch makes for a handle is made once and kept (torch builds a new one, through a
+    device context, at every ``current_stream`` call). A handle names one stream for good: torch's pool streams live
+    as long as the process, and an external stream's id is its handle. ``device_index``: an int."""
+    key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
+    s = _STREAMS.get(key)
+    if s is None:
+        if len(_STREAMS) >= 256:  # (external streams come and go: keep the cache bounded)
+            _STREAMS.clear()
+        s = _STREAMS[key] = torch.cuda.current_stream(device_index)
+    return s
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` of host ints, ``b > 0`` (grid sizes)."""
     return -(-int(a) // int(b))
@@ -177,4 +196,4 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-__all__ = ["cdiv", "next_pow2", "fast_kernel", "FastKernel"]
+__all__ = ["cdiv", "next_pow2", "fast_kernel", "FastKernel", "current_stream"]

@@ -167,3 +167,26 @@ def test_fast_launch_is_captured_in_a_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, x + 7)
+
+
+@pytest.mark.gpu
+def test_current_stream_is_the_current_stream():
+    """``current_stream(i)`` is the stream ``torch.cuda.current_stream(i)`` names - the default stream, a side stream
+    made current, an external stream - the same object at each call for one stream, and an event recorded on it
+    completes after the work queued on that stream."""
+    from mxcomm.kernels.launch import current_stream
+
+    i = torch.cuda.current_device()
+    side = torch.cuda.Stream()
+    ext = torch.cuda.ExternalStream(side.cuda_stream)
+    for s in (None, side, ext):
+        with torch.cuda.stream(s if s is not None else torch.cuda.current_stream()):
+            got, want = current_stream(i), torch.cuda.current_stream(i)
+            assert got.cuda_stream == want.cuda_stream and got.device == want.device, s
+            assert current_stream(i) is got
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(10_000_000)
+        ev = torch.cuda.Event()
+        ev.record(current_stream(i))
+    assert not ev.query()  # (queued behind the sleep on the side stream, not on the default stream)
+    ev.synchronize()

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...kernels.launch import cdiv, fast_kernel
+from ...kernels.launch import cdiv, current_stream, fast_kernel
 from ...mx import grouped_m_rows, round_up
 from .plan_graph import OutputCopier, PlanOutputs
 
@@ -70,7 +70,7 @@ class CallGraph:
             self.done.synchronize()
         self.table_values[:] = addresses
         self.graph.replay()
-        self.done.record(torch.cuda.current_stream(self.stream_device))
+        self.done.record(current_stream(self.stream_device))
         self.replayed = True
 
     def busy(self) -> bool:

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from ... import transport as tp
+from ...kernels.launch import current_stream
 from ..ids import check_expert_ids
 
 
@@ -97,7 +98,7 @@ class StatusWords:
         """The copy of the words into pinned memory is on the current stream (:meth:`enqueue_copy`, or a replay that
         ends with it): record the event :meth:`read` waits on."""
         _, ev = self._host_words()
-        ev.record(torch.cuda.current_stream(self.device.index))
+        ev.record(current_stream(self.device.index))
         self._started = True
 
     def _host_words(self) -> tuple:
@@ -136,7 +137,7 @@ class StatusWords:
                 self._pinned = (torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
             host, ev = self._pinned
             host.copy_(self.err_words, non_blocking=True)
-            ev.record(torch.cuda.current_stream(self.device.index))
+            ev.record(current_stream(self.device.index))
             self._pending = (host, ev, what)
 
     def raise_bad_ids(self, topk_idx: torch.Tensor) -> None:
