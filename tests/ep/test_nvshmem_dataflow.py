@@ -956,21 +956,22 @@ def test_one_rank_reduce_as_one_call_equals_the_launched_reduce(precision):
         skewed.copy_(rows)
         w2 = torch.rand(T, k, generator=g)
         mx = precision == "mxfp8"
-        calls = [("combine", lambda be, hh: be.combine(rows, hh, mx)),
-                 ("combine, other weights", lambda be, hh: be.combine(rows, with_weights(hh, w2), mx)),
-                 ("dispatch backward", lambda be, hh: be.dispatch_backward(rows, hh, mx)),
-                 ("combine, rows not aligned", lambda be, hh: be.combine(skewed, hh, mx))]
+        calls = [("combine", "combine", rows, None), ("combine, other weights", "combine", rows, w2),
+                 ("dispatch backward", "dispatch_backward", rows, None),
+                 ("combine, rows not aligned", "combine", skewed, None)]
         if mx:
-            calls.append(("dispatch backward of MX rows", lambda be, hh: be.dispatch_backward(
-                res.x if hh is h else lres.x, hh, True)))
-        for name, call in calls:
-            n_at, n_plain = at.slow_launches + at.fast_launches, plain.slow_launches + plain.fast_launches
-            with _poisoned_empty():
-                got = call(one, h)
-            by_table = at.slow_launches + at.fast_launches - n_at
-            assert by_table == int(T <= 9 and "aligned" not in name), (T, name, by_table)
-            assert plain.slow_launches + plain.fast_launches - n_plain == 1 - by_table, (T, name)
-            want = call(launched, lh)
+            calls.append(("dispatch backward of MX rows", "dispatch_backward", None, None))
+        for name, op, given, weights in calls:
+            got_want = []
+            for be, hh, mine in ((one, h, res), (launched, lh, lres)):
+                n_at, n_plain = at.slow_launches + at.fast_launches, plain.slow_launches + plain.fast_launches
+                hh = hh if weights is None else with_weights(hh, weights)
+                with _poisoned_empty():
+                    got_want.append(getattr(be, op)(mine.x if given is None else given, hh, mx))
+                by_table = at.slow_launches + at.fast_launches - n_at
+                assert by_table == int(be is one and T <= 9 and "aligned" not in name), (T, name, by_table)
+                assert plain.slow_launches + plain.fast_launches - n_plain == 1 - by_table, (T, name)
+            got, want = got_want
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (T, name)
 
 

@@ -64,9 +64,10 @@ class CallGraph:
                 self.graph.capture_end()
         current.wait_stream(cap)
 
-    def replay(self, addresses: tuple) -> None:
-        """Run the call with ``addresses`` (ints, ``n_addr`` of them, 0 for an unused entry) on the current stream."""
-        if self.replayed:
+    def replay(self, addresses: tuple, free: bool = False) -> None:
+        """Run the call with ``addresses`` (ints, ``n_addr`` of them, 0 for an unused entry) on the current stream.
+        ``free``: the caller found the last replay done (:meth:`busy`), so it is not waited for again."""
+        if self.replayed and not free:
             self.done.synchronize()
         self.table_values[:] = addresses
         self.graph.replay()
@@ -93,10 +94,12 @@ class CallGraphRing:
     def replay(self, addresses: tuple) -> None:
         """Run the call with ``addresses`` on the current stream (:meth:`CallGraph.replay`) with the next copy."""
         g = self.graphs[self.turn]
-        if len(self.graphs) < self.copies and g.busy():
+        free = not g.busy()
+        if not free and len(self.graphs) < self.copies:
             g = CallGraph(self.device, self.n_addr, self.body)
             self.graphs.insert(self.turn, g)
-        g.replay(addresses)
+            free = True
+        g.replay(addresses, free)
         self.turn = (self.turn + 1) % len(self.graphs)
 
 
