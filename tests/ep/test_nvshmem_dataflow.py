@@ -1282,13 +1282,15 @@ def test_qdq_chunk_wastes_least(H):
 @pytest.mark.parametrize("field, value", [("partials_rows", 0), ("partials_per_sm", -1), ("dispatch_warps", 3),
                                           ("dispatch_warps", 64), ("qdq_chunk", 1000), ("reduce_mx_chunk", 16),
                                           ("partials_chunk", 48), ("reduce_warps", 2.0), ("push_per_sm", True),
-                                          ("wait_warps", 0), ("wait_warps", 3)])
+                                          ("wait_warps", 0), ("wait_warps", 3), ("reduce_call_tokens", -1),
+                                          ("call_graph_tokens", 1.0)])
 def test_launch_config_refuses_settings_no_launch_can_take(field, value):
     """A zero rows-a-step would leave the partial sums' loop without progress (a kernel that never ends): every
     setting is checked when the config is made, with the field named."""
     with pytest.raises(ValueError, match=f"LaunchConfig.{field} "):
         LaunchConfig(**{field: value})
     LaunchConfig(partials_rows=1, dispatch_warps=32, qdq_chunk=32)  # the edges that are allowed
+    LaunchConfig(call_graph_tokens=0, peer_call_tokens=0, reduce_call_tokens=0)  # (0: never as one call)
 
 
 def test_put_path_launches_its_puts_within_the_sm_budget():

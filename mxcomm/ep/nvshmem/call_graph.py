@@ -209,4 +209,5 @@ def copy_out(src: torch.Tensor, table: torch.Tensor, slot: int) -> None:
     fast_kernel(copy_out_kernel)[(min(cdiv(n, COPY_BLOCK), 64),)](src, table, slot, n, BLOCK=COPY_BLOCK)
 
 
-__all__ = ["CallGraph", "CallGraphRing", "CallShape", "CallTensors", "CallOutputs", "PlanLayout", "CapturedCall", "copy_in", "copy_out"]
+__all__ = ["CallGraph", "CallGraphRing", "CallShape", "CallTensors", "CallOutputs", "PlanLayout", "CapturedCall",
+           "copy_in", "copy_out"]
