@@ -25,8 +25,9 @@ buffer's), so the multi-rank paths' host code runs (``--transport``: ``auto`` - 
 no peer would ever signal, so every kernel is stubbed from the first call and the dispatch's row count is ``T k``.
 On the GPU a multi-rank dispatch replays its middle (pack, exchange, plan) from a captured graph, and an exact-size
 dispatch replays the whole call on one rank (at most ``LaunchConfig.call_graph_tokens`` tokens) and on the pull path
-(``world * max_tokens_per_rank <= LaunchConfig.peer_call_tokens``): on the CPU they run eagerly (every launch of the
-captured work, stubbed), so their share here is larger than there.
+(``world * max_tokens_per_rank <= LaunchConfig.peer_call_tokens``), and a one-rank combine or dispatch backward its
+reduce (at most ``LaunchConfig.reduce_call_tokens``): on the CPU they run eagerly (every launch of the captured work,
+stubbed), so their share here is larger than there.
 ``--device cuda``: the same calls with CUDA tensors and real kernel launches (the GPU runs them; the time per call is
 the host's while the GPU keeps up, as at a few hundred tokens on one rank).
 
