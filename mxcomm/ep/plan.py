@@ -491,5 +491,5 @@ def buffer_sizes(config: EPConfig, world_size: int, put_path: bool | None = None
 
 __all__ = ["RoutingPlan", "local_counts", "build_plan", "recv_rows", "send_tokens", "max_rows_per_source",
            "max_recv_rows", "call_output_rows", "recv_window_rows", "put_round_tokens", "padded_group_rows",
-           "received_rows", "pull_entry_words", "FLAG_ROWS", "dispatch_path", "combine_slots", "combine_regions", "BufferSizes",
-           "buffer_sizes", "BufferRegion", "buffer_regions"]
+           "received_rows", "pull_entry_words", "FLAG_ROWS", "dispatch_path", "combine_slots", "combine_regions",
+           "BufferSizes", "buffer_sizes", "BufferRegion", "buffer_regions"]
