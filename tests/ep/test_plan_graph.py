@@ -13,7 +13,7 @@ load_kernels("mxcomm.ep.nvshmem.plan_kernels")
 
 from mxcomm.ep.nvshmem import plan_kernels as pk  # noqa: E402
 from mxcomm.ep.plan import PLAN_TENSORS, local_counts  # noqa: E402
-from mxcomm.ep.nvshmem.plan_graph import OutputCopier, PlanOutputs  # noqa: E402
+from mxcomm.ep.nvshmem.plan_graph import CopiedPlan, OutputCopier, PlanOutputs  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -81,3 +81,25 @@ def test_copier_on_real_plan_outputs(T, k, E, W, rank):
         else:
             assert v == w, f.name
     assert set(back.extra) == {"origin_src", "origin_pos", "ids"} and all(back.extra[n] is got[n] for n in back.extra)
+
+    # read lazily from a copy (what a snapshot and a captured call's plan copy return): a CopiedPlan whose tensors are
+    # made at their first read, equal to the eager views, kept once made; the extra maps up front
+    main, aux = cp.clone()
+    lazy = PlanOutputs.of_copy(cp, main, aux, PlanOutputs.scalars_of(po.plan))
+    assert isinstance(lazy.plan, CopiedPlan) and not set(PLAN_TENSORS) & set(vars(lazy.plan))
+    assert set(lazy.extra) == {"origin_src", "origin_pos", "ids"}
+    for f in dataclasses.fields(po.plan):
+        v, w = getattr(lazy.plan, f.name), getattr(po.plan, f.name)
+        if f.name in PLAN_TENSORS:
+            assert v.dtype == w.dtype and v.shape == w.shape and v.stride() == w.stride(), f.name
+            assert torch.equal(v, w) and getattr(lazy.plan, f.name) is v, f.name
+            if v.numel():
+                assert v.untyped_storage().data_ptr() == main.untyped_storage().data_ptr(), f.name
+        else:
+            assert v == w, f.name
+    for n, t in lazy.extra.items():
+        assert torch.equal(t, named[n]), n
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lazy.plan.nope
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lazy.plan.offs = None

@@ -178,8 +178,9 @@ class PlanLayout:
 
     def read(self, plan_copy: torch.Tensor) -> PlanOutputs:
         """The plan and the extra outputs (``extra["ids"]``: the checked ids) as views of ``plan_copy`` (int32, a copy
-        of the store)."""
-        return PlanOutputs.from_named(self.copier.views(plan_copy.view(torch.uint8), self.copier.aux), self.scalars)
+        of the store; the plan a :class:`~mxcomm.ep.nvshmem.plan_graph.CopiedPlan`, each tensor viewed at its first
+        read)."""
+        return PlanOutputs.of_copy(self.copier, plan_copy.view(torch.uint8), self.copier.aux, self.scalars)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,33 @@ class PlanOutputs:
         plan = RoutingPlan(**scalars, **{n: vals[n] for n in PLAN_TENSORS})
         return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in PLAN_TENSORS})
 
+    @staticmethod
+    def of_copy(copier: "OutputCopier", main: torch.Tensor, aux: torch.Tensor, scalars: dict) -> "PlanOutputs":
+        """The outputs ``copier`` copies, read from a copy of them (``main``, ``aux``: as :meth:`OutputCopier.views`
+        takes them): the extra maps as views, the plan a :class:`CopiedPlan` (each tensor viewed at its first read)."""
+        extra = {n: copier.view(n, main, aux) for n in copier.names if n not in PLAN_TENSORS}
+        return PlanOutputs(plan=CopiedPlan(scalars, copier, main, aux), extra=extra)
+
+
+class CopiedPlan(RoutingPlan):
+    """A :class:`RoutingPlan` read from a copy of a captured plan's outputs (:class:`OutputCopier`), each tensor
+    made a view of the copy at its first read and kept: a call reads a few of the fifteen (a one-rank dispatch and its
+    combine: five), and a view costs the host about as much as a small kernel's GPU time at a hundred tokens.
+    Otherwise a ``RoutingPlan`` (frozen; equal values, the same fields)."""
+
+    def __init__(self, scalars: dict, copier: "OutputCopier", main: torch.Tensor, aux: torch.Tensor):
+        d = self.__dict__
+        d.update(scalars)
+        d["_copy"] = (copier, main, aux)
+
+    def __getattr__(self, name: str):
+        # reached only for an attribute not set yet: a plan tensor at its first read
+        src = self.__dict__.get("_copy")
+        if src is None or name not in PLAN_TENSORS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        t = self.__dict__[name] = src[0].view(name, src[1], src[2])
+        return t
+
 
 def compute_plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, align: int,
                  extra_fn: Callable[[RoutingPlan, torch.Tensor], dict]) -> PlanOutputs:
@@ -96,6 +123,8 @@ class OutputCopier:
             t = named[n]
             pieces.append(_Piece(n, True, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
         self.pieces = pieces
+        self.by_name = {p.name: p for p in pieces}
+        self.names = tuple(named)
 
     def fill(self) -> None:
         """Copy the outputs outside the main storage into the aux buffer (one copy each)."""
@@ -108,8 +137,13 @@ class OutputCopier:
     def copy(self) -> dict:
         """name -> a copy of that output as of the last :meth:`fill` (aux) / now (main storage), owned by the
         caller (a clone of the main storage and one of the aux buffer if it is used, then views)."""
+        return self.views(*self.clone())
+
+    def clone(self) -> tuple:
+        """``(main, aux)``: clones of the main storage (uint8) and of the aux buffer (int32) if it is used, what
+        :meth:`views` and :meth:`view` read."""
         aux = self.aux.clone() if self.aux_names else self.aux  # (nothing to copy when every output is in main)
-        return self.views(self.main_storage().clone(), aux)
+        return self.main_storage().clone(), aux
 
     def main_storage(self) -> torch.Tensor:
         """The main storage as a flat uint8 tensor (made at the first use, outside any capture)."""
@@ -131,6 +165,13 @@ class OutputCopier:
             else:
                 vals[p.name] = aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
         return vals
+
+    def view(self, name: str, main: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """The output ``name`` alone, as :meth:`views` makes it."""
+        p = self.by_name[name]
+        if p.main:
+            return main.view(p.dtype).as_strided(p.shape, p.stride, p.offset)
+        return aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
 
 
 class PlanGraph:
@@ -190,7 +231,7 @@ class PlanGraph:
 
     def snapshot(self) -> PlanOutputs:
         """Copies of the outputs of the last replay (enqueue before the next replay), owned by the caller."""
-        return PlanOutputs.from_named(self.copier.copy(), self.scalars)
+        return PlanOutputs.of_copy(self.copier, *self.copier.clone(), self.scalars)
 
     def __call__(self, topk_idx: torch.Tensor) -> PlanOutputs:
         """:meth:`replay` then :meth:`snapshot`: tensors owned by the caller."""
@@ -198,4 +239,4 @@ class PlanGraph:
         return self.snapshot()
 
 
-__all__ = ["PlanGraph", "PlanOutputs", "OutputCopier", "compute_plan"]
+__all__ = ["PlanGraph", "PlanOutputs", "CopiedPlan", "OutputCopier", "compute_plan"]
