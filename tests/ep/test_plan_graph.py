@@ -82,11 +82,11 @@ def test_copier_on_real_plan_outputs(T, k, E, W, rank):
             assert v == w, f.name
     assert set(back.extra) == {"origin_src", "origin_pos", "ids"} and all(back.extra[n] is got[n] for n in back.extra)
 
-    # read lazily from a copy (what a snapshot and a captured call's plan copy return): a CopiedPlan whose tensors are
-    # made at their first read, equal to the eager views, kept once made; the extra maps up front
+    # read lazily from a copy (what a captured call's plan copy returns): a CopiedPlan whose tensors named in `now` are
+    # made at once and the others at their first read, equal to the eager views, kept once made; the extra maps up front
     main, aux = cp.clone()
-    lazy = PlanOutputs.of_copy(cp, main, aux, PlanOutputs.scalars_of(po.plan))
-    assert isinstance(lazy.plan, CopiedPlan) and not set(PLAN_TENSORS) & set(vars(lazy.plan))
+    lazy = PlanOutputs.of_copy(cp, main, aux, PlanOutputs.scalars_of(po.plan), now=("offs", "dest_row"))
+    assert isinstance(lazy.plan, CopiedPlan) and set(PLAN_TENSORS) & set(vars(lazy.plan)) == {"offs", "dest_row"}
     assert set(lazy.extra) == {"origin_src", "origin_pos", "ids"}
     for f in dataclasses.fields(po.plan):
         v, w = getattr(lazy.plan, f.name), getattr(po.plan, f.name)

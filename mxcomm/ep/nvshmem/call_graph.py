@@ -176,11 +176,11 @@ class PlanLayout:
                                "a call copies out")
         return PlanLayout(copier=copier, scalars=PlanOutputs.scalars_of(po.plan))
 
-    def read(self, plan_copy: torch.Tensor) -> PlanOutputs:
+    def read(self, plan_copy: torch.Tensor, now: tuple = ()) -> PlanOutputs:
         """The plan and the extra outputs (``extra["ids"]``: the checked ids) as views of ``plan_copy`` (int32, a copy
-        of the store; the plan a :class:`~mxcomm.ep.nvshmem.plan_graph.CopiedPlan`, each tensor viewed at its first
-        read)."""
-        return PlanOutputs.of_copy(self.copier, plan_copy.view(torch.uint8), self.copier.aux, self.scalars)
+        of the store; the plan a :class:`~mxcomm.ep.nvshmem.plan_graph.CopiedPlan`: the tensors named in ``now``
+        viewed here, the others at their first read)."""
+        return PlanOutputs.of_copy(self.copier, plan_copy.view(torch.uint8), self.copier.aux, self.scalars, now)
 
 
 @dataclass(frozen=True)

@@ -44,23 +44,29 @@ class PlanOutputs:
         return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in PLAN_TENSORS})
 
     @staticmethod
-    def of_copy(copier: "OutputCopier", main: torch.Tensor, aux: torch.Tensor, scalars: dict) -> "PlanOutputs":
+    def of_copy(copier: "OutputCopier", main: torch.Tensor, aux: torch.Tensor, scalars: dict,
+                now: tuple = ()) -> "PlanOutputs":
         """The outputs ``copier`` copies, read from a copy of them (``main``, ``aux``: as :meth:`OutputCopier.views`
-        takes them): the extra maps as views, the plan a :class:`CopiedPlan` (each tensor viewed at its first read)."""
+        takes them): the extra maps as views, the plan a :class:`CopiedPlan` (the tensors named in ``now`` viewed
+        here, the others at their first read)."""
         extra = {n: copier.view(n, main, aux) for n in copier.names if n not in PLAN_TENSORS}
-        return PlanOutputs(plan=CopiedPlan(scalars, copier, main, aux), extra=extra)
+        return PlanOutputs(plan=CopiedPlan(scalars, copier, main, aux, now), extra=extra)
 
 
 class CopiedPlan(RoutingPlan):
-    """A :class:`RoutingPlan` read from a copy of a captured plan's outputs (:class:`OutputCopier`), each tensor
-    made a view of the copy at its first read and kept: a call reads a few of the fifteen (a one-rank dispatch and its
-    combine: five), and a view costs the host about as much as a small kernel's GPU time at a hundred tokens.
-    Otherwise a ``RoutingPlan`` (frozen; equal values, the same fields)."""
+    """A :class:`RoutingPlan` read from a copy of a captured plan's outputs (:class:`OutputCopier`): the tensors
+    named in ``now`` made views of the copy at once (those a call is known to read: made while the device still
+    runs it, before the call's host sync), every other one at its first read, and kept. A one-rank dispatch and its
+    combine read five of the fifteen, and a view costs the host a microsecond or two. Otherwise a ``RoutingPlan``
+    (frozen; the same fields and values)."""
 
-    def __init__(self, scalars: dict, copier: "OutputCopier", main: torch.Tensor, aux: torch.Tensor):
+    def __init__(self, scalars: dict, copier: "OutputCopier", main: torch.Tensor, aux: torch.Tensor,
+                 now: tuple = ()):
         d = self.__dict__
         d.update(scalars)
         d["_copy"] = (copier, main, aux)
+        for n in now:
+            d[n] = copier.view(n, main, aux)
 
     def __getattr__(self, name: str):
         # reached only for an attribute not set yet: a plan tensor at its first read
@@ -231,7 +237,7 @@ class PlanGraph:
 
     def snapshot(self) -> PlanOutputs:
         """Copies of the outputs of the last replay (enqueue before the next replay), owned by the caller."""
-        return PlanOutputs.of_copy(self.copier, *self.copier.clone(), self.scalars)
+        return PlanOutputs.from_named(self.copier.copy(), self.scalars)
 
     def __call__(self, topk_idx: torch.Tensor) -> PlanOutputs:
         """:meth:`replay` then :meth:`snapshot`: tensors owned by the caller."""

@@ -14,6 +14,8 @@ from .base import BackwardRows, DispatchRows, EnginePath
 # the entries of a captured dispatch's address table (mxcomm.ep.nvshmem.kernels.call_io): x, topk_idx, the output,
 # its grouped scales (MX), the copy of the checked ids and the plan
 _X, _IDS, _OUT, _SCALES, _PLAN = range(5)
+# the plan tensors a dispatch as one call and the combine after it read (viewed before the call's host sync)
+_READ_PLAN = ("offs", "expert_counts", "num_rows", "dest_rank", "dest_row")
 
 
 class LocalPath(EnginePath):
@@ -124,7 +126,7 @@ class LocalPath(EnginePath):
         t = CallTensors.alloc(shape, H, e.mx, e.device)
         addresses = (x.data_ptr(), topk_idx.data_ptr(), t.out.data_ptr(), t.scales_ptr, t.plan_copy.data_ptr())
         layout = e.run_call(("local-call", T, topk_idx.dtype), addresses, lambda tb: self._call_body(tb, shape))
-        kept = layout.read(t.plan_copy)
+        kept = layout.read(t.plan_copy, now=_READ_PLAN)
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
         return DispatchRows(q=t.out[:R], scale_rows=None, kept=kept, ids=kept.extra["ids"], num_rows=R, origins=None,
                             grouped_scales=t.grouped_scales(R, e.El))
