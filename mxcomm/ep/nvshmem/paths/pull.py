@@ -16,6 +16,8 @@ from .base import FLAG_ROW, PUBLISH_BLOCK, DispatchRows, EnginePath, fp32_weight
 # weights (fp32), the output, its grouped scales (MX), the copy of the checked ids and the plan, the dispatch's table
 # with its weights (one allocation)
 _X, _IDS, _W, _OUT, _SCALES, _PLAN, _TABLE = range(7)
+# the plan tensors a dispatch as one call and the combine after it read (viewed before the call's host sync)
+_READ_PLAN = ("offs", "expert_counts", "num_rows", "send_pos", "dest_rank")
 
 
 class PullPath(EnginePath):
@@ -242,7 +244,7 @@ class PullPath(EnginePath):
         addresses = (x.data_ptr(), topk_idx.data_ptr(), w.data_ptr(), t.out.data_ptr(), t.scales_ptr,
                      t.plan_copy.data_ptr(), table.data_ptr())
         layout = e.run_call(("pull-call", T, topk_idx.dtype), addresses, lambda tb: self._call_body(tb, shape))
-        kept = layout.read(t.plan_copy)
+        kept = layout.read(t.plan_copy, now=_READ_PLAN)
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
         return DispatchRows(q=t.out[:R], scale_rows=None, kept=kept, ids=kept.extra["ids"], num_rows=R,
                             origins=e.origins_from(kept, R), table=table,
