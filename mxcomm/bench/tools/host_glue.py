@@ -3,6 +3,7 @@ the Python between the kernels (argument checks, handles, autograd wrappers, lau
 
     TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue [--tokens 128] [--profile combine]   # CPU
     TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue --world 4 [--transport push]      # CPU, rank 0 of 4
+    TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue --replayed [--profile dispatch]   # CPU, replays stood in for
     python -m mxcomm.bench.tools.host_glue --device cuda [--hidden 7168 --experts 256 --topk 8]   # GPU
 
 The backend is built over a loopback stand-in for the symmetric heap (:class:`LoopbackHeap`: plain tensors, a peer
@@ -28,6 +29,10 @@ dispatch replays the whole call on one rank (at most ``LaunchConfig.call_graph_t
 (``world * max_tokens_per_rank <= LaunchConfig.peer_call_tokens``), and a one-rank combine or dispatch backward its
 reduce (at most ``LaunchConfig.reduce_call_tokens``): on the CPU they run eagerly (every launch of the captured work,
 stubbed), so their share here is larger than there.
+``--replayed`` (CPU): the calls that the GPU replays whole (an exact-size dispatch as one call, a one-rank reduce)
+skip their captured work after their first run, as a replay does on the host: ``NvshmemBackend.run_call`` returns the
+layout of the key's first run without running the body, ``run_ring_call`` runs nothing (:func:`stand_in_replays`) -
+what is left is the host work around the replay, the share of these calls that the GPU path pays per call.
 ``--device cuda``: the same calls with CUDA tensors and real kernel launches (the GPU runs them; the time per call is
 the host's while the GPU keeps up, as at a few hundred tokens on one rank).
 
@@ -158,6 +163,31 @@ def stub_kernels(rows: int) -> Callable[[], None]:
     return undo
 
 
+def stand_in_replays(backend) -> Callable[[], None]:
+    """Make ``backend`` (an ``NvshmemBackend`` on the CPU) run its whole-call graphs as a replay costs the host:
+    ``run_call`` returns the plan layout of the key's first run (which runs its body, as a capture does) and later
+    runs nothing; ``run_ring_call`` runs the body at a key's first call only. Returns the function that undoes it."""
+    layouts, rings = {}, set()
+    real_call, real_ring = backend.run_call, backend.run_ring_call
+
+    def run_call(key, addresses, body):
+        if key not in layouts:
+            layouts[key] = real_call(key, addresses, body)
+        return layouts[key]
+
+    def run_ring_call(key, addresses, body, copies):
+        if key not in rings:
+            rings.add(key)
+            real_ring(key, addresses, body, copies)
+
+    backend.run_call, backend.run_ring_call = run_call, run_ring_call
+
+    def undo() -> None:
+        del backend.run_call, backend.run_ring_call
+
+    return undo
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -208,6 +238,8 @@ def _args(argv=None):
     ap.add_argument("--transport", choices=("auto", "push"), default="auto",
                     help="the path of a world > 1: auto (pull) or push (the put path needs NVSHMEM's puts)")
     ap.add_argument("--no-sync", action="store_true", help="EPConfig(exact_sizes=False) (default: exact sizes)")
+    ap.add_argument("--replayed", action="store_true",
+                    help="CPU: the calls the GPU replays whole skip their captured work after their first run")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
@@ -222,6 +254,8 @@ def main(argv=None) -> dict:
     """Run the tool (see the module doc); returns ``{op: µs per call}``."""
     a = _args(argv)
     cpu = a.device == "cpu"
+    if a.replayed and not cpu:
+        raise SystemExit("--replayed stands in for the GPU's replays on the CPU; on the GPU they are real")
     from triton import knobs
 
     if cpu and not knobs.runtime.interpret:
@@ -248,9 +282,11 @@ def main(argv=None) -> dict:
     calls = make_calls(g, a.tokens, device)
     if cpu and undo is None:
         undo = stub_kernels(_rows(calls))
+    undo_replays = stand_in_replays(g.backend) if a.replayed else None
     ops = [o for o in a.ops.split(",") if o]
     print(f"host_glue: {a.device}, path {g.path}, rank 0 of {a.world}, T={a.tokens} H={H} E={E} k={k} {a.precision}, "
-          f"exact_sizes={cfg.exact_sizes}{', kernels stubbed' if cpu else ''}, {a.clock} clock")
+          f"exact_sizes={cfg.exact_sizes}{', kernels stubbed' if cpu else ''}"
+          f"{', whole-call graphs stood in for' if a.replayed else ''}, {a.clock} clock")
     result = {}
     try:
         for op in ops:
@@ -261,6 +297,8 @@ def main(argv=None) -> dict:
             print(f"--- cProfile of {a.calls} calls of {op}")
             profile_call(calls[op], a.calls, a.sort, a.lines)
     finally:
+        if undo_replays is not None:
+            undo_replays()
         if undo is not None:
             undo()
     return result
