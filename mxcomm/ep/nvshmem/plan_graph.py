@@ -49,8 +49,9 @@ class PlanOutputs:
         """The outputs ``copier`` copies, read from a copy of them (``main``, ``aux``: as :meth:`OutputCopier.views`
         takes them): the extra maps as views, the plan a :class:`CopiedPlan` (the tensors named in ``now`` viewed
         here, the others at their first read)."""
-        extra = {n: copier.view(n, main, aux) for n in copier.names if n not in PLAN_TENSORS}
-        return PlanOutputs(plan=CopiedPlan(scalars, copier, main, aux, now), extra=extra)
+        plan = CopiedPlan(scalars, copier, main, aux, now)
+        typed = plan.__dict__["_copy"][3]
+        return PlanOutputs(plan=plan, extra={n: copier.view(n, main, aux, typed) for n in copier.extra_names})
 
 
 class CopiedPlan(RoutingPlan):
@@ -64,16 +65,17 @@ class CopiedPlan(RoutingPlan):
                  now: tuple = ()):
         d = self.__dict__
         d.update(scalars)
-        d["_copy"] = (copier, main, aux)
+        typed = {}  # dtype -> main viewed as it (shared by the views)
+        d["_copy"] = (copier, main, aux, typed)
         for n in now:
-            d[n] = copier.view(n, main, aux)
+            d[n] = copier.view(n, main, aux, typed)
 
     def __getattr__(self, name: str):
         # reached only for an attribute not set yet: a plan tensor at its first read
         src = self.__dict__.get("_copy")
         if src is None or name not in PLAN_TENSORS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        t = self.__dict__[name] = src[0].view(name, src[1], src[2])
+        t = self.__dict__[name] = src[0].view(name, *src[1:])
         return t
 
 
@@ -130,7 +132,7 @@ class OutputCopier:
             pieces.append(_Piece(n, True, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
         self.pieces = pieces
         self.by_name = {p.name: p for p in pieces}
-        self.names = tuple(named)
+        self.extra_names = tuple(n for n in named if n not in PLAN_TENSORS)  # the outputs that are not the plan's
 
     def fill(self) -> None:
         """Copy the outputs outside the main storage into the aux buffer (one copy each)."""
@@ -172,11 +174,15 @@ class OutputCopier:
                 vals[p.name] = aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
         return vals
 
-    def view(self, name: str, main: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        """The output ``name`` alone, as :meth:`views` makes it."""
+    def view(self, name: str, main: torch.Tensor, aux: torch.Tensor, typed: dict) -> torch.Tensor:
+        """The output ``name`` alone, as :meth:`views` makes it; ``typed``: dtype -> ``main`` viewed as it, filled
+        here (shared by the views of one copy)."""
         p = self.by_name[name]
         if p.main:
-            return main.view(p.dtype).as_strided(p.shape, p.stride, p.offset)
+            base = typed.get(p.dtype)
+            if base is None:
+                base = typed[p.dtype] = main.view(p.dtype)
+            return base.as_strided(p.shape, p.stride, p.offset)
         return aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
 
 
