@@ -84,8 +84,8 @@ def test_copier_on_real_plan_outputs(T, k, E, W, rank):
 
     # read lazily from a copy (what a captured call's plan copy returns): a CopiedPlan whose tensors named in `now` are
     # made at once and the others at their first read, equal to the eager views, kept once made; the extra maps up front
-    main, aux = cp.clone()
-    lazy = PlanOutputs.of_copy(cp, main, aux, PlanOutputs.scalars_of(po.plan), now=("offs", "dest_row"))
+    copy = cp.clone()
+    lazy = PlanOutputs.of_copy(copy, PlanOutputs.scalars_of(po.plan), now=("offs", "dest_row"))
     assert isinstance(lazy.plan, CopiedPlan) and set(PLAN_TENSORS) & set(vars(lazy.plan)) == {"offs", "dest_row"}
     assert set(lazy.extra) == {"origin_src", "origin_pos", "ids"}
     for f in dataclasses.fields(po.plan):
@@ -94,7 +94,7 @@ def test_copier_on_real_plan_outputs(T, k, E, W, rank):
             assert v.dtype == w.dtype and v.shape == w.shape and v.stride() == w.stride(), f.name
             assert torch.equal(v, w) and getattr(lazy.plan, f.name) is v, f.name
             if v.numel():
-                assert v.untyped_storage().data_ptr() == main.untyped_storage().data_ptr(), f.name
+                assert v.untyped_storage().data_ptr() == copy.main.untyped_storage().data_ptr(), f.name
         else:
             assert v == w, f.name
     for n, t in lazy.extra.items():

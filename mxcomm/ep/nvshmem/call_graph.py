@@ -21,7 +21,7 @@ import torch
 
 from ...kernels.launch import cdiv, current_stream, fast_kernel
 from ...mx import grouped_m_rows, round_up
-from .plan_graph import OutputCopier, PlanOutputs
+from .plan_graph import OutputCopier, OutputsCopy, PlanOutputs
 
 COPY_BLOCK = 1024  # int32 words per step of copy_in_kernel / copy_out_kernel
 
@@ -180,7 +180,8 @@ class PlanLayout:
         """The plan and the extra outputs (``extra["ids"]``: the checked ids) as views of ``plan_copy`` (int32, a copy
         of the store; the plan a :class:`~mxcomm.ep.nvshmem.plan_graph.CopiedPlan`: the tensors named in ``now``
         viewed here, the others at their first read)."""
-        return PlanOutputs.of_copy(self.copier, plan_copy.view(torch.uint8), self.copier.aux, self.scalars, now)
+        return PlanOutputs.of_copy(OutputsCopy(self.copier, plan_copy.view(torch.uint8), self.copier.aux), self.scalars,
+                                   now)
 
 
 @dataclass(frozen=True)

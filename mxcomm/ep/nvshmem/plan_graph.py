@@ -12,7 +12,7 @@ keeps (the :class:`~mxcomm.ep.plan.RoutingPlan` of a handle) are views into clon
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -44,38 +44,33 @@ class PlanOutputs:
         return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in PLAN_TENSORS})
 
     @staticmethod
-    def of_copy(copier: "OutputCopier", main: torch.Tensor, aux: torch.Tensor, scalars: dict,
-                now: tuple = ()) -> "PlanOutputs":
-        """The outputs ``copier`` copies, read from a copy of them (``main``, ``aux``: as :meth:`OutputCopier.views`
-        takes them): the extra maps as views, the plan a :class:`CopiedPlan` (the tensors named in ``now`` viewed
-        here, the others at their first read)."""
-        plan = CopiedPlan(scalars, copier, main, aux, now)
-        typed = plan.__dict__["_copy"][3]
-        return PlanOutputs(plan=plan, extra={n: copier.view(n, main, aux, typed) for n in copier.extra_names})
+    def of_copy(copy: "OutputsCopy", scalars: dict, now: tuple = ()) -> "PlanOutputs":
+        """The outputs read from ``copy``: the extra maps as views, the plan a :class:`CopiedPlan` of ``scalars``
+        (the tensors named in ``now`` viewed here, the others at their first read)."""
+        return PlanOutputs(plan=CopiedPlan(scalars, copy, now),
+                           extra={n: copy.view(n) for n in copy.copier.extra_names})
 
 
 class CopiedPlan(RoutingPlan):
-    """A :class:`RoutingPlan` read from a copy of a captured plan's outputs (:class:`OutputCopier`): the tensors
+    """A :class:`RoutingPlan` read from a copy of a captured plan's outputs (:class:`OutputsCopy`): the tensors
     named in ``now`` made views of the copy at once (those a call is known to read: made while the device still
     runs it, before the call's host sync), every other one at its first read, and kept. A one-rank dispatch and its
     combine read five of the fifteen, and a view costs the host a microsecond or two. Otherwise a ``RoutingPlan``
     (frozen; the same fields and values)."""
 
-    def __init__(self, scalars: dict, copier: "OutputCopier", main: torch.Tensor, aux: torch.Tensor,
-                 now: tuple = ()):
+    def __init__(self, scalars: dict, copy: "OutputsCopy", now: tuple = ()):
         d = self.__dict__
         d.update(scalars)
-        typed = {}  # dtype -> main viewed as it (shared by the views)
-        d["_copy"] = (copier, main, aux, typed)
+        d["_copy"] = copy
         for n in now:
-            d[n] = copier.view(n, main, aux, typed)
+            d[n] = copy.view(n)
 
     def __getattr__(self, name: str):
         # reached only for an attribute not set yet: a plan tensor at its first read
-        src = self.__dict__.get("_copy")
-        if src is None or name not in PLAN_TENSORS:
+        copy = self.__dict__.get("_copy")
+        if copy is None or name not in PLAN_TENSORS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        t = self.__dict__[name] = src[0].view(name, *src[1:])
+        t = self.__dict__[name] = copy.view(name)
         return t
 
 
@@ -145,13 +140,13 @@ class OutputCopier:
     def copy(self) -> dict:
         """name -> a copy of that output as of the last :meth:`fill` (aux) / now (main storage), owned by the
         caller (a clone of the main storage and one of the aux buffer if it is used, then views)."""
-        return self.views(*self.clone())
+        c = self.clone()
+        return {p.name: c.view(p.name) for p in self.pieces}
 
-    def clone(self) -> tuple:
-        """``(main, aux)``: clones of the main storage (uint8) and of the aux buffer (int32) if it is used, what
-        :meth:`views` and :meth:`view` read."""
+    def clone(self) -> "OutputsCopy":
+        """Clones of the main storage and of the aux buffer (if it is used), not yet viewed."""
         aux = self.aux.clone() if self.aux_names else self.aux  # (nothing to copy when every output is in main)
-        return self.main_storage().clone(), aux
+        return OutputsCopy(self, self.main_storage().clone(), aux)
 
     def main_storage(self) -> torch.Tensor:
         """The main storage as a flat uint8 tensor (made at the first use, outside any capture)."""
@@ -163,27 +158,29 @@ class OutputCopier:
     def views(self, main: torch.Tensor, aux: torch.Tensor) -> dict:
         """name -> its output as a view of ``main`` (uint8, laid out as the main storage: a copy of it) or of
         ``aux`` (int32, as :meth:`fill` lays it out)."""
-        typed, vals = {}, {}
-        for p in self.pieces:
-            if p.main:
-                base = typed.get(p.dtype)
-                if base is None:
-                    base = typed[p.dtype] = main.view(p.dtype)
-                vals[p.name] = base.as_strided(p.shape, p.stride, p.offset)
-            else:
-                vals[p.name] = aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
-        return vals
+        c = OutputsCopy(self, main, aux)
+        return {p.name: c.view(p.name) for p in self.pieces}
 
-    def view(self, name: str, main: torch.Tensor, aux: torch.Tensor, typed: dict) -> torch.Tensor:
-        """The output ``name`` alone, as :meth:`views` makes it; ``typed``: dtype -> ``main`` viewed as it, filled
-        here (shared by the views of one copy)."""
-        p = self.by_name[name]
-        if p.main:
-            base = typed.get(p.dtype)
-            if base is None:
-                base = typed[p.dtype] = main.view(p.dtype)
-            return base.as_strided(p.shape, p.stride, p.offset)
-        return aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
+
+@dataclass(frozen=True, eq=False)
+class OutputsCopy:
+    """A copy of the outputs of ``copier``: ``main`` (uint8, laid out as the main storage) and ``aux`` (int32, as
+    :meth:`OutputCopier.fill` lays it out), each output made a view of it by :meth:`view`."""
+
+    copier: OutputCopier
+    main: torch.Tensor
+    aux: torch.Tensor
+    typed: dict = field(default_factory=dict)  # dtype -> main viewed as it (made at its first use, shared)
+
+    def view(self, name: str) -> torch.Tensor:
+        """The output ``name`` (its dtype, shape and strides; aux outputs contiguous int32)."""
+        p = self.copier.by_name[name]
+        if not p.main:
+            return self.aux[p.offset:p.offset + math.prod(p.shape)].view(p.shape)
+        base = self.typed.get(p.dtype)
+        if base is None:
+            base = self.typed[p.dtype] = self.main.view(p.dtype)
+        return base.as_strided(p.shape, p.stride, p.offset)
 
 
 class PlanGraph:
@@ -251,4 +248,4 @@ class PlanGraph:
         return self.snapshot()
 
 
-__all__ = ["PlanGraph", "PlanOutputs", "CopiedPlan", "OutputCopier", "compute_plan"]
+__all__ = ["PlanGraph", "PlanOutputs", "CopiedPlan", "OutputCopier", "OutputsCopy", "compute_plan"]
