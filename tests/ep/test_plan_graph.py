@@ -100,6 +100,6 @@ def test_copier_on_real_plan_outputs(T, k, E, W, rank):
     for n, t in lazy.extra.items():
         assert torch.equal(t, named[n]), n
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        lazy.plan.nope
+        _ = lazy.plan.nope
     with pytest.raises(dataclasses.FrozenInstanceError):
         lazy.plan.offs = None

@@ -3,7 +3,7 @@ the Python between the kernels (argument checks, handles, autograd wrappers, lau
 
     TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue [--tokens 128] [--profile combine]   # CPU
     TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue --world 4 [--transport push]      # CPU, rank 0 of 4
-    TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue --replayed [--profile dispatch]   # CPU, replays stood in for
+    TRITON_INTERPRET=1 python -m mxcomm.bench.tools.host_glue --replayed [--profile dispatch]   # CPU, replays skipped
     python -m mxcomm.bench.tools.host_glue --device cuda [--hidden 7168 --experts 256 --topk 8]   # GPU
 
 The backend is built over a loopback stand-in for the symmetric heap (:class:`LoopbackHeap`: plain tensors, a peer
@@ -31,8 +31,8 @@ reduce (at most ``LaunchConfig.reduce_call_tokens``): on the CPU they run eagerl
 stubbed), so their share here is larger than there.
 ``--replayed`` (CPU): the calls that the GPU replays whole (an exact-size dispatch as one call, a one-rank reduce)
 skip their captured work after their first run, as a replay does on the host: ``NvshmemBackend.run_call`` returns the
-layout of the key's first run without running the body, ``run_ring_call`` runs nothing (:func:`stand_in_replays`) -
-what is left is the host work around the replay, the share of these calls that the GPU path pays per call.
+layout of the key's first run without running the body again, ``run_ring_call`` runs nothing after a key's first
+call (:func:`stand_in_replays`) - what is left is the host work around the replay, what the GPU path pays per call.
 ``--device cuda``: the same calls with CUDA tensors and real kernel launches (the GPU runs them; the time per call is
 the host's while the GPU keeps up, as at a few hundred tokens on one rank).
 

@@ -44,7 +44,7 @@ class PlanOutputs:
         return PlanOutputs(plan=plan, extra={n: v for n, v in vals.items() if n not in PLAN_TENSORS})
 
     @staticmethod
-    def of_copy(copy: "OutputsCopy", scalars: dict, now: tuple = ()) -> "PlanOutputs":
+    def of_copy(copy: OutputsCopy, scalars: dict, now: tuple = ()) -> PlanOutputs:
         """The outputs read from ``copy``: the extra maps as views, the plan a :class:`CopiedPlan` of ``scalars``
         (the tensors named in ``now`` viewed here, the others at their first read)."""
         return PlanOutputs(plan=CopiedPlan(scalars, copy, now),
@@ -58,7 +58,7 @@ class CopiedPlan(RoutingPlan):
     combine read five of the fifteen, and a view costs the host a microsecond or two. Otherwise a ``RoutingPlan``
     (frozen; the same fields and values)."""
 
-    def __init__(self, scalars: dict, copy: "OutputsCopy", now: tuple = ()):
+    def __init__(self, scalars: dict, copy: OutputsCopy, now: tuple = ()):
         d = self.__dict__
         d.update(scalars)
         d["_copy"] = copy
@@ -143,7 +143,7 @@ class OutputCopier:
         c = self.clone()
         return {p.name: c.view(p.name) for p in self.pieces}
 
-    def clone(self) -> "OutputsCopy":
+    def clone(self) -> OutputsCopy:
         """Clones of the main storage and of the aux buffer (if it is used), not yet viewed."""
         aux = self.aux.clone() if self.aux_names else self.aux  # (nothing to copy when every output is in main)
         return OutputsCopy(self, self.main_storage().clone(), aux)
