@@ -140,8 +140,7 @@ class OutputCopier:
     def copy(self) -> dict:
         """name -> a copy of that output as of the last :meth:`fill` (aux) / now (main storage), owned by the
         caller (a clone of the main storage and one of the aux buffer if it is used, then views)."""
-        c = self.clone()
-        return {p.name: c.view(p.name) for p in self.pieces}
+        return self.clone().views()
 
     def clone(self) -> OutputsCopy:
         """Clones of the main storage and of the aux buffer (if it is used), not yet viewed."""
@@ -158,8 +157,7 @@ class OutputCopier:
     def views(self, main: torch.Tensor, aux: torch.Tensor) -> dict:
         """name -> its output as a view of ``main`` (uint8, laid out as the main storage: a copy of it) or of
         ``aux`` (int32, as :meth:`fill` lays it out)."""
-        c = OutputsCopy(self, main, aux)
-        return {p.name: c.view(p.name) for p in self.pieces}
+        return OutputsCopy(self, main, aux).views()
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,6 +179,10 @@ class OutputsCopy:
         if base is None:
             base = self.typed[p.dtype] = self.main.view(p.dtype)
         return base.as_strided(p.shape, p.stride, p.offset)
+
+    def views(self) -> dict:
+        """name -> :meth:`view` of every output."""
+        return {p.name: self.view(p.name) for p in self.copier.pieces}
 
 
 class PlanGraph:
