@@ -84,17 +84,79 @@ def test_status_copy_of_a_middle_is_read_only_by_its_own_sync():
     used at most once (a stale copy would hide an error recorded after it, or report one already cleared)."""
 
     class Done:  # the copy's event, already complete
-        def synchronize(self):
-            pass
+        def query(self):
+            return True
 
     sw = _words()
     sw.words.copy_(torch.tensor([0, 0, 96, 0, 0]))
     stale = torch.tensor([0, 0, 32, 0, 0])
-    sw._host, sw._started = (stale, Done()), True
+    sw._host = (stale, stale.numpy(), None)
+    sw.note_copy_enqueued(Done())
     assert sw.read(started=False) == [0, 0, 96, 0, 0]  # not the dispatch's sync: fresh words
     assert sw.read(started=True) == [0, 0, 96, 0, 0]  # the copy was dropped by the read before
-    sw._started = True
+    sw.note_copy_enqueued(Done())
     assert sw.read(started=True) == [0, 0, 32, 0, 0]  # the dispatch's own sync reads its middle's copy
     assert sw.read(started=True) == [0, 0, 96, 0, 0]  # once
     sw.start_read()  # off CUDA: nothing enqueued, nothing marked
     assert not sw._started
+
+
+def test_landed_words_waits_for_the_copy_not_for_the_work():
+    """The sync returns the words as soon as no host word is NOT_LANDED (the work that holds the copy may still run),
+    asks ``done`` between reads, and raises if that work ended without the copy."""
+    import numpy as np
+
+    from mxcomm.ep.nvshmem.status_words import NOT_LANDED, landed_words
+
+    host = np.full(5, NOT_LANDED, dtype=np.int64)
+    reads = []
+
+    def done():  # the work never ends; the copy lands at the third question
+        reads.append(host.tolist())
+        if len(reads) == 3:
+            host[:] = [0, 0, 96, 0, 128]
+        return False
+
+    assert landed_words(host, done) == [0, 0, 96, 0, 128]
+    assert len(reads) == 3 and all(NOT_LANDED in r for r in reads)
+    host[:4] = 7  # a copy landing word by word: not done while one word is left
+    host[4] = NOT_LANDED
+    reads.clear()
+    assert landed_words(host, done) == [0, 0, 96, 0, 128]
+    assert len(reads) == 3
+    assert landed_words(host, lambda: pytest.fail("asked although landed")) == [0, 0, 96, 0, 128]
+    host[2] = NOT_LANDED
+    with pytest.raises(RuntimeError, match="not in the work"):
+        landed_words(host, lambda: True)
+
+
+def test_arm_waits_for_an_unread_copy_then_marks_every_word():
+    """``arm`` (before a copy is enqueued or replayed) first waits for a copy enqueued earlier and never read, which
+    would otherwise land on top of the marks, then sets every host word to NOT_LANDED; a copy that was read is not
+    waited for again."""
+    from mxcomm.ep.nvshmem.status_words import NOT_LANDED
+
+    class Event:
+        def __init__(self):
+            self.waits = 0
+
+        def synchronize(self):
+            self.waits += 1
+
+        def query(self):
+            return True
+
+    sw = _words()
+    host = torch.tensor([0, 0, 32, 0, 0])
+    sw._host = (host, host.numpy(), None)
+    ev = Event()
+    sw.note_copy_enqueued(ev)
+    assert sw.read(started=False) == [0, 0, 0, 0, 0]  # an error path's fresh read: the copy stays unread
+    sw.arm()
+    assert ev.waits == 1 and host.tolist() == [NOT_LANDED] * 5
+    ev2 = Event()
+    sw.note_copy_enqueued(ev2)
+    host.copy_(torch.tensor([0, 0, 64, 0, 0]))  # the copy lands
+    assert sw.read(started=True) == [0, 0, 64, 0, 0]
+    sw.arm()
+    assert ev2.waits == 0 and host.tolist() == [NOT_LANDED] * 5

@@ -507,15 +507,19 @@ class NvshmemBackend:
         int64 table ``table`` (``addresses``, ints, in the order ``body`` reads them). On the GPU it is captured into
         a :class:`CallGraph` at a key's second call (as :meth:`run_middle`'s middles) and replayed afterwards with
         this call's ``addresses``; eager elsewhere, at a key's first two calls and on the interpreter. The body
-        enqueues the copy of the status words (CUDA) that the call's host sync reads. Returns the layout of the
-        call's copy of its plan (:meth:`PlanLayout.read`)."""
+        enqueues the copy of the status words (CUDA) that the call's host sync reads (as soon as it lands: kernels the
+        body enqueues after it may still run then). Returns the layout of the call's copy of its plan
+        (:meth:`PlanLayout.read`)."""
         cuda = self.device.type == "cuda"
         cap = self.captured_graph(key) if cuda else None
         if cap is not None:
+            self.status_words.arm()
             cap.graph.replay(addresses)
-            self.status_words.note_copy_enqueued()
+            self.status_words.note_copy_enqueued(cap.graph.done)
             return cap.layout
         table = torch.tensor(addresses, dtype=torch.int64).to(self.device)
+        if cuda:
+            self.status_words.arm()
         layout = PlanLayout.of(body(table).middle)
         if cuda:
             self.status_words.note_copy_enqueued()

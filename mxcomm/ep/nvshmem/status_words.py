@@ -9,21 +9,46 @@ Five int64 words on the device, read in one transfer:
 * ``most`` (word 4): the most expert-major rows any rank receives in the last dispatch (written by the push and put
   paths before their sync: the number of rounds through their receive window).
 
-An exact-size dispatch reads them at its ONE host sync (:meth:`StatusWords.check`), from a copy enqueued right after
-its middle (:meth:`StatusWords.start_read`), so the host's work before the sync overlaps the transfer. Calls that do
-not sync (combine, the backward passes, every call in the no-sync mode) start a non-blocking copy of the error words
-and raise what an EARLIER call recorded once its copy has landed (:meth:`StatusWords.check_async`).
+An exact-size dispatch reads them at its ONE host sync (:meth:`StatusWords.check`), from a copy into pinned host
+memory enqueued right after its middle (:meth:`StatusWords.start_read`), so the host's work before the sync overlaps
+the transfer. The host waits for that copy itself, not for the stream: before the copy is enqueued every host word is
+set to :data:`NOT_LANDED` (a value no word takes), and the sync spins until none is left (:func:`landed_words`), so a
+call whose copy comes before its last kernels (the one-rank dispatch as one call) returns while those still run.
+Calls that do not sync (combine, the backward passes, every call in the no-sync mode) start a non-blocking copy of
+the error words and raise what an EARLIER call recorded once its copy has landed (:meth:`StatusWords.check_async`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from ... import transport as tp
 from ...kernels.launch import current_stream
 from ..ids import check_expert_ids
+
+
+#: what the host copy of every word holds from :meth:`StatusWords.arm` until the device's copy lands (int64 min: no word
+#: takes it - error words are codes with a peer, the others counts and ranks)
+NOT_LANDED = int(np.iinfo(np.int64).min)
+
+
+def landed_words(host: np.ndarray, done: Callable[[], bool]) -> list:
+    """The words of ``host`` (int64, a copy's destination in pinned memory) once the copy has landed: spins until no
+    word is :data:`NOT_LANDED`, asking ``done`` (an event's query: the work that ends with the copy is complete)
+    between reads, so the wait ends when the copy does, and at the latest when that work does. Raises RuntimeError
+    if the work is complete and a word is still :data:`NOT_LANDED` (the copy was not in it)."""
+    while True:
+        words = host.tolist()
+        if NOT_LANDED not in words:
+            return words
+        if done():
+            words = host.tolist()
+            if NOT_LANDED in words:
+                raise RuntimeError("the status words' copy was not in the work the host waited for")
+            return words
 
 
 @dataclass(frozen=True)
@@ -59,8 +84,9 @@ class StatusWords:
         self.rows, self.refused, self.most = self.words[2:3], self.words[3:4], self.words[4:5]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
-        self._host = None  # (pinned host copy of the words, event): made once, for the exact-size sync
-        self._started = False  # a copy of the words was enqueued at the end of a dispatch's middle
+        self._host = None  # (pinned host copy of the words, its numpy view, event): made once, for the exact-size sync
+        self._started = False  # a copy of the words was enqueued for a dispatch's own sync
+        self._landing = None  # the event after which the last copy enqueued has landed (None: it was read)
 
     def check(self, what: str, ids: Optional[torch.Tensor] = None, started: bool = False) -> SyncedSizes:
         """Raise now if a bounded wait (or the device-side input check) recorded an error: ONE host sync, which
@@ -84,40 +110,55 @@ class StatusWords:
         CUDA, in the no-sync mode and inside a capture."""
         if self.device.type != "cuda" or not self.exact_sizes or self.capturing():
             return
+        self.arm()
         self.enqueue_copy()
         self.note_copy_enqueued()
 
     def enqueue_copy(self) -> None:
         """The copy of :meth:`start_read` alone (CUDA, exact sizes), also inside a capture: a captured call
-        (:class:`~mxcomm.ep.nvshmem.call_graph.CallGraph`) ends with it, and :meth:`note_copy_enqueued` after each of
-        its replays lets :meth:`check` read it."""
-        host, _ = self._host_words()
+        (:class:`~mxcomm.ep.nvshmem.call_graph.CallGraph`) holds it, and :meth:`arm` before each of its runs and
+        :meth:`note_copy_enqueued` after let :meth:`check` read it."""
+        host, _, _ = self._host_words()
         host.copy_(self.words, non_blocking=True)
 
-    def note_copy_enqueued(self) -> None:
+    def arm(self) -> None:
+        """Before a copy of the words is enqueued or replayed (CUDA, outside a capture): set every host word to
+        :data:`NOT_LANDED`, after waiting for a copy enqueued earlier and never read (a call that raised before its
+        sync), which would otherwise land on top."""
+        _, values, _ = self._host_words()
+        if self._landing is not None:
+            self._landing.synchronize()
+        values.fill(NOT_LANDED)
+
+    def note_copy_enqueued(self, done: Optional[torch.cuda.Event] = None) -> None:
         """The copy of the words into pinned memory is on the current stream (:meth:`enqueue_copy`, or a replay that
-        ends with it): record the event :meth:`read` waits on."""
-        _, ev = self._host_words()
-        ev.record(current_stream(self.device.index))
+        holds it): ``done``, an event the caller recorded after it (a replayed graph's), else one recorded here, is
+        what :meth:`read` asks while it waits."""
+        if done is None:
+            done = self._host_words()[2]
+            done.record(current_stream(self.device.index))
+        self._landing = done
         self._started = True
 
     def _host_words(self) -> tuple:
-        """(pinned host copy of the words, event): made once (pinned allocations cost milliseconds)."""
+        """(pinned host copy of the words, its numpy view, event): made once (pinned allocations cost
+        milliseconds)."""
         if self._host is None:
-            self._host = (torch.empty(len(self.words), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            host = torch.empty(len(self.words), dtype=torch.int64, pin_memory=True)
+            self._host = (host, host.numpy(), torch.cuda.Event())
         return self._host
 
     def read(self, started: bool) -> list:
         """The words as host ints: the copy :meth:`start_read` enqueued (``started``: the dispatch's own sync, right
-        after its middle), else a copy made now. A started copy not consumed by that sync (an error between the two)
-        is dropped: every other read copies afresh."""
+        after its middle) as soon as it has landed (:func:`landed_words`), else a copy made now. A started copy not
+        consumed by that sync (an error between the two) is dropped: every other read copies afresh."""
         use = started and self._started
         self._started = False
         if not use:
             return self.words.tolist()
-        host, ev = self._host
-        ev.synchronize()
-        return host.tolist()
+        words = landed_words(self._host[1], self._landing.query)
+        self._landing = None
+        return words
 
     def check_async(self, what: str) -> None:
         """No-host-sync check: raise an error recorded by an EARLIER call (if its copy has landed), and start the
@@ -168,4 +209,4 @@ class StatusWords:
         tp.raise_error_words(words[:1], what=what, rank=self.rank)
 
 
-__all__ = ["StatusWords", "SyncedSizes"]
+__all__ = ["StatusWords", "SyncedSizes", "NOT_LANDED", "landed_words"]

@@ -85,11 +85,12 @@ class LocalPath(EnginePath):
         """Enqueue the whole dispatch of ``shape.T`` tokens reading its tensors' addresses from ``table`` (int64, the
         ``_X`` .. ``_PLAN`` entries): ``topk_idx`` copied into a buffer of the call's own (``[T, k]``, its dtype;
         inside a capture, the graph's: kept with the outputs, since the graph writes it at every replay), the middle
-        (:meth:`_middle`), its checked ids and plan copied out (``plan_words`` int32 words), the output rows
-        (``local_rows_at_kernel``: ``shape.rows`` rows, the padding and the rows past it as the plan says) and
-        their grouped scales (``scale_rows_to_grouped_at_kernel``: every one of ``shape.scale_rows`` rows written),
-        then (CUDA) the copy of the status words read at the call's sync. Returns the middle's outputs (in the store,
-        the call's own buffer: the graph's, when captured) and the ids' buffer."""
+        (:meth:`_middle`), then (CUDA) the copy of the status words read at the call's sync (final after the middle:
+        the sync returns while the rest runs), its checked ids and plan copied out (``plan_words`` int32 words), the
+        output rows (``local_rows_at_kernel``: ``shape.rows`` rows, the padding and the rows past it as the plan
+        says) and their grouped scales (``scale_rows_to_grouped_at_kernel``: every one of ``shape.scale_rows`` rows
+        written). Returns the middle's outputs (in the store, the call's own buffer: the graph's, when captured) and
+        the ids' buffer."""
         from ..kernels.dispatch import local_rows_at_kernel
 
         e = self.e
@@ -99,6 +100,8 @@ class LocalPath(EnginePath):
         copy_in(table, _IDS, idx)
         store = e.plan_store(idx)
         po = self._middle(e.counts_mat, idx, store=store)
+        if e.device.type == "cuda":  # final here (nothing after waits or fails): the host sync returns at its landing
+            e.status_words.enqueue_copy()
         copy_out(store, table, _PLAN)
         plan = po.plan
         fast_kernel(local_rows_at_kernel)[(e.output_programs(T),)](
@@ -108,8 +111,6 @@ class LocalPath(EnginePath):
         )
         if e.mx:
             e.grouped_scales_at(self.recv_s.local, table, _SCALES, plan, shape.scale_rows)
-        if e.device.type == "cuda":
-            e.status_words.enqueue_copy()
         return CallOutputs(middle=po, buffers=(idx,))
 
     def _dispatch_call(self, x: torch.Tensor, topk_idx: torch.Tensor) -> DispatchRows:
@@ -117,7 +118,9 @@ class LocalPath(EnginePath):
         the whole of :meth:`_call_body` replayed from a :class:`CallGraph` captured per token count and id dtype (at a
         key's second call, as the middle is), with fresh output tensors whose addresses go in the graph's table;
         eager elsewhere and at a key's first two calls. Then the call's one host sync (the output size and the id
-        check) and views of ``shape.rows`` / ``shape.scale_rows``-row outputs: the output's storage holds the rows
+        check: it waits for the status words' copy, which comes before the output kernels, so the call returns while
+        they run; stream order makes the outputs whole for whatever the stream runs next) and views of ``shape.rows``
+        / ``shape.scale_rows``-row outputs: the output's storage holds the rows
         ``T`` tokens could fill at most (``T k + E (align - 1)``, rounded up to ``align``), its first ``R`` rows
         the output."""
         e = self.e
