@@ -195,11 +195,12 @@ class PullPath(EnginePath):
         ``_X`` .. ``_TABLE`` entries): the address of ``x`` into ``x_slot``, ``topk_idx`` copied into a buffer of the
         call's own (``[T, k]``, its dtype; inside a capture, the graph's: kept with the outputs, since the graph
         writes it at every replay), the route weights (fp32 ``[T, k]``) into ``w_in``, the middle
-        (:meth:`_middle`: check, pack, counts exchange, plan, entries and their wait), its checked ids, plan and row
-        origins copied out (``shape.plan_words`` int32 words), the rows (``pull_rows_at_kernel``: the output of
-        ``shape.rows`` rows, the dispatch's table and weights; the scale rows row-major into a buffer of the call's
-        own) and their grouped scales (``scale_rows_to_grouped_at_kernel``: every one of ``shape.scale_rows`` rows
-        written), then (CUDA) the copy of the status words read at the call's sync."""
+        (:meth:`_middle`: check, pack, counts exchange, plan, entries and their wait), then (CUDA) the copy of the
+        status words read at the call's sync (final after the middle, which holds every wait: the sync returns while
+        the rest runs), its checked ids, plan and row origins copied out (``shape.plan_words`` int32 words), the rows
+        (``pull_rows_at_kernel``: the output of ``shape.rows`` rows, the dispatch's table and weights; the scale rows
+        row-major into a buffer of the call's own) and their grouped scales (``scale_rows_to_grouped_at_kernel``:
+        every one of ``shape.scale_rows`` rows written)."""
         from ..kernels.pull import pull_rows_at_kernel
 
         e = self.e
@@ -211,6 +212,8 @@ class PullPath(EnginePath):
         copy_in(table, _W, self.w_in[:T])
         store = e.plan_store(idx)
         po = self._middle(e.counts_mat, idx, store=store)
+        if e.device.type == "cuda":  # final here (the waits are the middle's): the host sync returns at its landing
+            e.status_words.enqueue_copy()
         copy_out(store, table, _PLAN)
         plan = po.plan
         row_words = H // 8 if e.mx else H // 4
@@ -224,8 +227,6 @@ class PullPath(EnginePath):
         )
         if e.mx:
             e.grouped_scales_at(srows, table, _SCALES, plan, shape.scale_rows)
-        if e.device.type == "cuda":
-            e.status_words.enqueue_copy()
         return CallOutputs(middle=po, buffers=(idx, srows))
 
     def _dispatch_call(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchRows:
@@ -233,7 +234,8 @@ class PullPath(EnginePath):
         the GPU the whole of :meth:`_call_body` replayed from a :class:`CallGraph` captured per token count and id
         dtype (at a key's second call), with fresh output tensors whose addresses go in the graph's table; eager
         elsewhere and at a key's first two calls. Then the call's one host sync (the output size, the id check and
-        the peers' refusals) and views: the output's storage holds ``R_max`` rows (the most the ranks' tokens can
+        the peers' refusals: it waits for the status words' copy, which comes before the rows' kernels, so the call
+        returns while they run) and views: the output's storage holds ``R_max`` rows (the most the ranks' tokens can
         bring), its first ``R`` rows the output; the scales likewise."""
         e = self.e
         T, H = x.shape
