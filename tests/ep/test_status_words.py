@@ -117,17 +117,21 @@ def test_landed_words_waits_for_the_copy_not_for_the_work():
             host[:] = [0, 0, 96, 0, 128]
         return False
 
-    assert landed_words(host, done) == [0, 0, 96, 0, 128]
+    assert landed_words(host, done, reads_per_ask=1) == [0, 0, 96, 0, 128]
     assert len(reads) == 3 and all(NOT_LANDED in r for r in reads)
     host[:4] = 7  # a copy landing word by word: not done while one word is left
     host[4] = NOT_LANDED
     reads.clear()
-    assert landed_words(host, done) == [0, 0, 96, 0, 128]
+    assert landed_words(host, done, reads_per_ask=1) == [0, 0, 96, 0, 128]
     assert len(reads) == 3
     assert landed_words(host, lambda: pytest.fail("asked although landed")) == [0, 0, 96, 0, 128]
     host[2] = NOT_LANDED
     with pytest.raises(RuntimeError, match="not in the work"):
-        landed_words(host, lambda: True)
+        landed_words(host, lambda: True, reads_per_ask=1)
+    asks = []
+    with pytest.raises(RuntimeError, match="not in the work"):  # asked once every 64 reads by default
+        landed_words(host, lambda: asks.append(1) or len(asks) == 2)
+    assert len(asks) == 2
 
 
 def test_arm_waits_for_an_unread_copy_then_marks_every_word():

@@ -35,16 +35,20 @@ from ..ids import check_expert_ids
 NOT_LANDED = int(np.iinfo(np.int64).min)
 
 
-def landed_words(host: np.ndarray, done: Callable[[], bool]) -> list:
-    """The words of ``host`` (int64, a copy's destination in pinned memory) once the copy has landed: spins until no
-    word is :data:`NOT_LANDED`, asking ``done`` (an event's query: the work that ends with the copy is complete)
-    between reads, so the wait ends when the copy does, and at the latest when that work does. Raises RuntimeError
-    if the work is complete and a word is still :data:`NOT_LANDED` (the copy was not in it)."""
+def landed_words(host: np.ndarray, done: Callable[[], bool], reads_per_ask: int = 64) -> list:
+    """The words of ``host`` (int64, a copy's destination in pinned memory) once the copy has landed: spins on host
+    memory until no word is :data:`NOT_LANDED`, asking ``done`` (an event's query: the work that holds the copy is
+    complete) once every ``reads_per_ask`` reads (a query enters the driver, a read does not: several ranks'
+    processes querying in a tight loop slowed each other's launches), so the wait ends when the copy lands, and at
+    the latest when that work is done. Raises RuntimeError if the work is done and a word is still
+    :data:`NOT_LANDED` (the copy was not in it)."""
+    reads = 0
     while True:
         words = host.tolist()
         if NOT_LANDED not in words:
             return words
-        if done():
+        reads += 1
+        if reads % reads_per_ask == 0 and done():
             words = host.tolist()
             if NOT_LANDED in words:
                 raise RuntimeError("the status words' copy was not in the work the host waited for")
