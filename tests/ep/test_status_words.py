@@ -3,7 +3,7 @@ an exact-size dispatch and, without a sync, one call later; on CPU (the copies a
 import pytest
 import torch
 
-from mxcomm.ep.nvshmem.status_words import StatusWords, SyncedSizes
+from mxcomm.ep.nvshmem.status_words import HostWords, StatusWords, SyncedSizes
 from mxcomm.transport import PeerTimeout
 from mxcomm.transport.errors import TIMEOUT_CODE, error_word
 
@@ -90,7 +90,7 @@ def test_status_copy_of_a_middle_is_read_only_by_its_own_sync():
     sw = _words()
     sw.words.copy_(torch.tensor([0, 0, 96, 0, 0]))
     stale = torch.tensor([0, 0, 32, 0, 0])
-    sw._host = (stale, stale.numpy(), None)
+    sw._host = HostWords(tensor=stale, values=stale.numpy(), event=None)
     sw.note_copy_enqueued(Done())
     assert sw.read(started=False) == [0, 0, 96, 0, 0]  # not the dispatch's sync: fresh words
     assert sw.read(started=True) == [0, 0, 96, 0, 0]  # the copy was dropped by the read before
@@ -152,7 +152,7 @@ def test_arm_waits_for_an_unread_copy_then_marks_every_word():
 
     sw = _words()
     host = torch.tensor([0, 0, 32, 0, 0])
-    sw._host = (host, host.numpy(), None)
+    sw._host = HostWords(tensor=host, values=host.numpy(), event=None)
     ev = Event()
     sw.note_copy_enqueued(ev)
     assert sw.read(started=False) == [0, 0, 0, 0, 0]  # an error path's fresh read: the copy stays unread

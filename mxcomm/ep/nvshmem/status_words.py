@@ -13,7 +13,7 @@ An exact-size dispatch reads them at its ONE host sync (:meth:`StatusWords.check
 memory enqueued right after its middle (:meth:`StatusWords.start_read`), so the host's work before the sync overlaps
 the transfer. The host waits for that copy itself, not for the stream: before the copy is enqueued every host word is
 set to :data:`NOT_LANDED` (a value no word takes), and the sync spins until none is left (:func:`landed_words`), so a
-call whose copy comes before its last kernels (the one-rank dispatch as one call) returns while those still run.
+call whose copy comes before its last kernels (a dispatch run as one call) returns while those still run.
 Calls that do not sync (combine, the backward passes, every call in the no-sync mode) start a non-blocking copy of
 the error words and raise what an EARLIER call recorded once its copy has landed (:meth:`StatusWords.check_async`).
 """
@@ -56,6 +56,23 @@ def landed_words(host: np.ndarray, done: Callable[[], bool], reads_per_ask: int 
 
 
 @dataclass(frozen=True)
+class HostWords:
+    """The pinned host copy of the status words an exact-size dispatch's sync reads: ``tensor`` int64 ``[5]`` (pinned,
+    the copy's destination), ``values`` its numpy view (read without a torch op), ``event`` one the backend records
+    after a copy that no replayed graph's event covers (:meth:`StatusWords.note_copy_enqueued`)."""
+
+    tensor: torch.Tensor
+    values: np.ndarray
+    event: Optional[torch.cuda.Event]
+
+    @staticmethod
+    def pinned(n: int) -> HostWords:
+        """``n`` pinned words and a fresh event (made once per backend: pinned allocations cost milliseconds)."""
+        tensor = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        return HostWords(tensor=tensor, values=tensor.numpy(), event=torch.cuda.Event())
+
+
+@dataclass(frozen=True)
 class SyncedSizes:
     """What an exact-size dispatch learns at its one host sync: ``rows`` its output's row count (word 2) and ``most``
     the most rows any rank receives (word 4: the push and put paths' rounds; those paths write it right before their
@@ -88,7 +105,7 @@ class StatusWords:
         self.rows, self.refused, self.most = self.words[2:3], self.words[3:4], self.words[4:5]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
         self._pinned = None
-        self._host = None  # (pinned host copy of the words, its numpy view, event): made once, for the exact-size sync
+        self._host = None  # HostWords: made at the first copy, for the exact-size sync
         self._started = False  # a copy of the words was enqueued for a dispatch's own sync
         self._landing = None  # the event after which the last copy enqueued has landed (None: it was read)
 
@@ -122,34 +139,31 @@ class StatusWords:
         """The copy of :meth:`start_read` alone (CUDA, exact sizes), also inside a capture: a captured call
         (:class:`~mxcomm.ep.nvshmem.call_graph.CallGraph`) holds it, and :meth:`arm` before each of its runs and
         :meth:`note_copy_enqueued` after let :meth:`check` read it."""
-        host, _, _ = self._host_words()
-        host.copy_(self.words, non_blocking=True)
+        self._host_words().tensor.copy_(self.words, non_blocking=True)
 
     def arm(self) -> None:
         """Before a copy of the words is enqueued or replayed (CUDA, outside a capture): set every host word to
         :data:`NOT_LANDED`, after waiting for a copy enqueued earlier and never read (a call that raised before its
         sync), which would otherwise land on top."""
-        _, values, _ = self._host_words()
+        host = self._host_words()
         if self._landing is not None:
             self._landing.synchronize()
-        values.fill(NOT_LANDED)
+        host.values.fill(NOT_LANDED)
 
     def note_copy_enqueued(self, done: Optional[torch.cuda.Event] = None) -> None:
         """The copy of the words into pinned memory is on the current stream (:meth:`enqueue_copy`, or a replay that
         holds it): ``done``, an event the caller recorded after it (a replayed graph's), else one recorded here, is
         what :meth:`read` asks while it waits."""
         if done is None:
-            done = self._host_words()[2]
+            done = self._host_words().event
             done.record(current_stream(self.device.index))
         self._landing = done
         self._started = True
 
-    def _host_words(self) -> tuple:
-        """(pinned host copy of the words, its numpy view, event): made once (pinned allocations cost
-        milliseconds)."""
+    def _host_words(self) -> HostWords:
+        """The pinned host copy of the words (made once)."""
         if self._host is None:
-            host = torch.empty(len(self.words), dtype=torch.int64, pin_memory=True)
-            self._host = (host, host.numpy(), torch.cuda.Event())
+            self._host = HostWords.pinned(len(self.words))
         return self._host
 
     def read(self, started: bool) -> list:
@@ -160,7 +174,7 @@ class StatusWords:
         self._started = False
         if not use:
             return self.words.tolist()
-        words = landed_words(self._host[1], self._landing.query)
+        words = landed_words(self._host.values, self._landing.query)
         self._landing = None
         return words
 
@@ -213,4 +227,4 @@ class StatusWords:
         tp.raise_error_words(words[:1], what=what, rank=self.rank)
 
 
-__all__ = ["StatusWords", "SyncedSizes", "NOT_LANDED", "landed_words"]
+__all__ = ["StatusWords", "SyncedSizes", "HostWords", "NOT_LANDED", "landed_words"]
