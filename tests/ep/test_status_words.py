@@ -164,3 +164,28 @@ def test_arm_waits_for_an_unread_copy_then_marks_every_word():
     assert sw.read(started=True) == [0, 0, 64, 0, 0]
     sw.arm()
     assert ev2.waits == 0 and host.tolist() == [NOT_LANDED] * 5
+
+
+def test_a_one_call_dispatch_sync_reads_the_copy_it_armed():
+    """The sequence of an exact-size dispatch run as one call (``NvshmemBackend.run_call``), with a plain host tensor
+    for the pinned words (no CUDA here): arm (every host word NOT_LANDED), the body's copy, the replay's event noted,
+    then the call's sync returns the words the copy brought, and the next arm marks them again."""
+    from mxcomm.ep.nvshmem.status_words import NOT_LANDED
+
+    class Done:
+        def query(self):
+            return True
+
+        def synchronize(self):
+            raise AssertionError("a read copy is not waited for")
+
+    sw = _words()
+    host = torch.zeros(5, dtype=torch.int64)
+    sw._host = HostWords(tensor=host, values=host.numpy(), event=None)
+    for rows in (96, 160):
+        sw.arm()
+        assert host.tolist() == [NOT_LANDED] * 5
+        sw.rows.fill_(rows)
+        sw.enqueue_copy()
+        sw.note_copy_enqueued(Done())
+        assert sw.check("dispatch", started=True) == SyncedSizes(rows=rows, most=0)
