@@ -168,8 +168,9 @@ def test_arm_waits_for_an_unread_copy_then_marks_every_word():
 
 def test_a_one_call_dispatch_sync_reads_the_copy_it_armed():
     """The sequence of an exact-size dispatch run as one call (``NvshmemBackend.run_call``), with a plain host tensor
-    for the pinned words (no CUDA here): arm (every host word NOT_LANDED), the body's copy, the replay's event noted,
-    then the call's sync returns the words the copy brought, and the next arm marks them again."""
+    for the pinned words (no CUDA here; the test lands the copy itself): arm (every host word NOT_LANDED), the body's
+    copy, the replay's event noted, then the call's sync returns the words the copy brought, and the next arm marks
+    them again."""
     from mxcomm.ep.nvshmem.status_words import NOT_LANDED
 
     class Done:
@@ -186,6 +187,8 @@ def test_a_one_call_dispatch_sync_reads_the_copy_it_armed():
         sw.arm()
         assert host.tolist() == [NOT_LANDED] * 5
         sw.rows.fill_(rows)
-        sw.enqueue_copy()
+        sw.enqueue_copy()  # off CUDA it enqueues nothing: the marks stay until the copy lands
+        assert host.tolist() == [NOT_LANDED] * 5
+        host.copy_(sw.words)  # the device's copy landing
         sw.note_copy_enqueued(Done())
         assert sw.check("dispatch", started=True) == SyncedSizes(rows=rows, most=0)

@@ -154,11 +154,6 @@ class OutputCopier:
                 self._main.untyped_storage())
         return self.main_bytes
 
-    def views(self, main: torch.Tensor, aux: torch.Tensor) -> dict:
-        """name -> its output as a view of ``main`` (uint8, laid out as the main storage: a copy of it) or of
-        ``aux`` (int32, as :meth:`fill` lays it out)."""
-        return OutputsCopy(self, main, aux).views()
-
 
 @dataclass(frozen=True, eq=False)
 class OutputsCopy:

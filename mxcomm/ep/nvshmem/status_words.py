@@ -29,7 +29,6 @@ from ... import transport as tp
 from ...kernels.launch import current_stream
 from ..ids import check_expert_ids
 
-
 #: what the host copy of every word holds from :meth:`StatusWords.arm` until the device's copy lands (int64 min: no word
 #: takes it - error words are codes with a peer, the others counts and ranks)
 NOT_LANDED = int(np.iinfo(np.int64).min)
@@ -57,9 +56,9 @@ def landed_words(host: np.ndarray, done: Callable[[], bool], reads_per_ask: int 
 
 @dataclass(frozen=True)
 class HostWords:
-    """The pinned host copy of the status words an exact-size dispatch's sync reads: ``tensor`` int64 ``[5]`` (pinned,
-    the copy's destination), ``values`` its numpy view (read without a torch op), ``event`` one the backend records
-    after a copy that no replayed graph's event covers (:meth:`StatusWords.note_copy_enqueued`)."""
+    """A pinned host copy of status words (the exact-size sync's five, the no-sync check's two error words):
+    ``tensor`` int64 (pinned, the copy's destination), ``values`` its numpy view (read without a torch op),
+    ``event`` one the backend records after a copy that no replayed graph's event covers."""
 
     tensor: torch.Tensor
     values: np.ndarray
@@ -104,7 +103,7 @@ class StatusWords:
         self.err, self.input_err = self.words[0:1], self.words[1:2]
         self.rows, self.refused, self.most = self.words[2:3], self.words[3:4], self.words[4:5]
         self._pending = None  # (pinned host error words, event, what) of the no-sync mode
-        self._pinned = None
+        self._pinned = None  # HostWords of the error words (no-sync mode)
         self._host = None  # HostWords: made at the first copy, for the exact-size sync
         self._started = False  # a copy of the words was enqueued for a dispatch's own sync
         self._landing = None  # the event after which the last copy enqueued has landed (None: it was read)
@@ -138,8 +137,10 @@ class StatusWords:
     def enqueue_copy(self) -> None:
         """The copy of :meth:`start_read` alone (CUDA, exact sizes), also inside a capture: a captured call
         (:class:`~mxcomm.ep.nvshmem.call_graph.CallGraph`) holds it, and :meth:`arm` before each of its runs and
-        :meth:`note_copy_enqueued` after let :meth:`check` read it."""
-        self._host_words().tensor.copy_(self.words, non_blocking=True)
+        :meth:`note_copy_enqueued` after let :meth:`check` read it. No-op off CUDA (interpreter runs read the words
+        themselves)."""
+        if self.device.type == "cuda":
+            self._host_words().tensor.copy_(self.words, non_blocking=True)
 
     def arm(self) -> None:
         """Before a copy of the words is enqueued or replayed (CUDA, outside a capture): set every host word to
@@ -193,8 +194,8 @@ class StatusWords:
             return
         if self._pending is None:
             if self._pinned is None:  # made once: pinned allocations cost milliseconds, events microseconds
-                self._pinned = (torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-            host, ev = self._pinned
+                self._pinned = HostWords.pinned(2)
+            host, ev = self._pinned.tensor, self._pinned.event
             host.copy_(self.err_words, non_blocking=True)
             ev.record(current_stream(self.device.index))
             self._pending = (host, ev, what)

@@ -100,8 +100,7 @@ class LocalPath(EnginePath):
         copy_in(table, _IDS, idx)
         store = e.plan_store(idx)
         po = self._middle(e.counts_mat, idx, store=store)
-        if e.device.type == "cuda":  # final here (nothing after waits or fails): the host sync returns at its landing
-            e.status_words.enqueue_copy()
+        e.status_words.enqueue_copy()  # final here (nothing after waits or fails): the host sync returns at its landing
         copy_out(store, table, _PLAN)
         plan = po.plan
         fast_kernel(local_rows_at_kernel)[(e.output_programs(T),)](

@@ -212,8 +212,7 @@ class PullPath(EnginePath):
         copy_in(table, _W, self.w_in[:T])
         store = e.plan_store(idx)
         po = self._middle(e.counts_mat, idx, store=store)
-        if e.device.type == "cuda":  # final here (the waits are the middle's): the host sync returns at its landing
-            e.status_words.enqueue_copy()
+        e.status_words.enqueue_copy()  # final here (the waits are the middle's): the host sync returns at its landing
         copy_out(store, table, _PLAN)
         plan = po.plan
         row_words = H // 8 if e.mx else H // 4
