@@ -33,6 +33,7 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
     from ..ep.config import EPConfig
     from ..ep.plan import (buffer_regions, buffer_sizes, call_output_rows, dispatch_path, max_recv_rows,
                            put_round_tokens, recv_window_rows)
+    from ..ep import LaunchConfig
     from ..mx import grouped_m_rows, round_up
     from ..transport import launcher_env, symmetric_size_for
 
@@ -55,6 +56,8 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
                        if precision == "mxfp8" else 0)
         rounds.update(call_output_rows=call_rows,
                       call_output_bytes=call_rows * hidden * (1 if precision == "mxfp8" else 2) + scale_bytes)
+    elif path == "pull" and (cfg.launch or LaunchConfig()).peer_guess_pct:  # one call, its output sized per call
+        rounds.update(call_output_margin_pct=(cfg.launch or LaunchConfig()).peer_guess_pct)
     return dict(
         precision=precision, world=world, tokens=tokens, hidden=hidden, topk=topk, experts=experts, align=align,
         path=path, max_recv_rows=R, **rounds,
@@ -186,6 +189,10 @@ def format_info(d: dict) -> str:
             out.append(f"  {b['path']} path: an exact-size dispatch of {b['tokens']:,} tokens runs as one captured "
                        f"call; each call's output (not symmetric memory) is a view of {b['call_output_rows']:,} rows, "
                        f"{_mib(b['call_output_bytes'])} with its scales, whatever the routing")
+        if "call_output_margin_pct" in b:
+            out.append(f"  {b['path']} path: an exact-size dispatch runs as one captured call (from the second call of "
+                       f"a token count); each call's output (not symmetric memory) is a view of the rows the last call "
+                       f"of its token count brought plus {b['call_output_margin_pct']} %")
         for r in b["regions"]:
             out.append(f"  {r['name']:<12} {str(tuple(r['shape'])):<28} {r['dtype']:<6} {_mib(r['bytes']):>14}")
         out.append("  by purpose: " + ", ".join(f"{k} {_mib(v)}" for k, v in b["by_purpose"].items()))

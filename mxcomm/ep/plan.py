@@ -232,7 +232,8 @@ def call_output_rows(config: EPConfig, world_size: int, tokens: int,
                      launch: LaunchConfig | None = None) -> int | None:
     """Rows of the storage an exact-size ``nvshmem`` dispatch of ``tokens`` tokens (> 0, the Triton plan) returns
     its output in when it runs as one captured call - the output its first ``R`` rows, its grouped scales likewise
-    sized for these rows - or None when it does not (the output is then allocated at exactly ``R`` rows). On one
+    sized for these rows - when that storage is fixed, or None (the output is allocated at exactly ``R`` rows, or,
+    on the pull path above ``LaunchConfig.peer_call_tokens``, sized from the calls before: ``peer_guess_pct``). On one
     rank (the local path) up to ``LaunchConfig.call_graph_tokens`` tokens: the most rows the call's tokens can fill,
     ``T min(k, E) + E (align - 1)`` rounded up to ``align``; on the pull path when ``world_size *
     max_tokens_per_rank <= LaunchConfig.peer_call_tokens``: the worst case, :func:`max_recv_rows`. ``launch``: the

@@ -5,15 +5,17 @@ import time
 import torch
 
 
-def rank_inputs(W: int, T, E: int, k: int, H: int, seed: int):
+def rank_inputs(W: int, T, E: int, k: int, H: int, seed: int, hot=None):
     """Every rank's ``(x, topk_idx, topk_weights)`` for ``T[r]`` tokens: bf16 ``[T, H]``, distinct experts per token
-    with about 15 % of the slots dropped (-1), fp32 weights in ``[0, 1)``. Returns three lists, by rank."""
+    (``hot``: among the first ``hot`` experts only, ``hot >= k``) with about 15 % of the slots dropped (-1), fp32
+    weights in ``[0, 1)``. Returns three lists, by rank."""
     g = torch.Generator().manual_seed(seed)
     xs, idxs, ws = [], [], []
     for r in range(W):
         t = T[r]
         x = (torch.randn(t, H, generator=g) * 3).to(torch.bfloat16)
-        idx = torch.argsort(torch.rand(t, E, generator=g), dim=1)[:, :k] if t else torch.zeros(0, k, dtype=torch.int64)
+        idx = (torch.argsort(torch.rand(t, hot or E, generator=g), dim=1)[:, :k] if t
+               else torch.zeros(0, k, dtype=torch.int64))
         if t:
             idx[torch.rand(t, k, generator=g) < 0.15] = -1
         xs.append(x)

@@ -170,18 +170,25 @@ def test_pull_list_reads_each_token_once_per_rank(W, E, k, mx):
                                copy_bytes // 8,
                                ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
                                C_POW2=triton.next_power_of_2(C), K=k, K_POW2=triton.next_power_of_2(k), EW=EW, MX=mx)
-        # the same inside a captured call: the output and the table (with its weights, one allocation) at the
-        # addresses of an int64 table; the same bytes everywhere
-        out_at, recv_s_at = out0.clone(), recv_s0.clone()
-        pair = torch.full((2, W * T_max, k), 77, dtype=torch.int32)
-        addr = torch.tensor([0, 0, 0, out_at.data_ptr(), 0, 0, pair.data_ptr()], dtype=torch.int64)
-        pull_rows_at_kernel[(2,)](addr, 3, 6, recv_s_at, p.offs, p.expert_counts, p.num_rows, E // W, R,
-                                  ptrs(send_q), ptrs(send_s), lists[d], ep, T_max, W, copy_bytes // 8,
-                                  ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
-                                  C_POW2=triton.next_power_of_2(C), K=k, K_POW2=triton.next_power_of_2(k), EW=EW,
-                                  MX=mx)
-        assert torch.equal(out_at, out) and torch.equal(recv_s_at, recv_s)
-        assert torch.equal(pair[0], table) and torch.equal(pair[1], wtab.view(torch.int32))
+        # the same inside a captured call: the output, the table (with its weights, one allocation) and the scale
+        # rows at the addresses of an int64 table, the output's rows a value there; the same bytes everywhere. With
+        # fewer rows than the plan's n_rows (the output a call guessed too small), nothing at all is written.
+        for cap in (R, n_rows - 1):
+            out_at, recv_s_at = out0.clone(), recv_s0.clone()
+            pair = torch.full((2, W * T_max, k), 77, dtype=torch.int32)
+            pair0 = pair.clone()
+            addr = torch.tensor([0, 0, 0, out_at.data_ptr(), 0, 0, pair.data_ptr(), recv_s_at.data_ptr(), cap],
+                                dtype=torch.int64)
+            pull_rows_at_kernel[(2,)](addr, 3, 6, 7, 8, p.offs, p.expert_counts, p.num_rows, E // W,
+                                      ptrs(send_q), ptrs(send_s), lists[d], ep, T_max, W, copy_bytes // 8,
+                                      ROW_WORDS=words, CHUNK=triton.next_power_of_2(words), C=C,
+                                      C_POW2=triton.next_power_of_2(C), K=k, K_POW2=triton.next_power_of_2(k), EW=EW,
+                                      MX=mx)
+            if cap >= n_rows:
+                assert torch.equal(out_at, out) and torch.equal(recv_s_at, recv_s)
+                assert torch.equal(pair[0], table) and torch.equal(pair[1], wtab.view(torch.int32))
+            else:
+                assert torch.equal(out_at, out0) and torch.equal(recv_s_at, recv_s0) and torch.equal(pair, pair0)
         want = torch.zeros(R, H * B, dtype=torch.uint8)
         want[n_rows:] = out0[n_rows:]  # the tail is left as it was
         want_table = torch.full((W * T_max, k), -1, dtype=torch.int32)
@@ -520,6 +527,7 @@ def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_
     ``word``: the 4-byte-column variant (what the backend runs when ``C % 4 == 0``)."""
     import triton
     from mxcomm.ep.nvshmem.kernels import scale_rows_to_grouped_kernel
+    from mxcomm.ep.nvshmem.kernels.layout import scale_rows_to_grouped_at_kernel
     from mxcomm.mx import grouped_m_rows, round_up, to_grouped_m
 
     g = torch.Generator().manual_seed(El * 1000 + C)
@@ -553,6 +561,18 @@ def test_scale_rows_to_grouped_kernel_matches_to_grouped_m(El, C, align, n_rows_
         assert not out[in_groups:].any()  # every byte written: zeros past the groups
     else:
         assert (out[in_groups:] == 0xAB).all()  # tile-rows past the groups: not written
+    # inside a captured call (scale_rows_to_grouped_at_kernel): the rows, the matrix and the output's rows (its
+    # capacity) at a table's addresses, the grid sized for R rows: the same bytes in the capacity's grouped_m_rows
+    # rows, nothing past them, and nothing at all when the plan's n_rows exceeds the capacity
+    for cap in (R, n_rows, n_rows - 1):
+        out_at = torch.full_like(out, 0xAB)
+        src, dst = (rows.view(torch.int32), out_at.view(torch.int32)) if word else (rows, out_at)
+        addr = torch.tensor([src.data_ptr(), dst.data_ptr(), cap], dtype=torch.int64)
+        scale_rows_to_grouped_at_kernel[(out_rows // 128, triton.cdiv(ncols, cb))](
+            addr, 0, 1, 2, offs, torch.tensor([n_rows], dtype=torch.int32), n.to(torch.int32), El, cp // 4, C=C,
+            CB=cb, G_POW2=triton.next_power_of_2(El), WORD=word, TAIL=tail)
+        held = grouped_m_rows(cap, El) if cap >= n_rows else 0
+        assert torch.equal(out_at[:held], out[:held]) and (out_at[held:] == 0xAB).all(), (cap, held)
 
 
 def _loopback_backend(cfg, launch=None):
@@ -1283,14 +1303,14 @@ def test_qdq_chunk_wastes_least(H):
                                           ("dispatch_warps", 64), ("qdq_chunk", 1000), ("reduce_mx_chunk", 16),
                                           ("partials_chunk", 48), ("reduce_warps", 2.0), ("push_per_sm", True),
                                           ("wait_warps", 0), ("wait_warps", 3), ("reduce_call_tokens", -1),
-                                          ("call_graph_tokens", 1.0)])
+                                          ("call_graph_tokens", 1.0), ("peer_guess_pct", -1)])
 def test_launch_config_refuses_settings_no_launch_can_take(field, value):
     """A zero rows-a-step would leave the partial sums' loop without progress (a kernel that never ends): every
     setting is checked when the config is made, with the field named."""
     with pytest.raises(ValueError, match=f"LaunchConfig.{field} "):
         LaunchConfig(**{field: value})
     LaunchConfig(partials_rows=1, dispatch_warps=32, qdq_chunk=32)  # the edges that are allowed
-    LaunchConfig(call_graph_tokens=0, peer_call_tokens=0, reduce_call_tokens=0)  # (0: never as one call)
+    LaunchConfig(call_graph_tokens=0, peer_call_tokens=0, reduce_call_tokens=0, peer_guess_pct=0)  # (0: never)
 
 
 def test_put_path_launches_its_puts_within_the_sm_budget():

@@ -52,12 +52,14 @@ def test_nvshmem_soak_1000_iterations_no_corruption_no_memory_growth():
     _assert_clean(run_world(1, nvshmem_soak_worker, 1000, env=ENV, timeout=900))
 
 
-@pytest.mark.parametrize("world,transport", [(1, "auto"), (2, "auto"), (2, "staged"), (2, "push")])
+@pytest.mark.parametrize("world,transport", [(1, "auto"), (2, "auto"), (2, "guessed"), (2, "staged"), (2, "push")])
 def test_nvshmem_replayed_dispatches_and_old_handles_stay_exact(world, transport):
     """Dispatches replayed from a captured graph (one token count: the whole call on one rank and on the pull path;
-    ``staged``: the pull path with ``peer_call_tokens=0``, its middle captured alone, as the push path's) are exact,
-    a bad id on a replay raises, and handles of earlier dispatches still combine exactly after later replays (their
-    plans are the caller's copies)."""
+    ``guessed``: the pull path above ``peer_call_tokens``, its output sized from the call before, so the routing
+    that sends every token to one expert overflows it and is gathered after the sync; ``staged``: the pull path
+    with ``peer_guess_pct=0`` too, its middle captured alone, as the push path's) are exact, a bad id on a replay
+    raises, and handles of earlier dispatches still combine exactly after later replays (their plans are the
+    caller's copies)."""
     _assert_clean(run_world(world, nvshmem_replay_worker, transport, env=ENV, timeout=600))
 
 

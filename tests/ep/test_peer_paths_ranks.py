@@ -50,10 +50,11 @@ def _backend(rank, world, path, base, cfg):
     return be
 
 
-def _paths_worker(rank, world, path, base, cfg, rounds, seed):
+def _paths_worker(rank, world, path, base, cfg, rounds, seed, hot_rounds=()):
     """One round per entry of ``rounds`` (every rank's token count) of dispatch, combine (the dispatch's weights:
     nothing exchanged; other weights: exchanged), both backward passes on this rank, checked against the oracle and
-    the spec. Returns "ok" (a failed check raises)."""
+    the spec; in the rounds of ``hot_rounds`` every rank routes to rank 0's experts only. Returns ("ok", the
+    pull path's exact-size dispatches that brought more rows than their output held) (a failed check raises)."""
     from combine_spec import assert_bf16_same, combine as spec_combine, route_grad
     from mxcomm.ep.handle import with_weights
     from mxcomm.ep.plan import FLAG_ROWS
@@ -63,8 +64,9 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
     be = _backend(rank, world, path, base, cfg)
     E, k, H, mx, exact = cfg.num_experts, cfg.topk, cfg.hidden, cfg.precision == "mxfp8", cfg.exact_sizes
     wrow = FLAG_ROWS.index("weights")
+    seen, overflows = {}, 0  # the pull path's output rows by token count; calls that brought more than it held
     for it, T in enumerate(rounds):  # buffers, epochs, copies and flags reused
-        xs, idxs, ws = rank_inputs(world, T, E, k, H, seed + it)
+        xs, idxs, ws = rank_inputs(world, T, E, k, H, seed + it, hot=be.El if it in hot_rounds else None)
         wants, routes = oracle_dispatch(cfg, xs, idxs)
         g = torch.Generator().manual_seed(seed + 100 + it)
         gys = [torch.randn(T[r], H, generator=g).to(torch.bfloat16) for r in range(world)]
@@ -83,17 +85,29 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
             d, h = be.dispatch(xs[rank], idxs[rank], ws[rank])
         # an exact-size dispatch syncs with the host once, on every path (the no-sync check starts a copy instead)
         assert reads["sync"] == (1 if exact else 0), (tag, reads)
-        if cfg.transport == "pull" and T[rank]:  # the pull path's exact-size dispatch as one call where it is small
-            one_call = exact and world * cfg.max_tokens_per_rank <= be.launch.peer_call_tokens
-            assert ((T[rank], idxs[rank].dtype) in be._call_shapes) == one_call, tag
-            if one_call:  # the output is a view of storage sized for the worst case, R_max rows (its scales too)
-                from mxcomm.mx import grouped_m_rows, round_up
+        if cfg.transport == "pull" and T[rank] and exact:
+            # the pull path's exact-size dispatch as one call: its output a view of storage sized for the worst case
+            # (R_max rows) where that is small, else for the rows of the last call of the same token count plus
+            # peer_guess_pct percent (the first call, and one that brings more, gathered after the sync into an
+            # output of its own size, R rows); its scales likewise
+            from mxcomm.mx import grouped_m_rows, round_up
 
-                rows = d.x.qdata if mx else d.x
-                assert rows.untyped_storage().nbytes() == be.R_max * H * (1 if mx else 2), tag
-                if mx:
-                    want = grouped_m_rows(be.R_max, be.El) * round_up(H // 32, 4)
-                    assert d.x.scales.untyped_storage().nbytes() == want, tag
+            n = int(wants[rank].offs[-1])
+            last, pct = seen.get(T[rank]), be.launch.peer_guess_pct
+            if world * cfg.max_tokens_per_rank <= be.launch.peer_call_tokens:
+                held = be.R_max
+            elif last is not None and pct:
+                held = min(be.R_max, round_up(last + -(-last * pct // 100), cfg.align))
+                if n > held:  # more rows than the output held: gathered after the sync into one of n rows
+                    overflows, held = overflows + 1, n
+            else:
+                held = n
+            seen[T[rank]] = n
+            rows = d.x.qdata if mx else d.x
+            assert rows.untyped_storage().nbytes() == held * H * (1 if mx else 2), (tag, n, held)
+            if mx:
+                want = grouped_m_rows(held, be.El) * round_up(H // 32, 4)
+                assert d.x.scales.untyped_storage().nbytes() == want, tag
         if cfg.transport == "push":  # a handshake between the rounds that carry rows, none after them (no-sync mode)
             need = max(1, -(-max(int(w.offs[-1]) for w in wants) // be.impl.window))
             assert int(be.impl._window_epoch) - epoch0 == need - 1, (tag, need, int(be.impl._window_epoch) - epoch0)
@@ -141,7 +155,7 @@ def _paths_worker(rank, world, path, base, cfg, rounds, seed):
     assert int(be.err[0]) == 0
     if cfg.recv_window_rows is not None:  # the dispatches went in rounds: handshakes between them
         assert int(be.impl._window_epoch) > 0
-    return "ok"
+    return "ok", overflows
 
 
 def _fault_worker(rank, world, path, base, cfg, T, seed):
@@ -251,7 +265,7 @@ def test_peer_paths_several_ranks_match_spec(tmp_path, W, E, k, H, T, precision,
                    backend="nvshmem", num_sms=1, timeout_s=60.0, transport=transport, exact_sizes=exact,
                    recv_window_rows=window)
     out = _run_mapped(tmp_path, W, _paths_worker, cfg, [T, T], 31 * W + E, timeout=600)
-    assert out == ["ok"] * W
+    assert out == [("ok", 0)] * W
 
 
 @pytest.mark.parametrize("precision,k,T", [("mxfp8", 2, (9, 6)), ("bf16", 3, (7, 8))])
@@ -263,9 +277,26 @@ def test_pull_path_staged_dispatch_matches_spec(tmp_path, precision, k, T):
 
     cfg = EPConfig(num_experts=4, hidden=64, topk=k, max_tokens_per_rank=max(T), precision=precision,
                    backend="nvshmem", num_sms=1, timeout_s=60.0, transport="pull", exact_sizes=True,
-                   launch=LaunchConfig(peer_call_tokens=0))
+                   launch=LaunchConfig(peer_call_tokens=0, peer_guess_pct=0))
     out = _run_mapped(tmp_path, 2, _paths_worker, cfg, [T, T], 57, timeout=600)
-    assert out == ["ok"] * 2
+    assert out == [("ok", 0)] * 2
+
+
+def test_pull_path_output_sized_from_the_call_before(tmp_path):
+    """The pull path's exact-size dispatch above ``LaunchConfig.peer_call_tokens``: the first call of a token count
+    staged (gathered after the sync, output of its own size), the next ones as one call into an output holding the
+    rows of the call before plus ``peer_guess_pct`` percent; when every rank routes to rank 0's experts, rank 0's
+    rows overflow that output and are gathered after the sync instead, and the call after it fits again. Each call
+    checked as the matrix above checks it (the worker asserts every output's storage)."""
+    from mxcomm.ep import EPConfig
+    from mxcomm.ep.nvshmem.launch_config import LaunchConfig
+
+    T = (40, 37)
+    cfg = EPConfig(num_experts=8, hidden=64, topk=3, max_tokens_per_rank=max(T), precision="mxfp8",
+                   backend="nvshmem", num_sms=1, timeout_s=60.0, transport="pull", exact_sizes=True,
+                   launch=LaunchConfig(peer_call_tokens=0))
+    out = _run_mapped(tmp_path, 2, _paths_worker, cfg, [T, T, T], 91, (1,), timeout=600)
+    assert out == [("ok", 1), ("ok", 1)], out  # rank 0 in the hot round, rank 1 (which it left empty) after it
 
 
 def test_pull_path_token_counts_vary_from_call_to_call(tmp_path):
@@ -282,7 +313,7 @@ def test_pull_path_token_counts_vary_from_call_to_call(tmp_path):
     cfg = EPConfig(num_experts=6, hidden=64, topk=3, max_tokens_per_rank=T_max, precision="mxfp8", backend="nvshmem",
                    num_sms=1, timeout_s=60.0, transport="pull", exact_sizes=True)
     out = _run_mapped(tmp_path, W, _paths_worker, cfg, rounds, 77, timeout=600)
-    assert out == ["ok"] * W
+    assert [o[0] for o in out] == ["ok"] * W
 
 
 def test_combine_weights_decided_unlike_fails_on_every_rank(tmp_path):

@@ -366,18 +366,20 @@ class NvshmemBackend:
         return GroupedScalesLaunch(grid=(rows // 128, cdiv(ncols, cb)), word=word, n_col_tiles=cp // 4, C=C, CB=cb,
                                    G_POW2=next_pow2(self.El))
 
-    def grouped_scales_at(self, scale_rows: torch.Tensor, table: torch.Tensor, slot: int, plan: RoutingPlan,
-                          rows: int) -> None:
-        """Inside a captured call: enqueue the grouped blocked scales (every one of ``rows`` rows written, zeros for
-        padding) of the row-major scale rows ``scale_rows`` (uint8 ``[>= n_rows, H/32]``, contiguous) into the tensor
-        at the address in ``table[slot]`` (``scale_rows_to_grouped_at_kernel``)."""
+    def grouped_scales_at(self, table: torch.Tensor, rows_slot: int, slot: int, cap_slot: int, plan: RoutingPlan,
+                          scale_rows: int) -> None:
+        """Inside a captured call: enqueue the grouped blocked scales (zeros for padding) of the row-major scale rows
+        at the address in ``table[rows_slot]`` (uint8 ``[>= n_rows, H/32]``, contiguous, 16-byte aligned) into the
+        tensor at the address in ``table[slot]``, sized for an output of ``table[cap_slot]`` rows (its
+        ``grouped_m_rows(cap, El)`` rows written; nothing when the plan's ``n_rows`` exceeds the capacity), with a
+        grid for ``scale_rows`` rows of the matrix, the most any call of the capture has
+        (``scale_rows_to_grouped_at_kernel``)."""
         from .kernels.layout import scale_rows_to_grouped_at_kernel
 
-        g = self.grouped_scales_launch(rows)
-        src = scale_rows.view(-1)
+        g = self.grouped_scales_launch(scale_rows)
         fast_kernel(scale_rows_to_grouped_at_kernel)[g.grid](
-            src.view(torch.int32) if g.word else src, table, slot, plan.offs, plan.num_rows, plan.expert_counts,
-            self.El, g.n_col_tiles, C=g.C, CB=g.CB, G_POW2=g.G_POW2, WORD=g.word, TAIL=True, num_warps=4,
+            table, rows_slot, slot, cap_slot, plan.offs, plan.num_rows, plan.expert_counts, self.El, g.n_col_tiles,
+            C=g.C, CB=g.CB, G_POW2=g.G_POW2, WORD=g.word, TAIL=True, num_warps=4,
         )
 
     def _grouped_scales(self, plan: RoutingPlan, R: int, scale_rows: torch.Tensor) -> torch.Tensor:
@@ -488,14 +490,17 @@ class NvshmemBackend:
         return g.snapshot()
 
     def call_shape(self, T: int, dtype: torch.dtype) -> CallShape:
-        """What this path's exact-size dispatch of ``T`` tokens (ids of ``dtype``) run as one call allocates: the
-        output rows of :func:`mxcomm.ep.plan.call_output_rows`, their grouped scale rows, and the int32 words of the
-        plan's store (:meth:`plan_store`'s size). Made once per key."""
+        """What this path's exact-size dispatch of ``T`` tokens (ids of ``dtype``) run as one call is captured for: the
+        most output rows a call passes (the fixed storage of :func:`mxcomm.ep.plan.call_output_rows`; on the pull
+        path above its limit, whose output is sized per call, the worst case ``R_max``), their grouped scale rows,
+        and the int32 words of the plan's store (:meth:`plan_store`'s size). Made once per key."""
         shape = self._call_shapes.get((T, dtype))
         if shape is None:
             cfg = self.config
             k, E = cfg.topk, cfg.num_experts
-            rows = call_output_rows(cfg, self.world, T, self.launch)
+            # the fixed storage where there is one, else (the pull path above LaunchConfig.peer_call_tokens, its
+            # output sized per call) the worst case
+            rows = call_output_rows(cfg, self.world, T, self.launch) or self.R_max
             words = T * k + plan_kernels.plan_numel(self.world, E, T, k, 0 if self.local else self.R_max)
             shape = self._call_shapes[(T, dtype)] = CallShape(T=T, dtype=dtype, rows=rows,
                                                               scale_rows=grouped_m_rows(rows, self.El),

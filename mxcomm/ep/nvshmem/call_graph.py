@@ -105,9 +105,10 @@ class CallGraphRing:
 
 @dataclass(frozen=True)
 class CallShape:
-    """What a dispatch of ``T`` tokens (ids of ``dtype``) run as one call allocates: ``rows`` output rows (the most
-    the call can bring), ``scale_rows`` rows of its grouped scales, ``plan_words`` int32 words of the checked ids and
-    the plan (the plan's store)."""
+    """What a dispatch of ``T`` tokens (ids of ``dtype``) run as one call is captured for: ``rows`` output rows (the
+    most the call can bring: its output kernels' grids are sized for them, the output a call passes may hold fewer),
+    ``scale_rows`` rows of their grouped scales, ``plan_words`` int32 words of the checked ids and the plan (the plan's
+    store)."""
 
     T: int
     dtype: torch.dtype
@@ -118,26 +119,37 @@ class CallShape:
 
 @dataclass(frozen=True)
 class CallTensors:
-    """The fresh tensors one call of a :class:`CallShape` returns its results in (their addresses go in the graph's
-    table): ``out`` uint8 ``[rows, H]`` (MX payload) / ``[rows, 2H]`` (bf16 bytes), ``scales`` uint8 ``[scale_rows,
-    round_up(H/32, 4)]`` grouped blocked scales (MX; None otherwise), ``plan_copy`` int32 ``[plan_words]``."""
+    """The fresh tensors one call returns its results in (their addresses go in the graph's table), for an output of
+    ``rows`` rows (its capacity: the call's ``R`` rows are its first): ``out`` uint8 ``[rows, H]`` (MX payload) /
+    ``[rows, 2H]`` (bf16 bytes), ``scales`` uint8 ``[grouped_m_rows(rows, El), round_up(H/32, 4)]`` grouped blocked
+    scales (MX; None otherwise), ``scale_rows`` uint8 ``[rows, H/32]`` row-major scale rows for the kernel that
+    writes them (MX, when the path has no buffer of its own for them; else None), ``plan_copy`` int32
+    ``[plan_words]``."""
 
+    rows: int
     out: torch.Tensor
     scales: Optional[torch.Tensor]
+    scale_rows: Optional[torch.Tensor]
     plan_copy: torch.Tensor
 
     @staticmethod
-    def alloc(shape: CallShape, hidden: int, mx: bool, device: torch.device) -> "CallTensors":
-        out = torch.empty(shape.rows, hidden if mx else 2 * hidden, dtype=torch.uint8, device=device)
-        scales = (torch.empty(shape.scale_rows, round_up(hidden // 32, 4), dtype=torch.uint8, device=device)
-                  if mx else None)
-        return CallTensors(out=out, scales=scales,
+    def alloc(rows: int, shape: CallShape, hidden: int, n_groups: int, mx: bool, device: torch.device,
+              scale_rows: bool = False) -> "CallTensors":
+        """Fresh tensors of a call of ``shape`` whose output holds ``rows`` rows (at most ``shape.rows``);
+        ``scale_rows``: with the row-major scale rows (MX)."""
+        if rows > shape.rows:
+            raise ValueError(f"an output of {rows} rows exceeds the {shape.rows} the call is captured for")
+        out = torch.empty(rows, hidden if mx else 2 * hidden, dtype=torch.uint8, device=device)
+        scales = (torch.empty(grouped_m_rows(rows, n_groups), round_up(hidden // 32, 4), dtype=torch.uint8,
+                              device=device) if mx else None)
+        srows = torch.empty(rows, hidden // 32, dtype=torch.uint8, device=device) if mx and scale_rows else None
+        return CallTensors(rows=rows, out=out, scales=scales, scale_rows=srows,
                            plan_copy=torch.empty(shape.plan_words, dtype=torch.int32, device=device))
 
-    @property
-    def scales_ptr(self) -> int:
-        """The address of ``scales`` (0 without MX: an unused table entry)."""
-        return 0 if self.scales is None else self.scales.data_ptr()
+    @staticmethod
+    def address(t: Optional[torch.Tensor]) -> int:
+        """The address of ``t`` (0 for None: an unused table entry)."""
+        return 0 if t is None else t.data_ptr()
 
     def grouped_scales(self, R: int, n_groups: int) -> Optional[torch.Tensor]:
         """The grouped scales of an output of ``R`` rows in ``n_groups`` groups (a view of ``scales``; None without

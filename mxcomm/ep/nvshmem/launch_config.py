@@ -52,8 +52,16 @@ class LaunchConfig:
             (``PullPath``: the output kernels enqueued before the host sync, not after it; replayed with the call's
             tensors), its output's storage sized for the most rows the ranks' tokens can bring (``R_max``,
             :func:`mxcomm.ep.plan.max_recv_rows`: 6080 rows, 45 MB, at 4 ranks of 128 tokens, hidden 7168, top-8 of
-            256 experts), of which the call's rows are the view it returns; 0: never. Above it the output is allocated
-            at its exact size after the sync.
+            256 experts), of which the call's rows are the view it returns; 0: never. Above it see
+            ``peer_guess_pct``.
+        peer_guess_pct: the pull path above ``peer_call_tokens``, exact sizes: a dispatch runs as one captured call
+            too, its output's storage sized for the rows the previous call of the same token count brought plus this
+            many percent (rounded up to ``align``; the output a view of its first ``R`` rows), so that its output
+            kernels run right after the middle rather than after the host sync; a call that brings more rows than
+            that gathers them after the sync into an output of their size (the staged form, one Triton launch and the
+            device idle meanwhile), as does the first call of a token count. The memory past ``R`` is held as long as
+            the output is (saved for the backward pass, per layer). 0: never (the output allocated at its exact size
+            after the sync).
         reduce_call_tokens: one rank: a combine or a dispatch backward of at most this many tokens (either size mode)
             runs its reduce as one captured call (``LocalPath.reduce``: one graph launch with the call's tensors'
             addresses instead of a kernel launch; up to ``LocalPath.REDUCE_COPIES`` graphs per token count and mode
@@ -81,15 +89,16 @@ class LaunchConfig:
     wait_warps: int = 1
     call_graph_tokens: int = 8192
     peer_call_tokens: int = 1024
+    peer_guess_pct: int = 12
     reduce_call_tokens: int = 8192
 
     def __post_init__(self):
         """Refuse settings no launch can take (a zero would leave a kernel without programs, or a persistent loop
-        without progress): every field a positive int (the ``*_tokens`` fields may be 0),
+        without progress): every field a positive int (the ``*_tokens`` and ``*_pct`` fields may be 0),
         chunks powers of two of at least 32 values, warps powers of two up to 32."""
         for f in fields(self):
             v = getattr(self, f.name)
-            low = 0 if f.name.endswith("_tokens") else 1
+            low = 0 if f.name.endswith(("_tokens", "_pct")) else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LaunchConfig.{f.name} must be an int >= {low}, got {v!r}")
             if f.name.endswith("_chunk") and (v < 32 or v & (v - 1)):

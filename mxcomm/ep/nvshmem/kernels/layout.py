@@ -112,17 +112,28 @@ def scale_rows_to_grouped_kernel(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts
 
 
 @triton.jit
-def scale_rows_to_grouped_at_kernel(rows_ptr, addr_ptr, slot, offs_ptr, n_rows_ptr, counts_ptr, n_groups, n_col_tiles,
-                                    C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr,
+def scale_rows_to_grouped_at_kernel(addr_ptr, rows_slot, slot, cap_slot, offs_ptr, n_rows_ptr, counts_ptr, n_groups,
+                                    n_col_tiles, C: tl.constexpr, CB: tl.constexpr, G_POW2: tl.constexpr,
                                     WORD: tl.constexpr = False, TAIL: tl.constexpr = False):
-    """``scale_rows_to_grouped_kernel`` inside a captured call (:mod:`.call_io`): the blocked matrix at the address in
-    ``addr[slot]`` (int64 table; uint8, or int32 words with ``WORD``), the rest as that kernel."""
-    if WORD:
-        out_ptr = tl.load(addr_ptr + slot).to(tl.pointer_type(tl.int32))
-    else:
-        out_ptr = tl.load(addr_ptr + slot).to(tl.pointer_type(tl.uint8))
-    _scale_rows_to_grouped(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts_ptr, n_groups, n_col_tiles, C, CB, G_POW2,
-                           WORD, TAIL)
+    """``scale_rows_to_grouped_kernel`` inside a captured call (:mod:`.call_io`), its tensors at the addresses in the
+    int64 table ``addr``: the row-major scale rows at ``addr[rows_slot]``, the blocked matrix at ``addr[slot]`` (uint8,
+    or int32 words with ``WORD``), sized for an output of ``addr[cap_slot]`` rows (its capacity, ``cap``): the
+    programs of tile-rows at or past ``grouped_m_rows(cap, n_groups) / 128`` write nothing, and none does when the
+    plan's ``n_rows`` exceeds ``cap`` (the caller then lays the scales out after its host sync). The rest as that
+    kernel."""
+    cap = tl.load(addr_ptr + cap_slot)
+    tiles = (cap + n_groups * 127 + 127) // 128  # grouped_m_rows(cap, n_groups) // 128 (n_groups >= 1)
+    if (tl.program_id(0) < tiles) & (tl.load(n_rows_ptr) <= cap):
+        # (both 16-byte aligned: fresh tensors or a symmetric buffer; an address read from memory carries no
+        # alignment without the hint)
+        if WORD:
+            rows_ptr = tl.multiple_of(tl.load(addr_ptr + rows_slot).to(tl.pointer_type(tl.int32)), 16)
+            out_ptr = tl.multiple_of(tl.load(addr_ptr + slot).to(tl.pointer_type(tl.int32)), 16)
+        else:
+            rows_ptr = tl.multiple_of(tl.load(addr_ptr + rows_slot).to(tl.pointer_type(tl.uint8)), 16)
+            out_ptr = tl.multiple_of(tl.load(addr_ptr + slot).to(tl.pointer_type(tl.uint8)), 16)
+        _scale_rows_to_grouped(rows_ptr, out_ptr, offs_ptr, n_rows_ptr, counts_ptr, n_groups, n_col_tiles, C, CB,
+                               G_POW2, WORD, TAIL)
 
 
 @triton.jit

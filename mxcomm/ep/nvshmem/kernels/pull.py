@@ -324,20 +324,27 @@ def pull_rows_kernel(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_gro
 
 
 @triton.jit
-def pull_rows_at_kernel(addr_ptr, out_slot, table_slot, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out,
-                        q_peers, s_peers, list_ptr, epoch_ptr, T_max, W, copy_words,
+def pull_rows_at_kernel(addr_ptr, out_slot, table_slot, srows_slot, rows_slot, offs_ptr, counts_ptr, n_rows_ptr,
+                        n_groups, q_peers, s_peers, list_ptr, epoch_ptr, T_max, W, copy_words,
                         ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr,
                         C: tl.constexpr, C_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, EW: tl.constexpr,
                         MX: tl.constexpr):
-    """``pull_rows_kernel`` inside a captured call (:mod:`.call_io`): the fresh output at the address in
-    ``addr[out_slot]`` (``[R_out, ROW_WORDS]`` int64 words) and the dispatch's table and its weights at the address in
-    ``addr[table_slot]`` (int32 ``[2, W * T_max, K]``: the table, then the weights' fp32 bits), read from the int64
-    table ``addr``; the rest as ``pull_rows_kernel``."""
-    dst_ptr = tl.load(addr_ptr + out_slot).to(tl.pointer_type(tl.int64))
-    table_ptr = tl.load(addr_ptr + table_slot).to(tl.pointer_type(tl.int32))
-    wtab_ptr = table_ptr + W * T_max * K
-    _pull_rows(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers, list_ptr,
-               table_ptr, wtab_ptr, epoch_ptr, T_max, W, copy_words, ROW_WORDS, CHUNK, C, C_POW2, K, K_POW2, EW, MX)
+    """``pull_rows_kernel`` inside a captured call (:mod:`.call_io`), its tensors at the addresses in the int64 table
+    ``addr``: the fresh output at ``addr[out_slot]`` (``[R_out, ROW_WORDS]`` int64 words, ``R_out = addr[rows_slot]``
+    rows: the output's capacity), the dispatch's table and its weights at ``addr[table_slot]`` (int32 ``[2, W * T_max,
+    K]``: the table, then the weights' fp32 bits) and (MX) the row-major scale rows at ``addr[srows_slot]`` (uint8
+    ``[R_out, C]``). When the plan's ``n_rows`` exceeds ``R_out`` nothing at all is written (the caller gathers the
+    rows into an output of their size after its host sync). The rest as ``pull_rows_kernel``."""
+    R_out = tl.load(addr_ptr + rows_slot)
+    if tl.load(n_rows_ptr) <= R_out:
+        dst_ptr = tl.load(addr_ptr + out_slot).to(tl.pointer_type(tl.int64))
+        # (a fresh tensor, 16-byte aligned: an address read from memory carries no alignment without the hint)
+        dst_s_ptr = tl.multiple_of(tl.load(addr_ptr + srows_slot).to(tl.pointer_type(tl.uint8)), 16)
+        table_ptr = tl.load(addr_ptr + table_slot).to(tl.pointer_type(tl.int32))
+        wtab_ptr = table_ptr + W * T_max * K
+        _pull_rows(dst_ptr, dst_s_ptr, offs_ptr, counts_ptr, n_rows_ptr, n_groups, R_out, q_peers, s_peers, list_ptr,
+                   table_ptr, wtab_ptr, epoch_ptr, T_max, W, copy_words, ROW_WORDS, CHUNK, C, C_POW2, K, K_POW2, EW,
+                   MX)
 
 
 @triton.jit

@@ -12,8 +12,8 @@ from ..plan_graph import PlanOutputs
 from .base import BackwardRows, DispatchRows, EnginePath
 
 # the entries of a captured dispatch's address table (mxcomm.ep.nvshmem.kernels.call_io): x, topk_idx, the output,
-# its grouped scales (MX), the copy of the checked ids and the plan
-_X, _IDS, _OUT, _SCALES, _PLAN = range(5)
+# its grouped scales (MX), the copy of the checked ids and the plan, the scale rows (recv_s), the output's rows
+_X, _IDS, _OUT, _SCALES, _PLAN, _SROWS, _ROWS = range(7)
 # the plan tensors a dispatch as one call and the combine after it read (viewed before the call's host sync)
 _READ_PLAN = ("offs", "expert_counts", "num_rows", "dest_rank", "dest_row")
 
@@ -83,14 +83,14 @@ class LocalPath(EnginePath):
     # -- a dispatch of a few tokens as one call -------------------------------------------------
     def _call_body(self, table: torch.Tensor, shape: CallShape) -> CallOutputs:
         """Enqueue the whole dispatch of ``shape.T`` tokens reading its tensors' addresses from ``table`` (int64, the
-        ``_X`` .. ``_PLAN`` entries): ``topk_idx`` copied into a buffer of the call's own (``[T, k]``, its dtype;
+        ``_X`` .. ``_ROWS`` entries): ``topk_idx`` copied into a buffer of the call's own (``[T, k]``, its dtype;
         inside a capture, the graph's: kept with the outputs, since the graph writes it at every replay), the middle
         (:meth:`_middle`), then (CUDA) the copy of the status words read at the call's sync (final after the middle:
         the sync returns while the rest runs), its checked ids and plan copied out (``plan_words`` int32 words), the
         output rows (``local_rows_at_kernel``: ``shape.rows`` rows, the padding and the rows past it as the plan
         says) and their grouped scales (``scale_rows_to_grouped_at_kernel``: every one of ``shape.scale_rows`` rows
-        written). Returns the middle's outputs (in the store, the call's own buffer: the graph's, when captured) and
-        the ids' buffer."""
+        written; the output's rows, ``_ROWS``, are ``shape.rows``). Returns the middle's outputs (in the store, the
+        call's own buffer: the graph's, when captured) and the ids' buffer."""
         from ..kernels.dispatch import local_rows_at_kernel
 
         e = self.e
@@ -109,7 +109,7 @@ class LocalPath(EnginePath):
             INT_ROUND=e.int_round, num_warps=e.dispatch_warps(False),
         )
         if e.mx:
-            e.grouped_scales_at(self.recv_s.local, table, _SCALES, plan, shape.scale_rows)
+            e.grouped_scales_at(table, _SROWS, _SCALES, _ROWS, plan, shape.scale_rows)
         return CallOutputs(middle=po, buffers=(idx,))
 
     def _dispatch_call(self, x: torch.Tensor, topk_idx: torch.Tensor) -> DispatchRows:
@@ -125,8 +125,9 @@ class LocalPath(EnginePath):
         e = self.e
         T, H = x.shape
         shape = e.call_shape(T, topk_idx.dtype)
-        t = CallTensors.alloc(shape, H, e.mx, e.device)
-        addresses = (x.data_ptr(), topk_idx.data_ptr(), t.out.data_ptr(), t.scales_ptr, t.plan_copy.data_ptr())
+        t = CallTensors.alloc(shape.rows, shape, H, e.El, e.mx, e.device)
+        addresses = (x.data_ptr(), topk_idx.data_ptr(), t.out.data_ptr(), CallTensors.address(t.scales),
+                     t.plan_copy.data_ptr(), self.recv_s.local.data_ptr(), t.rows)
         layout = e.run_call(("local-call", T, topk_idx.dtype), addresses, lambda tb: self._call_body(tb, shape))
         kept = layout.read(t.plan_copy, now=_READ_PLAN)
         R = e.output_rows("dispatch arrivals", ids=topk_idx)

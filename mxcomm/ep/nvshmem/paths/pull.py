@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from ....kernels.launch import cdiv, fast_kernel, next_pow2
+from ....mx import round_up
 from ..state import DeliveredWeights
 from ...plan import RoutingPlan
 from ..call_graph import CallOutputs, CallShape, CallTensors, copy_in, copy_out
@@ -14,8 +15,10 @@ from .base import FLAG_ROW, PUBLISH_BLOCK, DispatchRows, EnginePath, fp32_weight
 
 # the entries of a captured dispatch's address table (mxcomm.ep.nvshmem.kernels.call_io): x, topk_idx, the route
 # weights (fp32), the output, its grouped scales (MX), the copy of the checked ids and the plan, the dispatch's table
-# with its weights (one allocation)
-_X, _IDS, _W, _OUT, _SCALES, _PLAN, _TABLE = range(7)
+# with its weights (one allocation), the row-major scale rows (MX), the output's rows (its capacity: a value)
+_X, _IDS, _W, _OUT, _SCALES, _PLAN, _TABLE, _SROWS, _ROWS = range(9)
+# token counts whose last output size a pull path remembers (the capacity of the next call's output, _call_rows)
+_ROWS_SEEN = 64
 # the plan tensors a dispatch as one call and the combine after it read (viewed before the call's host sync)
 _READ_PLAN = ("offs", "expert_counts", "num_rows", "send_pos", "dest_rank")
 
@@ -31,10 +34,12 @@ class PullPath(EnginePath):
     token's row once from its source's send copy into the fresh output at all its rows and keeps the entries, and
     their route weights, as the handle's table. Combine weights its partial sums with those weights and exchanges none
     when it is given the tensor this rank dispatched with (unchanged; see :meth:`EnginePath.combine_weights`).
-    With exact sizes and ``world * max_tokens_per_rank <= LaunchConfig.peer_call_tokens`` the whole dispatch, the
-    gather and the scale layout included, is one captured call instead (:meth:`_dispatch_call`), its output sized
-    for the worst case. Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``, ``ep.pull_list`` and the combine
-    buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
+    With exact sizes the whole dispatch, the gather and the scale layout included, is one captured call instead
+    (:meth:`_dispatch_call`), its output sized for the worst case when ``world * max_tokens_per_rank <=
+    LaunchConfig.peer_call_tokens``, else for the rows the last call of the same token count brought plus
+    ``LaunchConfig.peer_guess_pct`` percent (a call that brings more gathers its rows after the sync, as the staged
+    form; the first call of a token count is staged). Buffers: ``ep.send_q``, ``ep.send_s``, ``ep.send_w``,
+    ``ep.pull_list`` and the combine buffers; no symmetric receive buffer (the receivers write fresh tensors)."""
 
     name = "pull"
 
@@ -53,6 +58,7 @@ class PullPath(EnginePath):
         self._send_scales = self.send_s.local if engine.mx else engine.err
         self._send_copy = T_max * 2 * H if engine.mx else T_max * H
         self._plan_jobs = self._make_plan_jobs()
+        self._rows_seen: dict = {}  # token count -> the output rows of its last exact-size dispatch (_call_rows)
 
     def _make_plan_jobs(self):
         """The pull-list entries and the wait for every source's as jobs of the plan's launch
@@ -176,31 +182,64 @@ class PullPath(EnginePath):
         e = self.e
         if x.data_ptr() % 16:  # the pack reads x by address in 16-byte vectors (pack_rows_kernel, pull_head_kernel)
             x = x.clone()
-        if (e.config.exact_sizes and x.shape[0] > 0 and e.plan_impl == "triton" and not e.capturing()
-                and e.world * e.config.max_tokens_per_rank <= e.launch.peer_call_tokens):
-            return self._dispatch_call(x, topk_idx.contiguous(), topk_weights)
+        T = x.shape[0]
+        one_call = e.config.exact_sizes and T > 0 and e.plan_impl == "triton" and not e.capturing()
+        rows = self._call_rows(T) if one_call else None
+        if rows is not None:
+            return self._dispatch_call(x, topk_idx.contiguous(), topk_weights, rows)
         self.x_slot.fill_(x.data_ptr())
-        self.w_in[:x.shape[0]].copy_(topk_weights.detach())  # (no autograd history into the fixed buffer)
+        self.w_in[:T].copy_(topk_weights.detach())  # (no autograd history into the fixed buffer)
         po = e.run_middle(self._middle, topk_idx)  # (copies of a replay's outputs: made before the sync)
         table, wtab = self._new_table()
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
+        if one_call:
+            self._note_rows(T, R)
+        return self._gathered(po, R, table, wtab, topk_weights)
+
+    def _gathered(self, po: PlanOutputs, R: int, table: torch.Tensor, wtab: torch.Tensor,
+                  topk_weights: torch.Tensor) -> DispatchRows:
+        """After the host sync: the gather of the ``R`` received rows into an output of their size
+        (:meth:`_pull_out`) and the dispatch's rows, for the middle's outputs ``po``."""
+        e = self.e
         q, srows = self._pull_out(po.plan, R, e.config.hidden * (1 if e.mx else 2), table, wtab)
         return DispatchRows(q=q, scale_rows=srows, kept=po, ids=po.extra["ids"], num_rows=R,
                             origins=e.origins_from(po, R), table=table,
                             weights=DeliveredWeights.of(wtab, topk_weights))
 
-    # -- a dispatch whose output's worst case is small, as one call ------------------------------
+    # -- the output's rows of a dispatch as one call ---------------------------------------------
+    def _call_rows(self, T: int) -> Optional[int]:
+        """The rows of the output an exact-size dispatch of ``T`` tokens run as one call gets: the worst case
+        ``R_max`` when ``world * max_tokens_per_rank <= LaunchConfig.peer_call_tokens``; else the rows of the last
+        exact-size dispatch of ``T`` tokens plus ``LaunchConfig.peer_guess_pct`` percent, rounded up to ``align`` (at
+        most ``R_max``); None (staged) for the first call of a token count, or with ``peer_guess_pct = 0``."""
+        e = self.e
+        if e.world * e.config.max_tokens_per_rank <= e.launch.peer_call_tokens:
+            return e.R_max
+        last = self._rows_seen.get(T)
+        if last is None or not e.launch.peer_guess_pct:
+            return None
+        return min(e.R_max, round_up(last + cdiv(last * e.launch.peer_guess_pct, 100), e.config.align))
+
+    def _note_rows(self, T: int, R: int) -> None:
+        """Remember that an exact-size dispatch of ``T`` tokens brought ``R`` rows (the newest ``_ROWS_SEEN``
+        token counts)."""
+        self._rows_seen.pop(T, None)
+        while len(self._rows_seen) >= _ROWS_SEEN:
+            self._rows_seen.pop(next(iter(self._rows_seen)))
+        self._rows_seen[T] = R
+
+    # -- a dispatch as one call ------------------------------------------------------------------
     def _call_body(self, table: torch.Tensor, shape: CallShape) -> CallOutputs:
         """Enqueue the whole dispatch of ``shape.T`` tokens reading its tensors' addresses from ``table`` (int64, the
-        ``_X`` .. ``_TABLE`` entries): the address of ``x`` into ``x_slot``, ``topk_idx`` copied into a buffer of the
-        call's own (``[T, k]``, its dtype; inside a capture, the graph's: kept with the outputs, since the graph
-        writes it at every replay), the route weights (fp32 ``[T, k]``) into ``w_in``, the middle
-        (:meth:`_middle`: check, pack, counts exchange, plan, entries and their wait), then (CUDA) the copy of the
-        status words read at the call's sync (final after the middle, which holds every wait: the sync returns while
-        the rest runs), its checked ids, plan and row origins copied out (``shape.plan_words`` int32 words), the rows
-        (``pull_rows_at_kernel``: the output of ``shape.rows`` rows, the dispatch's table and weights; the scale rows
-        row-major into a buffer of the call's own) and their grouped scales (``scale_rows_to_grouped_at_kernel``:
-        every one of ``shape.scale_rows`` rows written)."""
+        ``_X`` .. ``_ROWS`` entries; ``_ROWS`` the output's rows, a value): the address of ``x`` into ``x_slot``,
+        ``topk_idx`` copied into a buffer of the call's own (``[T, k]``, its dtype; inside a capture, the graph's:
+        kept with the outputs, since the graph writes it at every replay), the route weights (fp32 ``[T, k]``) into
+        ``w_in``, the middle (:meth:`_middle`: check, pack, counts exchange, plan, entries and their wait), then
+        (CUDA) the copy of the status words read at the call's sync (final after the middle, which holds every wait:
+        the sync returns while the rest runs), its checked ids, plan and row origins copied out (``shape.plan_words``
+        int32 words), the rows (``pull_rows_at_kernel``: the output, the dispatch's table and weights, the scale rows
+        row-major) and their grouped scales (``scale_rows_to_grouped_at_kernel``), the two output kernels' grids
+        sized for ``shape.rows`` rows and writing nothing when the call brings more rows than its output holds."""
         from ..kernels.pull import pull_rows_at_kernel
 
         e = self.e
@@ -217,36 +256,40 @@ class PullPath(EnginePath):
         plan = po.plan
         row_words = H // 8 if e.mx else H // 4
         C = H // 32
-        srows = self._scale_rows(shape.rows, e.mx)
         fast_kernel(pull_rows_at_kernel)[(e.output_programs(W * T_max),)](
-            table, _OUT, _TABLE, srows, plan.offs, plan.expert_counts, plan.num_rows, e.El, shape.rows,
+            table, _OUT, _TABLE, _SROWS, _ROWS, plan.offs, plan.expert_counts, plan.num_rows, e.El,
             self.send_q.peer_ptrs, self.send_s.peer_ptrs, self.pull_list.local, e.d_epoch, T_max, W,
             T_max * 2 * H // 8, ROW_WORDS=row_words, CHUNK=min(512, next_pow2(row_words)), C=C, C_POW2=next_pow2(C),
             K=k, K_POW2=next_pow2(k), EW=self.pull_list.local.shape[-1], MX=e.mx, num_warps=4,
         )
         if e.mx:
-            e.grouped_scales_at(srows, table, _SCALES, plan, shape.scale_rows)
-        return CallOutputs(middle=po, buffers=(idx, srows))
+            e.grouped_scales_at(table, _SROWS, _SCALES, _ROWS, plan, shape.scale_rows)
+        return CallOutputs(middle=po, buffers=(idx,))
 
-    def _dispatch_call(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchRows:
-        """An exact-size dispatch as one call (``world * max_tokens_per_rank <= LaunchConfig.peer_call_tokens``): on
-        the GPU the whole of :meth:`_call_body` replayed from a :class:`CallGraph` captured per token count and id
-        dtype (at a key's second call), with fresh output tensors whose addresses go in the graph's table; eager
+    def _dispatch_call(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       rows: int) -> DispatchRows:
+        """An exact-size dispatch as one call into an output of ``rows`` rows (:meth:`_call_rows`): on the GPU the
+        whole of :meth:`_call_body` replayed from a :class:`CallGraph` captured per token count and id dtype (at a
+        key's second call), with fresh output tensors whose addresses (and ``rows``) go in the graph's table; eager
         elsewhere and at a key's first two calls. Then the call's one host sync (the output size, the id check and
         the peers' refusals: it waits for the status words' copy, which comes before the rows' kernels, so the call
-        returns while they run) and views: the output's storage holds ``R_max`` rows (the most the ranks' tokens can
-        bring), its first ``R`` rows the output; the scales likewise."""
+        returns while they run) and views: the output's first ``R`` rows, its scales likewise. A call that brings
+        more than ``rows`` rows (its output kernels wrote nothing) gathers them after the sync into an output of
+        their size, as the staged form does."""
         e = self.e
         T, H = x.shape
         shape = e.call_shape(T, topk_idx.dtype)
         w = fp32_weights(topk_weights.detach())
-        t = CallTensors.alloc(shape, H, e.mx, e.device)
+        t = CallTensors.alloc(rows, shape, H, e.El, e.mx, e.device, scale_rows=True)
         table, wtab = self._new_table()
-        addresses = (x.data_ptr(), topk_idx.data_ptr(), w.data_ptr(), t.out.data_ptr(), t.scales_ptr,
-                     t.plan_copy.data_ptr(), table.data_ptr())
+        addresses = (x.data_ptr(), topk_idx.data_ptr(), w.data_ptr(), t.out.data_ptr(), CallTensors.address(t.scales),
+                     t.plan_copy.data_ptr(), table.data_ptr(), CallTensors.address(t.scale_rows), t.rows)
         layout = e.run_call(("pull-call", T, topk_idx.dtype), addresses, lambda tb: self._call_body(tb, shape))
         kept = layout.read(t.plan_copy, now=_READ_PLAN)
         R = e.output_rows("dispatch arrivals", ids=topk_idx)
+        self._note_rows(T, R)
+        if R > t.rows:
+            return self._gathered(kept, R, table, wtab, topk_weights)
         return DispatchRows(q=t.out[:R], scale_rows=None, kept=kept, ids=kept.extra["ids"], num_rows=R,
                             origins=e.origins_from(kept, R), table=table,
                             weights=DeliveredWeights.of(wtab, topk_weights), grouped_scales=t.grouped_scales(R, e.El))
