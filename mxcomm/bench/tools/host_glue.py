@@ -26,9 +26,9 @@ buffer's), so the multi-rank paths' host code runs (``--transport``: ``auto`` - 
 no peer would ever signal, so every kernel is stubbed from the first call and the dispatch's row count is ``T k``.
 On the GPU a multi-rank dispatch replays its middle (pack, exchange, plan) from a captured graph, and an exact-size
 dispatch replays the whole call on one rank (at most ``LaunchConfig.call_graph_tokens`` tokens) and on the pull path
-(``world * max_tokens_per_rank <= LaunchConfig.peer_call_tokens``), and a one-rank combine or dispatch backward its
-reduce (at most ``LaunchConfig.reduce_call_tokens``): on the CPU they run eagerly (every launch of the captured work,
-stubbed), so their share here is larger than there.
+(above ``LaunchConfig.peer_call_tokens`` from a token count's second call), and a one-rank combine or dispatch backward
+its reduce (at most ``LaunchConfig.reduce_call_tokens``): on the CPU they run eagerly (every launch of the captured
+work, stubbed), so their share here is larger than there.
 ``--replayed`` (CPU): the calls that the GPU replays whole (an exact-size dispatch as one call, a one-rank reduce)
 skip their captured work after their first run, as a replay does on the host: ``NvshmemBackend.run_call`` returns the
 layout of the key's first run without running the body again, ``run_ring_call`` runs nothing after a key's first
