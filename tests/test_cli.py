@@ -276,7 +276,9 @@ def test_info_reports_environment_and_buffer_sizes():
     # world 2: the pull path (send copies and pull list, no receive buffer)
     assert text.returncode == 0 and "ep.send_q" in text.stdout and "NVSHMEM_SYMMETRIC_SIZE=" in text.stdout
     assert "ep.recv_q" not in text.stdout
-    assert "pull path: an exact-size dispatch of 4,096 tokens" not in text.stdout  # 2 x 4096 tokens: not one call
+    # 2 x 4096 tokens: one call from a token count's second call, its output sized from the call before
+    assert "pull path: an exact-size dispatch of 4,096 tokens" not in text.stdout
+    assert "the last call of its token count brought plus 12 %" in text.stdout
     if not d["machine"]["gpus"]:  # no GPU: nothing about NVLink multicast
         assert d["nvlink_multicast"] is None and "multicast" not in text.stdout.lower()
     else:
