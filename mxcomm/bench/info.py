@@ -40,6 +40,7 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
     cfg = EPConfig(num_experts=experts, hidden=hidden, topk=topk, max_tokens_per_rank=tokens, align=align,
                    precision=precision, backend="nvshmem", transport=transport)
     cfg.validate(world)
+    launch = LaunchConfig()  # (the config above sets none: the backend's defaults)
     sizes = buffer_sizes(cfg, world)
     path = dispatch_path(cfg, world)
     R = max_recv_rows(cfg, world)
@@ -56,8 +57,8 @@ def buffer_report(*, tokens: int, hidden: int, topk: int, experts: int, world: i
                        if precision == "mxfp8" else 0)
         rounds.update(call_output_rows=call_rows,
                       call_output_bytes=call_rows * hidden * (1 if precision == "mxfp8" else 2) + scale_bytes)
-    elif path == "pull" and (cfg.launch or LaunchConfig()).peer_guess_pct:  # one call, its output sized per call
-        rounds.update(call_output_margin_pct=(cfg.launch or LaunchConfig()).peer_guess_pct)
+    elif path == "pull" and launch.peer_guess_pct:  # one call, its output sized per call
+        rounds.update(call_output_margin_pct=launch.peer_guess_pct)
     return dict(
         precision=precision, world=world, tokens=tokens, hidden=hidden, topk=topk, experts=experts, align=align,
         path=path, max_recv_rows=R, **rounds,
